@@ -1,0 +1,20 @@
+"""featcal: post-merging feature calibration (FeatCal) and feature-drift diagnostics.
+
+    from featcal import FeatCalConfig, calibrate, merge
+    merged_sd = merge("task_arithmetic", base.state_dict(), {t: m.state_dict() for t, m in experts.items()})
+    model, report = calibrate(merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig.clip())
+"""
+from featcal.config import FeatCalConfig, TokenWeights
+from featcal.engine import calibrate
+from featcal.merging import MERGERS, merge
+from featcal.report import CalibrationReport
+
+__all__ = ["FeatCalConfig", "TokenWeights", "calibrate", "merge", "MERGERS", "CalibrationReport", "evaluate"]
+__version__ = "0.1.0"
+
+
+def evaluate(model, zoo, split: str = "test", **kwargs) -> dict[str, float]:
+    """Top-1 accuracy (percent) of ``model`` on every task of ``zoo``: ``{task: acc}``."""
+    from featcal.zoo.core import evaluate as _evaluate
+
+    return _evaluate(model, zoo, split=split, **kwargs)

@@ -1,0 +1,122 @@
+"""Validated, frozen configuration of one FeatCal run.
+
+Each field carries its paper symbol; invalid values are rejected at
+construction, so a config that exists is a config that runs.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+# Names whose modules the CLIP token-weight preset leaves at weight 1 (the key
+# and value projections): HF ``k_proj``/``v_proj``, open_clip's packed
+# ``in_proj[k]``/``in_proj[v]``.
+KEY_VALUE_SUFFIXES = ("k_proj", "v_proj", "in_proj[k]", "in_proj[v]", "key", "value")
+
+
+@dataclass(frozen=True)
+class TokenWeights:
+    """Per-token weights ``w`` of the statistics (the CLIP preset of the reference run).
+
+    In the blocks selected (``last_block_only``: the last block alone), every
+    token except the first (the class token) gets weight ``other``, for every
+    module except those whose name ends with one of ``exclude``.
+    """
+
+    other: float = 0.01                      # weight of every non-class token
+    last_block_only: bool = True             # apply in the last block only
+    exclude: tuple[str, ...] = KEY_VALUE_SUFFIXES  # modules left at weight 1
+
+    def __post_init__(self):
+        if not self.other >= 0.0:
+            raise ValueError(f"TokenWeights.other must be >= 0, got {self.other}.")
+
+    def applies(self, block: int, n_blocks: int, module: str) -> bool:
+        if self.last_block_only and block != n_blocks - 1:
+            return False
+        return not module.endswith(self.exclude)
+
+
+@dataclass(frozen=True)
+class FeatCalConfig:
+    """Hyper-parameters and switches of FeatCal (``../shared/FEATCAL_SPEC.md``).
+
+    Attributes:
+        lam: ``lambda``, ridge strength pulling toward the anchor ``W_anc``.
+        rho: ``rho``, anchor blend ``W_anc = rho*W_mer + (1-rho)*W_0``.
+        alpha: ``alpha``, target interpolation ``xt = alpha*xe + (1-alpha)*xs``.
+        eps: ``eps``, the tiny ridge and the clamp of the task scale ``s_i``.
+        bias: calibrate Linear biases (else keep the merged ones).
+        layernorm: calibrate LayerNorm affine parameters (else keep the merged ones).
+        linear: calibrate Linear weights (and packed attention input projections).
+        token_weights: per-token weights of the statistics (``None``: all 1).
+        stats_dtype: dtype of the running statistics and of the solve (float32 or float64).
+        offload_streams: keep the hidden-state streams on the CPU between blocks.
+        modules: if given, only modules whose name (inside a block) ends with one of these.
+    """
+
+    lam: float = 0.05
+    rho: float = 2.0
+    alpha: float = 0.3
+    eps: float = 1e-8
+    bias: bool = True
+    layernorm: bool = True
+    linear: bool = True
+    token_weights: TokenWeights | None = None
+    stats_dtype: torch.dtype = torch.float32
+    offload_streams: bool = False
+    modules: tuple[str, ...] | None = field(default=None)
+
+    def __post_init__(self):
+        if not self.lam >= 0.0:
+            raise ValueError(f"lam (lambda) must be >= 0, got {self.lam}.")
+        if not self.eps > 0.0:
+            raise ValueError(f"eps must be > 0 (it keeps the solve defined), got {self.eps}.")
+        for name in ("rho", "alpha"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v == v and abs(v) != float("inf")):
+                raise ValueError(f"{name} must be a finite number, got {v!r}.")
+        if self.stats_dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"stats_dtype must be torch.float32 or torch.float64, got {self.stats_dtype}.")
+        if not (self.linear or self.layernorm):
+            raise ValueError("nothing to calibrate: linear and layernorm are both off.")
+        if self.modules is not None and isinstance(self.modules, str):
+            object.__setattr__(self, "modules", (self.modules,))
+
+    # Presets -----------------------------------------------------------------
+    @classmethod
+    def clip(cls, **overrides) -> "FeatCalConfig":
+        """The paper's CLIP setting (lam 0.05, rho 2.0, alpha 0.3, bias, LayerNorm) with
+        the reference run's token weights (last block: non-class tokens at 0.01, except
+        key/value projections). Any field can be overridden by keyword."""
+        base = dict(lam=0.05, rho=2.0, alpha=0.3, bias=True, layernorm=True,
+                    token_weights=TokenWeights())
+        base.update(overrides)
+        return cls(**base)
+
+    @classmethod
+    def flan_t5(cls, **overrides) -> "FeatCalConfig":
+        """The paper's FLAN-T5 setting (lam 1e-5, rho 2.0, alpha 0.6, bias, no LayerNorm)."""
+        base = dict(lam=1e-5, rho=2.0, alpha=0.6, bias=True, layernorm=False)
+        base.update(overrides)
+        return cls(**base)
+
+    @classmethod
+    def llama(cls, size: str = "3b", **overrides) -> "FeatCalConfig":
+        """The paper's Llama settings: 3B (lam 1e-5) or 8B (lam 3.0), rho 0.5, alpha 0.15."""
+        lam = {"3b": 1e-5, "8b": 3.0}.get(size.lower())
+        if lam is None:
+            raise ValueError(f"llama preset size must be '3b' or '8b', got {size!r}.")
+        base = dict(lam=lam, rho=0.5, alpha=0.15)
+        base.update(overrides)
+        return cls(**base)
+
+    def with_(self, **changes) -> "FeatCalConfig":
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["stats_dtype"] = str(self.stats_dtype).removeprefix("torch.")
+        return d

@@ -1,0 +1,321 @@
+"""The FeatCal engine: visit the blocks in forward order and replace each
+calibrated module by its closed-form solution (``../shared/FEATCAL_SPEC.md``).
+
+Per task i two streams are kept at the input of the current block l: the
+calibrating model's ``h_cal[i]`` and expert i's ``h_exp[i]``. For each block:
+
+1. run the still-merged block on ``h_cal[i]`` and the expert's block on
+   ``h_exp[i]``, reducing every module's inputs into running statistics as the
+   batches pass (the expert's outputs are its next stream);
+2. solve every module of the block from that one snapshot, then load them all;
+3. advance ``h_cal[i]`` through the calibrated block.
+
+No block before l is ever re-run, and the base and the experts are touched one
+block at a time.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from featcal import arch, solve, stats, validate
+from featcal.capture import Captured, capture, target_site
+from featcal.config import FeatCalConfig
+from featcal.report import BlockRecord, CalibrationReport, ModuleRecord
+from featcal.streams import BlockCall, catch_block_inputs, device_of, run_block
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    """One task's batches at the input of the current block."""
+
+    cal: list[BlockCall]
+    exp: list[BlockCall]
+
+
+def _token_weights(x: torch.Tensor, weighted: bool, other: float, mask: torch.Tensor | None,
+                   dtype: torch.dtype) -> torch.Tensor | None:
+    """Per-row weights ``(rows,)`` for an input ``(B, T, d)``/``(B, d)``; ``None`` = all ones."""
+    has_tokens = x.dim() == 3
+    use_mask = mask is not None and has_tokens and tuple(mask.shape) == tuple(x.shape[:2])
+    if not (weighted and has_tokens) and not use_mask:
+        return None
+    w = torch.ones(x.shape[:-1], dtype=dtype, device=x.device)  # (B, T)
+    if weighted and has_tokens:
+        w[:, 1:] = other
+    if use_mask:
+        w = w * mask.to(device=x.device, dtype=dtype)
+    return w.reshape(-1)
+
+
+def _canonical_sites(targets: list[arch.Target], cs: Captured, ce: Captured) -> dict[str, str]:
+    """Map each target's site to the first site that saw the very same input tensors, so
+    modules sharing an input (q/k/v projections) share one set of statistics."""
+    canon: dict[str, str] = {}
+    seen: list[tuple[torch.Tensor, torch.Tensor, str]] = []
+    for t in targets:
+        site = target_site(t)
+        xs, xe = cs.inputs[site], ce.inputs[site]
+        hit = next((k for a, b, k in seen if a is xs and b is xe), None)
+        if hit is None:
+            seen.append((xs, xe, site))
+            hit = site
+        canon[site] = hit
+    return canon
+
+
+class _BlockStats:
+    """Running statistics of every target of one block for one task."""
+
+    def __init__(self, cfg: FeatCalConfig, block_idx: int, n_blocks: int, targets: list[arch.Target]):
+        self.cfg = cfg
+        self.targets = targets
+        tw = cfg.token_weights
+        self.weighted = {t.name: tw is not None and tw.applies(block_idx, n_blocks, t.name) for t in targets}
+        self.other = tw.other if tw is not None else 1.0
+        self.groups: dict[tuple, stats.LinearSums | stats.NormSums] = {}
+        self.ye_sq: dict[str, torch.Tensor] = {}
+        self.key_of: dict[str, tuple] = {}
+
+    def add(self, cs: Captured, ce: Captured, mask: torch.Tensor | None,
+            expert_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        dt = self.cfg.stats_dtype
+        canon = _canonical_sites(self.targets, cs, ce)
+        rows_cache: dict[tuple, tuple] = {}
+        for t in self.targets:
+            site = target_site(t)
+            weighted = self.weighted[t.name]
+            key = (canon[site], weighted, t.kind, t.ln_eps)
+            self.key_of[t.name] = key
+            xs_raw = cs.inputs[site]
+            if key not in rows_cache:
+                w = _token_weights(xs_raw, weighted, self.other, mask, dt)
+                xs = stats.as_rows(xs_raw, dt)
+                xe = stats.as_rows(ce.inputs[site], dt) if t.kind == arch.LINEAR else None
+                rows_cache[key] = (xs, xe, w)
+                if t.kind == arch.LINEAR:
+                    acc = self.groups.get(key) or stats.LinearSums.zeros(xs.shape[1], dt, xs.device)
+                    self.groups[key] = stats.accumulate_linear(acc, xs, xe, w)
+                else:
+                    acc = self.groups.get(key) or stats.NormSums.zeros(xs.shape[1], dt, xs.device)
+                    self.groups[key] = stats.accumulate_norm(acc, xs, w, t.ln_eps)
+            if t.kind == arch.LINEAR:
+                xs, xe, w = rows_cache[key]
+                W_i, b_i = expert_params[t.name]
+                y = ce.outputs.get(t.owner if t.rows is None else "")
+                if y is not None:
+                    y = stats.as_rows(y, dt)
+                    if b_i is not None:
+                        y = y - b_i.to(dt)
+                else:
+                    y = xe @ W_i.to(dt).T
+                prev = self.ye_sq.get(t.name, 0.0)
+                self.ye_sq[t.name] = prev + stats.weighted_sq_norm(y, w)
+
+
+def _check_finite_stats(acc, block: int, name: str) -> None:
+    tensors = [acc.C, acc.P] if isinstance(acc, stats.LinearSums) else [acc.z, acc.zz]
+    if not all(bool(torch.isfinite(x).all()) for x in tensors):
+        raise FloatingPointError(
+            f"block {block}, module {name!r}: its input features hold NaN or Inf values "
+            "(check the model's weights and the calibration data)."
+        )
+
+
+def _prepare_streams(model: nn.Module, blocks: nn.ModuleList, experts: Mapping[str, nn.Module],
+                     expert_blocks: Mapping[str, nn.ModuleList], calib_data: Mapping[str, list],
+                     offload: bool) -> dict[str, _Stream]:
+    """Run every stem once per batch: the calibrating model's and expert i's on D_i."""
+    streams = {}
+    for task, batches in calib_data.items():
+        cal = [catch_block_inputs(model, blocks[0], b) for b in batches]
+        exp = [catch_block_inputs(experts[task], expert_blocks[task][0], b) for b in batches]
+        if offload:
+            cal = [c.with_hidden(c.hidden.cpu()) for c in cal]
+            exp = [c.with_hidden(c.hidden.cpu()) for c in exp]
+        streams[task] = _Stream(cal, exp)
+    return streams
+
+
+def _solve_block(l: int, targets, systems, blk, base_blk, cfg: FeatCalConfig, report: CalibrationReport,
+                 keep: list | None) -> None:
+    """Solve every target of block ``l`` from the snapshot, then load them all."""
+    new_params = []
+    for t in targets:
+        t0 = time.perf_counter()
+        W_mer, b_mer = (p.clone() if p is not None else None for p in arch.get_params(blk, t))
+        W_0, b_0 = arch.get_params(base_blk, t)
+        W_0 = W_0.to(W_mer.device)
+        b_0 = None if b_0 is None else b_0.to(W_mer.device)
+        sysm = systems[t.name]
+        if t.kind == arch.LINEAR:
+            W, b = solve.solve_linear(sysm, W_mer, b_mer, W_0, b_0, lam=cfg.lam, rho=cfg.rho,
+                                      alpha=cfg.alpha, eps=cfg.eps, bias=cfg.bias,
+                                      what=f"block {l} {t.name}")
+            before = solve.linear_residual(sysm, W_mer, b_mer, cfg.alpha)
+            after = solve.linear_residual(sysm, W, b, cfg.alpha)
+            d_in, d_out, rows = W.shape[1], W.shape[0], sysm.min_rows
+        else:
+            W, b = solve.solve_norm(sysm, W_mer, b_mer, W_0, b_0, lam=cfg.lam, rho=cfg.rho, eps=cfg.eps)
+            before = solve.norm_residual(sysm, W_mer, b_mer)
+            after = solve.norm_residual(sysm, W, b)
+            d_in = d_out = W.shape[0]
+            rows = 0
+        if not (bool(torch.isfinite(W).all()) and (b is None or bool(torch.isfinite(b).all()))):
+            raise FloatingPointError(f"block {l}, module {t.name!r}: the solve gave NaN/Inf; raise lam or eps.")
+        new_params.append((t, W, b))
+        report.modules.append(ModuleRecord(l, t.name, t.kind, d_in, d_out, rows, before, after,
+                                           time.perf_counter() - t0))
+        if keep is not None:
+            keep.append((l, t, sysm, W_mer, b_mer, W_0, b_0))
+    for t, W, b in new_params:
+        arch.set_params(blk, t, W, b)
+
+
+def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, cfg: FeatCalConfig,
+                   device, warn_rows: list) -> dict:
+    """Step 1 for block ``l``: the snapshot statistics of every task, reduced task by task
+    into each target's system. Advances the expert streams as a side effect."""
+    dt = cfg.stats_dtype
+    systems: dict[str, Any] = {}
+    norm_parts: dict[str, list] = {t.name: [] for t in targets if t.kind == arch.LAYERNORM}
+    for task, st in streams.items():
+        eblk = exp_blocks[task][l]
+        expert_params = {t.name: arch.get_params(eblk, t) for t in targets}
+        acc = _BlockStats(cfg, l, n_blocks, targets)
+        for b, (cc, ec) in enumerate(zip(st.cal, st.exp)):
+            with capture(blk, targets, outputs=False) as cs:
+                run_block(blk, cc, device)
+            with capture(eblk, targets, outputs=True) as ce:
+                out_e = run_block(eblk, ec, device)
+            acc.add(cs, ce, cc.mask if cc.mask is None else cc.mask.to(device), expert_params)
+            st.exp[b] = ec.with_hidden(out_e.cpu() if cfg.offload_streams else out_e)
+        for t in targets:
+            group = acc.groups[acc.key_of[t.name]]
+            _check_finite_stats(group, l, t.name)
+            W_i, b_i = expert_params[t.name]
+            if t.kind == arch.LINEAR:
+                mom = stats.linear_moments(group)
+                if mom.rows < mom.C.shape[0] and not warn_rows:
+                    warn_rows.append(
+                        f"task {task!r} gives {mom.rows} token rows for {t.name!r} (block {l}), fewer than its "
+                        f"input width {mom.C.shape[0]}; the ridge (lam + eps) keeps the solve defined."
+                    )
+                if t.name not in systems:
+                    systems[t.name] = solve.LinearSystem.zeros(W_i.shape[1], W_i.shape[0], dt, device)
+                ye = acc.ye_sq[t.name] / group.w
+                solve.add_task(systems[t.name], mom, W_i.to(device), None if b_i is None else b_i.to(device),
+                               ye, cfg.eps)
+            else:
+                e, m = stats.norm_moments(group)
+                norm_parts[t.name].append((e, m, W_i.to(device, dt), None if b_i is None else b_i.to(device, dt)))
+    for name, parts in norm_parts.items():
+        e, m, g, bb = zip(*parts)
+        systems[name] = solve.NormSystem(torch.stack(e), torch.stack(m), torch.stack(g),
+                                         None if bb[0] is None else torch.stack(bb))
+    return systems
+
+
+@torch.no_grad()
+def calibrate(merged: nn.Module, *, base: nn.Module, experts: Mapping[str, nn.Module],
+              calib_data: Mapping[str, list], config: FeatCalConfig | None = None,
+              blocks: str | None = None, inplace: bool = False, keep_stats: bool = False,
+              progress: bool = True) -> tuple[nn.Module, CalibrationReport]:
+    """Calibrate a merged model toward its experts with FeatCal.
+
+    Args:
+        merged: the merged model ``M_mer``; left untouched unless ``inplace=True``.
+        base: the pretrained model ``M_0`` (the anchor's second end).
+        experts: ``{task: M_i}``, same architecture as ``merged``.
+        calib_data: ``{task: [batch, ...]}``; a batch is a tensor (``model(batch)``) or a
+            dict (``model(**batch)``; an ``attention_mask`` in it marks padding).
+        config: hyper-parameters and switches (:class:`FeatCalConfig`).
+        blocks: dotted path of the ``nn.ModuleList`` of blocks; optional for known architectures.
+        inplace: calibrate ``merged`` itself (saves one model copy for big models).
+        keep_stats: keep each module's system in the report for ``report.preview(...)``.
+        progress: show a progress bar per block.
+
+    Returns:
+        ``(model, report)``: the calibrated model (new unless ``inplace``) and a
+        :class:`CalibrationReport`.
+    """
+    cfg = config or FeatCalConfig()
+    t_start = time.perf_counter()
+    # 1. Validate before touching anything.
+    tasks = validate.check_tasks(experts, calib_data)
+    validate.check_model_float(merged, "the merged model")
+    for role, m in [("base", base)] + [(f"expert {t!r}", experts[t]) for t in tasks]:
+        validate.check_model_float(m, role)
+        validate.check_same_params(merged, m, role)
+    path, _ = arch.resolve_blocks(merged, blocks)
+    for role, m in [("the merged model", merged), ("base", base)] + [(f"expert {t!r}", experts[t]) for t in tasks]:
+        validate.check_finite_params(m, role, path)
+
+    # 2. The model to calibrate, and every model's blocks.
+    model = merged if inplace else copy.deepcopy(merged)
+    was_training = model.training
+    model.eval()
+    _, blks = arch.resolve_blocks(model, path)
+    _, base_blks = arch.resolve_blocks(base, path)
+    exp_blks = {t: arch.resolve_blocks(experts[t], path)[1] for t in tasks}
+    device = device_of(model)
+    modes = [(m, m.training) for m in [base, *experts.values()]]
+    for m, _ in modes:
+        m.eval()
+    report = CalibrationReport(cfg, path, tasks)
+    keep: list | None = [] if keep_stats else None
+    try:
+        # 3. The streams at the input of block 0.
+        streams = _prepare_streams(model, blks, experts, exp_blks, {t: calib_data[t] for t in tasks},
+                                   cfg.offload_streams)
+        warn_rows: list[str] = []
+        n = len(blks)
+        bar = tqdm(range(n), desc="FeatCal", unit="block", disable=not progress)
+        for l in bar:
+            blk = blks[l]
+            targets = arch.block_targets(blk, linear=cfg.linear, layernorm=cfg.layernorm, only=cfg.modules)
+            # 3a. Snapshot statistics of the still-merged block (and advance the experts).
+            t0 = time.perf_counter()
+            systems = _block_systems(l, n, targets, blk, exp_blks, streams, cfg, device, warn_rows)
+            t1 = time.perf_counter()
+            # 3b. Solve all modules of the block, then load them together.
+            _solve_block(l, targets, systems, blk, base_blks[l], cfg, report, keep)
+            t2 = time.perf_counter()
+            # 3c. Advance the calibrating streams through the calibrated block.
+            for task, st in streams.items():
+                for b, cc in enumerate(st.cal):
+                    h = run_block(blk, cc, device)
+                    if not bool(torch.isfinite(h).all()):
+                        raise FloatingPointError(f"block {l}: the calibrated block's output on task {task!r} "
+                                                 "holds NaN or Inf; raise lam or check the data.")
+                    st.cal[b] = cc.with_hidden(h.cpu() if cfg.offload_streams else h)
+            report.blocks.append(BlockRecord(l, t1 - t0, t2 - t1, time.perf_counter() - t2))
+            bar.set_postfix_str(f"block {l}: {len(targets)} modules")
+        for msg in warn_rows:
+            warnings.warn(msg, stacklevel=3)
+            report.warnings.append(msg)
+    except BaseException:
+        if inplace:
+            log.error("calibration failed part-way with inplace=True: the model is partly calibrated.")
+        raise
+    finally:
+        for m, mode in modes:
+            m.train(mode)
+    model.train(was_training)
+    if keep is not None:
+        from featcal.preview import Preview
+
+        report.preview_state = Preview(model, path, keep, cfg.eps, cfg.bias)
+    report.seconds = time.perf_counter() - t_start
+    return model, report

@@ -1,0 +1,225 @@
+"""The closed-form FeatCal solves, as pure functions over tensors.
+
+Linear (``W`` is out x in, ``y = W x + b``), with ``s_i = 1/max(||C_i||_F, eps)``
+and ``W_anc = rho W_mer + (1 - rho) W_0``::
+
+    W^T = (sum_i s_i C_i + (lam + eps) I)^-1 (sum_i s_i X_i W_i^T + lam W_anc^T)
+    b   = [sum_i s_i (b_i + W_i mu_t,i - W mu_s,i) + lam b_anc] / (sum_i s_i + lam)
+
+With ``X_i = alpha P_i + (1 - alpha) C_i`` the task sums split into terms that
+do not depend on (lam, rho, alpha): ``S = sum s_i C_i``, ``U = sum s_i C_i W_i^T``,
+``V = sum s_i (P_i - C_i) W_i^T``, so that the right-hand side is
+``U + alpha V + lam W_anc^T``. A :class:`LinearSystem` holds these terms (and
+the few scalars the relative residual needs); it is built task by task and
+solved for any setting.
+
+LayerNorm affine, per channel (tasks unweighted), a 2x2 system
+``[sum e + lam, sum m; sum m, N + lam] [gamma; beta] = [...]``.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from featcal.stats import LinearMoments
+
+log = logging.getLogger(__name__)
+
+
+def task_scale(C: torch.Tensor, eps: float) -> torch.Tensor:
+    """``s_i = 1 / max(||C_i||_F, eps)``: the task-wise scale normalisation."""
+    return 1.0 / torch.linalg.matrix_norm(C).clamp(min=eps)
+
+
+def anchor(mer: torch.Tensor, base: torch.Tensor, rho: float) -> torch.Tensor:
+    """``rho * mer + (1 - rho) * base``."""
+    return rho * mer + (1.0 - rho) * base
+
+
+def _inner(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a * b).sum()
+
+
+@dataclass
+class LinearSystem:
+    """Task-summed terms of one Linear target's normal equations (no hyper-parameter in them).
+
+    Shapes: ``d`` input width, ``o`` output width.
+    """
+
+    S: torch.Tensor      # (d, d)  sum s_i C_i
+    U: torch.Tensor      # (d, o)  sum s_i C_i W_i^T
+    V: torch.Tensor      # (d, o)  sum s_i (P_i - C_i) W_i^T
+    s_sum: torch.Tensor  # ()      sum s_i
+    m_s: torch.Tensor    # (d,)    sum s_i mu_s,i
+    sb: torch.Tensor     # (o,)    sum s_i b_i
+    ub: torch.Tensor     # (o,)    sum s_i W_i mu_s,i
+    vb: torch.Tensor     # (o,)    sum s_i W_i (mu_e,i - mu_s,i)
+    # Residual terms: K(alpha) = sum s_i E|W_i xt|^2 = a^2 k_ee + 2a(1-a) k_se + (1-a)^2 k_ss.
+    k_ee: torch.Tensor   # ()      sum s_i E|W_i xe|^2
+    k_se: torch.Tensor   # ()      sum s_i E[(W_i xs).(W_i xe)]
+    k_ss: torch.Tensor   # ()      sum s_i E|W_i xs|^2
+    B_ms: torch.Tensor   # (o, d)  sum s_i b_i mu_s,i^T
+    c_s: torch.Tensor    # ()      sum s_i b_i.W_i mu_s,i
+    c_v: torch.Tensor    # ()      sum s_i b_i.W_i (mu_e,i - mu_s,i)
+    bb: torch.Tensor     # ()      sum s_i |b_i|^2
+    n_tasks: int = 0
+    min_rows: int = 0
+
+    @classmethod
+    def zeros(cls, d: int, o: int, dtype: torch.dtype, device) -> "LinearSystem":
+        z = lambda *shape: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
+        return cls(z(d, d), z(d, o), z(d, o), z(()), z(d), z(o), z(o), z(o),
+                   z(()), z(()), z(()), z(o, d), z(()), z(()), z(()))
+
+    def to(self, device) -> "LinearSystem":
+        moved = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in self.__dict__.items()}
+        return LinearSystem(**moved)
+
+
+def add_task(sys: LinearSystem, mom: LinearMoments, W_i: torch.Tensor, b_i: torch.Tensor | None,
+             ye_sq: torch.Tensor, eps: float) -> LinearSystem:
+    """Add task i's terms (in place; returns ``sys``).
+
+    ``W_i`` ``(o, d)``, ``b_i`` ``(o,)`` or ``None``: expert i's parameters.
+    ``ye_sq``: ``E|W_i xe|^2`` (expert output without bias, measured in the pass).
+    """
+    W_i = W_i.to(sys.S.dtype)
+    s = task_scale(mom.C, eps)
+    CW = mom.C @ W_i.T                       # (d, o)
+    PW = mom.P @ W_i.T                       # (d, o)
+    sys.S += s * mom.C
+    sys.U += s * CW
+    sys.V += s * (PW - CW)
+    sys.s_sum += s
+    sys.m_s += s * mom.mu_s
+    Wmu_s = W_i @ mom.mu_s                   # (o,)
+    Wmu_d = W_i @ (mom.mu_e - mom.mu_s)      # (o,)
+    sys.ub += s * Wmu_s
+    sys.vb += s * Wmu_d
+    sys.k_ee += s * ye_sq.to(sys.S.dtype)
+    sys.k_se += s * _inner(W_i.T, PW)
+    sys.k_ss += s * _inner(W_i.T, CW)
+    if b_i is not None:
+        b_i = b_i.to(sys.S.dtype)
+        sys.sb += s * b_i
+        sys.B_ms += s * torch.outer(b_i, mom.mu_s)
+        sys.c_s += s * (b_i @ Wmu_s)
+        sys.c_v += s * (b_i @ Wmu_d)
+        sys.bb += s * (b_i @ b_i)
+    sys.min_rows = mom.rows if sys.n_tasks == 0 else min(sys.min_rows, mom.rows)
+    sys.n_tasks += 1
+    return sys
+
+
+def spd_solve(A: torch.Tensor, B: torch.Tensor, what: str = "system") -> torch.Tensor:
+    """Solve ``A X = B`` for symmetric positive-definite ``A`` by Cholesky; fall back to
+    LU (logged) when the factorisation fails numerically."""
+    L, info = torch.linalg.cholesky_ex(A)
+    if int(info) == 0:
+        return torch.cholesky_solve(B, L)
+    log.warning("%s: Cholesky failed (matrix not numerically positive definite); using LU.", what)
+    try:
+        return torch.linalg.solve(A, B)
+    except RuntimeError as err:  # singular
+        raise FloatingPointError(
+            f"{what}: the FeatCal system is singular ({err}); raise lam or eps."
+        ) from None
+
+
+def linear_rhs(sys: LinearSystem, W_mer: torch.Tensor, W_0: torch.Tensor,
+               lam: float, rho: float, alpha: float) -> torch.Tensor:
+    """``U + alpha V + lam W_anc^T`` ``(d, o)``."""
+    W_anc = anchor(W_mer.to(sys.S.dtype), W_0.to(sys.S.dtype), rho)
+    return sys.U + alpha * sys.V + lam * W_anc.T
+
+
+def linear_bias(sys: LinearSystem, W: torch.Tensor, b_mer: torch.Tensor, b_0: torch.Tensor,
+                lam: float, rho: float, alpha: float) -> torch.Tensor:
+    """The spec's bias for the new ``W``: ``[sum s_i (b_i + W_i mu_t - W mu_s) + lam b_anc] / (sum s_i + lam)``."""
+    dt = sys.S.dtype
+    b_anc = anchor(b_mer.to(dt), b_0.to(dt), rho)
+    num = sys.sb + sys.ub + alpha * sys.vb - W.to(dt) @ sys.m_s + lam * b_anc
+    return num / (sys.s_sum + lam)
+
+
+def solve_linear(sys: LinearSystem, W_mer: torch.Tensor, b_mer: torch.Tensor | None,
+                 W_0: torch.Tensor, b_0: torch.Tensor | None, *, lam: float, rho: float,
+                 alpha: float, eps: float, bias: bool = True, what: str = "linear"
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The calibrated ``(W, b)`` (in the system's dtype). ``b`` is the merged bias when
+    ``bias`` is off, ``None`` when the module has none."""
+    d = sys.S.shape[0]
+    A = sys.S + (lam + eps) * torch.eye(d, dtype=sys.S.dtype, device=sys.S.device)
+    Wt = spd_solve(A, linear_rhs(sys, W_mer, W_0, lam, rho, alpha), what)  # (d, o)
+    W = Wt.T
+    if b_mer is None:
+        return W, None
+    if not bias:
+        return W, b_mer.to(sys.S.dtype)
+    return W, linear_bias(sys, W, b_mer, b_0, lam, rho, alpha)
+
+
+def linear_residual(sys: LinearSystem, W: torch.Tensor, b: torch.Tensor | None, alpha: float) -> float:
+    """Relative residual ``sum s_i E|W xs + b - W_i xt - b_i|^2 / sum s_i E|W_i xt + b_i|^2``."""
+    dt = sys.S.dtype
+    Wt = W.to(dt).T                          # (d, o)
+    a = alpha
+    K = a * a * sys.k_ee + 2 * a * (1 - a) * sys.k_se + (1 - a) ** 2 * sys.k_ss
+    num = _inner(Wt, sys.S @ Wt) - 2 * _inner(Wt, sys.U + a * sys.V) + K
+    den = K + 2 * (sys.c_s + a * sys.c_v) + sys.bb
+    if b is not None:
+        b = b.to(dt)
+        Wm = Wt.T @ sys.m_s
+        num = num + 2 * (b @ Wm - b @ (sys.ub + a * sys.vb) - _inner(Wt.T, sys.B_ms) + sys.c_s + a * sys.c_v)
+        num = num + sys.s_sum * (b @ b) - 2 * (b @ sys.sb) + sys.bb
+    return float(num.clamp(min=0) / den.clamp(min=1e-30))
+
+
+@dataclass
+class NormSystem:
+    """Per-task LayerNorm moments and expert affines, stacked over tasks ``(N, d)``."""
+
+    e: torch.Tensor          # E[z*z] per task and channel
+    m: torch.Tensor          # E[z]
+    g: torch.Tensor          # gamma_i
+    b: torch.Tensor | None   # beta_i (None: the LayerNorm has no bias)
+
+    def to(self, device) -> "NormSystem":
+        return NormSystem(self.e.to(device), self.m.to(device), self.g.to(device),
+                          None if self.b is None else self.b.to(device))
+
+
+def solve_norm(sys: NormSystem, g_mer: torch.Tensor, b_mer: torch.Tensor | None, g_0: torch.Tensor,
+               b_0: torch.Tensor | None, *, lam: float, rho: float, eps: float
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The calibrated ``(gamma, beta)`` per channel (the spec's 2x2 system, determinant
+    clamped below at ``eps``); ``gamma`` alone when the LayerNorm has no bias."""
+    dt = sys.e.dtype
+    n = sys.e.shape[0]
+    g_anc = anchor(g_mer.to(dt), g_0.to(dt), rho)
+    E, M = sys.e.sum(0), sys.m.sum(0)
+    if sys.b is None:
+        gamma = ((sys.e * sys.g).sum(0) + lam * g_anc) / (E + lam).clamp(min=eps)
+        return gamma, None
+    b_anc = anchor(b_mer.to(dt), b_0.to(dt), rho)
+    r1 = (sys.e * sys.g + sys.m * sys.b).sum(0) + lam * g_anc
+    r2 = (sys.m * sys.g + sys.b).sum(0) + lam * b_anc
+    a11, a12, a22 = E + lam, M, n + lam
+    det = (a11 * a22 - a12 * a12).clamp(min=eps)
+    gamma = (a22 * r1 - a12 * r2) / det
+    beta = (a11 * r2 - a12 * r1) / det
+    return gamma, beta
+
+
+def norm_residual(sys: NormSystem, g: torch.Tensor, b: torch.Tensor | None) -> float:
+    """Relative residual ``sum_i E|(g - g_i) z + b - b_i|^2 / sum_i E|g_i z + b_i|^2``."""
+    dt = sys.e.dtype
+    dg = g.to(dt) - sys.g
+    bi = torch.zeros_like(sys.g) if sys.b is None else sys.b
+    db = (torch.zeros_like(g, dtype=dt) if b is None else b.to(dt)) - bi
+    num = (dg * dg * sys.e + 2 * dg * db * sys.m + db * db).sum()
+    den = (sys.g * sys.g * sys.e + 2 * sys.g * bi * sys.m + bi * bi).sum()
+    return float(num.clamp(min=0) / den.clamp(min=1e-30))

@@ -1,0 +1,109 @@
+"""Moving hidden states one block at a time.
+
+:func:`catch_block_inputs` runs a model's stem once and stops at the first
+block, keeping everything the first block was called with (the hidden state
+and every other positional and keyword argument: attention masks, position
+embeddings, ...). :func:`run_block` then calls any block of the same model on a
+hidden state with those same extra arguments, so a stream advances block by
+block without re-running its prefix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+
+class _Stop(Exception):
+    """Raised inside the first block's pre-hook to end the stem's forward pass."""
+
+
+@dataclass
+class BlockCall:
+    """One batch's call of a block: the hidden state plus the other arguments.
+
+    ``hidden`` is ``(B, T, d)`` (or whatever the blocks take first); ``args`` and
+    ``kwargs`` are the remaining arguments exactly as the model passed them to
+    block 0; ``hidden_key`` is set when the hidden state came as a keyword.
+    ``mask`` is the batch's ``attention_mask`` (``(B, T)``), used to give padding
+    tokens weight 0 in the statistics.
+    """
+
+    hidden: torch.Tensor
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    hidden_key: str | None = None
+    mask: torch.Tensor | None = None
+
+    def with_hidden(self, h: torch.Tensor) -> "BlockCall":
+        return BlockCall(h, self.args, self.kwargs, self.hidden_key, self.mask)
+
+
+def device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """Move every tensor inside nested tuples/lists/dicts to ``device``."""
+    if torch.is_tensor(obj):
+        return obj.to(device)
+    if isinstance(obj, Mapping):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    """Call ``model(batch)`` for a tensor batch, ``model(**batch)`` for a dict batch."""
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    return model(batch)
+
+
+@torch.no_grad()
+def catch_block_inputs(model: nn.Module, first_block: nn.Module, batch: Any) -> BlockCall:
+    """Run ``model`` on ``batch`` up to ``first_block`` and return its call."""
+    caught: dict[str, Any] = {}
+
+    def hook(_mod, args, kwargs):
+        caught["args"], caught["kwargs"] = args, dict(kwargs)
+        raise _Stop
+
+    handle = first_block.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        call_model(model, to_device(batch, device_of(model)))
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    if "args" not in caught:
+        raise RuntimeError(
+            f"{type(model).__name__}'s forward never called its first block; check blocks=... "
+            "names the blocks that the forward pass runs."
+        )
+    args, kwargs = caught["args"], caught["kwargs"]
+    key = None
+    if args:
+        hidden, args = args[0], tuple(args[1:])
+    else:  # hidden state passed by keyword
+        key = next(iter(kwargs))
+        hidden = kwargs.pop(key)
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    return BlockCall(hidden, args, kwargs, key, mask)
+
+
+def run_block(block: nn.Module, call: BlockCall, device: torch.device | None = None) -> torch.Tensor:
+    """``block(hidden, *args, **kwargs)``; returns the new hidden state (the first output)."""
+    h, args, kwargs = call.hidden, call.args, call.kwargs
+    if device is not None:
+        h, args, kwargs = h.to(device), to_device(args, device), to_device(kwargs, device)
+    if call.hidden_key is not None:
+        out = block(*args, **{call.hidden_key: h}, **kwargs)
+    else:
+        out = block(h, *args, **kwargs)
+    return out[0] if isinstance(out, (tuple, list)) else out

@@ -1,0 +1,93 @@
+"""Tiny seeded random models shared by the tests (each builds in milliseconds)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+
+class ToyBlock(nn.Module):
+    """A pre-LayerNorm residual block: token mixing by a Linear over channels, then an MLP."""
+
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, hidden)
+        self.fc2 = nn.Linear(hidden, d)
+
+    def forward(self, h, scale=None):
+        h = h + self.proj(self.ln1(h))
+        out = h + self.fc2(torch.tanh(self.fc1(self.ln2(h))))
+        return out if scale is None else out * scale
+
+
+class ToyModel(nn.Module):
+    """Stem Linear -> L ToyBlocks (called with a keyword argument) -> head on the first token."""
+
+    def __init__(self, d_in: int = 6, d: int = 8, hidden: int = 16, n_blocks: int = 3, n_out: int = 4):
+        super().__init__()
+        self.stem = nn.Linear(d_in, d)
+        self.blocks = nn.ModuleList(ToyBlock(d, hidden) for _ in range(n_blocks))
+        self.head = nn.Linear(d, n_out)
+
+    def hidden(self, x):
+        h = self.stem(x)
+        for blk in self.blocks:
+            h = blk(h, scale=torch.tensor(1.0))
+        return h
+
+    def forward(self, x):
+        return self.head(self.hidden(x)[:, 0])
+
+
+def perturbed(model: nn.Module, std: float, seed: int) -> nn.Module:
+    """A copy of ``model`` with every parameter moved by seeded Gaussian noise."""
+    gen = torch.Generator().manual_seed(seed)
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(std * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return out
+
+
+def toy_zoo(n_tasks: int = 3, seed: int = 0, std: float = 0.3, **kw):
+    """``(base, experts, merged_by_task_arithmetic)`` of ToyModels."""
+    from featcal import merge
+
+    torch.manual_seed(seed)
+    base = ToyModel(**kw)
+    experts = {f"t{i}": perturbed(base, std, seed + 100 + i) for i in range(n_tasks)}
+    sd = merge("task_arithmetic", base.state_dict(), {t: m.state_dict() for t, m in experts.items()}, scale=0.3)
+    merged = copy.deepcopy(base)
+    merged.load_state_dict(sd)
+    return base, experts, merged
+
+
+def toy_data(tasks, n: int = 24, tokens: int = 5, d_in: int = 6, batch: int = 8, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    return {t: list(torch.randn(n, tokens, d_in, generator=gen).split(batch)) for t in tasks}
+
+
+def tiny_hf_clip(seed: int = 0, layers: int = 2, with_projection: bool = False):
+    from transformers import CLIPVisionConfig, CLIPVisionModel, CLIPVisionModelWithProjection
+
+    torch.manual_seed(seed)
+    cfg = CLIPVisionConfig(image_size=16, patch_size=8, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=layers, num_attention_heads=4, projection_dim=16)
+    cls = CLIPVisionModelWithProjection if with_projection else CLIPVisionModel
+    return cls(cfg).eval()
+
+
+def tiny_open_clip_vit(seed: int = 0, layers: int = 2):
+    from open_clip.transformer import VisionTransformer
+
+    torch.manual_seed(seed)
+    return VisionTransformer(image_size=16, patch_size=8, width=32, layers=layers, heads=4,
+                             mlp_ratio=2.0, output_dim=16).eval()
+
+
+def state_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
