@@ -76,56 +76,76 @@ def _canonical_sites(targets: list[arch.Target], cs: Captured, ce: Captured) -> 
 
 
 class _BlockStats:
-    """Running statistics of every target of one block for one task."""
+    """Running statistics of every target of one block for one task.
 
-    def __init__(self, cfg: FeatCalConfig, block_idx: int, n_blocks: int, targets: list[arch.Target]):
+    Targets that read the very same input tensors (q/k/v projections) and share a
+    token weighting share one :class:`~featcal.stats.LinearSums`. Its cross moment
+    is kept as the shared ``P`` (d, d) or, when the group's outputs are narrower
+    than its input (an MLP's down projection), as one ``Q = sum w xs (W_i xe)^T``
+    (d, o) per module, from the expert module's own output: fewer flops, same solve.
+    """
+
+    def __init__(self, cfg: FeatCalConfig, block_idx: int, n_blocks: int, targets: list[arch.Target],
+                 expert_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]]):
         self.cfg = cfg
         self.targets = targets
+        self.expert_params = expert_params
         tw = cfg.token_weights
         self.weighted = {t.name: tw is not None and tw.applies(block_idx, n_blocks, t.name) for t in targets}
         self.other = tw.other if tw is not None else 1.0
         self.groups: dict[tuple, stats.LinearSums | stats.NormSums] = {}
+        self.Q: dict[str, torch.Tensor] = {}
         self.ye_sq: dict[str, torch.Tensor] = {}
         self.key_of: dict[str, tuple] = {}
 
-    def add(self, cs: Captured, ce: Captured, mask: torch.Tensor | None,
-            expert_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+    def _expert_output(self, t: arch.Target, ce: Captured, xe: torch.Tensor) -> torch.Tensor:
+        """``W_i xe`` (rows, o): the expert module's output less its bias, or computed."""
+        W_i, b_i = self.expert_params[t.name]
+        y = ce.outputs.get(t.owner) if t.rows is None else None
+        if y is None:
+            return xe @ W_i.to(xe.dtype).T
+        y = stats.as_rows(y, xe.dtype)
+        return y if b_i is None else y - b_i.to(xe.dtype)
+
+    def add(self, cs: Captured, ce: Captured, mask: torch.Tensor | None) -> None:
         dt = self.cfg.stats_dtype
         canon = _canonical_sites(self.targets, cs, ce)
-        rows_cache: dict[tuple, tuple] = {}
+        members: dict[tuple, list[arch.Target]] = {}
         for t in self.targets:
-            site = target_site(t)
-            weighted = self.weighted[t.name]
-            key = (canon[site], weighted, t.kind, t.ln_eps)
+            key = (canon[target_site(t)], self.weighted[t.name], t.kind, t.ln_eps)
+            members.setdefault(key, []).append(t)
             self.key_of[t.name] = key
+        for key, ts in members.items():
+            site, weighted, kind, ln_eps = key
             xs_raw = cs.inputs[site]
-            if key not in rows_cache:
-                w = _token_weights(xs_raw, weighted, self.other, mask, dt)
-                xs = stats.as_rows(xs_raw, dt)
-                xe = stats.as_rows(ce.inputs[site], dt) if t.kind == arch.LINEAR else None
-                rows_cache[key] = (xs, xe, w)
-                if t.kind == arch.LINEAR:
-                    acc = self.groups.get(key) or stats.LinearSums.zeros(xs.shape[1], dt, xs.device)
-                    self.groups[key] = stats.accumulate_linear(acc, xs, xe, w)
-                else:
-                    acc = self.groups.get(key) or stats.NormSums.zeros(xs.shape[1], dt, xs.device)
-                    self.groups[key] = stats.accumulate_norm(acc, xs, w, t.ln_eps)
-            if t.kind == arch.LINEAR:
-                xs, xe, w = rows_cache[key]
-                W_i, b_i = expert_params[t.name]
-                y = ce.outputs.get(t.owner if t.rows is None else "")
-                if y is not None:
-                    y = stats.as_rows(y, dt)
-                    if b_i is not None:
-                        y = y - b_i.to(dt)
-                else:
-                    y = xe @ W_i.to(dt).T
-                prev = self.ye_sq.get(t.name, 0.0)
-                self.ye_sq[t.name] = prev + stats.weighted_sq_norm(y, w)
+            w = _token_weights(xs_raw, weighted, self.other, mask, dt)
+            xs = stats.as_rows(xs_raw, dt)                      # (rows, d)
+            if kind == arch.LAYERNORM:
+                acc = self.groups.get(key) or stats.NormSums.zeros(xs.shape[1], dt, xs.device)
+                self.groups[key] = stats.accumulate_norm(acc, xs, w, ln_eps)
+                continue
+            xe = stats.as_rows(ce.inputs[site], dt)              # (rows, d)
+            if key not in self.groups:
+                narrow = sum(self.expert_params[t.name][0].shape[0] for t in ts) < xs.shape[1]
+                self.groups[key] = stats.LinearSums.zeros(xs.shape[1], dt, xs.device, cross=not narrow)
+            acc = stats.accumulate_linear(self.groups[key], xs, xe, w)
+            for t in ts:
+                y = self._expert_output(t, ce, xe)               # (rows, o)
+                self.ye_sq[t.name] = self.ye_sq.get(t.name, 0.0) + stats.weighted_sq_norm(y, w)
+                if acc.P is None:
+                    Q = self.Q.get(t.name)
+                    Q = torch.zeros(xs.shape[1], y.shape[1], dtype=dt, device=xs.device) if Q is None else Q
+                    self.Q[t.name] = stats.accumulate_cross(Q, xs, y, w)
+
+    def group(self, t: arch.Target):
+        return self.groups[self.key_of[t.name]]
+
+    def linear_moments(self, t: arch.Target) -> stats.LinearMoments:
+        return stats.linear_moments(self.group(t), self.expert_params[t.name][0], self.Q.get(t.name))
 
 
 def _check_finite_stats(acc, block: int, name: str) -> None:
-    tensors = [acc.C, acc.P] if isinstance(acc, stats.LinearSums) else [acc.z, acc.zz]
+    tensors = [acc.C, acc.s, acc.e] if isinstance(acc, stats.LinearSums) else [acc.z, acc.zz]
     if not all(bool(torch.isfinite(x).all()) for x in tensors):
         raise FloatingPointError(
             f"block {block}, module {name!r}: its input features hold NaN or Inf values "
@@ -193,20 +213,20 @@ def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, cfg
     for task, st in streams.items():
         eblk = exp_blocks[task][l]
         expert_params = {t.name: arch.get_params(eblk, t) for t in targets}
-        acc = _BlockStats(cfg, l, n_blocks, targets)
+        acc = _BlockStats(cfg, l, n_blocks, targets, expert_params)
         for b, (cc, ec) in enumerate(zip(st.cal, st.exp)):
             with capture(blk, targets, outputs=False) as cs:
                 run_block(blk, cc, device)
             with capture(eblk, targets, outputs=True) as ce:
                 out_e = run_block(eblk, ec, device)
-            acc.add(cs, ce, cc.mask if cc.mask is None else cc.mask.to(device), expert_params)
+            acc.add(cs, ce, cc.mask if cc.mask is None else cc.mask.to(device))
             st.exp[b] = ec.with_hidden(out_e.cpu() if cfg.offload_streams else out_e)
         for t in targets:
-            group = acc.groups[acc.key_of[t.name]]
+            group = acc.group(t)
             _check_finite_stats(group, l, t.name)
             W_i, b_i = expert_params[t.name]
             if t.kind == arch.LINEAR:
-                mom = stats.linear_moments(group)
+                mom = acc.linear_moments(t)
                 if mom.rows < mom.C.shape[0] and not warn_rows:
                     warn_rows.append(
                         f"task {task!r} gives {mom.rows} token rows for {t.name!r} (block {l}), fewer than its "

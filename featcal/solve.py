@@ -89,7 +89,7 @@ def add_task(sys: LinearSystem, mom: LinearMoments, W_i: torch.Tensor, b_i: torc
     W_i = W_i.to(sys.S.dtype)
     s = task_scale(mom.C, eps)
     CW = mom.C @ W_i.T                       # (d, o)
-    PW = mom.P @ W_i.T                       # (d, o)
+    PW = mom.PW                              # (d, o)  E[xs xe^T] W_i^T
     sys.S += s * mom.C
     sys.U += s * CW
     sys.V += s * (PW - CW)

@@ -1,9 +1,17 @@
 """The closed-form solves against direct computations on small random problems."""
+import pytest
 import torch
 
 from featcal import solve, stats
 
-torch.set_default_dtype(torch.float64)
+
+@pytest.fixture(autouse=True)
+def _float64():
+    """These checks compare against direct float64 computations; restore the default after."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
 
 
 def _task(gen, rows=40, d=3, o=2, shift=0.3):
@@ -24,7 +32,7 @@ def _system(tasks, eps=1e-8, batches=1):
         for part in torch.arange(len(xs)).tensor_split(batches):
             stats.accumulate_linear(acc, xs[part], xe[part], w[part])
             ye = ye + stats.weighted_sq_norm(xe[part] @ W.T, w[part])
-        solve.add_task(sysm, stats.linear_moments(acc), W, b, ye / acc.w, eps)
+        solve.add_task(sysm, stats.linear_moments(acc, W), W, b, ye / acc.w, eps)
     return sysm
 
 
@@ -78,6 +86,17 @@ def test_residual_formula_matches_direct_computation():
     assert abs(solve.linear_residual(sysm, Wn, bn, alpha) - float(num / den)) < 1e-10
 
 
+def test_cross_moment_forms_agree():
+    """``P W^T`` from the shared P equals the per-module Q = sum w xs (W xe)^T."""
+    gen = torch.Generator().manual_seed(5)
+    xs, xe, W, b, w = _task(gen, rows=30, d=4, o=2)
+    with_p = stats.accumulate_linear(stats.LinearSums.zeros(4, torch.float64, "cpu"), xs, xe, w)
+    no_p = stats.accumulate_linear(stats.LinearSums.zeros(4, torch.float64, "cpu", cross=False), xs, xe, w)
+    Q = stats.accumulate_cross(torch.zeros(4, 2, dtype=torch.float64), xs, xe @ W.T, w)
+    a, b_ = stats.linear_moments(with_p, W), stats.linear_moments(no_p, Q=Q)
+    assert no_p.P is None and torch.allclose(a.C, b_.C) and torch.allclose(a.PW, b_.PW)
+
+
 def test_batched_statistics_equal_one_shot():
     gen = torch.Generator().manual_seed(2)
     tasks = [_task(gen, rows=37) for _ in range(2)]
@@ -123,8 +142,6 @@ def test_norm_solve_minimises_its_objective_and_limits():
 
 
 def test_singular_system_fails_clearly():
-    import pytest
-
     with pytest.raises(FloatingPointError, match="block 0 fc.*raise lam"):
         solve.spd_solve(torch.zeros(2, 2), torch.ones(2, 1), "block 0 fc")
 
