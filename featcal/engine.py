@@ -314,12 +314,14 @@ def calibrate(merged: nn.Module, *, base: nn.Module, experts: Mapping[str, nn.Mo
             t2 = time.perf_counter()
             # 3c. Advance the calibrating streams through the calibrated block.
             for task, st in streams.items():
+                finite = torch.ones((), dtype=torch.bool, device=device)
                 for b, cc in enumerate(st.cal):
                     h = run_block(blk, cc, device)
-                    if not bool(torch.isfinite(h).all()):
-                        raise FloatingPointError(f"block {l}: the calibrated block's output on task {task!r} "
-                                                 "holds NaN or Inf; raise lam or check the data.")
+                    finite &= torch.isfinite(h).all()  # one device sync per task, not per batch
                     st.cal[b] = cc.with_hidden(h.cpu() if cfg.offload_streams else h)
+                if not bool(finite):
+                    raise FloatingPointError(f"block {l}: the calibrated block's output on task {task!r} "
+                                             "holds NaN or Inf; raise lam or check the data.")
             report.blocks.append(BlockRecord(l, t1 - t0, t2 - t1, time.perf_counter() - t2))
             bar.set_postfix_str(f"block {l}: {len(targets)} modules")
         for msg in warn_rows:

@@ -47,14 +47,24 @@ def device_of(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def to_device(obj: Any, device: torch.device) -> Any:
-    """Move every tensor inside nested tuples/lists/dicts to ``device``."""
+def dtype_of(model: nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def to_device(obj: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
+    """Move every tensor inside nested tuples/lists/dicts to ``device``; with ``dtype``, also
+    cast the floating-point ones (a bf16 model gets bf16 inputs)."""
     if torch.is_tensor(obj):
+        if dtype is not None and obj.is_floating_point():
+            return obj.to(device=device, dtype=dtype)
         return obj.to(device)
     if isinstance(obj, Mapping):
-        return {k: to_device(v, device) for k, v in obj.items()}
+        return {k: to_device(v, device, dtype) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(v, device) for v in obj)
+        return type(obj)(to_device(v, device, dtype) for v in obj)
     return obj
 
 
@@ -76,7 +86,7 @@ def catch_block_inputs(model: nn.Module, first_block: nn.Module, batch: Any) -> 
 
     handle = first_block.register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        call_model(model, to_device(batch, device_of(model)))
+        call_model(model, to_device(batch, device_of(model), dtype_of(model)))
     except _Stop:
         pass
     finally:

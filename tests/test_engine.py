@@ -224,7 +224,7 @@ def test_bf16_model_keeps_its_dtype():
     base, experts, merged, data = _zoo("toy")
     to16 = lambda m: copy.deepcopy(m).to(torch.bfloat16)  # noqa: E731
     out, _ = calibrate(to16(merged), base=to16(base), experts={t: to16(m) for t, m in experts.items()},
-                       calib_data={t: [b.bfloat16() for b in bs] for t, bs in data.items()},
+                       calib_data=data,  # float32 batches: cast to the model's dtype on the way in
                        config=FeatCalConfig(), progress=False)
     assert all(p.dtype == torch.bfloat16 for p in out.parameters())
     assert not torch.equal(out.blocks[0].fc1.weight, merged.blocks[0].fc1.weight.bfloat16())
@@ -240,3 +240,27 @@ def test_report_lists_every_module_with_time_and_residuals():
     assert len(report.blocks) == 2 and report.seconds > 0
     d = report.to_dict()
     assert d["config"]["lam"] == 0.05 and len(d["modules"]) == 16
+
+
+def test_llama_blocks_with_keyword_arguments_and_padding():
+    """The generic path: blocks get position embeddings and masks as keyword arguments;
+    padding tokens (attention_mask 0) are left out of the statistics."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    base = LlamaForCausalLM(cfg).eval()
+    experts = {t: tiny.perturbed(base, 0.02, i) for i, t in enumerate("ab")}
+    ids = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(4, 16, dtype=torch.long)
+    mask[0, 9:] = 0
+    data = {t: [{"input_ids": ids, "attention_mask": mask, "use_cache": False}] for t in experts}
+    snap = tiny.state_snapshot(base)
+    out, report = calibrate(base, base=base, experts=experts, calib_data=data,
+                            config=FeatCalConfig.llama("3b"), progress=False)
+    frame = report.to_frame()
+    assert set(frame.rows) == {int(mask.sum())}  # 57 real tokens, the 7 padded ones excluded
+    assert (frame.residual_after < frame.residual_before).all()
+    assert {"self_attn.q_proj", "mlp.down_proj"} <= set(frame.name)
+    assert all(torch.equal(v, snap[k]) for k, v in base.state_dict().items())

@@ -27,12 +27,13 @@ class TaskData:
     ``splits`` maps a split name (``calib``, ``val``, ``test``) to a pair
     ``(inputs, labels)``: inputs ``(n, C, H, W)`` float, labels ``(n,)`` long.
     ``calib`` and ``val`` are carved from the task's train data and never
-    overlap ``test``.
+    overlap ``test``. Any mapping will do: a dict, or a lazy one that decodes a
+    split's images on first access (:class:`featcal.zoo.data.LazySplits`).
     """
 
     name: str
     classes: list[str]
-    splits: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    splits: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
 
     def split(self, split: str) -> tuple[torch.Tensor, torch.Tensor]:
         if split not in self.splits:

@@ -1,0 +1,428 @@
+"""Locating and loading a spec's models offline, and the CLIP feature function.
+
+Nothing here touches the network. A model entry is found
+
+- at its local ``path`` (an HF ``save_pretrained`` directory, or an open_clip
+  checkpoint file), or
+- for an HF ``id`` (or an open_clip ``pretrained`` tag, which names an HF repo),
+  in the local Hugging Face cache (:func:`featcal.zoo.resolve.hf_snapshot`).
+
+:func:`locate` finds every model, head file and dataset of a spec and lists
+what is missing; :func:`locate_all` raises one :class:`MissingResourcesError`
+for all of it. Weights are read only through safetensors or
+``torch.load(weights_only=True)``; models are built from their config and
+loaded strictly (a missing weight is an error, never a random init).
+
+Reading each task's data is :mod:`featcal.zoo.data`'s job.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from featcal.zoo.data import LocatedData, locate_data
+from featcal.zoo.resolve import Missing, MissingResourcesError, hf_fix, hf_snapshot
+
+if TYPE_CHECKING:  # the spec module imports this one at run time
+    from featcal.zoo.spec import ModelSpec, ZooSpec
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+              "pytorch_model.bin.index.json")
+OPEN_CLIP_HUB_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+# ----------------------------------------------------------------------------- locating
+
+@dataclass
+class Found:
+    """Local paths of everything a spec needs (the output of :func:`locate_all`)."""
+
+    models: dict[str, Path] = field(default_factory=dict)   # "base", "expert:<task>", "text_model"
+    data: dict[str, LocatedData] = field(default_factory=dict)
+    heads_file: Path | None = None
+
+    def describe(self) -> dict[str, str]:
+        out = {role: str(p) for role, p in self.models.items()}
+        out.update({f"data:{t}": f"{d.format} {d.root}" for t, d in self.data.items()})
+        if self.heads_file:
+            out["heads"] = str(self.heads_file)
+        return out
+
+
+def _hf_dir_problem(path: Path) -> str | None:
+    if not path.is_dir():
+        return "not a directory" if path.exists() else "does not exist"
+    if not (path / "config.json").is_file():
+        return "no config.json"
+    if not any((path / w).is_file() for w in HF_WEIGHTS):
+        return f"no weights ({', '.join(HF_WEIGHTS)})"
+    return None
+
+
+def locate_model(spec: "ModelSpec", what: str) -> tuple[Path | None, Missing | None]:
+    """Find one model entry on this machine: ``(path, None)`` or ``(None, Missing)``."""
+    if spec.pretrained:
+        return _locate_open_clip_tag(spec, what)
+    looked = []
+    if spec.path is not None:
+        p = Path(spec.path)
+        if spec.format == "hf":
+            problem = _hf_dir_problem(p)
+        else:
+            problem = None if p.is_file() else ("a directory, expected a checkpoint file" if p.is_dir()
+                                                else "does not exist")
+        if problem is None:
+            return p, None
+        looked.append(f"local path {p} ({problem})")
+    if spec.id is not None:
+        snap, where = hf_snapshot(spec.id, "model", spec.revision)
+        problem = _hf_dir_problem(snap) if snap is not None else None
+        if snap is not None and problem is None:
+            return snap, None
+        looked.append(where if problem is None else f"{where} ({problem}: incomplete download)")
+        return None, Missing(f"{what}: HF model {spec.id}", tuple(looked), hf_fix(spec.id))
+    return None, Missing(f"{what}: {spec.format} model at {spec.path}", tuple(looked),
+                         "check the path (and the environment variables in it), or give an HF `id`.")
+
+
+def _locate_open_clip_tag(spec: "ModelSpec", what: str) -> tuple[Path | None, Missing | None]:
+    import open_clip
+
+    cfg = open_clip.get_pretrained_cfg(spec.arch, spec.pretrained)
+    label = f"{what}: open_clip {spec.arch} pretrained={spec.pretrained!r}"
+    if not cfg:
+        tags = open_clip.list_pretrained_tags_by_model(spec.arch)
+        return None, Missing(label, ("open_clip's list of pretrained weights",),
+                             f"use one of the tags open_clip knows for {spec.arch}: {tags}.")
+    hub = cfg.get("hf_hub", "").strip("/")
+    if not hub:
+        return None, Missing(label, ("open_clip's pretrained config (no HF hub copy)",),
+                             "download the checkpoint yourself and give it as `path:` with `arch:`.")
+    parts = hub.split("/")
+    repo, fname = "/".join(parts[:2]), "/".join(parts[2:]) or None
+    snap, where = hf_snapshot(repo, "model")
+    names = (fname,) if fname else OPEN_CLIP_HUB_FILES
+    if snap is not None:
+        for name in names:
+            if (snap / name).is_file():
+                return snap / name, None
+        where = f"{where} (none of {list(names)})"
+    return None, Missing(label, (where,), hf_fix(repo))
+
+
+def locate(spec: "ZooSpec") -> tuple[Found, list[Missing]]:
+    """Look for every model, head file and dataset of ``spec``; never raises for a missing one."""
+    os.environ["HF_HUB_OFFLINE"] = "1"  # any later transformers/huggingface_hub call stays offline
+    found, missing = Found(), []
+    entries = [("base", "base", spec.base)] + [(f"expert:{t}", f"expert {t!r}", m) for t, m in spec.experts.items()]
+    if spec.heads.type == "zero_shot" and spec.heads.text_model is not None:
+        entries.append(("text_model", "heads.text_model", spec.heads.text_model))
+    for role, what, m in entries:
+        path, miss = locate_model(m, what)
+        if miss:
+            missing.append(miss)
+        else:
+            found.models[role] = path
+    if spec.heads.type == "file":
+        p = Path(spec.heads.path)
+        if p.is_file():
+            found.heads_file = p
+        else:
+            missing.append(Missing(f"heads file {p}", (f"local path {p} (does not exist)",),
+                                   "check heads.path; it is a safetensors file with <task>.weight / <task>.bias."))
+    for task, d in spec.data.items():
+        loc, miss = locate_data(d)
+        if miss:
+            missing.append(miss)
+        else:
+            found.data[task] = loc
+    return found, missing
+
+
+def locate_all(spec: "ZooSpec") -> Found:
+    """:func:`locate`, raising one :class:`MissingResourcesError` when anything is missing."""
+    found, missing = locate(spec)
+    if missing:
+        raise MissingResourcesError(missing, spec.source)
+    return found
+
+
+# ----------------------------------------------------------------------------- state dicts
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Weights of an HF directory (single or sharded) or of one checkpoint file, on the CPU."""
+    from safetensors.torch import load_file
+
+    if path.is_dir():
+        for name in HF_WEIGHTS:
+            if (path / name).is_file():
+                path = path / name
+                break
+    if path.name.endswith(".index.json"):
+        shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
+        out: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            out.update(read_state_dict(path.parent / shard))
+        return out
+    if path.suffix == ".safetensors":
+        return load_file(str(path), device="cpu")
+    try:
+        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as err:  # a pickle of a whole model, a TorchScript archive, ...
+        raise ValueError(f"{path}: not a plain state dict loadable with torch.load(weights_only=True) "
+                         f"({type(err).__name__}: {str(err)[:200]}); convert it to safetensors.") from None
+    for key in ("state_dict", "model_state_dict", "model"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+    if not isinstance(obj, dict) or not all(torch.is_tensor(v) for v in obj.values()):
+        raise ValueError(f"{path}: expected a state dict of tensors.")
+    return {k.removeprefix("module."): v for k, v in obj.items()}
+
+
+def read_tensor(path: Path, key: str) -> torch.Tensor | None:
+    """One entry of a checkpoint (without reading the rest when it is a single safetensors file)."""
+    from safetensors import safe_open
+
+    file = path / "model.safetensors" if path.is_dir() else path
+    if file.suffix == ".safetensors" and file.is_file():
+        with safe_open(str(file), "pt") as f:
+            return f.get_tensor(key) if key in f.keys() else None
+    return read_state_dict(path).get(key)
+
+
+def load_strict(model: nn.Module, sd: Mapping[str, torch.Tensor], what: str) -> None:
+    """``load_state_dict`` that names the first missing/unexpected/mis-shaped weight."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in sd]
+    extra = [k for k in sd if k not in own]
+    bad = [k for k in own if k in sd and sd[k].shape != own[k].shape]
+    if missing or extra or bad:
+        detail = (f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}" if extra else
+                  f"{bad[0]!r} is {tuple(sd[bad[0]].shape)}, the model has {tuple(own[bad[0]].shape)}")
+        raise ValueError(f"{what}: its weights do not fit the architecture ({detail}); experts must be "
+                         "fine-tuned from the base, and open_clip entries need the right `arch`.")
+    model.load_state_dict(sd, strict=True)
+
+
+@contextlib.contextmanager
+def no_init() -> Iterator[None]:
+    """Skip random initialisation while building a model whose weights are loaded next."""
+    try:
+        from transformers.initialization import no_init_weights  # transformers 5.x
+    except ImportError:
+        try:
+            from transformers.modeling_utils import no_init_weights  # 4.x
+        except ImportError:
+            no_init_weights = contextlib.nullcontext
+    with no_init_weights():
+        yield
+
+
+# ----------------------------------------------------------------------------- HF CLIP
+
+_NOT_VISION = ("text_model.", "text_projection", "visual_projection", "logit_scale")
+
+
+def hf_vision_config(path: Path):
+    from transformers import AutoConfig, CLIPVisionConfig
+
+    cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    cfg = getattr(cfg, "vision_config", cfg)
+    if not isinstance(cfg, CLIPVisionConfig):
+        raise ValueError(f"{path}: {type(cfg).__name__} is not a CLIP vision config; the hf format expects "
+                         "a CLIPModel, CLIPVisionModel or CLIPVisionModelWithProjection directory.")
+    return cfg
+
+
+def hf_vision_weights(model: nn.Module, sd: Mapping[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
+    """Map a checkpoint's vision-tower keys onto ``model``'s layout.
+
+    Checkpoints name the tower ``vision_model.*`` (CLIPModel, transformers 4.x) or
+    flat (transformers 5.x CLIPVisionModel); the model may be either, too.
+    """
+    own = {k.removeprefix("vision_model."): k for k in model.state_dict()}
+    out, unexpected = {}, []
+    for k, v in sd.items():
+        c = k.removeprefix("vision_model.")
+        if c in own:
+            out[own[c]] = v
+        elif not (k.startswith(_NOT_VISION) or k.endswith("position_ids")):
+            unexpected.append(k)
+    if unexpected:
+        raise ValueError(f"{what}: unexpected weights {unexpected[:3]}; not a CLIP vision tower of this shape.")
+    return out
+
+
+def load_hf_vision(paths: Mapping[str, Path], dtype: torch.dtype, device: str) -> dict[str, nn.Module]:
+    """``{role: CLIPVisionModel}`` built from the first path's config, each loaded strictly."""
+    from transformers import CLIPVisionModel
+
+    roles = list(paths)
+    cfg = hf_vision_config(paths[roles[0]])
+    with no_init():
+        template = CLIPVisionModel(cfg)
+    models = {}
+    for role in roles:
+        model = copy.deepcopy(template)
+        sd = read_state_dict(paths[role])
+        load_strict(model, hf_vision_weights(model, sd, role), role)
+        models[role] = model.to(device=device, dtype=dtype).eval()
+    return models
+
+
+# ----------------------------------------------------------------------------- open_clip
+
+class _DropRandomInitWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "initialized randomly" not in record.getMessage()
+
+
+def open_clip_model(arch: str, config: str | None, quick_gelu: bool) -> nn.Module:
+    """An open_clip CLIP of architecture ``arch`` with placeholder weights (always loaded over next).
+
+    Never asks open_clip for pretrained weights: offline it would log an error
+    and silently fall back to random ones.
+    """
+    import open_clip
+
+    if config:
+        open_clip.add_model_config(config)
+    if arch not in open_clip.list_models():
+        raise ValueError(f"open_clip has no architecture {arch!r}; give `config:` (a model-config JSON named "
+                         f"{arch}.json) or one of open_clip.list_models().")
+    root, filt = logging.getLogger(), _DropRandomInitWarning()
+    root.addFilter(filt)
+    try:
+        return open_clip.create_model(arch, pretrained=None, force_quick_gelu=quick_gelu).eval()
+    finally:
+        root.removeFilter(filt)
+
+
+def split_open_clip(sd: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
+    """``(visual, rest)``: a checkpoint's visual-tower weights (prefix stripped) and the others
+    (CLIP text tower, ``logit_scale``), whatever wrapper prefix (``model.``) they carry."""
+    vis_keys = [k for k in sd if k.startswith("visual.") or ".visual." in k]
+    if not vis_keys:
+        return dict(sd), {}
+    prefix = vis_keys[0][: vis_keys[0].index("visual.")]
+    visual = {k[len(prefix) + len("visual."):]: v for k, v in sd.items() if k.startswith(prefix + "visual.")}
+    rest = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix) and not k.startswith(prefix + "visual.")}
+    return visual, rest
+
+
+def open_clip_quick_gelu(spec: "ModelSpec") -> bool:
+    if spec.pretrained:
+        import open_clip
+
+        return spec.quick_gelu or bool(open_clip.get_pretrained_cfg(spec.arch, spec.pretrained).get("quick_gelu"))
+    return spec.quick_gelu
+
+
+def load_open_clip_visual(specs: Mapping[str, "ModelSpec"], paths: Mapping[str, Path],
+                          dtype: torch.dtype, device: str) -> dict[str, nn.Module]:
+    """``{role: open_clip VisionTransformer}`` (``model.visual``), each loaded strictly."""
+    first = specs[next(iter(specs))]
+    template = open_clip_model(first.arch, first.config, open_clip_quick_gelu(first)).visual
+    models = {}
+    for role, spec in specs.items():
+        if (spec.arch, spec.config) != (first.arch, first.config):
+            raise ValueError(f"{role}: arch {spec.arch!r} differs from the base's {first.arch!r}.")
+        visual = copy.deepcopy(template)
+        load_strict(visual, split_open_clip(read_state_dict(paths[role]))[0], role)
+        models[role] = visual.to(device=device, dtype=dtype).eval()
+    return models
+
+
+# ----------------------------------------------------------------------------- features
+
+class ClipFeatures:
+    """``features(model, x)``: the CLIP image representation the heads read.
+
+    ``kind``: ``embedding`` (projected and L2-normalised, what zero-shot heads
+    expect), ``projection`` (projected only) or ``pooled`` (HF pooler output).
+    HF vision towers carry no projection; the base's ``visual_projection`` is
+    kept here, frozen and shared by every model (FusionBench's experts fine-tune
+    the tower only). open_clip's ``VisionTransformer`` projects itself.
+    """
+
+    def __init__(self, fmt: str, kind: str, projection: torch.Tensor | None = None):
+        if fmt == "hf" and kind != "pooled" and projection is None:
+            raise ValueError("features need the base's visual_projection; it has none (use features: pooled "
+                             "with file heads, or a base CLIPModel directory).")
+        self.fmt, self.kind = fmt, kind
+        self.projection = None if projection is None else projection.detach().float().cpu()  # (d_proj, d)
+
+    def __call__(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        p = next(model.parameters())
+        x = x.to(device=p.device, dtype=p.dtype)
+        if self.fmt == "hf":
+            out = model(pixel_values=x).pooler_output                     # (n, d)
+            if self.kind != "pooled":
+                out = out @ self.projection.to(out.device, out.dtype).T   # (n, d_proj)
+        else:
+            out = model(x)                                                 # (n, d_proj)
+        return F.normalize(out, dim=-1) if self.kind == "embedding" else out
+
+
+@dataclass
+class ModelInfo:
+    """What the heads and data need to know about the loaded models."""
+
+    features: ClipFeatures
+    image_size: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+
+def _preprocessor_stats(path: Path) -> tuple[tuple | None, tuple | None]:
+    cfg = path / "preprocessor_config.json" if path.is_dir() else None
+    if cfg is None or not cfg.is_file():
+        return None, None
+    d = json.loads(cfg.read_text())
+    mean, std = d.get("image_mean"), d.get("image_std")
+    return (tuple(mean) if mean else None), (tuple(std) if std else None)
+
+
+def load_models(spec: "ZooSpec", found: Found, device: str = "cpu"
+                ) -> tuple[nn.Module, dict[str, nn.Module], ModelInfo]:
+    """``(base, {task: expert}, info)``: every model on ``device`` in the spec's dtype."""
+    dtype = _DTYPES[spec.dtype]
+    roles = ["base"] + [f"expert:{t}" for t in spec.tasks]
+    paths = {r: found.models[r] for r in roles}
+    base_path = paths["base"]
+    if spec.format == "hf":
+        models = load_hf_vision(paths, dtype, device)
+        projection = read_tensor(base_path, "visual_projection.weight")
+        image_size = int(hf_vision_config(base_path).image_size)
+        mean, std = _preprocessor_stats(base_path)
+    else:
+        specs = {"base": spec.base, **{f"expert:{t}": m for t, m in spec.experts.items()}}
+        models = load_open_clip_visual(specs, paths, dtype, device)
+        projection = None
+        size = models["base"].image_size
+        image_size = int(size[0] if isinstance(size, (tuple, list)) else size)
+        pcfg = getattr(models["base"], "preprocess_cfg", None) or {}
+        mean, std = pcfg.get("mean"), pcfg.get("std")
+    pre = spec.preprocess
+    info = ModelInfo(
+        features=ClipFeatures(spec.format, spec.features, projection),
+        image_size=pre.image_size or image_size,
+        mean=tuple(pre.mean or mean or CLIP_MEAN),
+        std=tuple(pre.std or std or CLIP_STD),
+    )
+    return models["base"], {t: models[f"expert:{t}"] for t in spec.tasks}, info
+
+
