@@ -103,8 +103,22 @@ def catch_block_inputs(model: nn.Module, first_block: nn.Module, batch: Any) -> 
     else:  # hidden state passed by keyword
         key = next(iter(kwargs))
         hidden = kwargs.pop(key)
+    _drop_caches(kwargs)
     mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
     return BlockCall(hidden, args, kwargs, key, mask)
+
+
+CACHE_KWARGS = ("past_key_value", "past_key_values", "cache", "layer_past", "cache_params")
+
+
+def _drop_caches(kwargs: dict) -> None:
+    """Blocks re-run on the same call must not grow a key/value cache (HF decoder LMs pass a
+    ``DynamicCache`` to every layer, which each call would append to)."""
+    for k, v in kwargs.items():
+        if v is not None and (k in CACHE_KWARGS or type(v).__name__.endswith("Cache")):
+            kwargs[k] = None
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
 
 
 def run_block(block: nn.Module, call: BlockCall, device: torch.device | None = None) -> torch.Tensor:

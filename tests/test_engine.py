@@ -255,7 +255,7 @@ def test_llama_blocks_with_keyword_arguments_and_padding():
     ids = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(4, 16, dtype=torch.long)
     mask[0, 9:] = 0
-    data = {t: [{"input_ids": ids, "attention_mask": mask, "use_cache": False}] for t in experts}
+    data = {t: [{"input_ids": ids, "attention_mask": mask}] for t in experts}  # the model's KV cache is on
     snap = tiny.state_snapshot(base)
     out, report = calibrate(base, base=base, experts=experts, calib_data=data,
                             config=FeatCalConfig.llama("3b"), progress=False)

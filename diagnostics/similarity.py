@@ -1,0 +1,179 @@
+"""Cosines and linear CKA between a model and its experts (paper section 3).
+
+Pure maths first (pooling a block output per example, cosines of rows,
+streaming linear CKA from Gram sums, cosines from dot-product sums), then
+:func:`task_vector_cosine`: ``cos(theta - theta_0, theta_i - theta_0)`` for
+the whole model and per block, from parameters only (no data). The per-example
+cosine of final features lives in :mod:`diagnostics.output`, the per-block
+cosine and CKA of block outputs in :mod:`diagnostics.drift`.
+
+Tables are tidy (one row per measurement). ``block = -1`` (:data:`WHOLE`) means
+the whole model: every parameter, the final features, the outputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import pandas as pd
+import torch
+from torch import nn
+
+from featcal.arch import resolve_blocks
+
+WHOLE = -1  # ``block`` value of a whole-model measurement (all parameters, final features)
+EPS = 1e-12
+
+
+# ----------------------------------------------------------------------------- pure maths
+
+TOKENS = ("all", "cls")
+
+
+def pool_examples(h: torch.Tensor, tokens: str, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One vector per example from a batch-first block output.
+
+    ``(B, T, d)`` -> ``(B, d)``: the first token (``tokens="cls"``, CLIP's class
+    token, taken whatever the mask says) or the mean over tokens with ``mask != 0``
+    (``tokens="all"``; every token when ``mask`` is ``None``). ``(B, d)`` is returned
+    as it is. Half-precision outputs are pooled in float32.
+    """
+    if h.dtype in (torch.float16, torch.bfloat16):
+        h = h.float()
+    if h.dim() == 2:
+        return h
+    if tokens == "cls":
+        return h[:, 0]
+    if mask is None:
+        return h.mean(1)
+    w = mask.to(h.device, h.dtype).unsqueeze(-1)        # (B, T, 1)
+    return (h * w).sum(1) / w.sum(1).clamp_min(1.0)
+
+
+def cosine_rows(a: torch.Tensor, b: torch.Tensor, eps: float = EPS) -> torch.Tensor:
+    """Row-wise cosine ``<a_r, b_r> / (|a_r| |b_r|)`` of ``(n, d)`` tensors -> ``(n,)``, in float64.
+
+    A zero row gives cosine 0 (the denominator is clamped at ``eps``)."""
+    a, b = a.double(), b.double()
+    den = (a.norm(dim=-1) * b.norm(dim=-1)).clamp_min(eps)
+    return (a * b).sum(-1) / den
+
+
+@dataclass
+class CKASums:
+    """Running sums for linear CKA between paired features ``x_n``, ``y_n`` (rows = examples).
+
+    With ``n`` rows, the centred cross-covariance is ``xy - sx sy^T / n`` (and alike
+    for ``xx``, ``yy``), so batches can be added one at a time in any order.
+    """
+
+    n: int
+    sx: torch.Tensor   # (dx,)      sum x
+    sy: torch.Tensor   # (dy,)      sum y
+    xx: torch.Tensor   # (dx, dx)   sum x x^T
+    yy: torch.Tensor   # (dy, dy)   sum y y^T
+    xy: torch.Tensor   # (dx, dy)   sum x y^T
+
+    @classmethod
+    def zeros(cls, dx: int, dy: int, device=None) -> "CKASums":
+        z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=device)  # noqa: E731
+        return cls(0, z(dx), z(dy), z(dx, dx), z(dy, dy), z(dx, dy))
+
+
+def accumulate_cka(acc: CKASums, x: torch.Tensor, y: torch.Tensor) -> CKASums:
+    """Add paired rows ``x`` ``(n, dx)`` and ``y`` ``(n, dy)`` into ``acc`` (in place); returns it."""
+    x, y = x.double(), y.double()
+    acc.n += x.shape[0]
+    acc.sx += x.sum(0)
+    acc.sy += y.sum(0)
+    acc.xx += x.T @ x
+    acc.yy += y.T @ y
+    acc.xy += x.T @ y
+    return acc
+
+
+def linear_cka(acc: CKASums, eps: float = EPS) -> float:
+    """Linear CKA ``||Xc^T Yc||_F^2 / (||Xc^T Xc||_F ||Yc^T Yc||_F)`` with ``Xc``, ``Yc`` the
+    column-centred features (Kornblith et al. 2019). 1 for identical features; NaN
+    with fewer than two rows."""
+    if acc.n < 2:
+        return float("nan")
+    cxy = acc.xy - torch.outer(acc.sx, acc.sy) / acc.n   # (dx, dy) = Xc^T Yc
+    cxx = acc.xx - torch.outer(acc.sx, acc.sx) / acc.n   # (dx, dx)
+    cyy = acc.yy - torch.outer(acc.sy, acc.sy) / acc.n   # (dy, dy)
+    den = (cxx.norm() * cyy.norm()).clamp_min(eps)
+    return float(cxy.pow(2).sum() / den)
+
+
+@dataclass
+class DotSums:
+    """``<a, b>``, ``|a|^2``, ``|b|^2`` summed over any number of tensor pairs."""
+
+    ab: float = 0.0
+    aa: float = 0.0
+    bb: float = 0.0
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        a, b = a.double().reshape(-1), b.double().reshape(-1)
+        self.ab += float(a @ b)
+        self.aa += float(a @ a)
+        self.bb += float(b @ b)
+
+    def cosine(self, eps: float = EPS) -> float:
+        """``<a, b> / (|a| |b|)``; NaN when either vector is zero."""
+        den = (self.aa * self.bb) ** 0.5
+        return self.ab / den if den > eps else float("nan")
+
+
+# ----------------------------------------------------------------------------- task vectors
+
+def block_of(name: str, blocks_path: str) -> int | None:
+    """The block index of parameter ``name`` (``<blocks_path>.<i>.``...), else ``None``."""
+    prefix = blocks_path + "."
+    if not name.startswith(prefix):
+        return None
+    head = name[len(prefix):].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+@torch.no_grad()
+def task_vector_cosine(model: nn.Module, base: nn.Module, experts: Mapping[str, nn.Module],
+                       blocks: str | None = None) -> pd.DataFrame:
+    """Cosine of the model's task vector with each expert's, whole model and per block.
+
+    With ``tau = theta - theta_0`` (the diagnosed model, merged or calibrated) and
+    ``tau_i = theta_i - theta_0`` (expert i), over the floating-point entries of the
+    state dict:
+
+    - ``task_vector_cosine`` = ``<tau, tau_i> / (|tau| |tau_i|)``;
+    - ``task_vector_norm`` = ``|tau|``, ``expert_task_vector_norm`` = ``|tau_i|``.
+
+    Rows with ``block = -1`` (:data:`WHOLE`) use every floating entry (stem and head
+    too); rows with ``block = l`` use the entries named ``<blocks_path>.<l>.*``.
+    A cosine with a zero task vector is NaN (e.g. the base model itself).
+
+    Returns a tidy DataFrame: ``task``, ``block``, ``metric``, ``value``.
+    """
+    path, blks = resolve_blocks(model, blocks)
+    theta, theta0 = model.state_dict(), base.state_dict()
+    rows = []
+    for task, expert in experts.items():
+        theta_i = expert.state_dict()
+        whole, per_block = DotSums(), [DotSums() for _ in blks]
+        for name, w in theta.items():
+            if not torch.is_floating_point(w):
+                continue
+            if name not in theta0 or name not in theta_i:
+                raise ValueError(f"parameter {name!r} of the model is missing from the base or expert {task!r}; "
+                                 "they must share one architecture.")
+            w0 = theta0[name].to(w.device, torch.float64)
+            tau, tau_i = w.double() - w0, theta_i[name].to(w.device, torch.float64) - w0
+            whole.add(tau, tau_i)
+            l = block_of(name, path)
+            if l is not None and l < len(blks):
+                per_block[l].add(tau, tau_i)
+        for l, s in [(WHOLE, whole), *enumerate(per_block)]:
+            rows += [(task, l, "task_vector_cosine", s.cosine()),
+                     (task, l, "task_vector_norm", s.aa ** 0.5),
+                     (task, l, "expert_task_vector_norm", s.bb ** 0.5)]
+    return pd.DataFrame(rows, columns=["task", "block", "metric", "value"])

@@ -1,0 +1,331 @@
+"""Diagnostics: the drift identity e = m + p, its squared split, the zero cases,
+the one-pass cost, and the tables' shapes (tiny seeded models, offline)."""
+from __future__ import annotations
+
+import argparse
+import copy
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from diagnostics import (WHOLE, diagnose, drift_table, drift_tables, drift_tokens, expert_cosine, kl_rows,
+                         output_drift, task_vector_cosine)
+from diagnostics.drift import batch_first, select_rows
+from diagnostics.similarity import CKASums, accumulate_cka, linear_cka
+from featcal.arch import resolve_blocks
+from featcal.streams import catch_block_inputs
+from featcal.zoo.core import TaskData, Zoo
+from tiny import ToyModel, perturbed, tiny_hf_clip, tiny_open_clip_vit, toy_data, toy_zoo
+
+torch.set_num_threads(1)
+
+
+def _wide(df: pd.DataFrame) -> pd.DataFrame:
+    """``(task, block)`` x metric."""
+    return df.pivot_table(index=["task", "block"], columns="metric", values="value")
+
+
+def _pair(kind: str):
+    """``(model, expert, batches)`` of one architecture."""
+    if kind == "toy":
+        base, experts, merged = toy_zoo(n_tasks=1)
+        return merged, experts["t0"], toy_data(["t0"], n=6, batch=3)["t0"]
+    build = {"hf_clip": tiny_hf_clip, "open_clip": tiny_open_clip_vit}[kind]
+    model = build(seed=0)
+    gen = torch.Generator().manual_seed(3)
+    return model, perturbed(model, 0.05, 1), list(torch.randn(6, 3, 16, 16, generator=gen).split(3))
+
+
+def _walk(model, expert, batch):
+    """Every block's DriftTokens on one batch, streams advanced block by block."""
+    _, blks = resolve_blocks(model)
+    _, eblks = resolve_blocks(expert)
+    cm, ce = catch_block_inputs(model, blks[0], batch), catch_block_inputs(expert, eblks[0], batch)
+    out = []
+    for blk, eblk in zip(blks, eblks):
+        dt = drift_tokens(blk, eblk, cm, ce)
+        cm, ce = cm.with_hidden(dt.h_mod), ce.with_hidden(dt.h_exp)
+        out.append(dt)
+    return out
+
+
+# ----------------------------------------------------------------------------- the identity
+
+@pytest.mark.parametrize("kind", ["toy", "hf_clip", "open_clip"])
+def test_drift_is_mismatch_plus_propagation_per_token(kind):
+    model, expert, batches = _pair(kind)
+    for dt in _walk(model, expert, batches[0]):
+        assert dt.e.abs().max() > 1e-3                      # a real drift, not a trivial zero
+        torch.testing.assert_close(dt.m + dt.p, dt.e, rtol=0, atol=1e-12)   # float64 differences
+        torch.testing.assert_close(dt.h_mod.double() - dt.h_exp.double(), dt.e, rtol=0, atol=0)
+
+
+def test_identity_is_exact_for_bfloat16_models():
+    model, expert, batches = _pair("toy")
+    model, expert = model.to(torch.bfloat16), expert.to(torch.bfloat16)
+    for dt in _walk(model, expert, batches[0].to(torch.bfloat16)):
+        assert dt.e.dtype == torch.float64
+        assert torch.equal(dt.m + dt.p, dt.e)           # differences of bf16 values are exact in float64
+
+
+def test_block_outputs_without_token_axis():
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    model = MLP()
+    expert = perturbed(model, 0.3, 2)
+    x = torch.randn(5, 4)
+    w = _wide(drift_table(model, {"a": expert}, {"a": [x]}))
+    dts = _walk(model, expert, x)
+    for l, dt in enumerate(dts):
+        assert dt.e.shape == (5, 4)                      # one row per example
+        assert w.loc[("a", l), "drift"] == pytest.approx(float(dt.e.norm(dim=-1).mean()), rel=1e-9)
+
+
+def test_streams_match_the_full_forward():
+    model, expert, batches = _pair("hf_clip")
+    walked = _walk(model, expert, batches[0])
+    with torch.no_grad():
+        full = model(batches[0], output_hidden_states=True).hidden_states   # (L + 1) x (B, T, d)
+    for l, dt in enumerate(walked):
+        torch.testing.assert_close(dt.h_mod, full[l + 1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", ["all", "cls"])
+def test_squared_drift_splits_exactly(tokens):
+    model, expert, batches = _pair("hf_clip")
+    w = _wide(drift_table(model, {"a": expert}, {"a": batches}, tokens=tokens))
+    split = torch.tensor((w.drift_sq_mismatch + w.drift_sq_propagation).values)
+    torch.testing.assert_close(torch.tensor(w.drift_sq.values), split, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(torch.tensor((w.drift_sq_mismatch_share + w.drift_sq_propagation_share).values),
+                               torch.ones(len(w), dtype=torch.float64))
+    assert (w.drift <= w.mismatch + w.propagation + 1e-9).all()             # norms do not add, they bound
+    torch.testing.assert_close(torch.tensor(w.drift_rel.values), torch.tensor((w.drift / w.expert_norm).values))
+
+
+def test_table_means_match_the_tokens():
+    model, expert, batches = _pair("toy")
+    w = _wide(drift_table(model, {"a": expert}, {"a": batches[:1]}, tokens="cls"))
+    dts = _walk(model, expert, batches[0])
+    for l, dt in enumerate(dts):
+        e, m = select_rows(dt.e, "cls"), select_rows(dt.m, "cls")           # (B, d)
+        assert w.loc[("a", l), "drift"] == pytest.approx(float(e.norm(dim=-1).mean()), rel=1e-5)
+        assert w.loc[("a", l), "drift_sq_mismatch"] == pytest.approx(float((e * m).sum(-1).mean()), rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- zero cases
+
+def _toy_zoo_obj(model_for_experts=None) -> Zoo:
+    base, experts, _ = toy_zoo(n_tasks=2)
+    if model_for_experts is not None:
+        experts = {t: model_for_experts for t in experts}
+    gen = torch.Generator().manual_seed(5)
+    data = {t: TaskData(t, ["a", "b", "c"], {s: (torch.randn(12, 5, 6, generator=gen),
+                                                   torch.randint(0, 3, (12,), generator=gen))
+                                               for s in ("calib", "test")}) for t in experts}
+    heads = {t: nn.Linear(8, 3).requires_grad_(False) for t in experts}
+    return Zoo("toy", base, experts, heads, data, features=lambda m, x: m.hidden(x)[:, 0], fmt="torch")
+
+
+def test_model_equal_to_expert_has_no_drift():
+    base, experts, _ = toy_zoo(n_tasks=1)
+    expert = experts["t0"]
+    data = toy_data(["t0"], n=6, batch=3)
+    w = _wide(drift_table(copy.deepcopy(expert), experts, data))
+    for k in ("drift", "mismatch", "propagation", "drift_sq"):
+        assert w[k].abs().max() < 1e-6, k
+    assert (w.expert_cosine - 1).abs().max() < 1e-6
+    assert (w.cka - 1).abs().max() < 1e-6
+    cos = expert_cosine(copy.deepcopy(expert), experts, data)
+    assert (cos.value - 1).abs().max() < 1e-6
+    zoo = _toy_zoo_obj(model_for_experts=expert)
+    out = _wide(output_drift(copy.deepcopy(expert), zoo))
+    assert out.kl.abs().max() < 1e-9
+    assert (out.agreement == 100.0).all()
+    assert (out.accuracy == out.expert_accuracy).all()
+    tv = task_vector_cosine(expert, base, experts)
+    assert (tv[tv.metric == "task_vector_cosine"].value - 1).abs().max() < 1e-9
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_expert_differing_in_one_block(k):
+    torch.manual_seed(0)
+    base = ToyModel(n_blocks=3)
+    expert = copy.deepcopy(base)
+    expert.blocks[k] = perturbed(base.blocks[k], 0.3, 7)
+    w = _wide(drift_table(base, {"a": expert}, toy_data(["a"], n=6, batch=3)))
+    for l in range(3):
+        row = w.loc[("a", l)]
+        if l != k:
+            assert row.mismatch < 1e-6, f"block {l}: local mismatch outside block {k}"
+        else:
+            assert row.mismatch > 1e-2
+        if l <= k:
+            assert row.propagation < 1e-6, f"block {l}: propagation up to block {k}"
+        else:
+            assert row.propagation > 1e-2
+    tv = task_vector_cosine(base, base, {"a": expert})
+    assert tv[tv.metric == "task_vector_norm"].value.abs().max() == 0.0
+    norms = tv[tv.metric == "expert_task_vector_norm"].set_index("block").value
+    assert norms[k] > 0 and all(norms[l] == 0 for l in range(3) if l != k)
+
+
+# ----------------------------------------------------------------------------- cost and shape
+
+def test_one_extra_block_call_per_block():
+    model, expert, batches = _pair("toy")
+    calls: dict[str, int] = {}
+
+    def counter(key):
+        def hook(*_):
+            calls[key] = calls.get(key, 0) + 1
+        return hook
+
+    handles = [b.register_forward_hook(counter(f"mod{l}")) for l, b in enumerate(model.blocks)]
+    handles += [b.register_forward_hook(counter(f"exp{l}")) for l, b in enumerate(expert.blocks)]
+    handles += [model.stem.register_forward_hook(counter("mod_stem")),
+                model.head.register_forward_hook(counter("mod_head")),
+                expert.stem.register_forward_hook(counter("exp_stem"))]
+    try:
+        drift_table(model, {"a": expert}, {"a": batches})
+    finally:
+        for h in handles:
+            h.remove()
+    n = len(batches)
+    assert calls == {"mod_stem": n, "exp_stem": n, **{f"mod{l}": 2 * n for l in range(3)},
+                     **{f"exp{l}": n for l in range(3)}}
+
+
+def test_per_example_rows_only_for_final_features():
+    zoo = _toy_zoo_obj()
+    tables, summary = diagnose(zoo.merged("task_arithmetic"), zoo, n_per_task=6, batch_size=4)
+    assert set(tables) == {"drift", "expert_cosine", "task_vector", "output"}
+    assert [n for n, df in tables.items() if "example" in df.columns] == ["expert_cosine"]
+    cos = tables["expert_cosine"]
+    assert (cos.block == WHOLE).all() and (cos.metric == "expert_cosine").all()
+    assert sorted(cos.groupby("task").example.apply(list).iloc[0]) == list(range(6))
+    drift = tables["drift"]
+    assert list(drift.columns) == ["task", "block", "metric", "value"]
+    assert sorted(drift.block.unique()) == [0, 1, 2]
+    assert len(drift) == 2 * 3 * drift.metric.nunique()
+    assert "KL(expert" in summary and "task-vector cosine" in summary
+
+
+def test_padding_is_excluded():
+    class MaskedToy(ToyModel):
+        def forward(self, x, attention_mask=None):
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    model = MaskedToy()
+    expert = perturbed(model, 0.2, 3)
+    x = torch.randn(4, 5, 6)
+    padded = x.clone()
+    padded[:, 3:] = 100.0                                   # garbage in the padding
+    mask = torch.ones(4, 5, dtype=torch.long)
+    mask[:, 3:] = 0
+    got = drift_table(model, {"a": expert}, {"a": [{"x": padded, "attention_mask": mask}]})
+    want = drift_table(model, {"a": expert}, {"a": [x[:, :3]]})   # tokens never mix in the toy
+    torch.testing.assert_close(torch.tensor(got.value.values), torch.tensor(want.value.values))
+
+
+def test_drift_tables_and_model_column():
+    base, experts, merged = toy_zoo(n_tasks=2)
+    df = drift_tables({"merged": merged, "base": base}, experts, toy_data(experts, n=3, batch=3), cka=False)
+    assert list(df.columns[:2]) == ["model", "task"] and set(df.model) == {"merged", "base"}
+    assert "cka" not in set(df.metric)
+
+
+# ----------------------------------------------------------------------------- pure maths
+
+def test_streaming_cka_equals_one_shot_and_is_invariant():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(20, 4, generator=gen, dtype=torch.float64)
+    y = torch.randn(20, 3, generator=gen, dtype=torch.float64)
+    acc = CKASums.zeros(4, 3)
+    for xb, yb in zip(x.split(7), y.split(7)):
+        accumulate_cka(acc, xb, yb)
+    xc, yc = x - x.mean(0), y - y.mean(0)
+    want = (xc.T @ yc).pow(2).sum() / ((xc.T @ xc).norm() * (yc.T @ yc).norm())
+    assert linear_cka(acc) == pytest.approx(float(want), rel=1e-10)
+    q, _ = torch.linalg.qr(torch.randn(4, 4, generator=gen, dtype=torch.float64))
+    same = accumulate_cka(CKASums.zeros(4, 4), x, 3.0 * x @ q + 1.0)       # rotate, scale, shift
+    assert linear_cka(same) == pytest.approx(1.0, abs=1e-10)
+
+
+def test_kl_rows_matches_torch():
+    gen = torch.Generator().manual_seed(0)
+    le, lm = torch.randn(5, 4, generator=gen), torch.randn(5, 4, generator=gen)
+    want = torch.nn.functional.kl_div(lm.log_softmax(-1), le.log_softmax(-1), log_target=True,
+                                      reduction="none").sum(-1)
+    torch.testing.assert_close(kl_rows(le, lm).float(), want)
+    assert (kl_rows(le, lm) >= 0).all() and kl_rows(le, le).abs().max() < 1e-12
+
+
+def test_task_vector_cosine_whole_model_matches_flat_vectors():
+    base, experts, merged = toy_zoo(n_tasks=2)
+    tv = task_vector_cosine(merged, base, experts)
+    flat = lambda m: torch.cat([v.double().reshape(-1) for v in m.state_dict().values()])  # noqa: E731
+    tau = flat(merged) - flat(base)
+    for t, e in experts.items():
+        tau_i = flat(e) - flat(base)
+        want = float(tau @ tau_i / (tau.norm() * tau_i.norm()))
+        got = tv[(tv.task == t) & (tv.block == WHOLE) & (tv.metric == "task_vector_cosine")].value.item()
+        assert got == pytest.approx(want, rel=1e-10)
+    assert set(tv.block) == {WHOLE, 0, 1, 2}
+
+
+def test_row_selection_and_layout():
+    h = torch.arange(2 * 3 * 2, dtype=torch.float32).reshape(2, 3, 2)         # (B, T, d)
+    mask = torch.tensor([[1, 1, 0], [0, 1, 1]])
+    assert select_rows(h, "all", mask).shape == (4, 2)
+    torch.testing.assert_close(select_rows(h, "cls", mask), h[:1, 0])        # example 1's first token is padding
+    assert select_rows(h[:, 0], "all").shape == (2, 2)                        # no token axis: one row per example
+    torch.testing.assert_close(batch_first(h.transpose(0, 1), 2), h)
+
+
+# ----------------------------------------------------------------------------- CLI plumbing
+
+@pytest.mark.parametrize("which", ["merged", "calibrated", "DIR"])
+def test_cli_writes_tables_and_summary(tmp_path, monkeypatch, which):
+    from diagnostics import cli
+    from featcal.zoo.io import save_model
+
+    zoo = _toy_zoo_obj()
+    monkeypatch.setattr(cli, "load_zoo", lambda spec, progress=True, device="cpu": zoo)
+    if which == "DIR":
+        which = str(save_model(zoo.merged("task_arithmetic"), tmp_path / "saved", fmt="torch"))
+    parser = argparse.ArgumentParser(prog="featcal")
+    cli.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["diagnose", "--zoo", "toy", "--model", which, "--n-per-task", "4",
+                              "--out", str(tmp_path / "diag"), "--quiet", "--no-cka"])
+    assert args.func(args) == 0
+    files = sorted(p.name for p in (tmp_path / "diag").iterdir())
+    assert files == ["drift.csv", "expert_cosine.csv", "output.csv", "summary.txt", "task_vector.csv"]
+    drift = pd.read_csv(tmp_path / "diag" / "drift.csv")
+    assert list(drift.columns) == ["task", "block", "metric", "value"]
+    assert "relative drift" in (tmp_path / "diag" / "summary.txt").read_text()
+
+
+def test_featcal_cli_has_diagnose(tmp_path, monkeypatch, capsys):
+    from diagnostics import cli
+    from featcal import cli as featcal_cli
+
+    zoo = _toy_zoo_obj()
+    monkeypatch.setattr(cli, "load_zoo", lambda spec, progress=True, device="cpu": zoo)
+    argv = ["diagnose", "--zoo", "toy", "--n-per-task", "4", "--format", "parquet", "--out", str(tmp_path / "d")]
+    assert featcal_cli.main(argv) == 0
+    assert "KL(expert || merged)" in capsys.readouterr().out
+    assert (tmp_path / "d" / "drift.parquet").is_file()
+    assert featcal_cli.main(argv) == 2                  # the output exists: one error line, no traceback
+    assert "already exists" in capsys.readouterr().err
