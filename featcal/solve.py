@@ -86,26 +86,27 @@ def add_task(sys: LinearSystem, mom: LinearMoments, W_i: torch.Tensor, b_i: torc
     ``W_i`` ``(o, d)``, ``b_i`` ``(o,)`` or ``None``: expert i's parameters.
     ``ye_sq``: ``E|W_i xe|^2`` (expert output without bias, measured in the pass).
     """
-    W_i = W_i.to(sys.S.dtype)
-    s = task_scale(mom.C, eps)
+    dt = sys.S.dtype
+    W_i = W_i.to(dt)
+    s = float(task_scale(mom.C, eps))        # a Python float: the updates below run in place
     CW = mom.C @ W_i.T                       # (d, o)
     PW = mom.PW                              # (d, o)  E[xs xe^T] W_i^T
-    sys.S += s * mom.C
-    sys.U += s * CW
-    sys.V += s * (PW - CW)
+    sys.S.add_(mom.C, alpha=s)
+    sys.U.add_(CW, alpha=s)
+    sys.V.add_(PW, alpha=s).add_(CW, alpha=-s)
     sys.s_sum += s
-    sys.m_s += s * mom.mu_s
+    sys.m_s.add_(mom.mu_s, alpha=s)
     Wmu_s = W_i @ mom.mu_s                   # (o,)
     Wmu_d = W_i @ (mom.mu_e - mom.mu_s)      # (o,)
-    sys.ub += s * Wmu_s
-    sys.vb += s * Wmu_d
-    sys.k_ee += s * ye_sq.to(sys.S.dtype)
+    sys.ub.add_(Wmu_s, alpha=s)
+    sys.vb.add_(Wmu_d, alpha=s)
+    sys.k_ee += s * ye_sq.to(dt)
     sys.k_se += s * _inner(W_i.T, PW)
     sys.k_ss += s * _inner(W_i.T, CW)
     if b_i is not None:
-        b_i = b_i.to(sys.S.dtype)
-        sys.sb += s * b_i
-        sys.B_ms += s * torch.outer(b_i, mom.mu_s)
+        b_i = b_i.to(dt)
+        sys.sb.add_(b_i, alpha=s)
+        sys.B_ms.addr_(b_i, mom.mu_s, alpha=s)
         sys.c_s += s * (b_i @ Wmu_s)
         sys.c_v += s * (b_i @ Wmu_d)
         sys.bb += s * (b_i @ b_i)
@@ -147,28 +148,37 @@ def linear_bias(sys: LinearSystem, W: torch.Tensor, b_mer: torch.Tensor, b_0: to
 
 def solve_linear(sys: LinearSystem, W_mer: torch.Tensor, b_mer: torch.Tensor | None,
                  W_0: torch.Tensor, b_0: torch.Tensor | None, *, lam: float, rho: float,
-                 alpha: float, eps: float, bias: bool = True, what: str = "linear"
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 alpha: float, eps: float, bias: bool = True, what: str = "linear",
+                 with_swt: bool = False):
     """The calibrated ``(W, b)`` (in the system's dtype). ``b`` is the merged bias when
-    ``bias`` is off, ``None`` when the module has none."""
-    d = sys.S.shape[0]
-    A = sys.S + (lam + eps) * torch.eye(d, dtype=sys.S.dtype, device=sys.S.device)
-    Wt = spd_solve(A, linear_rhs(sys, W_mer, W_0, lam, rho, alpha), what)  # (d, o)
+    ``bias`` is off, ``None`` when the module has none. With ``with_swt``, also ``S W^T``
+    (free from the normal equations: ``S W^T = R - (lam + eps) W^T``) for the residual."""
+    A = sys.S.clone()
+    A.diagonal().add_(lam + eps)
+    R = linear_rhs(sys, W_mer, W_0, lam, rho, alpha)
+    Wt = spd_solve(A, R, what)               # (d, o)
     W = Wt.T
     if b_mer is None:
-        return W, None
-    if not bias:
-        return W, b_mer.to(sys.S.dtype)
-    return W, linear_bias(sys, W, b_mer, b_0, lam, rho, alpha)
+        b = None
+    elif not bias:
+        b = b_mer.to(sys.S.dtype)
+    else:
+        b = linear_bias(sys, W, b_mer, b_0, lam, rho, alpha)
+    if with_swt:
+        return W, b, R.sub_(Wt, alpha=lam + eps)
+    return W, b
 
 
-def linear_residual(sys: LinearSystem, W: torch.Tensor, b: torch.Tensor | None, alpha: float) -> float:
-    """Relative residual ``sum s_i E|W xs + b - W_i xt - b_i|^2 / sum s_i E|W_i xt + b_i|^2``."""
+def linear_residual(sys: LinearSystem, W: torch.Tensor, b: torch.Tensor | None, alpha: float,
+                    SWt: torch.Tensor | None = None) -> float:
+    """Relative residual ``sum s_i E|W xs + b - W_i xt - b_i|^2 / sum s_i E|W_i xt + b_i|^2``.
+    ``SWt`` (``S W^T``) may be given when already known (see :func:`solve_linear`)."""
     dt = sys.S.dtype
     Wt = W.to(dt).T                          # (d, o)
     a = alpha
     K = a * a * sys.k_ee + 2 * a * (1 - a) * sys.k_se + (1 - a) ** 2 * sys.k_ss
-    num = _inner(Wt, sys.S @ Wt) - 2 * _inner(Wt, sys.U + a * sys.V) + K
+    SWt = sys.S @ Wt if SWt is None else SWt
+    num = _inner(Wt, SWt) - 2 * (_inner(Wt, sys.U) + a * _inner(Wt, sys.V)) + K
     den = K + 2 * (sys.c_s + a * sys.c_v) + sys.bb
     if b is not None:
         b = b.to(dt)

@@ -79,7 +79,7 @@ def accumulate_linear(acc: LinearSums, xs: torch.Tensor, xe: torch.Tensor,
     acc.s += xsw.sum(0)
     acc.e += weighted(xe, w).sum(0)
     if acc.P is None:
-        acc.C += xsw.T @ xs
+        acc.C.addmm_(xsw.T, xs)
         return acc
     d = xs.shape[1]
     both = xsw.T @ torch.cat([xs, xe], dim=1)  # (d, 2d): [sum w xs xs^T | sum w xs xe^T]
@@ -91,8 +91,7 @@ def accumulate_linear(acc: LinearSums, xs: torch.Tensor, xe: torch.Tensor,
 def accumulate_cross(Q: torch.Tensor, xs: torch.Tensor, ye: torch.Tensor,
                      w: torch.Tensor | None) -> torch.Tensor:
     """``Q += sum_r w_r xs_r ye_r^T`` for ``xs`` ``(rows, d)``, ``ye = W_i xe`` ``(rows, o)``."""
-    Q += weighted(xs, w).T @ ye
-    return Q
+    return Q.addmm_(weighted(xs, w).T, ye)
 
 
 def accumulate_norm(acc: NormSums, xs: torch.Tensor, w: torch.Tensor | None, eps: float) -> NormSums:
@@ -130,7 +129,7 @@ def linear_moments(acc: LinearSums, W_i: torch.Tensor | None = None,
     if not float(acc.w) > 0:
         raise ValueError("no calibration rows with positive weight for this module (empty task?).")
     w = acc.w
-    PW = Q / w if Q is not None else (acc.P / w) @ W_i.to(acc.P.dtype).T
+    PW = Q / w if Q is not None else (acc.P @ W_i.to(acc.P.dtype).T) / w
     return LinearMoments(acc.C / w, PW, acc.s / w, acc.e / w, acc.rows)
 
 

@@ -1,0 +1,141 @@
+"""The paper's setting on one GPU: ViT-B/32-sized CLIP, 8 experts, 256 examples per task.
+
+Times one exact, end-to-end ``featcal.calibrate`` (model building excluded:
+random weights, experts as seeded perturbations, Task Arithmetic merge, all
+already on the device) and prints, per setting, a markdown row with the time,
+its phases from the report (stats / solve / advance, plus ``other``:
+validation, model copy, stems), the forward-pass reference (ONE pass of the
+calibration data through the merged model and every expert on its own task,
+same batches) and the peak GPU memory (``torch.cuda.max_memory_allocated``:
+absolute, and above the start of the call, i.e. what calibration adds to the
+resident models and data).
+
+Target: 5 s on one H200 for fp32, batch 16 (paper: 53 s on one A800).
+
+Runs from the repository root with a plain ``python3`` that has torch and
+transformers (no install of featcal needed)::
+
+    python3 benchmarks/gpu_calibration.py                                  # fp32, batch 16
+    python3 benchmarks/gpu_calibration.py --dtype fp32,bf16 --batch 16,64 --offload-streams both
+    python3 benchmarks/gpu_calibration.py --profile                        # + top CUDA ops of one run
+    python3 benchmarks/gpu_calibration.py --tiny                           # CPU smoke test, seconds
+
+``--dtype bf16`` holds the models, data and streams in bfloat16; the statistics
+and the solve stay in ``--stats-dtype`` (float32 by default). ``--tf32`` lets
+float32 matrix products use TF32 tensor cores (off by default: the exact run).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+C.setup_path()
+
+import torch  # noqa: E402
+
+from featcal import FeatCalConfig  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="vit-b32", choices=sorted(C.SIZES), help="model size")
+    p.add_argument("--experts", type=int, default=8, help="number of experts (tasks)")
+    p.add_argument("--examples", type=int, default=256, help="calibration examples per task")
+    p.add_argument("--batch", default="16", help="examples per batch; comma-separated for several rows")
+    p.add_argument("--dtype", default="fp32", help="model dtype, fp32 or bf16; comma-separated for several rows")
+    p.add_argument("--stats-dtype", default="fp32", choices=["fp32", "fp64"],
+                   help="dtype of the statistics and the solve")
+    p.add_argument("--offload-streams", default="off", choices=["off", "on", "both"],
+                   help="keep the hidden-state streams on the CPU between blocks")
+    p.add_argument("--tf32", action="store_true", help="allow TF32 for float32 matrix products")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per row (median)")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
+    p.add_argument("--profile", action="store_true",
+                   help="print the top CUDA ops (torch.profiler) and featcal functions (cProfile) of the first setting")
+    p.add_argument("--tiny", action="store_true",
+                   help="smoke test: tiny model, 3 experts, 16 examples, batch 8 (runs on a CPU)")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.size, args.experts, args.examples, args.batch = "tiny", 3, 16, "8"
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return args
+
+
+def _setting(zoo: C.Zoo, cfg: FeatCalConfig, args, label: dict) -> dict:
+    """Warm up, then ``--repeats`` interleaved (reference, calibration) pairs; one table row."""
+    C.forward_reference(zoo.with_examples(zoo.batch))
+    C.calibrate_once(zoo.with_examples(zoo.batch), cfg)
+    refs, runs = [], []
+    for _ in range(args.repeats):
+        refs.append(C.forward_reference(zoo).wall)
+        run, model, _ = C.calibrate_once(zoo, cfg, mem_probe=C.MemProbe(args.device))
+        del model
+        runs.append(run)
+        print(f"    run: {run.seconds:.2f} s (stats {run.stats:.2f}, solve {run.solve:.2f}, advance "
+              f"{run.advance:.2f}); reference {refs[-1]:.2f} s", file=sys.stderr, flush=True)
+    run = C.median_run(runs)
+    ref = C.Timing(statistics.median(refs), float("nan"))
+    row = C.cost_row(f"{zoo.size}", zoo, ref, run, cpu_ratio=False, **label)
+    row["peak mem"] = f"+{C.fmt_bytes(run.peak_mem)}"
+    if torch.device(args.device).type == "cuda":
+        row["peak mem"] += f" ({C.fmt_bytes(torch.cuda.max_memory_allocated())} total)"
+    row["runs"] = ", ".join(f"{r.seconds:.2f}" for r in runs)
+    print(f"  {label}: calibrate {run.seconds:.2f} s = {run.seconds / ref.wall:.2f}x fwd {ref.wall:.2f} s",
+          file=sys.stderr, flush=True)
+    return row
+
+
+def _profile(zoo: C.Zoo, cfg: FeatCalConfig, args, label: dict) -> str:
+    """Top device ops (torch.profiler) and featcal functions (cProfile) of one run of a setting."""
+    head = f"{zoo.size}, batch {zoo.batch}, {label}"
+    ops = C.profile_ops(lambda: C.calibrate_once(zoo, cfg), args.device, rows=20)
+    py = C.profile_python(lambda: C.calibrate_once(zoo, cfg), rows=20)
+    return f"\n### top ops of one run ({head})\n\n{ops}\n### featcal functions, cProfile ({head})\n\n{py}"
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    torch.backends.cudnn.allow_tf32 = args.tf32
+    print(C.environment(args.device), flush=True)
+    print(f"TF32 {'on' if args.tf32 else 'off'}", flush=True)
+    print(f"{args.size}: {args.experts} experts, {args.examples} examples per task, "
+          f"{C.tokens_per_example(args.size)} tokens per example", flush=True)
+    offloads = {"off": [False], "on": [True], "both": [False, True]}[args.offload_streams]
+    batches = [int(b) for b in args.batch.split(",")]
+    rows: list[dict] = []
+    profiled: list[str] = []
+    for dname in args.dtype.split(","):
+        base_zoo = C.build_zoo(args.size, args.experts, args.examples, batches[0], device=args.device,
+                               dtype=DTYPES[dname.strip()])
+        models_bytes = sum(p.numel() * p.element_size() for m in [base_zoo.base, base_zoo.merged,
+                                                                 *base_zoo.experts.values()]
+                           for p in m.parameters())
+        print(f"  {dname}: {args.experts + 2} models, {C.fmt_bytes(models_bytes)} of parameters",
+              file=sys.stderr, flush=True)
+        for batch, offload in itertools.product(batches, offloads):
+            zoo = base_zoo.with_examples(args.examples, batch)
+            cfg = FeatCalConfig.clip(stats_dtype=DTYPES[args.stats_dtype], offload_streams=offload)
+            label = {"dtype": f"{dname}/{args.stats_dtype} stats", "offload": "yes" if offload else "no"}
+            rows.append(_setting(zoo, cfg, args, label))
+            if args.profile and not profiled:
+                profiled.append(_profile(zoo, cfg, args, label))
+                print(profiled[-1], flush=True)
+        del base_zoo
+    print()
+    print(C.markdown_table(rows))
+
+
+if __name__ == "__main__":
+    main()
