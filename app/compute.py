@@ -1,0 +1,278 @@
+"""What the app asks of featcal and diagnostics, without Streamlit.
+
+Each function is one call into the library (or a small reshaping of its tables),
+so that :mod:`app.state` only caches and the pages only draw. Testable on its own.
+
+The helpers marked *belongs in ...* are small pure functions the library does not
+offer yet; they live here until it does.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+LIVE_TEST = 50       # test examples per task scored live (the first ones of the split)
+DIAG_N = 16          # held-out examples per task the drift and cosines are measured on
+FIX_SPEC = ("Fix: pick the embedded demo, or give the path of a zoo spec YAML (examples in assets/zoos/) "
+            "or of a zoo directory (one holding meta.json).")
+
+
+# ----------------------------------------------------------------------------- zoo
+
+def device() -> str:
+    """The GPU when there is one, else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_zoo(source: str, device: str):
+    """``demo`` / ``demo-fashion`` / a spec YAML / a zoo directory -> ``Zoo`` on ``device``
+    (:func:`featcal.zoo.load_any`; ``~`` and ``$VARS`` in paths are expanded)."""
+    from featcal.zoo import load_any
+
+    name = source if source in ("demo", "demo-fashion") else os.path.expandvars(source)
+    if not Path(name).expanduser().exists() and (REPO / name).exists():
+        name = str(REPO / name)              # the example specs, from any working directory
+    return on_device(load_any(name, progress=False, device=device), device)
+
+
+def on_device(zoo, device: str):
+    """Move the zoo's models and heads to ``device`` (in place; the zoo is the app's own)."""
+    for m in [zoo.base, *zoo.experts.values(), *zoo.heads.values()]:
+        m.to(device).eval()
+    return zoo
+
+
+SMALL_MODEL = 20_000_000   # parameters: below this, one CPU thread is fastest
+
+
+def cpu_threads(zoo, device: str) -> int:
+    """Torch CPU threads for the app's work on ``zoo``: ``$FEATCAL_APP_THREADS`` if set;
+    else 1 for small models on the CPU (their ops are too small to split; with other
+    processes on the cores, extra threads mostly wait for each other), else every core."""
+    env = os.environ.get("FEATCAL_APP_THREADS")
+    if env:
+        return max(1, int(env))
+    if device == "cpu" and model_size(zoo.base)[0] < SMALL_MODEL:
+        return 1
+    return os.cpu_count() or 1
+
+
+def explain_load_error(source: str, exc: BaseException) -> str:
+    """Markdown for the user: what went wrong loading ``source`` and how to fix it."""
+    msg = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, FileNotFoundError) and "fix:" in msg.lower():
+        fix = "Fix: see the `fix:` lines above (the library lists every missing piece and how to get it)."
+    elif isinstance(exc, ImportError):
+        fix = ("Fix: install the missing package into the app's environment "
+               "(e.g. `pip install open_clip_torch` for open_clip zoos).")
+    else:
+        fix = FIX_SPEC
+    kind = "" if isinstance(exc, FileNotFoundError) else f" ({type(exc).__name__})"
+    return f"**Could not load zoo `{source}`{kind}.**\n\n```text\n{msg}\n```\n\n{fix}"
+
+
+def fingerprint(zoo, source: str) -> str:
+    """Identifies the zoo's content: its recorded hash, else the spec file's bytes."""
+    digest = zoo.meta.get("content_sha256")
+    if digest:
+        return str(digest)[:16]
+    h = hashlib.sha256(source.encode())
+    spec = zoo.meta.get("spec")
+    if spec and Path(spec).is_file():
+        h.update(Path(spec).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def splits_of(zoo) -> list[str]:
+    task = zoo.tasks[0]
+    return list(zoo.data[task].splits)
+
+
+def split_size(zoo, split: str) -> int:
+    """The smallest size of ``split`` over the tasks."""
+    return min(len(zoo.split(t, split)[1]) for t in zoo.tasks)
+
+
+# ----------------------------------------------------------------------------- featcal
+
+def calibrate(merged: nn.Module, zoo, data: dict, lam: float, rho: float, alpha: float, bias: bool,
+              layernorm: bool):
+    """The exact forward-order FeatCal of ``merged`` with the CLIP preset's token weights."""
+    from featcal import FeatCalConfig
+    from featcal import calibrate as featcal_calibrate
+
+    cfg = FeatCalConfig.clip(lam=lam, rho=rho, alpha=alpha, bias=bias, layernorm=layernorm)
+    return featcal_calibrate(merged, base=zoo.base, experts=zoo.experts, calib_data=data, config=cfg,
+                             keep_stats=True, progress=False)
+
+
+@torch.no_grad()
+def load_preview(scratch: nn.Module, calibrated: nn.Module, report, lam: float, rho: float,
+                 alpha: float) -> nn.Module:
+    """Write the preview for (lam, rho, alpha) from ``report``'s kept statistics into ``scratch``
+    (a model of the same architecture), in place."""
+    scratch.load_state_dict(calibrated.state_dict())
+    report.preview_state.load_into(scratch, lam, rho, alpha)
+    return scratch.eval()
+
+
+# ----------------------------------------------------------------------------- diagnostics
+
+def scores(model: nn.Module, zoo, data: dict, max_per_task: int | None,
+           side: "ExpertSide | None" = None) -> dict[str, pd.DataFrame]:
+    """Output drift on the test split's first ``max_per_task`` examples, expert cosine of the
+    features the heads read on ``data``, task-vector cosine (see :mod:`diagnostics`).
+
+    With ``side`` (the experts' own outputs, :func:`expert_side`, computed once per zoo) the
+    experts are not run again; the tables are the same as diagnostics' own."""
+    from diagnostics import expert_cosine, output_drift, task_vector_cosine
+
+    if side is None:
+        out = output_drift(model, zoo, split="test", max_per_task=max_per_task)
+        cos = expert_cosine(model, zoo.experts, data, features_fn=features_on_device(zoo))
+    else:
+        out, cos = _output_drift(model, zoo, side), _expert_cosine(model, zoo, data, side)
+    return {"output": out, "expert_cosine": cos,
+            "task_vector": task_vector_cosine(model, zoo.base, zoo.experts)}
+
+
+@dataclass
+class ExpertSide:
+    """The experts' outputs on the live subsets: constant for a zoo, so computed once.
+
+    *Belongs in diagnostics*: ``output_drift`` / ``expert_cosine`` taking the experts'
+    precomputed logits / features would make this class and the two functions below
+    unnecessary (they rebuild those tables from :func:`diagnostics.kl_rows` and friends).
+    """
+
+    max_per_task: int | None
+    logits: dict[str, torch.Tensor]          # task -> (n, C) expert logits on the test subset
+    features: dict[str, list[torch.Tensor]]  # task -> expert features (B, d) per batch of data
+
+
+@torch.no_grad()
+def expert_side(zoo, data: dict, max_per_task: int | None, batch_size: int = 256) -> ExpertSide:
+    feats = features_on_device(zoo)
+    logits, features = {}, {}
+    for task, expert in zoo.experts.items():
+        expert.eval()
+        x, _ = zoo.split(task, "test")
+        logits[task] = torch.cat([zoo.logits(expert, task, xb).cpu() for xb in x[:max_per_task].split(batch_size)])
+        features[task] = [feats(expert, b).cpu() for b in data[task]]
+    return ExpertSide(max_per_task, logits, features)
+
+
+@torch.no_grad()
+def _output_drift(model: nn.Module, zoo, side: ExpertSide, batch_size: int = 256) -> pd.DataFrame:
+    """:func:`diagnostics.output_drift`'s table from the experts' cached logits."""
+    from diagnostics.output import kl_rows, top1_agreement
+
+    model.eval()
+    rows = []
+    for task in zoo.tasks:
+        x, y = zoo.split(task, "test")
+        x, y = x[:side.max_per_task], (None if y is None else y[:side.max_per_task])
+        lm = torch.cat([zoo.logits(model, task, xb).cpu() for xb in x.split(batch_size)])   # (n, C)
+        le = side.logits[task]                                                               # (n, C)
+        n = len(x)
+        mean = (lambda t, scale=1.0: scale * float(t.double().mean()) if n else float("nan"))  # noqa: E731
+        rows += [(task, -1, "kl", mean(kl_rows(le, lm))), (task, -1, "agreement", mean(top1_agreement(le, lm), 100.0))]
+        if y is not None:
+            rows += [(task, -1, "accuracy", mean(lm.argmax(-1) == y, 100.0)),
+                     (task, -1, "expert_accuracy", mean(le.argmax(-1) == y, 100.0))]
+        rows.append((task, -1, "examples", float(n)))
+    return pd.DataFrame(rows, columns=["task", "block", "metric", "value"])
+
+
+@torch.no_grad()
+def _expert_cosine(model: nn.Module, zoo, data: dict, side: ExpertSide) -> pd.DataFrame:
+    """:func:`diagnostics.expert_cosine`'s table from the experts' cached features."""
+    from diagnostics.similarity import cosine_rows
+
+    model.eval()
+    feats = features_on_device(zoo)
+    frames = []
+    for task, batches in data.items():
+        f_mod = torch.cat([feats(model, b).cpu() for b in batches])      # (n, d)
+        f_exp = torch.cat(side.features[task])                            # (n, d)
+        cos = cosine_rows(f_mod.reshape(len(f_mod), -1), f_exp.reshape(len(f_exp), -1))
+        frames.append(pd.DataFrame({"task": task, "block": -1, "example": range(len(cos)),
+                                    "metric": "expert_cosine", "value": cos.numpy()}))
+    return pd.concat(frames, ignore_index=True)
+
+
+def features_on_device(zoo):
+    """``zoo.features`` with the batch moved to the model's device first (a zoo's reader
+    expects it there; the data stays on the CPU). *Belongs in diagnostics*:
+    ``expert_cosine`` could move batches as :func:`diagnostics.default_features` does."""
+    from featcal.streams import device_of, to_device
+
+    return lambda model, batch: zoo.features(model, to_device(batch, device_of(model)))
+
+
+def drift(model: nn.Module, zoo, data: dict) -> pd.DataFrame:
+    from diagnostics import drift_table
+
+    return drift_table(model, zoo.experts, data, cka=False)
+
+
+def task_summary(scores: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """One row per task: accuracy, expert_accuracy, kl, agreement, expert_cosine (mean over
+    examples), task_vector_cosine (whole model). *Belongs in diagnostics* (a tidy-to-wide
+    ``summary_frame`` next to :func:`diagnostics.summarize`)."""
+    out = scores["output"].groupby(["task", "metric"])["value"].mean().unstack("metric")
+    cos = scores["expert_cosine"].groupby("task")["value"].mean().rename("expert_cosine")
+    tv = scores["task_vector"]
+    tv = tv[(tv.metric == "task_vector_cosine") & (tv.block == -1)].set_index("task")["value"]
+    frame = out.join(cos).join(tv.rename("task_vector_cosine"))
+    order = list(dict.fromkeys(scores["output"].task))
+    return frame.loc[order]
+
+
+def model_size(model: nn.Module) -> tuple[int, int]:
+    """``(parameters, bytes)`` of a model. *Belongs in featcal* (``featcal.arch``)."""
+    params = sum(p.numel() for p in model.parameters())
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    nbytes += sum(b.numel() * b.element_size() for b in model.buffers())
+    return params, nbytes
+
+
+def zoo_models(zoo) -> pd.DataFrame:
+    """One row per model of the zoo: role, task, parameters, MB. *Belongs in featcal.zoo*."""
+    rows = []
+    for role, task, m in [("base", "", zoo.base), *(("expert", t, m) for t, m in zoo.experts.items())]:
+        params, nbytes = model_size(m)
+        rows.append({"role": role, "task": task, "class": type(m).__name__, "parameters": params,
+                     "MB": round(nbytes / 2**20, 2)})
+    return pd.DataFrame(rows)
+
+
+def zoo_tasks(zoo) -> pd.DataFrame:
+    """One row per task: classes and split sizes. *Belongs in featcal.zoo*."""
+    rows = []
+    for t in zoo.tasks:
+        row = {"task": t, "classes": len(zoo.data[t].classes)}
+        for split in zoo.data[t].splits:
+            row[split] = len(zoo.split(t, split)[1])
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def accuracy_frame(named: dict[str, pd.DataFrame], expert_from: str | None = None,
+                   expert_at: int = 1) -> pd.DataFrame:
+    """Tidy ``task, model, accuracy`` from ``{model name: output_drift table}`` (in that order);
+    the experts' own accuracy, read from ``expert_from``'s table (``expert_accuracy``), comes
+    in as model ``expert`` at position ``expert_at``."""
+    tables = [(name, out[out.metric == "accuracy"]) for name, out in named.items()]
+    if expert_from is not None:
+        src = named[expert_from]
+        tables.insert(expert_at, ("expert", src[src.metric == "expert_accuracy"]))
+    frames = [pd.DataFrame({"task": t.task.values, "model": name, "accuracy": t.value.values}) for name, t in tables]
+    return pd.concat(frames, ignore_index=True)

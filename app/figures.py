@@ -1,0 +1,222 @@
+"""Plotly figures of the app: pure functions from tidy DataFrames to figures.
+
+Each figure is built in one ``go.Figure({"data": [...], "layout": {...}})`` call from
+plain dicts: plotly validates a figure once that way, where ``make_subplots`` and
+``update_*`` calls validate again and again (tens of times slower, which a slider's
+one-second budget cannot afford).
+
+No Streamlit and no model here. The drift tables are :func:`diagnostics.drift_table`'s
+tidy frames (``task``, ``block``, ``metric``, ``value``); accuracy tables are tidy
+``task``, ``model``, ``accuracy``. Every function returns a new ``go.Figure``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import pandas as pd
+import plotly.graph_objects as go
+
+# One colour per quantity, the same in every figure.
+COLORS = {
+    "drift": "#111827",
+    "mismatch": "#1e3a8a",              # lines: darker than the bars they cross
+    "propagation": "#9a3412",
+    "drift_sq_mismatch": "#60a5fa",
+    "drift_sq_propagation": "#fdba74",
+    "base": "#9ca3af",
+    "expert": "#16a34a",
+    "merged": "#dc2626",
+    "calibrated": "#2563eb",
+    "preview": "#93c5fd",
+}
+SQUARED = {"drift_sq_mismatch": "local mismatch <e, m>", "drift_sq_propagation": "upstream propagation <e, p>"}
+NORMS = {"drift": "|e| drift", "mismatch": "|m| mismatch", "propagation": "|p| propagation"}
+# No template here: in the app Streamlit's theme styles the charts; exports add plotly_white.
+LAYOUT = {"margin": {"l": 10, "r": 10, "t": 45, "b": 10}, "height": 400,
+          "legend": {"orientation": "h", "yanchor": "top", "y": -0.22, "x": 0.0, "font": {"size": 11}}}
+
+
+# ----------------------------------------------------------------------------- shaping
+
+def per_block(df: pd.DataFrame, metrics: Iterable[str], task: str | None = None) -> pd.DataFrame:
+    """Wide frame indexed by block, one column per metric: task ``task``'s values, or the
+    mean over tasks when ``task`` is None."""
+    sel = df[df.metric.isin(list(metrics)) & (df.block >= 0)]
+    if task is not None:
+        sel = sel[sel.task == task]
+    return sel.groupby(["block", "metric"])["value"].mean().unstack("metric").sort_index()
+
+
+def block_task_grid(df: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """Wide frame ``block x task`` of one metric (tasks in their first-seen order)."""
+    sel = df[(df.metric == metric) & (df.block >= 0)]
+    tasks = list(dict.fromkeys(sel.task))
+    return sel.groupby(["block", "task"])["value"].mean().unstack("task")[tasks].sort_index()
+
+
+def value_range(frames: Iterable[pd.DataFrame | None], metrics: Iterable[str],
+                task: str | None = None, stacked: bool = False) -> tuple[float, float] | None:
+    """A y range that fits every frame (for side-by-side charts on one scale); stacked
+    bars count their positive and negative parts separately."""
+    lo, hi = 0.0, 0.0
+    seen = False
+    for df in frames:
+        if df is None or df.empty:
+            continue
+        wide = per_block(df, metrics, task)
+        if wide.empty:
+            continue
+        seen = True
+        if stacked:
+            hi = max(hi, float(wide.clip(lower=0).sum(axis=1).max()))
+            lo = min(lo, float(wide.clip(upper=0).sum(axis=1).min()))
+        else:
+            hi, lo = max(hi, float(wide.max().max())), min(lo, float(wide.min().min()))
+    if not seen or not math.isfinite(hi - lo):
+        return None
+    pad = 0.05 * (hi - lo or 1.0)
+    return (lo - pad if lo < 0 else 0.0, hi + pad)
+
+
+def heatmap_range(frames: Iterable[pd.DataFrame | None], metric: str) -> tuple[float, float] | None:
+    """``(0, max)`` of one metric over every frame (one colour scale for side-by-side heatmaps)."""
+    vals = [df[(df.metric == metric) & (df.block >= 0)].value for df in frames if df is not None and not df.empty]
+    vals = [v for v in vals if len(v)]
+    if not vals:
+        return None
+    return (0.0, float(pd.concat(vals).max()))
+
+
+def _figure(data: list[dict], layout: dict) -> go.Figure:
+    """One validated construction from plain dicts (much faster than incremental updates)."""
+    return go.Figure({"data": data, "layout": {**LAYOUT, **layout}})
+
+
+def _title(text: str) -> dict:
+    return {"text": text, "font": {"size": 15}}
+
+
+# ----------------------------------------------------------------------------- drift
+
+def drift_decomposition(df: pd.DataFrame, title: str, task: str | None = None,
+                        sq_range: tuple[float, float] | None = None,
+                        norm_range: tuple[float, float] | None = None,
+                        selected_block: int | None = None) -> go.Figure:
+    """Per block: the squared drift split additively, ``|e|^2 = <e, m> + <e, p>``, as stacked
+    bars (left axis), and the norms ``|e|``, ``|m|``, ``|p|`` as lines (right axis; norms do
+    not add). Means over rows, and over tasks unless ``task`` is given."""
+    sq = per_block(df, SQUARED, task)
+    nm = per_block(df, NORMS, task)
+    blocks = [int(b) for b in sq.index]
+    data = []
+    for metric, label in SQUARED.items():
+        if metric in sq:
+            data.append({"type": "bar", "x": blocks, "y": sq[metric].tolist(), "name": label,
+                         "marker": {"color": COLORS[metric],
+                                    "opacity": [1.0 if selected_block in (None, b) else 0.35 for b in blocks]},
+                         "hovertemplate": "block %{x}<br>" + label + " %{y:.4g}<extra></extra>"})
+    for metric, label in NORMS.items():
+        if metric in nm:
+            data.append({"type": "scatter", "x": [int(b) for b in nm.index], "y": nm[metric].tolist(),
+                         "name": label, "mode": "lines+markers", "yaxis": "y2",
+                         "line": {"color": COLORS[metric], "dash": "solid" if metric == "drift" else "dot"},
+                         "hovertemplate": "block %{x}<br>" + label + " %{y:.4g}<extra></extra>"})
+    return _figure(data, {
+        "title": _title(title), "barmode": "relative", "clickmode": "event+select",
+        "xaxis": {"title": {"text": "block"}, "dtick": 1},
+        "yaxis": {"title": {"text": "squared drift (mean over tokens)"}, "range": sq_range},
+        "yaxis2": {"title": {"text": "norm (mean over tokens)"}, "overlaying": "y", "side": "right",
+                   "showgrid": False, "range": norm_range, "rangemode": "tozero"},
+    })
+
+
+def drift_heatmap(df: pd.DataFrame, title: str, metric: str = "drift_rel",
+                  z_range: tuple[float, float] | None = None) -> go.Figure:
+    """``block x task`` heatmap of one drift metric (default: relative drift ``|e| / |h_exp|``)."""
+    grid = block_task_grid(df, metric)
+    trace = {"type": "heatmap", "z": grid.values.tolist(), "x": list(grid.columns),
+             "y": [int(b) for b in grid.index], "colorscale": "Reds",
+             "colorbar": {"title": {"text": metric, "side": "right"}, "thickness": 12},
+             "hovertemplate": "task %{x}<br>block %{y}<br>" + metric + " %{z:.4f}<extra></extra>"}
+    if z_range is not None:
+        trace.update(zmin=z_range[0], zmax=z_range[1])
+    # Plotly reports no clicks on heatmap cells; near-invisible markers at the cell centres do.
+    cells = [(t, int(b), v) for j, b in enumerate(grid.index) for t, v in zip(grid.columns, grid.values[j])]
+    points = {"type": "scatter", "mode": "markers", "x": [c[0] for c in cells], "y": [c[1] for c in cells],
+              "customdata": [c[2] for c in cells], "showlegend": False, "name": "cells",
+              "marker": {"size": 28, "symbol": "square", "opacity": 0.01, "color": "#000"},
+              "hovertemplate": "task %{x}<br>block %{y}<br>" + metric + " %{customdata:.4f}<extra></extra>"}
+    trace["hoverinfo"] = "skip"
+    trace.pop("hovertemplate")
+    return _figure([trace, points], {"title": _title(title), "clickmode": "event+select",
+                             "yaxis": {"title": {"text": "block"}, "dtick": 1, "autorange": "reversed"},
+                             "xaxis": {"title": {"text": "task"}}})
+
+
+def block_by_task(frames: dict[str, pd.DataFrame], block: int, metric: str = "drift_rel") -> go.Figure:
+    """Drill-down at one block: ``metric`` per task, one bar group per model."""
+    data = []
+    for name, df in frames.items():
+        sel = df[(df.metric == metric) & (df.block == block)]
+        data.append({"type": "bar", "x": sel.task.tolist(), "y": sel.value.tolist(), "name": name,
+                     "marker": {"color": COLORS.get(name)},
+                     "hovertemplate": "%{x}<br>" + metric + " %{y:.4f}<extra>" + name + "</extra>"})
+    return _figure(data, {"title": _title(f"block {block}: {metric} per task"), "barmode": "group",
+                          "yaxis": {"title": {"text": metric}, "rangemode": "tozero"}})
+
+
+def task_by_block(frames: dict[str, pd.DataFrame], task: str, metric: str = "drift_rel") -> go.Figure:
+    """Drill-down for one task: ``metric`` per block, one line per model."""
+    data = []
+    for name, df in frames.items():
+        sel = df[(df.metric == metric) & (df.task == task) & (df.block >= 0)].sort_values("block")
+        data.append({"type": "scatter", "x": sel.block.tolist(), "y": sel.value.tolist(), "name": name,
+                     "mode": "lines+markers", "line": {"color": COLORS.get(name)}})
+    return _figure(data, {"title": _title(f"task {task}: {metric} per block"),
+                          "xaxis": {"title": {"text": "block"}, "dtick": 1},
+                          "yaxis": {"title": {"text": metric}, "rangemode": "tozero"}})
+
+
+# ----------------------------------------------------------------------------- accuracy
+
+def accuracy_bars(acc: pd.DataFrame, title: str = "accuracy per task (%)") -> go.Figure:
+    """Grouped bars from a tidy ``task``, ``model``, ``accuracy`` frame (models in first-seen order)."""
+    data = []
+    for name in dict.fromkeys(acc.model):
+        sel = acc[acc.model == name]
+        data.append({"type": "bar", "x": sel.task.tolist(), "y": sel.accuracy.tolist(), "name": name,
+                     "marker": {"color": COLORS.get(name.split(" ")[0])},
+                     "hovertemplate": "%{x}<br>%{y:.1f}%<extra>" + name + "</extra>"})
+    return _figure(data, {"title": _title(title), "barmode": "group",
+                          "yaxis": {"title": {"text": "top-1 accuracy (%)"}, "range": [0, 100]}})
+
+
+def residuals(modules: pd.DataFrame, title: str = "relative residual per module") -> go.Figure:
+    """``report.to_frame()``: mean relative residual per block, before vs after calibration."""
+    g = modules.groupby("block")[["residual_before", "residual_after"]].mean()
+    blocks = [int(b) for b in g.index]
+    data = [{"type": "bar", "x": blocks, "y": g.residual_before.tolist(), "name": "merged",
+             "marker": {"color": COLORS["merged"]}},
+            {"type": "bar", "x": blocks, "y": g.residual_after.tolist(), "name": "calibrated",
+             "marker": {"color": COLORS["calibrated"]}}]
+    return _figure(data, {"title": _title(title), "barmode": "group",
+                          "xaxis": {"title": {"text": "block"}, "dtick": 1},
+                          "yaxis": {"title": {"text": "mean relative residual"}, "rangemode": "tozero"}})
+
+
+# ----------------------------------------------------------------------------- export
+
+def for_export(fig: go.Figure) -> go.Figure:
+    """A copy styled for a file (the app's theme does not travel with it)."""
+    return go.Figure(fig).update_layout(template="plotly_white")
+
+
+def to_html(fig: go.Figure) -> str:
+    """A standalone HTML page of the figure (plotly.js inlined: opens offline)."""
+    return for_export(fig).to_html(include_plotlyjs=True, full_html=True)
+
+
+def to_png(fig: go.Figure, scale: float = 2.0) -> bytes:
+    """PNG bytes via kaleido (needs Chrome or Chromium; raises when none is found)."""
+    return for_export(fig).to_image(format="png", scale=scale, width=900, height=440)

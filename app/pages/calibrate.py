@@ -1,0 +1,110 @@
+"""Calibrate page: FeatCal's hyper-parameters, the instant preview, then the exact run.
+
+Every change re-runs the exact forward-order FeatCal (cached per setting). While it
+runs (on a worker thread), the preview from the kept statistics of the last exact run
+with the same calibration data and switches is scored and shown, labelled as such. A newer widget
+change stops this script and starts the next one (Streamlit reruns), so the newest
+setting always wins.
+"""
+import pandas as pd
+import streamlit as st
+
+from app import compute, figures, state
+
+zoo, source = state.active_zoo(), state.active_source()
+fp = state.fingerprint(source)
+merger = state.current_merger()
+
+st.title("Calibrate")
+st.caption(f"Merged model: **{merger.label}** (change it on the Zoo page). "
+           "FeatCal re-solves every Linear and LayerNorm of every block in forward order, in closed form.")
+cal = state.calibration_controls(compute.split_size(zoo, "calib"))
+note, full = st.columns([4, 1])
+full = full.toggle("full test split", key="cal_full_eval",
+                   help="Score the exact result on every test example (slower; the preview stays live).")
+note.caption(state.live_note(zoo) if not full else "Exact result scored on the full test split of every task.")
+limit = None if full else state.LIVE_TEST
+
+status_slot = st.empty()
+results_slot = st.empty()
+
+
+def show(kind: str, sc: dict, ref_summary: pd.DataFrame, drift: pd.DataFrame | None, note: str) -> None:
+    """Draw one result (``kind`` = ``preview`` or ``exact``) into the results slot."""
+    after = compute.task_summary(sc)
+    before = ref_summary
+    with results_slot.container():
+        if kind == "preview":
+            st.info(f"**Preview** · {note}", icon=":material/visibility:")
+        else:
+            st.success(f"**Exact FeatCal** · {note}", icon=":material/check_circle:")
+        cols = st.columns(5)
+        cols[0].metric("mean accuracy", f"{after.accuracy.mean():.2f}%",
+                       f"{after.accuracy.mean() - before.accuracy.mean():+.2f} pp vs merged")
+        cols[1].metric("expert cosine", f"{after.expert_cosine.mean():.4f}",
+                       f"{after.expert_cosine.mean() - before.expert_cosine.mean():+.4f}")
+        cols[2].metric("task-vector cosine", f"{after.task_vector_cosine.mean():.4f}",
+                       f"{after.task_vector_cosine.mean() - before.task_vector_cosine.mean():+.4f}")
+        cols[3].metric("KL(expert ‖ model)", f"{after.kl.mean():.4f}",
+                       f"{after.kl.mean() - before.kl.mean():+.4f}", delta_color="inverse")
+        cols[4].metric("top-1 agreement", f"{after.agreement.mean():.2f}%",
+                       f"{after.agreement.mean() - before.agreement.mean():+.2f} pp")
+        st.markdown("**Accuracy per task** (merged → calibrated)")
+        per_row = 7
+        tasks = list(after.index)
+        for i in range(0, len(tasks), per_row):
+            row = st.columns(per_row)
+            for col, task in zip(row, tasks[i:i + per_row]):
+                col.metric(task, f"{after.accuracy[task]:.1f}%",
+                           f"{after.accuracy[task] - before.accuracy[task]:+.1f} pp")
+        table = pd.concat({"merged": before, kind: after}, axis=1).swaplevel(axis=1).sort_index(axis=1, level=0)
+        table.columns = [f"{metric} ({model})" for metric, model in table.columns]
+        with st.expander("per-task table (accuracy, KL, agreement, cosines)"):
+            st.dataframe(table.round(4), width="stretch")
+        if drift is not None:
+            c1, c2 = st.columns(2)
+            rng = figures.value_range([merged_drift, drift], figures.SQUARED, stacked=True)
+            nrng = figures.value_range([merged_drift, drift], figures.NORMS)
+            c1.plotly_chart(figures.drift_decomposition(merged_drift, "merged: drift per block", sq_range=rng,
+                                                        norm_range=nrng), key=f"cal_dm_{kind}")
+            c2.plotly_chart(figures.drift_decomposition(drift, f"calibrated ({kind}): drift per block", sq_range=rng,
+                                                        norm_range=nrng), key=f"cal_dc_{kind}")
+
+
+# 1. The merged model's numbers (cached across every setting).
+with status_slot.status(f"Scoring the merged model ({merger.label})…") as s:
+    merged_scores = state.scores(source, fp, state.merged_ref(merger), limit)
+    merged_drift = state.drift(source, fp, state.merged_ref(merger))
+    s.update(label="merged model scored", state="complete")
+merged_summary = compute.task_summary(merged_scores)
+
+# 2. The instant preview, when an exact run with the same data and switches exists; the
+#    exact run starts first, on a worker thread, and the preview is scored beside it.
+base = state.preview_base(source, fp, merger, cal)
+if base is not None:
+    state.start_calibration(source, fp, merger, cal)
+    ref = state.preview_ref(merger, base, cal)
+    with status_slot.status(f"Preview of {cal.label} from the exact run at λ={base.lam:.3g}, ρ={base.rho:g}, "
+                            f"α={base.alpha:g}; the exact run follows…"):
+        pv_scores = state.scores(source, fp, ref)
+        live_merged = merged_summary if limit == state.LIVE_TEST else compute.task_summary(
+            state.scores(source, fp, state.merged_ref(merger)))
+    show("preview", pv_scores, live_merged, None,
+         f"{cal.label}, re-solved from the kept statistics of the last exact run "
+         f"(λ={base.lam:.3g}, ρ={base.rho:g}, α={base.alpha:g}); it ignores how earlier blocks' changes move "
+         "later features. Exact run in progress…")
+
+# 3. The exact forward-order run.
+with status_slot.status(f"Running exact forward-order FeatCal: {cal.label}…", expanded=False) as s:
+    run = state.calibrated(source, fp, merger, cal)
+    ref = state.calibrated_ref(merger, cal)
+    cal_scores = state.scores(source, fp, ref, limit)
+    cal_drift = state.drift(source, fp, ref)
+    s.update(label=f"Exact FeatCal done: {cal.label} · {len(run.report.modules)} modules in "
+                   f"{len(run.report.blocks)} blocks, {run.seconds:.2f} s", state="complete")
+show("exact", cal_scores, merged_summary, cal_drift, f"{cal.label} · {run.report.summary()}")
+
+with st.expander("relative residual per module (before → after)"):
+    st.plotly_chart(figures.residuals(run.report.to_frame()), key="cal_residuals")
+    for w in run.report.warnings:
+        st.warning(w)

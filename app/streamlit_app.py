@@ -1,0 +1,49 @@
+"""featcal app: ``streamlit run app/streamlit_app.py`` (opens on the embedded demo zoo).
+
+1. the sidebar zoo picker loads the zoo (cached for every tab), or shows what is wrong;
+2. ``st.navigation`` lists the pages (loaded lazily: only the open page runs);
+3. the open page runs. Pages read the zoo and the settings through :mod:`app.state`.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE.parent) not in sys.path:
+    sys.path.insert(0, str(HERE.parent))  # `from app import ...` under `streamlit run`
+
+import streamlit as st  # noqa: E402
+
+from app import state  # noqa: E402
+
+# (file, title, icon); tune and studies are other engineers' pages, listed when present.
+PAGES = [
+    ("zoo.py", "Zoo", ":material/inventory_2:"),
+    ("drift.py", "Drift", ":material/stacked_line_chart:"),
+    ("calibrate.py", "Calibrate", ":material/tune:"),
+    ("export.py", "Export", ":material/download:"),
+    ("tune.py", "Tune", ":material/search:"),
+    ("studies.py", "Studies", ":material/science:"),
+]
+
+st.set_page_config(page_title="featcal", page_icon=":material/tune:", layout="wide")
+
+# 1. The zoo.
+st.sidebar.title("featcal")
+source = state.zoo_picker()
+zoo, error = state.zoo_or_error(source)
+
+# 2. The pages.
+pages = [st.Page(HERE / "pages" / f, title=title, icon=icon, default=(f == "zoo.py"))
+         for f, title, icon in PAGES if (HERE / "pages" / f).is_file()]
+page = st.navigation(pages)
+
+# 3. The open page, once the zoo is there.
+if error is not None:
+    st.error(error)
+    st.stop()
+st.session_state["_zoo_source"] = source
+st.sidebar.caption(f"**{zoo.name}**: {len(zoo.tasks)} tasks, {zoo.fmt} format, on {state.device()}. "
+                   "Post-merging feature calibration, arXiv 2605.13030.")
+page.run()

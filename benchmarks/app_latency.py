@@ -1,0 +1,236 @@
+"""Latency of the app's Calibrate page: slider release -> updated numbers and plots.
+
+Three measurements on a zoo (default: the embedded demo), each a fresh setting so
+every one runs the exact forward-order FeatCal (nothing served from the cache):
+
+1. ``parts``: the work one slider change triggers, timed piece by piece without
+   Streamlit (exact calibrate, instant preview, scores and drift of the new model);
+2. ``apptest``: one whole script rerun after ``slider.set_value(...)`` under
+   ``streamlit.testing`` (preview pass + exact pass, every element drawn);
+3. ``browser`` (``--browser``, needs Debian chromium): ``streamlit run`` plus
+   Playwright; from the arrow key press on a focused slider thumb until the metric
+   text has changed and the run is over (what a user waits for).
+
+    python benchmarks/app_latency.py                 # parts + apptest on the demo zoo
+    python benchmarks/app_latency.py --browser       # + the real browser
+    python benchmarks/app_latency.py --zoo path/to/zoo --n 16 --repeats 5
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+_common.setup_path()
+APP = _common.REPO_ROOT / "app" / "streamlit_app.py"
+TARGET_S = 1.0
+
+
+def _stats(xs: list[float]) -> dict[str, str]:
+    return {"median": f"{statistics.median(xs):.3f} s", "max": f"{max(xs):.3f} s",
+            "n": str(len(xs)), f"<= {TARGET_S:g} s": f"{sum(x <= TARGET_S for x in xs)}/{len(xs)}"}
+
+
+# ----------------------------------------------------------------------------- 1. parts
+
+def bench_parts(source: str, n: int, repeats: int) -> list[dict]:
+    """The app's work for one slider change, piece by piece, as :mod:`app.state` runs it:
+    the exact calibration starts on a worker thread while the preview is scored, then the
+    exact model's scores and drift follow."""
+    import torch
+
+    from app import compute
+
+    dev = compute.device()
+    zoo = compute.load_zoo(source, dev)
+    torch.set_num_threads(compute.cpu_threads(zoo, dev))   # as the app does
+    merged = zoo.merged("task_arithmetic", scale=0.3)
+    data = zoo.calib_data(n, seed=42)
+    diag = zoo.calib_data(min(compute.DIAG_N, compute.split_size(zoo, "val")), seed=0, split="val")
+    side = compute.expert_side(zoo, diag, compute.LIVE_TEST)   # once per zoo in the app
+    compute.scores(merged, zoo, diag, compute.LIVE_TEST, side)  # warm-up (allocator, first-call costs)
+    _, rep0 = compute.calibrate(merged, zoo, data, 0.05, 2.0, 0.3, True, True)
+    scratch = compute.load_preview(zoo.merged("task_arithmetic", scale=0.3), rep0.preview_state.template,
+                                   rep0, 0.05, 2.0, 0.3)
+    names = ("preview: load_into", "preview: scores", "exact: calibrate", "exact: scores", "exact: drift",
+             "preview shown (from release)", "exact shown (from release)")
+    times: dict[str, list[float]] = {k: [] for k in names}
+
+    def clock() -> float:
+        _common.sync(dev)
+        return time.perf_counter()
+
+    threads = torch.get_num_threads()
+    pool = ThreadPoolExecutor(max_workers=1)
+
+    def exact(rho: float):
+        torch.set_num_threads(threads)      # per thread, as app.state.torch_lock does
+        with torch.no_grad():
+            t = clock()
+            model, _ = compute.calibrate(merged, zoo, data, 0.05, rho, 0.3, True, True)
+            return model, clock() - t
+
+    for i in range(repeats):
+        rho = 1.5 + 0.1 * i
+        t0 = clock()
+        job = pool.submit(exact, rho)        # the exact run starts at once, on the worker
+        compute.load_preview(scratch, rep0.preview_state.template, rep0, 0.05, rho, 0.3)
+        t1 = clock()
+        compute.scores(scratch, zoo, diag, compute.LIVE_TEST, side)
+        t2 = clock()
+        model, cal_s = job.result()
+        t3 = clock()
+        compute.scores(model, zoo, diag, compute.LIVE_TEST, side)
+        t4 = clock()
+        compute.drift(model, zoo, diag)
+        t5 = clock()
+        for k, v in zip(names, (t1 - t0, t2 - t1, cal_s, t4 - t3, t5 - t4, t2 - t0, t5 - t0)):
+            times[k].append(v)
+    pool.shutdown()
+    return [{"measure": f"parts: {k}", **_stats(v)} for k, v in times.items()]
+
+
+# ----------------------------------------------------------------------------- 2. apptest
+
+def bench_apptest(source: str, n: int, repeats: int) -> list[dict]:
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_file(str(APP), default_timeout=900)
+    if source != "demo":
+        at.query_params.update({"zoo": "other (path)…", "zoo_path": source})
+    at.query_params["n_cal"] = str(n)
+    at.run()
+    at.switch_page("pages/calibrate.py").run()
+    if at.exception or at.error:
+        raise RuntimeError(f"the app failed: {[e.value for e in [*at.exception, *at.error]]}")
+    rows = []
+    moves = {"log_lam": [-1.0 - 0.1 * i for i in range(repeats)],
+             "rho": [1.5 + 0.05 * i for i in range(repeats)],
+             "alpha": [0.5 + 0.05 * i for i in range(repeats)]}
+    for key, values in moves.items():
+        xs = []
+        for v in values:
+            t0 = time.perf_counter()
+            at.slider(key=key).set_value(round(v, 4)).run()
+            xs.append(time.perf_counter() - t0)
+            if at.exception:
+                raise RuntimeError(at.exception[0].value)
+        rows.append({"measure": f"apptest: rerun after {key} change", **_stats(xs)})
+    return rows
+
+
+# ----------------------------------------------------------------------------- 3. browser
+
+def bench_browser(source: str, n: int, repeats: int) -> list[dict]:
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        return [{"measure": "browser: skipped (no chromium; apt-get install chromium)"}]
+    from playwright.sync_api import sync_playwright
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(APP), "--server.port", str(port),
+                             "--server.address", "127.0.0.1", "--server.headless", "true"],
+                            cwd=_common.REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(240):
+            try:
+                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                    break
+            except OSError:
+                time.sleep(0.5)
+        query = {"n_cal": n} if source == "demo" else {"zoo": "other (path)…", "zoo_path": source, "n_cal": n}
+        rows = []
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, args=[
+                "--no-sandbox", "--disable-gpu", "--disable-quic", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--no-first-run"])
+            page = browser.new_page(viewport={"width": 1500, "height": 1200})
+            page.goto(f"{url}/calibrate?{urllib.parse.urlencode(query)}")
+            page.wait_for_selector('[data-testid="stMetricValue"]', timeout=900_000)
+            _browser_idle(page)
+            for label, key in (("ridge strength", "log_lam"), ("anchor blend", "rho"),
+                               ("target interpolation", "alpha")):
+                xs, first = [], []
+                for _ in range(repeats):             # one way: every value is new (no cache hit)
+                    total, shown = _browser_move(page, label, +1)
+                    xs.append(total)
+                    first.append(shown)
+                rows.append({"measure": f"browser: key press -> first new numbers ({key})", **_stats(first)})
+                rows.append({"measure": f"browser: key press -> exact result, run over ({key})", **_stats(xs)})
+            browser.close()
+        return rows
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+
+def _browser_idle(page) -> None:
+    page.wait_for_timeout(200)
+    page.wait_for_function("!document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=300_000)
+
+
+def _browser_move(page, label: str, direction: int) -> tuple[float, float]:
+    sel = '[data-testid="stMetricValue"]'
+    before = page.locator(sel).all_inner_texts()
+    thumb = page.locator('[data-testid="stSlider"]', has_text=label).locator('input[type="range"]')
+    thumb.focus()
+    page.keyboard.press("ArrowRight" if direction > 0 else "ArrowLeft")
+    t0 = time.perf_counter()
+    page.wait_for_function(
+        """([sel, before]) => { const now = [...document.querySelectorAll(sel)].map(e => e.innerText);
+             return now.length > 0 && JSON.stringify(now) !== JSON.stringify(before); }""",
+        arg=[sel, before], timeout=300_000, polling=10)
+    shown = time.perf_counter() - t0
+    page.wait_for_function(
+        """() => !document.querySelector('[data-testid="stStatusWidget"]')
+                 && [...document.querySelectorAll('[data-testid="stAlertContentSuccess"]')]
+                        .some(e => e.innerText.includes('Exact FeatCal'))""", timeout=300_000, polling=10)
+    return time.perf_counter() - t0, shown
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--zoo", default="demo", help="demo (default), a spec YAML or a zoo directory")
+    ap.add_argument("--n", type=int, default=None, help="calibration examples per task (default: the app's)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--browser", action="store_true", help="also measure in chromium (streamlit run)")
+    ap.add_argument("--skip", default="", help="comma list of parts,apptest to skip")
+    ap.add_argument("--live", type=int, default=None, help="test examples per task scored live (app: 50)")
+    ap.add_argument("--diag", type=int, default=None, help="held-out examples per task for drift (app: 16)")
+    args = ap.parse_args()
+    from app import compute
+
+    compute.LIVE_TEST = args.live or compute.LIVE_TEST
+    compute.DIAG_N = args.diag or compute.DIAG_N
+    n = args.n or 16   # app.settings.DEFAULT_N (not imported: it needs streamlit)
+    rows = []
+    for name, bench in (("parts", bench_parts), ("apptest", bench_apptest), ("browser", bench_browser)):
+        if name in args.skip or (name == "browser" and not args.browser):
+            continue
+        t0 = time.perf_counter()
+        rows += bench(args.zoo, n, args.repeats)
+        print(f"[{name}: {time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
+    print(f"\napp latency on zoo {args.zoo!r}, {n} calibration examples per task, "
+          f"live subset {compute.LIVE_TEST} test / {compute.DIAG_N} held-out examples per task")
+    print(_common.environment(compute.device()))
+    print(_common.markdown_table(rows))
+
+
+if __name__ == "__main__":
+    main()

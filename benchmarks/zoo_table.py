@@ -1,0 +1,81 @@
+"""Per-task test accuracy on a zoo: base, experts, merges and Task Arithmetic + FeatCal.
+
+    python benchmarks/zoo_table.py                      # the embedded demo zoo
+    python benchmarks/zoo_table.py --zoo demo-fashion --n-per-task 128
+
+Prints one markdown table (rows: base, experts, simple average, Task
+Arithmetic 0.3, TIES, TA + FeatCal with the CLIP preset and with the best
+setting found for the demo) with the average and the expert-normalised
+average, then the zoo's build time, size and the timings of this run.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from featcal import FeatCalConfig, calibrate
+from featcal.zoo import load_any
+from featcal.zoo.core import evaluate
+from featcal.zoo.scores import average, expert_accuracies, normalized
+
+# The best setting found for the demo zoo (chosen on the val split; see the report
+# in the pull request that added the demo): no token weighting, plain FeatCal.
+BEST = dict(lam=0.05, rho=2.0, alpha=0.3)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--zoo", default="demo")
+    ap.add_argument("--n-per-task", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--split", default="test")
+    args = ap.parse_args(argv)
+
+    t0 = time.perf_counter()
+    zoo = load_any(args.zoo, progress=False)
+    t_load = time.perf_counter() - t0
+    data = zoo.calib_data(args.n_per_task, seed=args.seed)
+    ta = zoo.merged("task_arithmetic", scale=0.3)
+    rows, timings = {}, {}
+
+    t0 = time.perf_counter()
+    rows["base"] = evaluate(zoo.base, zoo, split=args.split)
+    timings["evaluate one model"] = time.perf_counter() - t0
+    rows["experts"] = expert_accuracies(zoo, split=args.split)
+    rows["average"] = evaluate(zoo.merged("average"), zoo, split=args.split)
+    rows["TA (0.3)"] = evaluate(ta, zoo, split=args.split)
+    rows["TIES (0.2, 0.3)"] = evaluate(zoo.merged("ties", density=0.2, scale=0.3), zoo, split=args.split)
+    for name, cfg in (("TA + FeatCal (CLIP preset)", FeatCalConfig.clip()),
+                      ("TA + FeatCal (best: " + ", ".join(f"{k}={v}" for k, v in BEST.items()) + ")",
+                       FeatCalConfig(**BEST))):
+        t0 = time.perf_counter()
+        model, _ = calibrate(ta, base=zoo.base, experts=zoo.experts, calib_data=data, config=cfg,
+                             progress=False)
+        timings[f"calibrate {name}"] = time.perf_counter() - t0
+        rows[name] = evaluate(model, zoo, split=args.split)
+
+    print(_table(rows, rows["experts"]))
+    print()
+    meta = zoo.meta
+    facts = [f"zoo {zoo.name}: {len(zoo.tasks)} tasks, {args.split} split, "
+             f"FeatCal on {args.n_per_task} calibration examples per task (seed {args.seed})"]
+    if "build_seconds" in meta:
+        facts.append(f"build time {meta['build_seconds']:.0f} s, disk {meta['disk_bytes'] / 1e6:.1f} MB")
+    facts.append(f"load from cache {t_load:.1f} s")
+    facts += [f"{k} {v:.1f} s" for k, v in timings.items()]
+    print("\n".join(f"- {f}" for f in facts))
+
+
+def _table(rows: dict, experts: dict) -> str:
+    tasks = list(experts)
+    lines = ["| model | " + " | ".join(tasks) + " | avg | norm. avg |",
+             "|---|" + "---:|" * (len(tasks) + 2)]
+    for name, accs in rows.items():
+        cells = " | ".join(f"{accs[t]:.1f}" for t in tasks)
+        lines.append(f"| {name} | {cells} | {average(accs):.1f} | "
+                     f"{average(normalized(accs, experts)):.1f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""Writing and reading models and directories safely.
+
+Two guarantees hold for everything written here:
+
+1. **No half-written output.** A directory is written into a temporary sibling
+   (``.<name>.tmp-*``) and renamed into place only once complete; a failure
+   removes the temporary directory and leaves any existing target untouched.
+2. **No silent overwrite.** An existing target is replaced only with
+   ``force=True``; the old directory stays in place until the new one is
+   complete.
+
+Weights are written as safetensors and read back only through safetensors (or
+``torch.load(weights_only=True)`` for a legacy ``.bin``): never a pickle.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator, Mapping
+
+FORMATS = ("hf", "open_clip", "torch")
+MARKER = "featcal_model.json"   # written beside every saved model: its format and origin
+WEIGHTS = "model.safetensors"
+
+
+class OutputExistsError(FileExistsError):
+    """The output directory exists and ``force`` was not given."""
+
+
+@contextlib.contextmanager
+def atomic_dir(target: str | os.PathLike, force: bool = False) -> Iterator[Path]:
+    """Yield a fresh temporary directory that becomes ``target`` on success.
+
+    On an exception inside the block the temporary directory is removed and
+    ``target`` is left as it was. An existing ``target`` raises
+    :class:`OutputExistsError` unless ``force``; with ``force`` the old
+    directory is moved aside and deleted only after the new one is in place.
+    """
+    target = Path(target).expanduser().absolute()
+    _check_target(target, force)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield tmp
+        _check_target(target, force)  # something may have appeared meanwhile
+        _swap_into_place(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _check_target(target: Path, force: bool) -> None:
+    if target.exists() and not force:
+        raise OutputExistsError(
+            f"output {str(target)!r} already exists; pass --force (force=True) to replace it.")
+    if target.exists() and not target.is_dir():
+        raise OutputExistsError(f"output {str(target)!r} exists and is not a directory.")
+
+
+def _swap_into_place(tmp: Path, target: Path) -> None:
+    """Rename ``tmp`` to ``target``; an old ``target`` is moved aside first and
+    restored if the rename fails."""
+    if not target.exists():
+        os.replace(tmp, target)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    os.rmdir(old)
+    os.replace(target, old)
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        os.replace(old, target)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' per-file progress bars ("Loading weights", "Writing model
+    shards") inside the block, restoring the previous setting afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+# ------------------------------------------------------------------ models
+
+def save_model(model, out_dir: str | os.PathLike, fmt: str = "hf", force: bool = False,
+               extra_files: Mapping[str, str | bytes | dict | list] | None = None,
+               config: dict | None = None) -> Path:
+    """Write ``model`` to ``out_dir`` in the format it was loaded in.
+
+    Args:
+        model: an ``nn.Module`` (for ``hf``: a ``transformers`` ``PreTrainedModel``).
+        out_dir: the directory to create (must not exist unless ``force``).
+        fmt: ``hf`` (``save_pretrained(safe_serialization=True)``) or ``open_clip`` /
+            ``torch`` (``model.safetensors`` state dict plus ``config`` as JSON).
+        force: replace an existing ``out_dir`` (only once the new one is complete).
+        extra_files: ``{relative name: content}`` written beside the model; dicts and
+            lists are written as JSON (e.g. ``{"report.json": report.to_dict()}``).
+        config: for ``open_clip``/``torch``: how to rebuild the module (model name,
+            constructor arguments); written into the marker file.
+
+    Returns the path written. Raises :class:`OutputExistsError` (naming ``--force``)
+    when ``out_dir`` exists and ``force`` is false.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown model format {fmt!r}; choose one of {FORMATS}.")
+    with atomic_dir(out_dir, force=force) as tmp:
+        if fmt == "hf":
+            if not hasattr(model, "save_pretrained"):
+                raise ValueError("fmt='hf' needs a transformers model with save_pretrained; "
+                                 f"got {type(model).__name__}. Use fmt='torch'.")
+            with quiet_transformers():
+                model.save_pretrained(tmp, safe_serialization=True)
+        else:
+            from safetensors.torch import save_model as _st_save
+
+            _st_save(model, str(tmp / WEIGHTS))
+        marker = {"format": fmt, "class": f"{type(model).__module__}.{type(model).__qualname__}"}
+        if config is not None:
+            marker["config"] = config
+        _write_json(tmp / MARKER, marker)
+        for name, content in (extra_files or {}).items():
+            _write_extra(tmp, name, content)
+    return Path(out_dir).expanduser().absolute()
+
+
+def load_model(model_dir: str | os.PathLike, like=None):
+    """Load a model written by :func:`save_model`.
+
+    ``hf`` models are rebuilt with the class's ``from_pretrained`` (``like``'s class
+    when given, else the class ``config.json`` names); ``open_clip``/``torch``
+    models need ``like``, a module of the same architecture, whose copy receives
+    the weights (strictly: every key must match).
+    """
+    model_dir = Path(model_dir).expanduser()
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory {str(model_dir)!r} does not exist.")
+    marker = read_marker(model_dir)
+    fmt = marker.get("format", "hf")
+    if fmt == "hf":
+        cls = type(like) if like is not None else _hf_class(model_dir)
+        with quiet_transformers():
+            return cls.from_pretrained(model_dir, use_safetensors=True)
+    if like is None:
+        raise ValueError(f"{str(model_dir)!r} holds a {fmt!r} state dict; loading it needs "
+                         "a model of the same architecture (like=...).")
+    from safetensors.torch import load_model as _st_load
+
+    model = copy.deepcopy(like)
+    _st_load(model, str(model_dir / WEIGHTS), strict=True)
+    return model
+
+
+def read_marker(model_dir: str | os.PathLike) -> dict:
+    """The ``featcal_model.json`` of a saved model (``{"format": "hf"}`` when it has none
+    but holds a ``config.json``, as any ``save_pretrained`` directory does)."""
+    model_dir = Path(model_dir)
+    if (model_dir / MARKER).is_file():
+        return json.loads((model_dir / MARKER).read_text())
+    if (model_dir / "config.json").is_file():
+        return {"format": "hf"}
+    raise FileNotFoundError(f"{str(model_dir)!r} holds no saved model "
+                            f"(neither {MARKER} nor config.json).")
+
+
+def load_legacy_state_dict(path: str | os.PathLike) -> dict:
+    """A state dict from ``.safetensors`` or, for old checkpoints, a ``.bin``/``.pt``
+    read with ``torch.load(weights_only=True)`` (no arbitrary pickles)."""
+    path = str(path)
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _hf_class(model_dir: Path):
+    import transformers
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    for name in cfg.get("architectures") or []:
+        if hasattr(transformers, name):
+            return getattr(transformers, name)
+    return transformers.AutoModel
+
+
+# ------------------------------------------------------------------ files
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def _write_extra(root: Path, name: str, content) -> None:
+    dest = (root / name).resolve()
+    if root.resolve() not in dest.parents:
+        raise ValueError(f"extra file {name!r} would be written outside the output directory.")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(content, (dict, list)):
+        _write_json(dest, content)
+    elif isinstance(content, bytes):
+        dest.write_bytes(content)
+    else:
+        dest.write_text(str(content))
+
+
+def write_json(path: str | os.PathLike, obj) -> Path:
+    """Write ``obj`` as indented JSON atomically (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2, default=str)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def tree_sha256(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> tuple[str, dict[str, str]]:
+    """``(digest, {relative path: sha256})`` over every file under ``root`` (sorted by
+    path; names in ``exclude`` skipped). The digest covers paths and contents."""
+    root = Path(root)
+    files = {p.relative_to(root).as_posix(): file_sha256(p)
+             for p in sorted(root.rglob("*")) if p.is_file()
+             and p.relative_to(root).as_posix() not in exclude}
+    h = hashlib.sha256()
+    for rel, digest in files.items():
+        h.update(f"{rel}\0{digest}\n".encode())
+    return h.hexdigest(), files

@@ -1,0 +1,205 @@
+"""A zoo on disk: the directory layout the demo zoo is cached in.
+
+::
+
+    <zoo>/meta.json              kind, tasks and classes, pixel transform, content hash, build facts
+    <zoo>/base/                  the pretrained model (``save_pretrained``, safetensors)
+    <zoo>/experts/<task>/        one fine-tuned expert per task (same format)
+    <zoo>/heads.safetensors      ``<task>.weight`` (classes, d) and ``<task>.bias`` (classes,)
+    <zoo>/data.npz               ``<task>/<split>/x`` (n, H, W, 3) uint8, ``<task>/<split>/y`` (n,) int64
+
+``meta["content_sha256"]`` is the sha256 over the paths and sha256s of every
+file except ``meta.json``; :func:`read_zoo_dir` checks it, so a corrupted
+cache is reported rather than silently used. Any directory in this layout can
+be passed where a zoo name is expected (``featcal eval --zoo DIR``).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import io
+import json
+import os
+import zipfile
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from featcal.zoo.core import SPLITS, TaskData, Zoo
+from featcal.zoo.io import atomic_dir, quiet_transformers, tree_sha256
+
+KIND = "featcal-zoo"
+LAYOUT_VERSION = 1
+META = "meta.json"
+
+
+class ZooCorruptedError(ValueError):
+    """A cached zoo's files do not match the hash recorded when it was built."""
+
+
+# ------------------------------------------------------------------ features
+
+def pooler_output(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    """``(n, d)``: the post-LayerNorm class token of a HF ``CLIPVisionModel``."""
+    return model(pixel_values=inputs).pooler_output
+
+
+FEATURES = {"pooler_output": pooler_output}
+
+
+# ------------------------------------------------------------------ pixels
+
+def to_pixels(images: np.ndarray | torch.Tensor, mean: float = 0.5, std: float = 0.5) -> torch.Tensor:
+    """uint8 ``(n, H, W, 3)`` -> float ``(n, 3, H, W)``, scaled to [0, 1] then normalised
+    (a tensor stays on its device)."""
+    if isinstance(images, np.ndarray):
+        images = torch.from_numpy(np.ascontiguousarray(images))
+    x = images.permute(0, 3, 1, 2).float() / 255.0
+    return (x - mean) / std
+
+
+# ------------------------------------------------------------------ write
+
+def write_zoo_dir(path: str | os.PathLike, *, name: str, base: nn.Module,
+                  experts: Mapping[str, nn.Module], heads: Mapping[str, nn.Linear],
+                  arrays: Mapping[str, Mapping[str, tuple[np.ndarray, np.ndarray]]],
+                  classes: Mapping[str, list[str]], features: str = "pooler_output",
+                  extra_meta: dict | None = None, force: bool = False) -> Path:
+    """Write a zoo atomically (see the module docstring for the layout).
+
+    ``arrays[task][split] = (images uint8 (n, H, W, 3), labels int64 (n,))``.
+    """
+    from safetensors.torch import save_file
+
+    if features not in FEATURES:
+        raise ValueError(f"unknown feature reader {features!r}; choose one of {sorted(FEATURES)}.")
+    with atomic_dir(path, force=force) as tmp, quiet_transformers():
+        base.save_pretrained(tmp / "base", safe_serialization=True)
+        for task, model in experts.items():
+            model.save_pretrained(tmp / "experts" / task, safe_serialization=True)
+        save_file({f"{t}.{k}": v.detach().contiguous().float()
+                   for t, h in heads.items() for k, v in h.state_dict().items()},
+                  str(tmp / "heads.safetensors"))
+        flat = {}
+        for task, splits in arrays.items():
+            for split, (x, y) in splits.items():
+                flat[f"{task}/{split}/x"] = np.asarray(x, dtype=np.uint8)
+                flat[f"{task}/{split}/y"] = np.asarray(y, dtype=np.int64)
+        save_npz(tmp / "data.npz", flat)
+        digest, files = tree_sha256(tmp)
+        meta = {
+            "kind": KIND,
+            "layout_version": LAYOUT_VERSION,
+            "name": name,
+            "fmt": "hf",
+            "model_class": type(base).__name__,
+            "features": features,
+            "pixels": {"mean": 0.5, "std": 0.5},
+            "tasks": {t: {"classes": list(classes[t]),
+                          "sizes": {s: int(len(arrays[t][s][1])) for s in arrays[t]}}
+                      for t in experts},
+            "content_sha256": digest,
+            "files": files,
+            "disk_bytes": sum((tmp / f).stat().st_size for f in files),
+            "written_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            **(extra_meta or {}),
+        }
+        (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
+    return Path(path)
+
+
+def save_npz(path: str | os.PathLike, arrays: Mapping[str, np.ndarray]) -> None:
+    """``np.savez_compressed`` with fixed zip timestamps, so equal arrays give equal bytes
+    (and the zoo's content hash depends on the content alone)."""
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for name, arr in arrays.items():
+            info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.compress_type = zipfile.ZIP_DEFLATED
+            buf = io.BytesIO()
+            np.lib.format.write_array(buf, np.ascontiguousarray(arr), allow_pickle=False)
+            zf.writestr(info, buf.getvalue())
+
+
+# ------------------------------------------------------------------ read
+
+def is_zoo_dir(path: str | os.PathLike) -> bool:
+    meta = Path(path) / META
+    if not meta.is_file():
+        return False
+    try:
+        return json.loads(meta.read_text()).get("kind") == KIND
+    except (OSError, ValueError):
+        return False
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    return json.loads((Path(path) / META).read_text())
+
+
+def verify_zoo_dir(path: str | os.PathLike) -> None:
+    """Raise :class:`ZooCorruptedError` if the files differ from the recorded hash."""
+    meta = read_meta(path)
+    digest, files = tree_sha256(path, exclude=(META,))
+    if digest != meta.get("content_sha256"):
+        changed = sorted(set(files.items()) ^ set(meta.get("files", {}).items()))
+        first = changed[0][0] if changed else "?"
+        raise ZooCorruptedError(
+            f"zoo at {str(path)!r} does not match its recorded content hash (first difference: "
+            f"{first}); rebuild it (featcal zoo build-demo --rebuild) or delete the directory.")
+
+
+def read_zoo_dir(path: str | os.PathLike, verify: bool = True) -> Zoo:
+    """Load a zoo written by :func:`write_zoo_dir`."""
+    import transformers
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not is_zoo_dir(path):
+        raise FileNotFoundError(f"{str(path)!r} is not a featcal zoo directory (no {META} "
+                                f"of kind {KIND!r}).")
+    if verify:
+        verify_zoo_dir(path)
+    meta = read_meta(path)
+    cls = getattr(transformers, meta["model_class"])
+    with quiet_transformers():
+        base = cls.from_pretrained(path / "base", use_safetensors=True).eval()
+        experts = {t: cls.from_pretrained(path / "experts" / t, use_safetensors=True).eval()
+                   for t in meta["tasks"]}
+    heads = _read_heads(load_file(str(path / "heads.safetensors")), meta["tasks"])
+    pix = meta.get("pixels", {"mean": 0.5, "std": 0.5})
+    data: dict[str, TaskData] = {}
+    with np.load(path / "data.npz") as npz:
+        for task, info in meta["tasks"].items():
+            splits = {s: (to_pixels(npz[f"{task}/{s}/x"], pix["mean"], pix["std"]),
+                          torch.from_numpy(npz[f"{task}/{s}/y"]).long())
+                      for s in SPLITS if f"{task}/{s}/y" in npz.files}
+            data[task] = TaskData(task, list(info["classes"]), splits)
+    meta = {**meta, "path": str(path)}
+    return Zoo(name=meta["name"], base=base, experts=experts, heads=heads, data=data,
+               features=FEATURES[meta["features"]], fmt=meta.get("fmt", "hf"), meta=meta)
+
+
+def read_arrays(path: str | os.PathLike) -> dict[str, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """The stored uint8 images and labels: ``{task: {split: (x, y)}}``."""
+    out: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
+    with np.load(Path(path) / "data.npz") as npz:
+        for key in npz.files:
+            task, split, kind = key.rsplit("/", 2)
+            if kind == "x":
+                out.setdefault(task, {})[split] = (npz[key], npz[f"{task}/{split}/y"])
+    return out
+
+
+def _read_heads(tensors: dict[str, torch.Tensor], tasks) -> dict[str, nn.Linear]:
+    heads = {}
+    for task in tasks:
+        w, b = tensors[f"{task}.weight"], tensors.get(f"{task}.bias")
+        head = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
+        with torch.no_grad():
+            head.weight.copy_(w)
+            if b is not None:
+                head.bias.copy_(b)
+        heads[task] = head.requires_grad_(False).eval()
+    return heads

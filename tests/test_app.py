@@ -1,0 +1,253 @@
+"""The Streamlit app under AppTest (no browser): every page runs, every slider moves the
+numbers, a bad zoo path is an error message, the URL restores a view, export never
+overwrites silently. Most tests use a tiny zoo directory (tests/app_zoo.py); the
+``demo_zoo`` ones open the app exactly as a user does, on the embedded demo."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+pytest.importorskip("streamlit")
+from streamlit.testing.v1 import AppTest  # noqa: E402
+
+APP = str(Path(__file__).resolve().parents[1] / "app" / "streamlit_app.py")
+OTHER = "other (path)…"
+TIMEOUT = 600  # the first run imports torch and transformers and may build the demo zoo
+
+
+@pytest.fixture(scope="session")
+def tiny_zoo(tmp_path_factory) -> str:
+    from app_zoo import write_tiny_zoo
+
+    return str(write_tiny_zoo(tmp_path_factory.mktemp("zoo") / "tiny"))
+
+
+def _app(path: str | None = None, **query) -> AppTest:
+    """The app at a URL: ``path`` picks "other (path)…" with that zoo; ``query`` adds parameters."""
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
+    if path is not None:
+        at.query_params["zoo"] = OTHER
+        at.query_params["zoo_path"] = path
+    for k, v in query.items():
+        at.query_params[k] = str(v)
+    return at
+
+
+def _ok(at: AppTest) -> AppTest:
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    return at
+
+
+def _numbers(at: AppTest) -> list[tuple[str, str, str]]:
+    return [(m.label, m.value, m.delta) for m in at.metric]
+
+
+def _page(at: AppTest, page: str) -> AppTest:
+    return _ok(at.switch_page(f"pages/{page}.py").run())
+
+
+# ----------------------------------------------------------------------------- tiny zoo
+
+def test_every_page_runs_on_a_zoo_directory(tiny_zoo):
+    at = _ok(_app(tiny_zoo).run())
+    labels = [m.label for m in at.metric]
+    assert "merged, mean accuracy" in labels and "experts" in labels
+    for page in ("calibrate", "drift", "export"):
+        _page(at, page)
+    assert any(m.label == "mean accuracy" for m in _page(at, "calibrate").metric)
+
+
+@pytest.mark.parametrize("key,value", [("log_lam", 0.5), ("rho", 0.5), ("alpha", 0.9)])
+def test_each_calibration_slider_changes_the_numbers(tiny_zoo, key, value):
+    at = _page(_app(tiny_zoo).run(), "calibrate")
+    before = _numbers(at)
+    _ok(at.slider(key=key).set_value(value).run())
+    assert at.slider(key=key).value == value
+    assert _numbers(at) != before
+
+
+def test_calibration_size_and_switches_change_the_numbers(tiny_zoo):
+    at = _page(_app(tiny_zoo).run(), "calibrate")
+    seen = [_numbers(at)]
+    _ok(at.select_slider(key="n_cal").set_value(8).run())
+    seen.append(_numbers(at))
+    _ok(at.toggle(key="bias").set_value(False).run())
+    seen.append(_numbers(at))
+    _ok(at.toggle(key="layernorm").set_value(False).run())
+    seen.append(_numbers(at))
+    assert all(a != b for a, b in zip(seen, seen[1:]))
+
+
+def test_preview_then_exact_result_is_shown(tiny_zoo):
+    at = _page(_app(tiny_zoo).run(), "calibrate")
+    _ok(at.slider(key="alpha").set_value(0.6).run())
+    # The script's final state is the exact result (the preview was drawn first, then replaced).
+    assert any("Exact FeatCal" in s.value for s in at.success)
+    assert not any("Preview" in i.value for i in at.info)
+
+
+@pytest.mark.parametrize("method,key,value", [("task_arithmetic", "task_arithmetic_scale", 0.8),
+                                              ("ties", "ties_density", 0.6), ("ties", "ties_scale", 0.5)])
+def test_each_merger_slider_changes_the_numbers(tiny_zoo, method, key, value):
+    at = _ok(_app(tiny_zoo).run())
+    if method != "task_arithmetic":
+        _ok(at.selectbox(key="merge").set_value(method).run())
+    before = _numbers(at)
+    _ok(at.slider(key=key).set_value(value).run())
+    assert _numbers(at) != before
+
+
+def test_url_restores_the_settings(tiny_zoo):
+    at = _page(_app(tiny_zoo, rho=1.25, alpha=0.55, log_lam=-2.0).run(), "calibrate")
+    assert at.slider(key="rho").value == 1.25
+    assert at.slider(key="alpha").value == 0.55
+    assert "λ=0.01" in " ".join(s.value for s in at.success)
+
+
+def test_settings_follow_to_the_other_pages(tiny_zoo):
+    at = _page(_app(tiny_zoo).run(), "calibrate")
+    _ok(at.slider(key="rho").set_value(1.5).run())
+    _page(at, "drift")
+    assert "ρ=1.5" in " ".join(c.value for c in at.caption)
+
+
+@pytest.mark.parametrize("path", ["/nonexistent/zoo.yaml", "/nonexistent-dir", ""])
+def test_a_bad_zoo_path_is_an_error_message(path):
+    at = _app(path).run()
+    assert not at.exception
+    assert at.error, "expected an st.error"
+    assert "Fix" in at.error[0].value or "fix" in at.error[0].value
+
+
+def test_a_malformed_spec_is_an_error_message(tmp_path):
+    spec = tmp_path / "bad.yaml"
+    spec.write_text("name: [unclosed\n")
+    at = _app(str(spec)).run()
+    assert not at.exception
+    assert at.error and "bad.yaml" in at.error[0].value
+
+
+def test_export_never_overwrites_without_confirmation(tiny_zoo, tmp_path):
+    out = tmp_path / "out"
+    at = _page(_app(tiny_zoo).run(), "export")
+    at.text_input(key="export_dir").set_value(str(out)).run()
+    save = next(b for b in at.button if b.label.startswith("Save"))
+    _ok(save.click().run())
+    assert (out / "report.json").is_file() and (out / "featcal_model.json").is_file()
+    stamp = (out / "report.json").stat().st_mtime_ns
+    at.run()
+    save = next(b for b in at.button if b.label.startswith("Save"))
+    assert save.disabled and at.warning
+    _ok(at.checkbox(key="export_replace").check().run())
+    save = next(b for b in at.button if b.label.startswith("Save"))
+    assert not save.disabled
+    _ok(save.click().run())
+    assert (out / "report.json").stat().st_mtime_ns != stamp
+
+
+# ----------------------------------------------------------------------------- demo zoo
+
+@pytest.fixture(scope="module")
+def demo_built():
+    """Build (or check) the demo zoo's cache before the app's first run, outside its timeout."""
+    from featcal.zoo import load_demo
+
+    load_demo(progress=False)
+
+
+@pytest.mark.demo_zoo
+def test_the_app_opens_on_the_demo_zoo(demo_built):
+    at = _ok(_app().run())
+    assert at.selectbox(key="zoo").value == "demo"
+    assert any("demo" in t.value for t in at.title)
+    assert any(m.label == "merged, mean accuracy" for m in at.metric)
+
+
+@pytest.mark.demo_zoo
+def test_every_slider_moves_the_numbers_on_the_demo_zoo(demo_built):
+    at = _page(_app().run(), "calibrate")
+    for kind, key, value in [("slider", "log_lam", -0.5), ("slider", "rho", 1.0), ("slider", "alpha", 0.7),
+                             ("select_slider", "n_cal", 8)]:
+        before = _numbers(at)
+        _ok(getattr(at, kind)(key=key).set_value(value).run())
+        assert _numbers(at) != before, key
+    for page in ("drift", "export", "zoo"):
+        _page(at, page)
+
+
+# ----------------------------------------------------------------------------- figures (pure)
+
+def _drift_frame() -> pd.DataFrame:
+    rows = []
+    for task in ("a", "b"):
+        for block in range(3):
+            e, m = 1.0 + block, 0.5
+            for metric, value in [("drift", e), ("mismatch", m), ("propagation", e - m),
+                                  ("drift_sq", e * e), ("drift_sq_mismatch", 0.4 * e * e),
+                                  ("drift_sq_propagation", 0.6 * e * e), ("drift_rel", e / 10)]:
+                rows.append((task, block, metric, value))
+    return pd.DataFrame(rows, columns=["task", "block", "metric", "value"])
+
+
+def test_drift_figures_from_a_tidy_frame():
+    from app import figures
+
+    df = _drift_frame()
+    fig = figures.drift_decomposition(df, "t")
+    bars = [t for t in fig.data if t.type == "bar"]
+    assert len(bars) == 2 and list(bars[0].y) == pytest.approx([0.4, 1.6, 3.6])
+    assert sum(t.type == "scatter" for t in fig.data) == 3
+    hm = figures.drift_heatmap(df, "t")
+    assert len(hm.data[0].z) == 3 and len(hm.data[0].z[0]) == 2
+    assert len(hm.data[1].x) == 6  # the clickable cell centres
+    lo, hi = figures.value_range([df, df.assign(value=df.value * 2)], figures.SQUARED, stacked=True)
+    assert hi >= 18.0 and lo == 0.0
+    assert "<html" in figures.to_html(fig)[:200].lower()
+
+
+def test_png_export_without_chromium_is_a_clear_message(tiny_zoo, monkeypatch):
+    from app import figures
+
+    def no_browser(fig, scale=2.0):
+        raise RuntimeError("Kaleido requires Google Chrome to be installed.")
+
+    monkeypatch.setattr(figures, "to_png", no_browser)
+    at = _page(_app(tiny_zoo).run(), "export")
+    at.button(key="render_png").click().run()
+    assert not at.exception
+    assert at.error and "Chromium" in at.error[0].value and "HTML export works" in at.error[0].value
+
+
+@pytest.mark.slow
+def test_png_export_with_chromium():
+    import shutil
+
+    from app import figures
+
+    if shutil.which("chromium") is None:
+        pytest.skip("Debian chromium is not installed (apt-get install chromium)")
+    png = figures.to_png(figures.drift_decomposition(_drift_frame(), "t"), scale=1.0)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cached_expert_outputs_give_diagnostics_own_tables(tiny_zoo):
+    """The app's fast path (experts run once per zoo) equals diagnostics' tables."""
+    from app import compute
+
+    zoo = compute.load_zoo(tiny_zoo, "cpu")
+    model = zoo.merged("ties", density=0.5, scale=0.7)
+    data = zoo.calib_data(8, seed=0, split="val")
+    ref = compute.scores(model, zoo, data, 20)
+    fast = compute.scores(model, zoo, data, 20, compute.expert_side(zoo, data, 20))
+    for key in ("output", "expert_cosine", "task_vector"):
+        pd.testing.assert_frame_equal(fast[key].reset_index(drop=True), ref[key].reset_index(drop=True),
+                                      check_dtype=False, atol=1e-6)
+
+
+def test_a_spec_with_missing_models_lists_them():
+    at = _app(None, zoo="assets/zoos/clip-vit-b32-ta8.yaml").run()
+    assert not at.exception
+    assert at.error and "not on this machine" in at.error[0].value and "fix" in at.error[0].value

@@ -1,0 +1,211 @@
+"""The app in a real browser: ``streamlit run`` on 127.0.0.1 and Debian's chromium
+driven by Playwright (never ``playwright install``). Pages render (screenshots in
+artifacts/screenshots/), a slider moved with the keyboard updates the numbers and
+the URL, and a second tab shares the server's cached models (its memory does not double).
+
+Skipped when chromium is not installed (``apt-get install chromium``)."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.browser, pytest.mark.demo_zoo, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[1]
+SHOTS = REPO / "artifacts" / "screenshots"
+CHROMIUM = shutil.which("chromium")
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+LOAD_MS = 600_000      # the first page may build the demo zoo (minutes, once per machine)
+RUN_MS = 120_000
+METRIC = '[data-testid="stMetricValue"]'
+RUNNING = '[data-testid="stStatusWidget"]'
+VIEW = {"width": 1500, "height": 2600}   # tall: Streamlit scrolls inside the page, screenshots show the viewport
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if CHROMIUM is None:
+        pytest.skip("Debian chromium is not installed (apt-get install chromium); browser tests skipped")
+    pytest.importorskip("playwright.sync_api", reason="the playwright Python package is not installed")
+    from featcal.zoo.demo import load_demo
+
+    load_demo(progress=False)  # build (or check) the cache here, not inside the first request
+    port = _free_port()
+    log = tmp_path_factory.mktemp("server") / "streamlit.log"
+    cmd = [sys.executable, "-m", "streamlit", "run", str(REPO / "app" / "streamlit_app.py"),
+           "--server.address", "127.0.0.1", "--server.port", str(port), "--server.headless", "true",
+           "--browser.gatherUsageStats", "false"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"streamlit did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    yield url, proc
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def browser(server):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield b
+        b.close()
+
+
+def _idle(page, timeout: int = RUN_MS) -> None:
+    """Wait until the script run is over: the 'running' widget gone and no stale element."""
+    page.wait_for_timeout(300)
+    page.wait_for_function(f"!document.querySelector('{RUNNING}')", timeout=timeout)
+    page.wait_for_function("!document.querySelector('[data-stale=\"true\"]')", timeout=timeout)
+
+
+def _open(context, url: str, ready: str = METRIC):
+    page = context.new_page()
+    page.goto(url)
+    page.wait_for_selector(ready, timeout=LOAD_MS)
+    _idle(page, LOAD_MS)
+    return page
+
+
+def _metrics(page) -> list[str]:
+    return page.locator(METRIC).all_inner_texts()
+
+
+def _nudge(page, label: str, key: str, presses: int) -> float:
+    """Focus slider ``label``'s thumb, press an arrow key ``presses`` times (left if negative);
+    returns the seconds from the last key press to changed metric values."""
+    before = _metrics(page)
+    thumb = page.locator('[data-testid="stSlider"]', has_text=label).locator('input[type="range"]')
+    thumb.focus()
+    for _ in range(abs(presses)):
+        page.keyboard.press("ArrowRight" if presses > 0 else "ArrowLeft")
+    t0 = time.perf_counter()
+    page.wait_for_function(
+        """([sel, before]) => { const now = [...document.querySelectorAll(sel)].map(e => e.innerText);
+             return now.length > 0 && JSON.stringify(now) !== JSON.stringify(before); }""",
+        arg=[METRIC, before], timeout=RUN_MS)
+    seconds = time.perf_counter() - t0
+    _idle(page)
+    assert _metrics(page) != before
+    return seconds
+
+
+def _no_exception(page) -> None:
+    assert page.locator('[data-testid="stException"]').count() == 0, page.locator(
+        '[data-testid="stException"]').first.inner_text()
+
+
+def test_pages_render(server, browser):
+    url, _ = server
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    context = browser.new_context(viewport=VIEW)
+    page = _open(context, url)
+    _no_exception(page)
+    assert page.get_by_text("Zoo · demo").first.is_visible()
+    page.screenshot(path=str(SHOTS / "zoo.png"))
+    for name in ("drift", "calibrate", "export"):
+        page.goto(f"{url}/{name}")
+        page.wait_for_selector(METRIC if name == "calibrate" else ".js-plotly-plot", timeout=LOAD_MS)
+        _idle(page, LOAD_MS)
+        _no_exception(page)
+        page.screenshot(path=str(SHOTS / f"{name}.png"))
+    context.close()
+
+
+def _drill_titles(page) -> list[str]:
+    return [t for t in page.locator(".gtitle").all_text_contents() if t and t.startswith(("block ", "task "))]
+
+
+def _click_at(page, box: dict, fx: float = 0.5, fy: float = 0.5) -> None:
+    page.mouse.click(box["x"] + fx * box["width"], box["y"] + fy * box["height"])
+    _idle(page)
+    page.wait_for_timeout(500)
+    _idle(page)
+
+
+def test_clicks_on_the_drift_charts_drill_down(server, browser):
+    url, _ = server
+    context = browser.new_context(viewport=VIEW)
+    page = _open(context, f"{url}/drift", ".js-plotly-plot")
+    assert _drill_titles(page)[0].startswith("block 0:")
+    bars = page.locator(".js-plotly-plot").first.locator("g.trace.bars g.point path")
+    _click_at(page, bars.nth(2).bounding_box())                          # block 2's bar
+    assert _drill_titles(page)[0].startswith("block 2:")
+    grid = page.locator(".js-plotly-plot").nth(1).locator("rect.nsewdrag").first.bounding_box()
+    _click_at(page, grid, 3.5 / 7, 1.5 / 4)                              # 4th task, block 1
+    titles = _drill_titles(page)
+    assert titles[0].startswith("block 1:") and titles[1].startswith("task colour:"), titles
+    page.screenshot(path=str(SHOTS / "drift-drilled.png"))
+    context.close()
+
+
+def test_slider_updates_numbers_and_url(server, browser):
+    url, _ = server
+    context = browser.new_context(viewport=VIEW)
+    page = _open(context, f"{url}/calibrate")
+    _nudge(page, "anchor blend", "rho", -4)            # 2.00 -> 1.80
+    assert "rho=1.8" in page.url
+    assert page.get_by_text("Exact FeatCal").first.is_visible()
+    page.screenshot(path=str(SHOTS / "calibrate-after-slider.png"))
+    # The URL restores the view in a fresh tab.
+    other = _open(context, page.url)
+    thumb = other.locator('[data-testid="stSlider"]', has_text="anchor blend").locator('input[type="range"]')
+    assert float(thumb.get_attribute("value")) == pytest.approx(1.8)
+    context.close()
+
+
+def test_two_tabs_share_the_server_memory(server, browser):
+    url, proc = server
+    first = browser.new_context(viewport=VIEW)
+    tab1 = _open(first, f"{url}/calibrate")
+    _nudge(tab1, "target interpolation", "alpha", 2)
+    rss_one = _rss_kib(proc.pid)
+    second = browser.new_context(viewport=VIEW)
+    tab2 = _open(second, f"{url}/calibrate")
+    _no_exception(tab2)
+    _nudge(tab2, "target interpolation", "alpha", -2)
+    _nudge(tab1, "anchor blend", "rho", 2)
+    _no_exception(tab1)
+    _no_exception(tab2)
+    rss_two = _rss_kib(proc.pid)
+    assert rss_two < 1.5 * rss_one, f"server RSS {rss_one} KiB with one tab, {rss_two} KiB with two"
+    first.close()
+    second.close()

@@ -1,0 +1,223 @@
+"""The demo zoo: synthetic data, the on-disk layout, the build, evaluation and calibration data.
+
+Most tests use tiny random models (``app_zoo.write_tiny_zoo``) or a micro build
+recipe; the ``demo_zoo`` ones load the real cached demo (building it if needed).
+"""
+from __future__ import annotations
+
+import gzip
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from featcal.zoo import demo, demo_data, fashion, load_any, scores, store
+from featcal.zoo.core import evaluate
+
+# ------------------------------------------------------------------ data
+
+
+@pytest.mark.parametrize("task", sorted(demo_data.TASKS))
+def test_tasks_are_seeded_balanced_uint8(task):
+    x, y = demo_data.make_task(task, 24, seed=3)
+    x2, y2 = demo_data.make_task(task, 24, seed=3)
+    x3, _ = demo_data.make_task(task, 24, seed=4)
+    assert x.shape == (24, 32, 32, 3) and x.dtype == np.uint8 and y.dtype == np.int64
+    assert np.array_equal(x, x2) and np.array_equal(y, y2)
+    assert not np.array_equal(x, x3)
+    counts = np.bincount(y, minlength=len(demo_data.TASKS[task].classes))
+    assert counts.max() - counts.min() <= 1
+
+
+def test_digit_pools_are_disjoint():
+    train, test = set(demo_data._digit_pool("train")), set(demo_data._digit_pool("test"))
+    assert not train & test and len(train) + len(test) == 1797
+
+
+def test_drop_duplicates():
+    x = np.arange(4 * 2).reshape(4, 2).astype(np.uint8)
+    kx, ky = demo_data.drop_duplicates(x, np.arange(4), against=x[[1, 3]])
+    assert np.array_equal(ky, [0, 2]) and np.array_equal(kx, x[[0, 2]])
+
+
+MICRO = demo.Recipe(tasks=("colour", "position"), n_train=96, n_calib=32, n_val=16, n_test=24,
+                    n_pretrain=32, pretrain_steps=2, finetune_steps=2, batch_size=8,
+                    vision=dict(image_size=32, patch_size=16, hidden_size=16, intermediate_size=32,
+                                num_hidden_layers=1, num_attention_heads=2))
+
+
+def test_make_data_splits_are_disjoint():
+    arrays, pools = demo.make_data(MICRO, progress=False)
+    for task, s in arrays.items():
+        calib, val, test = ({r.tobytes() for r in s[k][0]} for k in ("calib", "val", "test"))
+        train = {r.tobytes() for r in s["train"][0]}
+        assert len(s["calib"][1]) == 32 and len(s["val"][1]) == 16 and len(s["test"][1]) == 24
+        assert calib <= train and val <= train and not calib & val
+        assert not test & train and not test & {r.tobytes() for r in pools[task][0]}
+
+
+# ------------------------------------------------------------------ build and layout
+
+def test_micro_build_is_atomic_hashed_and_deterministic(tmp_path):
+    path = demo.build_demo(tmp_path / "z", progress=False, recipe=MICRO)
+    meta = store.read_meta(path)
+    assert meta["kind"] == store.KIND and list(meta["tasks"]) == ["colour", "position"]
+    assert meta["recipe_sha256"] == demo.recipe_sha256(MICRO)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["z"]
+    zoo = store.read_zoo_dir(path)
+    assert zoo.split("colour", "test")[0].shape == (24, 3, 32, 32)
+    again = demo.build_demo(tmp_path / "z2", progress=False, recipe=MICRO)
+    assert store.read_meta(again)["files"] == meta["files"]  # same seeds, same bytes
+
+
+def test_interrupted_build_leaves_no_zoo(tmp_path, monkeypatch):
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "finetune", boom)
+    with pytest.raises(KeyboardInterrupt):
+        demo.build_demo(tmp_path / "z", progress=False, recipe=MICRO)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def tiny_zoo(tmp_path_factory):
+    from app_zoo import write_tiny_zoo
+
+    path = write_tiny_zoo(tmp_path_factory.mktemp("tiny") / "zoo")
+    return store.read_zoo_dir(path)
+
+
+def test_zoo_dir_round_trip(tiny_zoo, tmp_path):
+    again = load_any(tiny_zoo.meta["path"])
+    assert again.tasks == tiny_zoo.tasks
+    for t in tiny_zoo.tasks:
+        assert torch.equal(again.heads[t].weight, tiny_zoo.heads[t].weight)
+        x, y = again.split(t, "calib")
+        assert x.dtype == torch.float32 and x.min() >= -1 and x.max() <= 1 and y.dtype == torch.long
+
+
+def test_corruption_is_detected(tmp_path):
+    from app_zoo import write_tiny_zoo
+
+    path = write_tiny_zoo(tmp_path / "zoo")
+    heads = path / "heads.safetensors"
+    raw = bytearray(heads.read_bytes())
+    raw[-1] ^= 0xFF
+    heads.write_bytes(bytes(raw))
+    with pytest.raises(store.ZooCorruptedError, match="heads.safetensors"):
+        store.read_zoo_dir(path)
+    store.read_zoo_dir(path, verify=False)
+
+
+def test_load_any_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_any(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="not a featcal zoo"):
+        load_any(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_any(tmp_path / "nope.yaml")
+
+
+# ------------------------------------------------------------------ evaluation and calibration data
+
+def _direct_accuracy(zoo, model, task, split="test"):
+    x, y = zoo.split(task, split)
+    with torch.no_grad():
+        feats = model(pixel_values=x).pooler_output
+        pred = zoo.heads[task](feats).argmax(-1)
+    return 100.0 * (pred == y).float().mean().item()
+
+
+def test_evaluate_equals_direct_forward(tiny_zoo):
+    for task, expert in tiny_zoo.experts.items():
+        got = evaluate(expert, tiny_zoo, tasks=[task], batch_size=7)[task]  # uneven batches
+        assert got == pytest.approx(_direct_accuracy(tiny_zoo, expert, task))
+
+
+def test_calib_data_is_seeded_and_from_calib(tiny_zoo):
+    a = tiny_zoo.calib_data(40, seed=42, batch_size=16)
+    b = tiny_zoo.calib_data(40, seed=42, batch_size=16)
+    c = tiny_zoo.calib_data(40, seed=7, batch_size=16)
+    for t in tiny_zoo.tasks:
+        assert [len(x) for x in a[t]] == [16, 16, 8]
+        assert all(torch.equal(p, q) for p, q in zip(a[t], b[t]))
+        assert not torch.equal(torch.cat(a[t]), torch.cat(c[t]))
+        rows = {r.numpy().tobytes() for r in torch.cat(a[t])}
+        calib = {r.numpy().tobytes() for r in tiny_zoo.split(t, "calib")[0]}
+        test = {r.numpy().tobytes() for r in tiny_zoo.split(t, "test")[0]}
+        assert len(rows) == 40 and rows <= calib and not rows & test
+
+
+def test_scores():
+    accs, experts = {"a": 50.0, "b": 90.0}, {"a": 100.0, "b": 90.0}
+    assert scores.average(accs) == 70.0
+    assert scores.normalized(accs, experts) == {"a": 50.0, "b": 100.0}
+    assert scores.summary(accs, experts)["normalized_average"] == 75.0
+    table = scores.markdown_table({"m": accs})
+    assert table.splitlines()[2] == "| m | 50.0 | 90.0 | 70.0 |"
+
+
+# ------------------------------------------------------------------ fashion
+
+def _idx(path, arr):
+    header = bytes([0, 0, 8, arr.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in arr.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + arr.astype(np.uint8).tobytes())
+
+
+def test_fashion_reader_and_missing_package(tmp_path, monkeypatch):
+    monkeypatch.setattr(fashion, "SEARCH_GLOBS", (str(tmp_path / "none" / "*.gz"),))
+    monkeypatch.delenv("FEATCAL_FASHION_MNIST", raising=False)
+    with pytest.raises(fashion.FashionMNISTMissing, match="apt-get install -y dataset-fashion-mnist"):
+        fashion.find_fashion_mnist()
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 80), ("t10k", 40)):
+        _idx(tmp_path / f"{split}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 28, 28)))
+        _idx(tmp_path / f"{split}-labels-idx1-ubyte.gz", np.arange(n) % 10)
+    monkeypatch.setenv("FEATCAL_FASHION_MNIST", str(tmp_path))
+    arrays = fashion.make_fashion_arrays(n_train=30, n_calib=10, n_val=5, n_test=20)
+    x, y = arrays["fashion"]["train"]
+    assert x.shape == (30, 32, 32, 3) and x[:, :2].max() == 0  # padded with black
+    assert set(arrays["fashion-group"]["test"][1]) <= {0, 1, 2, 3}
+    with pytest.raises(ValueError, match="IDX"):
+        (tmp_path / "bad.gz").write_bytes(gzip.compress(b"\x01\x02\x03\x04"))
+        fashion.read_idx(tmp_path / "bad.gz")
+
+
+# ------------------------------------------------------------------ the real demo zoo
+
+@pytest.fixture(scope="module")
+def demo_zoo():
+    return demo.load_demo(progress=False)
+
+
+@pytest.mark.demo_zoo
+def test_demo_zoo_contents(demo_zoo):
+    assert len(demo_zoo.tasks) >= 6 and demo_zoo.fmt == "hf"
+    assert type(demo_zoo.base).__name__ == "CLIPVisionModel"
+    assert demo_zoo.meta["disk_bytes"] < 32e6
+    for task in demo_zoo.tasks:
+        sizes = {s: len(demo_zoo.split(task, s)[1]) for s in ("calib", "val", "test")}
+        assert sizes["calib"] >= 512 and sizes["val"] >= 200 and 200 <= sizes["test"] <= 500
+        rows = {s: {r.numpy().tobytes() for r in demo_zoo.split(task, s)[0]} for s in sizes}
+        assert not rows["test"] & (rows["calib"] | rows["val"]) and not rows["calib"] & rows["val"]
+
+
+@pytest.mark.demo_zoo
+def test_demo_expert_matches_direct_forward_and_gap(demo_zoo):
+    task = demo_zoo.tasks[0]
+    expert = demo_zoo.experts[task]
+    assert evaluate(expert, demo_zoo, tasks=[task])[task] == pytest.approx(
+        _direct_accuracy(demo_zoo, expert, task))
+    experts = scores.expert_accuracies(demo_zoo)
+    ta = evaluate(demo_zoo.merged("task_arithmetic", scale=0.3), demo_zoo)
+    assert scores.average(experts) >= scores.average(ta) + 10  # the merging gap the paper studies
+
+
+@pytest.mark.demo_zoo
+def test_demo_loads_fast_from_cache(demo_zoo):
+    t0 = time.perf_counter()
+    demo.load_demo(progress=False)
+    assert time.perf_counter() - t0 < 20  # about 1 s on an idle 2-core machine

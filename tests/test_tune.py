@@ -1,0 +1,165 @@
+"""Sweeps and automatic selection (featcal.tune) on tiny seeded models."""
+import collections
+import copy
+import os
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import tiny
+from featcal import FeatCalConfig
+from featcal.tune import Grid, TuneConfig, tune, tune_zoo
+from featcal.zoo.core import TaskData, Zoo
+
+SMALL = Grid(lam=(0.01, 0.5), rho=(0.5, 2.0), alpha=(0.0, 0.6))
+
+
+def _val(tasks, n=12, seed=7, labels=None):
+    gen = torch.Generator().manual_seed(seed)
+    return {t: (torch.randn(n, 5, 6, generator=gen), None if labels is None else labels[t]) for t in tasks}
+
+
+def test_tune_preview_equals_exact_when_features_do_not_move():
+    """One calibrated block: every preview is an exact solve, so preview == exact score
+    and the preview's weights are the exact run's."""
+    base, experts, merged = tiny.toy_zoo(n_tasks=2, n_blocks=1)
+    cfg = FeatCalConfig(stats_dtype=torch.float64)
+    res = tune(merged, base, experts, tiny.toy_data(experts, n=16), _val(experts), config=cfg, grid=SMALL,
+               n_confirm=len(SMALL.points()))
+    t = res.table
+    assert t["confirmed"].all() and len(t) == 1 + len(SMALL.points())
+    assert (t["rel_dist"] < 1e-6).all()
+    pd.testing.assert_series_equal(t["preview"], t["exact"], check_names=False, rtol=1e-6, atol=1e-9)
+    assert res.best["score"] == t["exact"].max()
+
+
+def test_tune_keeps_the_anchor_unless_beaten_and_records_every_point():
+    base, experts, merged = tiny.toy_zoo(n_tasks=2, n_blocks=2)
+    data, val = tiny.toy_data(experts, n=16), _val(experts)
+    none = tune(merged, base, experts, data, val, grid=SMALL, n_confirm=0)
+    assert none.best["stage"] == "anchor" and none.best_config() == FeatCalConfig.clip()
+    res = tune(merged, base, experts, data, val, grid=SMALL, n_confirm=2, search="adaptive", rounds=1, top_k=1)
+    t = res.table
+    assert list(t["point"]) == list(range(len(t)))
+    assert set(t["stage"]) == {"anchor", "grid", "refine"}
+    assert t["confirmed"].sum() == 3                                 # the anchor and two previews
+    assert res.best["score"] == t["exact"].max() >= res.best["anchor_score"]
+    assert sorted(t["preview_rank"]) == list(range(len(t)))
+    assert res.score == "kl" and (t["preview"] <= 0).all()           # -KL without labels
+
+
+def test_grid_and_options_are_validated():
+    assert Grid.parse("lam=0.1,1;alpha=0.2").points() == [(lam, rho, 0.2) for lam in (0.1, 1.0) for rho in Grid().rho]
+    with pytest.raises(ValueError):
+        Grid(lam=(0.0,))
+    with pytest.raises(ValueError):
+        Grid.parse("beta=1")
+    with pytest.raises(ValueError):
+        TuneConfig(search="random")
+    base, experts, merged = tiny.toy_zoo(n_tasks=2, n_blocks=1)
+    with pytest.raises(ValueError, match="labels"):
+        tune(merged, base, experts, tiny.toy_data(experts), _val(experts), score="accuracy", grid=SMALL)
+
+
+# ------------------------------------------------------------------ the test split stays unread
+
+class _Poison:
+    """Stands in for test-split tensors: any use at all fails."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the test split was used ({name})")
+
+    def __len__(self):
+        raise AssertionError("the test split was used (len)")
+
+    def __iter__(self):
+        raise AssertionError("the test split was used (iter)")
+
+
+class _CountingSplits(dict):
+    def __init__(self, *a, reads, **kw):
+        super().__init__(*a, **kw)
+        self.reads = reads
+
+    def __getitem__(self, split):
+        self.reads[split] += 1
+        return super().__getitem__(split)
+
+    def get(self, split, default=None):
+        self.reads[split] += 1
+        return super().get(split, default)
+
+
+def toy_features(model, x):
+    return model.hidden(x)[:, 0]
+
+
+def _toy_zoo(reads):
+    base, experts, _ = tiny.toy_zoo(n_tasks=2, n_blocks=2)
+    gen = torch.Generator().manual_seed(3)
+    heads, data = {}, {}
+    for t, m in experts.items():
+        heads[t] = copy.deepcopy(m.head).requires_grad_(False)
+        splits = {}
+        for split, n in (("calib", 24), ("val", 12)):
+            x = torch.randn(n, 5, 6, generator=gen)
+            splits[split] = (x, heads[t](toy_features(m, x)).argmax(-1).detach())
+        splits["test"] = (_Poison(), _Poison())
+        data[t] = TaskData(t, ["a", "b", "c", "d"], _CountingSplits(splits, reads=reads))
+    return Zoo("toy", base, experts, heads, data, toy_features)
+
+
+def test_tune_zoo_never_reads_the_test_split():
+    reads = collections.Counter()
+    zoo = _toy_zoo(reads)
+    res = tune_zoo(zoo, n_calib=16, grid=SMALL, n_confirm=2, search="adaptive", rounds=1)
+    assert reads["test"] == 0
+    assert reads["calib"] > 0 and reads["val"] > 0
+    assert res.score == "accuracy" and res.meta["n_calib"] == 16
+
+
+# ------------------------------------------------------------------ Ray == one process
+
+@pytest.mark.slow
+def test_ray_and_single_process_give_the_same_table():
+    ray = pytest.importorskip("ray")
+    base, experts, merged = tiny.toy_zoo(n_tasks=2, n_blocks=2)
+    data, val = tiny.toy_data(experts, n=16), _val(experts)
+    grid = Grid(lam=(0.01, 0.5), rho=(2.0,), alpha=(0.0, 0.6))
+    local = tune(merged, base, experts, data, val, grid=grid, n_confirm=2)
+    # The workers must import tests/tiny.py to unpickle the toy models.
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(__file__)}})
+    try:
+        remote = tune(merged, base, experts, data, val, grid=grid, n_confirm=2, ray=True)
+    finally:
+        ray.shutdown()
+    cols = [c for c in local.table.columns if c != "seconds"]
+    pd.testing.assert_frame_equal(local.table[cols], remote.table[cols], check_exact=True)
+    assert local.best == remote.best
+
+
+# ------------------------------------------------------------------ the app page
+
+def test_tune_page_runs_a_sweep_on_a_tiny_zoo(tmp_path):
+    pytest.importorskip("streamlit")
+    from streamlit.testing.v1 import AppTest
+
+    from app_zoo import write_tiny_zoo
+
+    zoo = write_tiny_zoo(tmp_path / "tiny")
+    app = os.path.join(os.path.dirname(__file__), "..", "app", "streamlit_app.py")
+    at = AppTest.from_file(app, default_timeout=600)
+    at.query_params["zoo"] = "other (path)…"
+    at.query_params["zoo_path"] = str(zoo)
+    at.run()
+    at.switch_page("pages/tune.py").run()
+    assert not at.exception and not at.error
+    at.select_slider(key="tune_n").set_value(8)
+    at.slider(key="tune_confirm").set_value(1)
+    next(b for b in at.button if b.label == "Run sweep").click().run()
+    assert not at.exception and not at.error, [e.value for e in [*at.exception, *at.error]]
+    assert {"chosen setting", "val accuracy, chosen"} <= {m.label for m in at.metric}
+    assert len(at.dataframe[0].value) == 27                          # the quick grid holds the anchor
