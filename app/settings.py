@@ -14,7 +14,7 @@ import streamlit as st
 
 BIND = dict(bind="query-params", persist_state="session")
 CAL_SIZES = (4, 8, 16, 32, 64, 128, 256, 512)
-DEFAULT_N = 16       # calibration examples per task (see benchmarks/app_latency.py)
+DEFAULT_N = 8        # calibration examples per task (see benchmarks/app_latency.py)
 MERGE_METHODS = {"average": "Simple averaging", "task_arithmetic": "Task Arithmetic", "ties": "TIES"}
 # Slider (min, max, step) of every merger parameter; defaults come from featcal.merging.
 MERGE_PARAMS = {"task_arithmetic": {"scale": (0.05, 1.0, 0.05)},

@@ -17,6 +17,7 @@ holding it, so the lock and Streamlit's per-key cache locks cannot deadlock.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import threading
 import time
@@ -134,10 +135,10 @@ def _set_threads(source: str | None) -> None:
 
 
 @contextlib.contextmanager
-def torch_lock(source: str | None = None, lock: threading.RLock | None = None) -> Iterator[None]:
+def torch_lock(source: str | None = None, lock=None) -> Iterator[None]:
     """Run torch work on the shared models: one at a time (``lock``, by default the one
-    every hook-setting or shared-model computation takes), without autograd, with the
-    zoo's CPU thread count (set on every call: it is per thread)."""
+    every hook-setting or shared-model computation takes; a ``nullcontext`` for none),
+    without autograd, with the zoo's CPU thread count (set on every call: it is per thread)."""
     with (lock or _lock()), torch.no_grad():
         _set_threads(source)
         yield
@@ -243,9 +244,7 @@ def _calibrated_run(source: str, fp: str, merger: Merger, cal: CalSettings) -> C
 
 @st.cache_resource(max_entries=2, show_spinner=False)
 def _scratch(source: str, fp: str) -> torch.nn.Module:
-    """One model per zoo that previews are written into (under the torch lock)."""
-    import copy
-
+    """One model per zoo that previews are written into (under its own lock)."""
     return copy.deepcopy(_zoo(source, device()).base)
 
 
@@ -265,34 +264,46 @@ def preview_ref(merger: Merger, base: CalSettings, cal: CalSettings) -> tuple:
 
 @contextlib.contextmanager
 def model_of(source: str, fp: str, ref: tuple, hooks: bool = True) -> Iterator[torch.nn.Module]:
-    """The model a reference names, yielded under the torch lock (resolved before it).
+    """The model a reference names, with the lock its use needs (resolved before it).
 
-    A preview lives in the zoo's scratch model, under its own lock; a computation on it
-    that sets no hooks and runs no shared model (``hooks=False``: scores with the
-    experts' cached outputs) skips the main lock, so it runs beside an exact calibration."""
+    ``hooks``: the computation sets hooks (a drift table) rather than only calling the
+    model (scores with the experts' cached outputs). The rules that let an exact run, its
+    drift and a preview's scores run side by side on two cores:
+
+    - hook-setting work takes the main lock (experts are hooked only under it), and on a
+      calibrated model runs on a private copy, so nobody ever hooks a cached calibrated
+      model and scoring one needs no lock;
+    - a preview lives in the zoo's scratch model, under its own lock;
+    - base, experts and merged models (every page uses them) are used under the main lock.
+    """
     zoo = _zoo(source, device())
     kind = ref[0]
-    prev = None
-    if kind == "base":
-        model = zoo.base
-    elif kind == "expert":
-        model = zoo.experts[ref[1]]
-    elif kind == "merged":
-        model = merged_model(source, fp, Merger(*ref[1]))
-    elif kind == "calibrated":
-        model = _calibrated_run(source, fp, Merger(*ref[1]), CalSettings(*ref[2])).model
-    elif kind == "preview":
+    if kind == "preview":
         prev = _calibrated_run(source, fp, Merger(*ref[1]), CalSettings(*ref[2]))
         model = _scratch(source, fp)
+        with torch_lock(source, _scratch_lock()), (torch_lock(source) if hooks else contextlib.nullcontext()):
+            compute.load_preview(model, prev.model, prev.report, *ref[3])
+            yield model
+    elif kind == "calibrated":
+        model = _calibrated_run(source, fp, Merger(*ref[1]), CalSettings(*ref[2])).model
+        with torch_lock(source, None if hooks else contextlib.nullcontext()):
+            yield copy.deepcopy(model) if hooks else model
     else:
-        raise ValueError(f"unknown model reference {ref!r}")
-    if prev is None:
+        if kind == "base":
+            model = zoo.base
+        elif kind == "expert":
+            model = zoo.experts[ref[1]]
+        elif kind == "merged":
+            model = merged_model(source, fp, Merger(*ref[1]))
+        else:
+            raise ValueError(f"unknown model reference {ref!r}")
         with torch_lock(source):
             yield model
-        return
-    with torch_lock(source, _scratch_lock()), (torch_lock(source) if hooks else contextlib.nullcontext()):
-        compute.load_preview(model, prev.model, prev.report, *ref[3])
-        yield model
+
+
+def start_drift(source: str, fp: str, ref: tuple) -> Future:
+    """Measure the drift on the worker thread (while the script scores the same model)."""
+    return _worker().submit(drift, source, fp, ref)
 
 
 # ============================================================================ 3. results

@@ -186,7 +186,7 @@ def tune(merged: nn.Module, base: nn.Module, experts: Mapping[str, nn.Module], c
          val_data: ValData, *, logits: Logits | None = None, config: FeatCalConfig | None = None,
          grid: Grid | None = None, search: str = "grid", score: str = "auto", n_confirm: int = 4,
          rounds: int = 2, top_k: int = 3, ray: bool = False, num_cpus: int | None = None,
-         batch_size: int = 256) -> TuneResult:
+         batch_size: int = 256, progress: bool = False) -> TuneResult:
     """Choose FeatCal's (lam, rho, alpha) on validation data.
 
     Args:
@@ -197,6 +197,7 @@ def tune(merged: nn.Module, base: nn.Module, experts: Mapping[str, nn.Module], c
         config: the anchor setting and every switch (default ``FeatCalConfig.clip()``).
         grid, search, score, n_confirm, rounds, top_k, ray, num_cpus, batch_size:
             see :class:`TuneConfig`.
+        progress: progress bars over the preview batches and the exact runs.
     """
     cfg = config or FeatCalConfig.clip()
     opts = TuneConfig(grid=grid or Grid(), search=search, rounds=rounds, top_k=top_k, n_confirm=n_confirm,
@@ -219,13 +220,15 @@ def tune(merged: nn.Module, base: nn.Module, experts: Mapping[str, nn.Module], c
     anchor_scores = val_scores(model, val_data, logits, kind, ref, opts.batch_size)
     rows = [_row(0, "anchor", anchor, anchor_scores)]
     seen = {_key(anchor)}
-    run = runner(work, opts.ray, opts.num_cpus)
+    run = runner(work, opts.ray, opts.num_cpus, progress)
     try:
         # 2. Preview every grid point (then refine around the best, if adaptive).
         def preview(points: list[Point], stage: str) -> None:
             points = [p for p in dict.fromkeys(_key(p) for p in points) if p not in seen]
             seen.update(points)
-            scores = [s for chunk in run.map(preview_job, chunks(points, run.slots)) for s in chunk]
+            # Points are independent: any chunking gives the same scores; >= 16 chunks for the bar.
+            batches = chunks(points, max(run.slots, 16))
+            scores = [s for chunk in run.map(preview_job, batches, f"previews ({stage})") for s in chunk]
             rows.extend(_row(len(rows), stage, p, s) for p, s in zip(points, scores))
 
         preview(opts.grid.points(), "grid")
@@ -241,7 +244,7 @@ def tune(merged: nn.Module, base: nn.Module, experts: Mapping[str, nn.Module], c
         for rank, r in enumerate(order):
             r["preview_rank"] = rank
         confirm = [r for r in order if r["stage"] != "anchor"][:opts.n_confirm]
-        exact = run.map(exact_job, [(r["lam"], r["rho"], r["alpha"]) for r in confirm])
+        exact = run.map(exact_job, [(r["lam"], r["rho"], r["alpha"]) for r in confirm], "exact runs")
     finally:
         run.close()
     rows[0].update(exact=rows[0]["preview"], rel_dist=0.0, seconds=anchor_seconds,
@@ -274,7 +277,7 @@ def tune_zoo(zoo, *, method: str = "task_arithmetic", merge_params: Mapping | No
              seed: int = 42, calib_batch: int = 16, val_per_task: int | None = None,
              config: FeatCalConfig | None = None, grid: Grid | None = None, search: str = "grid",
              score: str = "auto", n_confirm: int = 4, rounds: int = 2, top_k: int = 3, ray: bool = False,
-             num_cpus: int | None = None) -> TuneResult:
+             num_cpus: int | None = None, progress: bool = False) -> TuneResult:
     """:func:`tune` on a :class:`~featcal.zoo.core.Zoo`: merge with ``method``, calibrate on
     ``n_calib`` examples per task of the ``calib`` split (seeded), score on the ``val``
     split (the first ``val_per_task`` examples, default all). The ``test`` split is never read."""
@@ -287,7 +290,7 @@ def tune_zoo(zoo, *, method: str = "task_arithmetic", merge_params: Mapping | No
         val[task] = (x[:val_per_task], y[:val_per_task]) if val_per_task else (x, y)
     result = tune(merged, zoo.base, zoo.experts, calib, val, logits=HeadLogits(zoo.features, zoo.heads),
                   config=config, grid=grid, search=search, score=score, n_confirm=n_confirm, rounds=rounds,
-                  top_k=top_k, ray=ray, num_cpus=num_cpus)
+                  top_k=top_k, ray=ray, num_cpus=num_cpus, progress=progress)
     result.meta.update(zoo=zoo.name, method=method, merge_params=merge_params, n_calib=n_calib, seed=seed,
                        calib_batch=calib_batch, val_per_task=val_per_task)
     return result

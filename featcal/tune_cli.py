@@ -150,7 +150,7 @@ def run_tune(args: argparse.Namespace) -> int:
                    val_per_task=args.val_per_task, config=_featcal_config(args),
                    grid=grid, search=args.search, score=args.score,
                    n_confirm=args.n_confirm, rounds=args.rounds, top_k=args.top_k, ray=args.ray,
-                   num_cpus=args.num_cpus)
+                   num_cpus=args.num_cpus, progress=not args.quiet)
     res.table.to_csv(out / "table.csv", index=False)
     info = res.to_dict()
     figs = _figures()

@@ -136,14 +136,25 @@ def preview_distance(preview: Preview, point: Point, exact: nn.Module) -> float:
     return math.sqrt(num / max(den, 1e-300))
 
 
+def _bar(total: int, desc: str, show: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="job", disable=not show, leave=False)
+
+
 class Local:
     """Runs jobs one after another in this process."""
 
-    def __init__(self, work: Work):
-        self.work, self.slots = work, 1
+    def __init__(self, work: Work, progress: bool = False):
+        self.work, self.slots, self.progress = work, 1, progress
 
-    def map(self, fn, items: Sequence) -> list:
-        return [fn(self.work, it) for it in items]
+    def map(self, fn, items: Sequence, desc: str = "") -> list:
+        out = []
+        with _bar(len(items), desc, self.progress) as bar:
+            for it in items:
+                out.append(fn(self.work, it))
+                bar.update()
+        return out
 
     def close(self) -> None:
         pass
@@ -152,10 +163,10 @@ class Local:
 class RayRunner:
     """Runs jobs as Ray tasks (one CPU each); results come back in submission order."""
 
-    def __init__(self, work: Work, num_cpus: int | None):
+    def __init__(self, work: Work, num_cpus: int | None, progress: bool = False):
         import ray
 
-        self.ray = ray
+        self.ray, self.progress = ray, progress
         self.started = not ray.is_initialized()
         if self.started:
             ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
@@ -163,9 +174,15 @@ class RayRunner:
         self.ref = ray.put(work)
         self._remote = {}
 
-    def map(self, fn, items: Sequence) -> list:
+    def map(self, fn, items: Sequence, desc: str = "") -> list:
         remote = self._remote.setdefault(fn, self.ray.remote(num_cpus=1)(fn))
-        return self.ray.get([remote.remote(self.ref, it) for it in items])
+        refs = [remote.remote(self.ref, it) for it in items]
+        pending = list(refs)
+        with _bar(len(refs), desc, self.progress) as bar:
+            while pending:
+                done, pending = self.ray.wait(pending, num_returns=1)
+                bar.update(len(done))
+        return self.ray.get(refs)
 
     def close(self) -> None:
         del self.ref
@@ -173,14 +190,14 @@ class RayRunner:
             self.ray.shutdown()
 
 
-def runner(work: Work, use_ray: bool, num_cpus: int | None):
+def runner(work: Work, use_ray: bool, num_cpus: int | None, progress: bool = False):
     if use_ray:
         try:
-            return RayRunner(work, num_cpus)
+            return RayRunner(work, num_cpus, progress)
         except ImportError:
             warnings.warn("ray=True but Ray is not installed (pip install 'featcal[tune]'); running in one process.",
                           stacklevel=3)
-    return Local(work)
+    return Local(work, progress)
 
 
 def chunks(points: Sequence[Point], n: int) -> list[list[Point]]:

@@ -72,7 +72,7 @@ def test_each_calibration_slider_changes_the_numbers(tiny_zoo, key, value):
 def test_calibration_size_and_switches_change_the_numbers(tiny_zoo):
     at = _page(_app(tiny_zoo).run(), "calibrate")
     seen = [_numbers(at)]
-    _ok(at.select_slider(key="n_cal").set_value(8).run())
+    _ok(at.select_slider(key="n_cal").set_value(16).run())
     seen.append(_numbers(at))
     _ok(at.toggle(key="bias").set_value(False).run())
     seen.append(_numbers(at))
@@ -170,7 +170,7 @@ def test_the_app_opens_on_the_demo_zoo(demo_built):
 def test_every_slider_moves_the_numbers_on_the_demo_zoo(demo_built):
     at = _page(_app().run(), "calibrate")
     for kind, key, value in [("slider", "log_lam", -0.5), ("slider", "rho", 1.0), ("slider", "alpha", 0.7),
-                             ("select_slider", "n_cal", 8)]:
+                             ("select_slider", "n_cal", 32)]:
         before = _numbers(at)
         _ok(getattr(at, kind)(key=key).set_value(value).run())
         assert _numbers(at) != before, key

@@ -186,6 +186,25 @@ def test_fashion_reader_and_missing_package(tmp_path, monkeypatch):
         fashion.read_idx(tmp_path / "bad.gz")
 
 
+def test_fashion_variant_build(tmp_path, monkeypatch):
+    """The fashion variant = the default zoo (here a micro one) plus two experts."""
+    rng = np.random.default_rng(1)
+    for split, n in (("train", 300), ("t10k", 60)):
+        _idx(tmp_path / f"{split}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 28, 28)))
+        _idx(tmp_path / f"{split}-labels-idx1-ubyte.gz", np.arange(n) % 10)
+    monkeypatch.setenv("FEATCAL_FASHION_MNIST", str(tmp_path))
+    micro = store.read_zoo_dir(demo.build_demo(tmp_path / "default", progress=False, recipe=MICRO))
+    monkeypatch.setattr(demo, "load_demo", lambda **kw: micro)
+    recipe = demo.Recipe(**{**MICRO.__dict__, "n_train": 120, "n_test": 24})
+    zoo = store.read_zoo_dir(demo.build_demo(tmp_path / "fashion", variant="fashion",
+                                             progress=False, recipe=recipe))
+    assert zoo.tasks == ["colour", "position", "fashion", "fashion-group"]
+    assert zoo.meta["variant"] == "fashion" and len(zoo.data["fashion-group"].classes) == 4
+    for t in micro.tasks:
+        assert torch.equal(zoo.experts[t].state_dict()["post_layernorm.weight"],
+                           micro.experts[t].state_dict()["post_layernorm.weight"])
+
+
 # ------------------------------------------------------------------ the real demo zoo
 
 @pytest.fixture(scope="module")

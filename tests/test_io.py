@@ -131,3 +131,10 @@ def test_write_json_and_tree_hash(tmp_path):
     assert list(files) == ["x.json"]
     (tmp_path / "a" / "x.json").write_text("{}")
     assert io.tree_sha256(tmp_path / "a")[0] != digest
+
+
+def test_saved_tree_has_plain_permissions(tmp_path):
+    out = io.save_model(_tiny_clip(), tmp_path / "m", fmt="hf")
+    umask = io._current_umask()
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0o700
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask

@@ -81,8 +81,9 @@ merged_summary = compute.task_summary(merged_scores)
 # 2. The instant preview, when an exact run with the same data and switches exists; the
 #    exact run starts first, on a worker thread, and the preview is scored beside it.
 base = state.preview_base(source, fp, merger, cal)
+exact_job = None
 if base is not None:
-    state.start_calibration(source, fp, merger, cal)
+    exact_job = state.start_calibration(source, fp, merger, cal)
     ref = state.preview_ref(merger, base, cal)
     with status_slot.status(f"Preview of {cal.label} from the exact run at λ={base.lam:.3g}, ρ={base.rho:g}, "
                             f"α={base.alpha:g}; the exact run follows…"):
@@ -94,12 +95,13 @@ if base is not None:
          f"(λ={base.lam:.3g}, ρ={base.rho:g}, α={base.alpha:g}); it ignores how earlier blocks' changes move "
          "later features. Exact run in progress…")
 
-# 3. The exact forward-order run.
+# 3. The exact forward-order run, then its scores (here) and drift (on the worker) side by side.
 with status_slot.status(f"Running exact forward-order FeatCal: {cal.label}…", expanded=False) as s:
-    run = state.calibrated(source, fp, merger, cal)
+    run = exact_job.result() if exact_job is not None else state.calibrated(source, fp, merger, cal)
     ref = state.calibrated_ref(merger, cal)
+    drift_job = state.start_drift(source, fp, ref)          # beside the scores, on the worker
     cal_scores = state.scores(source, fp, ref, limit)
-    cal_drift = state.drift(source, fp, ref)
+    cal_drift = drift_job.result()
     s.update(label=f"Exact FeatCal done: {cal.label} · {len(run.report.modules)} modules in "
                    f"{len(run.report.blocks)} blocks, {run.seconds:.2f} s", state="complete")
 show("exact", cal_scores, merged_summary, cal_drift, f"{cal.label} · {run.report.summary()}")

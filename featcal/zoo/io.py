@@ -48,6 +48,7 @@ def atomic_dir(target: str | os.PathLike, force: bool = False) -> Iterator[Path]
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         yield tmp
+        _normalise_permissions(tmp)
         _check_target(target, force)  # something may have appeared meanwhile
         _swap_into_place(tmp, target)
     except BaseException:
@@ -61,6 +62,28 @@ def _check_target(target: Path, force: bool) -> None:
             f"output {str(target)!r} already exists; pass --force (force=True) to replace it.")
     if target.exists() and not target.is_dir():
         raise OutputExistsError(f"output {str(target)!r} exists and is not a directory.")
+
+
+def _normalise_permissions(root: Path) -> None:
+    """Give the tree the modes a plain ``mkdir``/``open`` would (``mkdtemp`` and some
+    writers create owner-only directories and files)."""
+    umask = _current_umask()
+    os.chmod(root, 0o777 & ~umask)
+    for p in root.rglob("*"):
+        if not p.is_symlink():
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
+
+
+def _current_umask() -> int:
+    """The process umask, read without changing it (``os.umask`` would, briefly, for
+    every thread); 0o022 where /proc does not tell."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
 
 
 def _swap_into_place(tmp: Path, target: Path) -> None:
