@@ -47,6 +47,8 @@ def _rss_kib(pid: int) -> int:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     if CHROMIUM is None:
+        if os.environ.get("FEATCAL_REQUIRE_BROWSER"):  # CI: the browser tests must run
+            pytest.fail("Debian chromium is not installed but FEATCAL_REQUIRE_BROWSER is set")
         pytest.skip("Debian chromium is not installed (apt-get install chromium); browser tests skipped")
     pytest.importorskip("playwright.sync_api", reason="the playwright Python package is not installed")
     from featcal.zoo.demo import load_demo
