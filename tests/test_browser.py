@@ -208,6 +208,7 @@ def test_two_tabs_share_the_server_memory(server, browser):
     _no_exception(tab1)
     _no_exception(tab2)
     rss_two = _rss_kib(proc.pid)
+    print(f"server RSS: {rss_one / 1024:.0f} MiB with one tab, {rss_two / 1024:.0f} MiB with two")
     assert rss_two < 1.5 * rss_one, f"server RSS {rss_one} KiB with one tab, {rss_two} KiB with two"
     first.close()
     second.close()
