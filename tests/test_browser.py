@@ -139,15 +139,17 @@ def test_pages_render(server, browser):
     url, _ = server
     SHOTS.mkdir(parents=True, exist_ok=True)
     context = browser.new_context(viewport=VIEW)
-    page = _open(context, url)
+    page = _open(context, url, ".js-plotly-plot")
     _no_exception(page)
     assert page.get_by_text("Zoo · demo").first.is_visible()
+    page.wait_for_timeout(1000)                          # plotly draws after the run
     page.screenshot(path=str(SHOTS / "zoo.png"))
     for name in ("drift", "calibrate", "export"):
         page.goto(f"{url}/{name}")
-        page.wait_for_selector(METRIC if name == "calibrate" else ".js-plotly-plot", timeout=LOAD_MS)
+        page.wait_for_selector(".js-plotly-plot", timeout=LOAD_MS)
         _idle(page, LOAD_MS)
         _no_exception(page)
+        page.wait_for_timeout(1000)
         page.screenshot(path=str(SHOTS / f"{name}.png"))
     context.close()
 
@@ -183,14 +185,24 @@ def test_slider_updates_numbers_and_url(server, browser):
     url, _ = server
     context = browser.new_context(viewport=VIEW)
     page = _open(context, f"{url}/calibrate")
-    _nudge(page, "anchor blend", "rho", -4)            # 2.00 -> 1.80
+    _nudge(page, "anchor blend", "rho", -4)            # 2.00 -> 1.80 (no earlier run: exact only)
     assert "rho=1.8" in page.url
     assert page.get_by_text("Exact FeatCal").first.is_visible()
+    # The next change shows the preview (from the kept statistics of the rho=1.8 run) first.
+    page.evaluate("""() => { window.sawPreview = false;
+        new MutationObserver(() => { if ([...document.querySelectorAll('[data-testid="stAlertContentInfo"]')]
+            .some(e => e.innerText.includes('Preview'))) window.sawPreview = true; })
+          .observe(document.body, {childList: true, subtree: true, characterData: true}); }""")
+    _nudge(page, "target interpolation", "alpha", 2)   # 0.30 -> 0.40
+    assert page.evaluate("window.sawPreview"), "no preview was shown before the exact result"
+    assert page.get_by_text("Exact FeatCal").first.is_visible()
+    assert "alpha=0.4" in page.url
     page.screenshot(path=str(SHOTS / "calibrate-after-slider.png"))
     # The URL restores the view in a fresh tab.
     other = _open(context, page.url)
-    thumb = other.locator('[data-testid="stSlider"]', has_text="anchor blend").locator('input[type="range"]')
-    assert float(thumb.get_attribute("value")) == pytest.approx(1.8)
+    for label, value in (("anchor blend", 1.8), ("target interpolation", 0.4)):
+        thumb = other.locator('[data-testid="stSlider"]', has_text=label).locator('input[type="range"]')
+        assert float(thumb.get_attribute("value")) == pytest.approx(value)
     context.close()
 
 
