@@ -38,3 +38,19 @@ def write_tiny_zoo(path: str | Path, seed: int = 0) -> Path:
                         for s, n in (("calib", 64), ("val", 32), ("test", 48))}
     return write_zoo_dir(path, name="tiny", base=base, experts=experts, heads=heads, arrays=arrays,
                          classes=classes, features="pooler_output")
+
+
+def app_page_on_tiny_zoo(tmp_path: Path, page: str):
+    """An ``AppTest`` of the app switched to ``page`` (e.g. ``pages/tune.py``) on a tiny zoo
+    written to ``tmp_path``; asserts that the page ran without errors."""
+    from streamlit.testing.v1 import AppTest
+
+    zoo = write_tiny_zoo(Path(tmp_path) / "tiny")
+    app = Path(__file__).resolve().parent.parent / "app" / "streamlit_app.py"
+    at = AppTest.from_file(str(app), default_timeout=600)
+    at.query_params["zoo"] = "other (path)…"
+    at.query_params["zoo_path"] = str(zoo)
+    at.run()
+    at.switch_page(page).run()
+    assert not at.exception and not at.error
+    return at

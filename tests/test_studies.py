@@ -87,20 +87,9 @@ def test_robustness_rows_cover_every_corruption_and_the_clean_run():
 
 def test_studies_page_runs_both_studies_on_a_tiny_zoo(tmp_path):
     pytest.importorskip("streamlit")
-    import os
+    from app_zoo import app_page_on_tiny_zoo
 
-    from streamlit.testing.v1 import AppTest
-
-    from app_zoo import write_tiny_zoo
-
-    zoo = write_tiny_zoo(tmp_path / "tiny")
-    app = os.path.join(os.path.dirname(__file__), "..", "app", "streamlit_app.py")
-    at = AppTest.from_file(app, default_timeout=600)
-    at.query_params["zoo"] = "other (path)…"
-    at.query_params["zoo_path"] = str(zoo)
-    at.run()
-    at.switch_page("pages/studies.py").run()
-    assert not at.exception and not at.error
+    at = app_page_on_tiny_zoo(tmp_path, "pages/studies.py")
     at.multiselect(key="se_budgets").set_value([4, 8])
     at.number_input(key="se_seeds").set_value(2)
     at.multiselect(key="rb_kinds").set_value(["blur"])

@@ -145,18 +145,9 @@ def test_ray_and_single_process_give_the_same_table():
 
 def test_tune_page_runs_a_sweep_on_a_tiny_zoo(tmp_path):
     pytest.importorskip("streamlit")
-    from streamlit.testing.v1 import AppTest
+    from app_zoo import app_page_on_tiny_zoo
 
-    from app_zoo import write_tiny_zoo
-
-    zoo = write_tiny_zoo(tmp_path / "tiny")
-    app = os.path.join(os.path.dirname(__file__), "..", "app", "streamlit_app.py")
-    at = AppTest.from_file(app, default_timeout=600)
-    at.query_params["zoo"] = "other (path)…"
-    at.query_params["zoo_path"] = str(zoo)
-    at.run()
-    at.switch_page("pages/tune.py").run()
-    assert not at.exception and not at.error
+    at = app_page_on_tiny_zoo(tmp_path, "pages/tune.py")
     at.select_slider(key="tune_n").set_value(8)
     at.slider(key="tune_confirm").set_value(1)
     next(b for b in at.button if b.label == "Run sweep").click().run()
