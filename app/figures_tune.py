@@ -82,13 +82,15 @@ def sweep_heatmap(table: pd.DataFrame, lam: float | None = None, value: str = "p
     conf = at[at["confirmed"]]
     if len(conf):
         fig.add_trace(go.Scatter(x=[f"{a:g}" for a in conf["alpha"]], y=[f"{r:g}" for r in conf["rho"]],
-                                 mode="markers", name="exact run",
+                                 mode="markers", name="exact run", showlegend=False,
                                  marker=dict(symbol="circle-open", size=16, color="white", line=dict(width=2)),
                                  text=[f"exact {e:.4g}" for e in conf["exact"]], hoverinfo="text"))
         top = conf.loc[conf["exact"].idxmax()]
         fig.add_trace(go.Scatter(x=[f"{top['alpha']:g}"], y=[f"{top['rho']:g}"], mode="markers",
-                                 name="best exact", marker=dict(symbol="star", size=14, color="#f97316")))
-    fig.update_layout(**LAYOUT, title=f"{value} score over (ρ, α) at λ = {lam:.3g}")
+                                 name="best exact", showlegend=False,
+                                 marker=dict(symbol="star", size=14, color="#f97316")))
+    marks = " (○ exact runs, ★ best)" if len(conf) else ""
+    fig.update_layout(**LAYOUT, title=f"{value} score over (ρ, α) at λ = {lam:.3g}{marks}")
     fig.update_xaxes(title="α (target interpolation)", type="category")
     fig.update_yaxes(title="ρ (anchor blend)", type="category")
     return fig

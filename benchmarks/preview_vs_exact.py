@@ -119,6 +119,7 @@ def main() -> None:
     print(f"## Preview vs exact FeatCal: {zoo.name} zoo, {len(zoo.tasks)} tasks, Task Arithmetic (0.3), "
           f"n={args.n_calib} per task, accuracy on `{args.split}`\n")
     print(C.environment(args.device))
+    print(f"\nZoo content sha256 {str(zoo.meta.get('content_sha256', '?'))[:16]}.")
     print(f"\nAnchor exact run (statistics kept) {C.fmt_s(anchor_s)}, eigendecompositions {C.fmt_s(prepare_s)}. "
           f"Merged model: avg {sum(acc_merged.values()) / len(acc_merged):.2f}%.\n")
     print(C.markdown_table(summary))

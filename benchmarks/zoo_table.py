@@ -13,14 +13,21 @@ from __future__ import annotations
 import argparse
 import time
 
+import torch
+
 from featcal import FeatCalConfig, calibrate
 from featcal.zoo import load_any
 from featcal.zoo.core import evaluate
 from featcal.zoo.scores import average, expert_accuracies, normalized
 
-# The best setting found for the demo zoo (chosen on the val split; see the report
-# in the pull request that added the demo): no token weighting, plain FeatCal.
-BEST = dict(lam=0.05, rho=2.0, alpha=0.3)
+# The best setting found for the demo zoo, chosen on its val split (256 examples
+# per task, seed 42) over lam in {1e-4, 1e-3, 1e-2, 0.05}, rho in {1, 2} and
+# alpha in {0.3, 0.5} with the CLIP token weights, and lam alone without them:
+# no token weights, a weaker ridge (val 78.9; the CLIP preset with lam 1e-4: 78.9,
+# with lam 1e-3: 78.7; the paper's lam 0.05: 77.4). Small lam wins here because the
+# demo's 4 blocks of width 128 see 7 x 256 x 17 rows: the statistics are well
+# determined and the anchor only gets in the way.
+BEST = dict(lam=1e-4, rho=2.0, alpha=0.3)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -29,7 +36,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n-per-task", type=int, default=256)
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--split", default="test")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (default 1: fastest for this small model on a shared machine)")
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()
     zoo = load_any(args.zoo, progress=False)
@@ -45,9 +55,9 @@ def main(argv: list[str] | None = None) -> None:
     rows["average"] = evaluate(zoo.merged("average"), zoo, split=args.split)
     rows["TA (0.3)"] = evaluate(ta, zoo, split=args.split)
     rows["TIES (0.2, 0.3)"] = evaluate(zoo.merged("ties", density=0.2, scale=0.3), zoo, split=args.split)
+    best = "TA + FeatCal (best on val: " + ", ".join(f"{k}={v:g}" for k, v in BEST.items()) + ")"
     for name, cfg in (("TA + FeatCal (CLIP preset)", FeatCalConfig.clip()),
-                      ("TA + FeatCal (best: " + ", ".join(f"{k}={v}" for k, v in BEST.items()) + ")",
-                       FeatCalConfig(**BEST))):
+                      (best, FeatCalConfig(**BEST))):
         t0 = time.perf_counter()
         model, _ = calibrate(ta, base=zoo.base, experts=zoo.experts, calib_data=data, config=cfg,
                              progress=False)
@@ -61,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
              f"FeatCal on {args.n_per_task} calibration examples per task (seed {args.seed})"]
     if "build_seconds" in meta:
         facts.append(f"build time {meta['build_seconds']:.0f} s, disk {meta['disk_bytes'] / 1e6:.1f} MB")
-    facts.append(f"load from cache {t_load:.1f} s")
+    facts.append(f"load from cache {t_load:.1f} s; {args.threads} torch thread(s)")
     facts += [f"{k} {v:.1f} s" for k, v in timings.items()]
     print("\n".join(f"- {f}" for f in facts))
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import os
 import sys
 import time
 from pathlib import Path
@@ -61,6 +62,9 @@ def _add_out(p: argparse.ArgumentParser) -> None:
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device for the models (default: cpu)")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="torch CPU threads (default: torch's; 1 is fastest for the demo "
+                        "zoo on a busy machine)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
 
@@ -103,10 +107,15 @@ def _check_out(out: str, force: bool) -> None:
 def _load_zoo(args):
     from featcal.zoo import load_any
 
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+
     return load_any(args.zoo, progress=not args.quiet, device=args.device)
 
 
-def args_device(zoo):
+def _model_device(zoo):
     from featcal.zoo.core import _device_of
 
     return _device_of(zoo.base)
@@ -273,7 +282,7 @@ def run_eval(args) -> int:
     kw = {"split": args.split, "max_per_task": args.max_per_task}
     experts = expert_accuracies(zoo, **kw)
     if args.model:
-        models = {Path(d).name: load_model(d, like=zoo.base).to(args_device(zoo)) for d in args.model}
+        models = {Path(d).name: load_model(d, like=zoo.base).to(_model_device(zoo)) for d in args.model}
         scores = {}
     else:
         models = {m: zoo.merged(m) for m in merges}
@@ -365,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("featcal: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `featcal eval ... | head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

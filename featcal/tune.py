@@ -291,8 +291,9 @@ def tune_zoo(zoo, *, method: str = "task_arithmetic", merge_params: Mapping | No
     result = tune(merged, zoo.base, zoo.experts, calib, val, logits=HeadLogits(zoo.features, zoo.heads),
                   config=config, grid=grid, search=search, score=score, n_confirm=n_confirm, rounds=rounds,
                   top_k=top_k, ray=ray, num_cpus=num_cpus, progress=progress)
-    result.meta.update(zoo=zoo.name, method=method, merge_params=merge_params, n_calib=n_calib, seed=seed,
-                       calib_batch=calib_batch, val_per_task=val_per_task)
+    result.meta.update(zoo=zoo.name, zoo_sha256=zoo.meta.get("content_sha256"), method=method,
+                       merge_params=merge_params, n_calib=n_calib, seed=seed, calib_batch=calib_batch,
+                       val_per_task=val_per_task)
     return result
 
 

@@ -48,12 +48,17 @@ def load_zoo(spec: str, progress: bool = True, device: str = "cpu"):
     return load_any(spec, progress=progress, device=device)
 
 
+def _check_out(path: str, force: bool) -> None:
+    """Fail before any work if the output directory exists (unless ``force``)."""
+    if Path(path).exists() and not force:
+        raise FileExistsError(f"output {path!r} already exists; pass --force to replace it.")
+
+
 def _out_dir(path: str, force: bool) -> Path:
-    """Create the output directory; an existing one is an error unless ``force``."""
+    """Create the output directory once there is something to write (replaced if ``force``)."""
+    _check_out(path, force)
     out = Path(path)
     if out.exists():
-        if not force:
-            raise FileExistsError(f"output {path!r} already exists; pass --force to replace it.")
         shutil.rmtree(out)
     out.mkdir(parents=True)
     return out
@@ -144,13 +149,14 @@ def run_tune(args: argparse.Namespace) -> int:
 
     params = parse_params(args.merge_param, args.merge)
     grid = Grid.parse(args.grid) if args.grid else None
-    out = _out_dir(args.out, args.force)
+    _check_out(args.out, args.force)
     zoo = load_zoo(args.zoo, progress=not args.quiet, device=args.device)
     res = tune_zoo(zoo, method=args.merge, merge_params=params, n_calib=args.n_calib, seed=args.seed,
                    val_per_task=args.val_per_task, config=_featcal_config(args),
                    grid=grid, search=args.search, score=args.score,
                    n_confirm=args.n_confirm, rounds=args.rounds, top_k=args.top_k, ray=args.ray,
                    num_cpus=args.num_cpus, progress=not args.quiet)
+    out = _out_dir(args.out, args.force)
     res.table.to_csv(out / "table.csv", index=False)
     info = res.to_dict()
     figs = _figures()
@@ -201,7 +207,7 @@ def run_study(args: argparse.Namespace) -> int:
     from featcal import studies
 
     cfg = _featcal_config(args)
-    out = _out_dir(args.out, args.force)
+    _check_out(args.out, args.force)
     zoo = load_zoo(args.zoo, progress=not args.quiet, device=args.device)
     figs = _figures()
     if args.study == "sample-efficiency":
@@ -222,6 +228,7 @@ def run_study(args: argparse.Namespace) -> int:
         summary = studies.summarize(rows, by=("method", "corruption", "severity"))
         fig = figs.robustness_bars(rows) if figs else None
         name = "robustness"
+    out = _out_dir(args.out, args.force)
     rows.to_csv(out / "rows.csv", index=False)
     summary.to_csv(out / "summary.csv", index=False)
     if fig is not None:

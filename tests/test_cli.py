@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from featcal import cli
 from featcal.zoo import load_any

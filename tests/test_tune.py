@@ -6,7 +6,6 @@ import os
 import pandas as pd
 import pytest
 import torch
-from torch import nn
 
 import tiny
 from featcal import FeatCalConfig
@@ -16,9 +15,10 @@ from featcal.zoo.core import TaskData, Zoo
 SMALL = Grid(lam=(0.01, 0.5), rho=(0.5, 2.0), alpha=(0.0, 0.6))
 
 
-def _val(tasks, n=12, seed=7, labels=None):
+def _val(tasks, n=12, seed=7):
+    """Unlabelled validation inputs: the score is -KL to the experts."""
     gen = torch.Generator().manual_seed(seed)
-    return {t: (torch.randn(n, 5, 6, generator=gen), None if labels is None else labels[t]) for t in tasks}
+    return {t: (torch.randn(n, 5, 6, generator=gen), None) for t in tasks}
 
 
 def test_tune_preview_equals_exact_when_features_do_not_move():
@@ -154,3 +154,25 @@ def test_tune_page_runs_a_sweep_on_a_tiny_zoo(tmp_path):
     assert not at.exception and not at.error, [e.value for e in [*at.exception, *at.error]]
     assert {"chosen setting", "val accuracy, chosen"} <= {m.label for m in at.metric}
     assert len(at.dataframe[0].value) == 27                          # the quick grid holds the anchor
+
+
+def test_tune_and_study_command_lines_write_their_files(tmp_path, capsys):
+    import json
+
+    from app_zoo import write_tiny_zoo
+    from featcal.cli import main
+
+    zoo = str(write_tiny_zoo(tmp_path / "tiny"))
+    out = tmp_path / "tune"
+    assert main(["tune", "--zoo", zoo, "--n-calib", "8", "--grid", "lam=0.05,0.5;rho=2;alpha=0.3",
+                 "--n-confirm", "1", "--report", "--out", str(out), "-q"]) == 0
+    assert {p.name for p in out.iterdir()} == {"best.json", "table.csv", "test_report.csv",
+                                               "sweep_parallel.html", "sweep_heatmap.html"}
+    best = json.loads((out / "best.json").read_text())
+    assert best["meta"]["n_calib"] == 8 and len(best["test_report"]) == 3
+    assert "TEST accuracy" in capsys.readouterr().out
+    assert main(["tune", "--zoo", zoo, "--out", str(out), "-q"]) == 2            # never overwrites silently
+    se = tmp_path / "se"
+    assert main(["study", "sample-efficiency", "--zoo", zoo, "--budgets", "4", "--seeds", "0",
+                 "--mergers", "task_arithmetic", "--out", str(se), "-q"]) == 0
+    assert {p.name for p in se.iterdir()} == {"rows.csv", "summary.csv", "sample_efficiency.html"}

@@ -14,8 +14,9 @@ Recipe (:class:`Recipe`, all seeded):
 2. pretrain the base on the mixture of the pretraining pools with *coarse*
    labels (pairs of classes merged), so the base knows the domain but not the
    tasks;
-3. fit one linear head per task on the base's features (full-batch L-BFGS on
-   train minus val) and freeze it;
+3. fit one linear head per task on the base's features of 16 examples per
+   class (full-batch L-BFGS) and freeze it: a few-shot head, weak on the base
+   as CLIP's zero-shot heads are, that every model of the task is scored with;
 4. fine-tune the whole encoder per task with its head frozen (train minus val),
    the stem at a tenth of the learning rate (see :func:`finetune`).
 
@@ -24,6 +25,7 @@ Fashion-MNIST tasks to the default zoo with steps 3-4 on the same base.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime as _dt
 import hashlib
@@ -45,7 +47,7 @@ from featcal.zoo.demo_data import TASKS, drop_duplicates, make_task
 from featcal.zoo.store import (is_zoo_dir, pooler_output, read_meta, read_zoo_dir, to_pixels,
                                write_zoo_dir)
 
-DEMO_VERSION = "1"
+DEMO_VERSION = "1"  # bump when demo_data or the training code changes (the Recipe is hashed too)
 VARIANTS = ("default", "fashion")
 
 Arrays = dict[str, tuple[np.ndarray, np.ndarray]]
@@ -63,11 +65,12 @@ class Recipe:
     n_test: int = 300
     n_pretrain: int = 2500      # per task, a separate pool, never saved
     coarse: int = 2             # pretraining label = class // coarse
-    pretrain_steps: int = 1000
+    pretrain_steps: int = 800
     pretrain_lr: float = 1e-3
-    finetune_steps: int = 200
+    finetune_steps: int = 150
     finetune_lr: float = 2e-3
     stem_lr_scale: float = 0.1  # fine-tuning lr of the stem and the final LayerNorm, relative
+    head_shots: int = 16        # examples per class the heads are fit on (0: up to 3000 in all)
     batch_size: int = 64
     noise: float = 0.0          # pixel noise of the images (0 keeps data.npz small)
     seed: int = 0
@@ -123,8 +126,13 @@ def load_demo(rebuild: bool = False, progress: bool = True, variant: str = "defa
 
 def build_demo(path: str | os.PathLike, variant: str = "default", progress: bool = True,
                force: bool = False, recipe: Recipe | None = None,
-               device: str | torch.device = "cpu") -> Path:
+               device: str | torch.device = "cpu", threads: int | None = None) -> Path:
     """Build a demo zoo into ``path`` (atomically; see :func:`featcal.zoo.io.atomic_dir`).
+
+    ``threads``: torch CPU threads while building (restored afterwards); by default
+    every core on an idle machine and 1 on a busy one (load average above the
+    core count), where extra threads of these small matrix products mostly wait
+    for each other (ten times slower per step was measured).
 
     If another process finished the same build first (and ``force`` is false),
     its result is kept and this one discarded.
@@ -132,12 +140,15 @@ def build_demo(path: str | os.PathLike, variant: str = "default", progress: bool
     _check_variant(variant)
     recipe = recipe or Recipe()
     t0 = time.perf_counter()
-    if variant == "fashion":
-        from featcal.zoo.fashion import build_fashion_parts
+    threads = threads if threads is not None else _default_threads()
+    with _torch_threads(threads):
+        if variant == "fashion":
+            from featcal.zoo.fashion import build_fashion_parts
 
-        parts = build_fashion_parts(recipe, progress, device)
-    else:
-        parts = build_parts(recipe, progress, device)
+            parts = build_fashion_parts(recipe, progress, device)
+        else:
+            parts = build_parts(recipe, progress, device)
+    parts["extra_meta"]["threads"] = threads
     parts["extra_meta"]["build_seconds"] = round(time.perf_counter() - t0, 1)
     parts["extra_meta"]["built_at"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     try:
@@ -146,6 +157,25 @@ def build_demo(path: str | os.PathLike, variant: str = "default", progress: bool
         if not force and is_zoo_dir(path):
             return Path(path)
         raise
+
+
+def _default_threads() -> int:
+    cores = os.cpu_count() or 1
+    try:
+        busy = os.getloadavg()[0] > cores
+    except OSError:
+        busy = False
+    return 1 if busy else torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 # ------------------------------------------------------------------ recipe
@@ -160,7 +190,7 @@ def build_parts(recipe: Recipe, progress: bool = True, device: str | torch.devic
     heads, experts = {}, {}
     for i, task in enumerate(_bar(recipe.tasks, progress, "experts")):
         x, y = train_minus_val(arrays[task], device)
-        head = fit_head(base, x, y, len(classes[task]))
+        head = fit_head(base, *_shots(x, y, recipe.head_shots), len(classes[task]))
         experts[task] = finetune(base, head, x, y, recipe, seed=recipe.seed + 100 + i).cpu()
         heads[task] = head.cpu()
     base = base.cpu()
@@ -227,6 +257,14 @@ def pretrain_base(recipe: Recipe, pools: Arrays, classes: Mapping[str, list[str]
            recipe.batch_size, seed=recipe.seed + 1, weight_decay=0.05,
            progress=progress, desc="pretrain base")
     return model.eval()
+
+
+def _shots(x: torch.Tensor, y: torch.Tensor, shots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``shots`` rows of each class (all rows when ``shots`` is 0)."""
+    if shots <= 0:
+        return x, y
+    keep = torch.cat([torch.nonzero(y == c).flatten()[:shots] for c in torch.unique(y)])
+    return x[keep.sort().values], y[keep.sort().values]
 
 
 def fit_head(model: nn.Module, x: torch.Tensor, y: torch.Tensor, n_classes: int,
