@@ -79,33 +79,40 @@ class _BlockStats:
     """Running statistics of every target of one block for one task.
 
     Targets that read the very same input tensors (q/k/v projections) and share a
-    token weighting share one :class:`~featcal.stats.LinearSums`. Its cross moment
-    is kept as the shared ``P`` (d, d) or, when the group's outputs are narrower
-    than its input (an MLP's down projection), as one ``Q = sum w xs (W_i xe)^T``
-    (d, o) per module, from the expert module's own output: fewer flops, same solve.
+    token weighting share one :class:`~featcal.stats.LinearSums`; each group keeps
+    its cross moment in the cheapest exact form for its widths and the task's row
+    count (:func:`featcal.stats.cheapest_form`), each module its own
+    :class:`~featcal.stats.ModuleSums`.
     """
 
     def __init__(self, cfg: FeatCalConfig, block_idx: int, n_blocks: int, targets: list[arch.Target],
-                 expert_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]]):
+                 expert_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+                 merged_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]], rows: int,
+                 alpha: float | None, reuse: "_BlockStats | None" = None):
         self.cfg = cfg
+        self.alpha = alpha              # set: sums for this alpha only (no preview)
+        self.reuse = {} if reuse is None else reuse.groups
         self.targets = targets
         self.expert_params = expert_params
+        self.merged_params = merged_params
+        self.rows = rows
         tw = cfg.token_weights
         self.weighted = {t.name: tw is not None and tw.applies(block_idx, n_blocks, t.name) for t in targets}
         self.other = tw.other if tw is not None else 1.0
         self.groups: dict[tuple, stats.LinearSums | stats.NormSums] = {}
-        self.Q: dict[str, torch.Tensor] = {}
-        self.ye_sq: dict[str, torch.Tensor] = {}
+        self.form: dict[tuple, str] = {}
+        self.module: dict[str, stats.ModuleSums] = {}
         self.key_of: dict[str, tuple] = {}
 
-    def _expert_output(self, t: arch.Target, ce: Captured, xe: torch.Tensor) -> torch.Tensor:
-        """``W_i xe`` (rows, o): the expert module's output less its bias, or computed."""
-        W_i, b_i = self.expert_params[t.name]
-        y = ce.outputs.get(t.owner) if t.rows is None else None
+    @staticmethod
+    def _output(t: arch.Target, cap: Captured, params, x: torch.Tensor) -> torch.Tensor | None:
+        """``W x`` (rows, o) from the module's captured output less its bias (None if not seen)."""
+        y = cap.outputs.get(t.owner) if t.rows is None else None
         if y is None:
-            return xe @ W_i.to(xe.dtype).T
-        y = stats.as_rows(y, xe.dtype)
-        return y if b_i is None else y - b_i.to(xe.dtype)
+            return None
+        y = stats.as_rows(y, x.dtype)
+        b = params[1]
+        return y if b is None else y - b.to(x.dtype)
 
     def add(self, cs: Captured, ce: Captured, mask: torch.Tensor | None) -> None:
         dt = self.cfg.stats_dtype
@@ -126,22 +133,27 @@ class _BlockStats:
                 continue
             xe = stats.as_rows(ce.inputs[site], dt)              # (rows, d)
             if key not in self.groups:
-                narrow = sum(self.expert_params[t.name][0].shape[0] for t in ts) < xs.shape[1]
-                self.groups[key] = stats.LinearSums.zeros(xs.shape[1], dt, xs.device, cross=not narrow)
-            acc = stats.accumulate_linear(self.groups[key], xs, xe, w)
+                outs = [self.expert_params[t.name][0].shape[0] for t in ts]
+                unseen = sum(t.rows is not None for t in ts)
+                self.form[key] = stats.cheapest_form(xs.shape[1], outs, self.rows, unseen,
+                                                     fixed_alpha=self.alpha is not None)
+                old = self.reuse.pop(key, None)
+                self.groups[key] = stats.LinearSums.zeros(xs.shape[1], dt, xs.device, cross=self.form[key] == "P",
+                                                          reuse=old if isinstance(old, stats.LinearSums) else None)
+            stats.accumulate_linear(self.groups[key], xs, xe, w)
             for t in ts:
-                y = self._expert_output(t, ce, xe)               # (rows, o)
-                self.ye_sq[t.name] = self.ye_sq.get(t.name, 0.0) + stats.weighted_sq_norm(y, w)
-                if acc.P is None:
-                    Q = self.Q.get(t.name)
-                    Q = torch.zeros(xs.shape[1], y.shape[1], dtype=dt, device=xs.device) if Q is None else Q
-                    self.Q[t.name] = stats.accumulate_cross(Q, xs, y, w)
+                W_i = self.expert_params[t.name][0]
+                ye = self._output(t, ce, self.expert_params[t.name], xe)
+                ye = xe @ W_i.to(dt).T if ye is None else ye       # (rows, o)
+                ym = self._output(t, cs, self.merged_params[t.name], xs)
+                ms = self.module.get(t.name) or stats.ModuleSums(torch.zeros((), dtype=dt, device=xs.device))
+                self.module[t.name] = stats.accumulate_module(ms, self.form[key], xs, ye, w, W_i, ym, self.alpha)
 
     def group(self, t: arch.Target):
         return self.groups[self.key_of[t.name]]
 
     def linear_moments(self, t: arch.Target) -> stats.LinearMoments:
-        return stats.linear_moments(self.group(t), self.expert_params[t.name][0], self.Q.get(t.name))
+        return stats.linear_moments(self.group(t), self.expert_params[t.name][0], self.module[t.name])
 
 
 def _check_finite_stats(acc, block: int, name: str) -> None:
@@ -177,6 +189,7 @@ def _solve_block(l: int, targets, systems, blk, base_blk, cfg: FeatCalConfig, re
                  keep: list | None) -> None:
     """Solve every target of block ``l`` from the snapshot, then load them all."""
     new_params = []
+    factors: dict = {}                      # one factorisation per shared S (q/k/v)
     for t in targets:
         t0 = time.perf_counter()
         W_mer, b_mer = (p.clone() if p is not None else None for p in arch.get_params(blk, t))
@@ -187,8 +200,8 @@ def _solve_block(l: int, targets, systems, blk, base_blk, cfg: FeatCalConfig, re
         if t.kind == arch.LINEAR:
             W, b, SWt = solve.solve_linear(sysm, W_mer, b_mer, W_0, b_0, lam=cfg.lam, rho=cfg.rho,
                                            alpha=cfg.alpha, eps=cfg.eps, bias=cfg.bias,
-                                           what=f"block {l} {t.name}", with_swt=True)
-            before = solve.linear_residual(sysm, W_mer, b_mer, cfg.alpha)
+                                           what=f"block {l} {t.name}", with_swt=True, factors=factors)
+            before = solve.linear_residual(sysm, W_mer, b_mer, cfg.alpha, wsw=sysm.k_mm)
             after = solve.linear_residual(sysm, W, b, cfg.alpha, SWt)
             d_in, d_out, rows = W.shape[1], W.shape[0], sysm.min_rows
         else:
@@ -209,18 +222,23 @@ def _solve_block(l: int, targets, systems, blk, base_blk, cfg: FeatCalConfig, re
 
 
 def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, cfg: FeatCalConfig,
-                   device, warn_rows: list) -> dict:
+                   device, warn_rows: list, alpha: float | None) -> dict:
     """Step 1 for block ``l``: the snapshot statistics of every task, reduced task by task
-    into each target's system. Advances the expert streams as a side effect."""
+    into each target's system. Advances the expert streams as a side effect. ``alpha``
+    given: systems for that alpha only (cheaper; no preview from them)."""
     dt = cfg.stats_dtype
     systems: dict[str, Any] = {}
     norm_parts: dict[str, list] = {t.name: [] for t in targets if t.kind == arch.LAYERNORM}
+    merged_params = {t.name: arch.get_params(blk, t) for t in targets}
+    shared_S: dict[tuple, str] = {}          # group -> the target whose system owns its S
+    acc = None                               # the previous task's sums, whose buffers are reused
     for task, st in streams.items():
         eblk = exp_blocks[task][l]
         expert_params = {t.name: arch.get_params(eblk, t) for t in targets}
-        acc = _BlockStats(cfg, l, n_blocks, targets, expert_params)
+        rows = sum(c.hidden.shape[:-1].numel() for c in st.cal)
+        acc = _BlockStats(cfg, l, n_blocks, targets, expert_params, merged_params, rows, alpha, reuse=acc)
         for b, (cc, ec) in enumerate(zip(st.cal, st.exp)):
-            with capture(blk, targets, outputs=False) as cs:
+            with capture(blk, targets, outputs=True) as cs:
                 run_block(blk, cc, device)
             with capture(eblk, targets, outputs=True) as ce:
                 out_e = run_block(eblk, ec, device)
@@ -238,10 +256,12 @@ def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, cfg
                         f"input width {mom.C.shape[0]}; the ridge (lam + eps) keeps the solve defined."
                     )
                 if t.name not in systems:
-                    systems[t.name] = solve.LinearSystem.zeros(W_i.shape[1], W_i.shape[0], dt, device)
-                ye = acc.ye_sq[t.name] / group.w
+                    owner = shared_S.setdefault(acc.key_of[t.name], t.name)
+                    S = systems[owner].S if owner != t.name else None
+                    systems[t.name] = solve.LinearSystem.zeros(W_i.shape[1], W_i.shape[0], dt, device, S=S,
+                                                               alpha=alpha)
                 solve.add_task(systems[t.name], mom, W_i.to(device), None if b_i is None else b_i.to(device),
-                               ye, cfg.eps)
+                               cfg.eps)
             else:
                 e, m = stats.norm_moments(group)
                 norm_parts[t.name].append((e, m, W_i.to(device, dt), None if b_i is None else b_i.to(device, dt)))
@@ -312,7 +332,8 @@ def calibrate(merged: nn.Module, *, base: nn.Module, experts: Mapping[str, nn.Mo
             targets = arch.block_targets(blk, linear=cfg.linear, layernorm=cfg.layernorm, only=cfg.modules)
             # 3a. Snapshot statistics of the still-merged block (and advance the experts).
             t0 = time.perf_counter()
-            systems = _block_systems(l, n, targets, blk, exp_blks, streams, cfg, device, warn_rows)
+            systems = _block_systems(l, n, targets, blk, exp_blks, streams, cfg, device, warn_rows,
+                                     None if keep_stats else cfg.alpha)
             t1 = time.perf_counter()
             # 3b. Solve all modules of the block, then load them together.
             _solve_block(l, targets, systems, blk, base_blks[l], cfg, report, keep)

@@ -36,8 +36,9 @@ class _EigLinear:
         return (self.Q @ (rhs / (self.ev + lam + eps)[:, None])).T  # W (o, d)
 
 
-def _eig_linear(sysm: solve.LinearSystem, W_mer: torch.Tensor, W_0: torch.Tensor) -> _EigLinear:
-    ev, Q = torch.linalg.eigh(sysm.S)
+def _eig_linear(sysm: solve.LinearSystem, W_mer: torch.Tensor, W_0: torch.Tensor,
+                eigh: tuple[torch.Tensor, torch.Tensor] | None = None) -> _EigLinear:
+    ev, Q = torch.linalg.eigh(sysm.S) if eigh is None else eigh
     dt = sysm.S.dtype
     Qt = Q.T
     return _EigLinear(Q, ev, Qt @ sysm.U, Qt @ sysm.V, Qt @ W_mer.to(dt).T, Qt @ W_0.to(dt).T)
@@ -57,7 +58,9 @@ class Preview:
     def _eig_of(self, i: int) -> _EigLinear:
         if i not in self._eig:
             _, _, sysm, W_mer, _, W_0, _ = self.entries[i]
-            self._eig[i] = _eig_linear(sysm, W_mer, W_0)
+            shared = next((e for j, e in self._eig.items() if self.entries[j][2].S is sysm.S), None)
+            eigh = None if shared is None else (shared.ev, shared.Q)   # q/k/v share one S
+            self._eig[i] = _eig_linear(sysm, W_mer, W_0, eigh)
         return self._eig[i]
 
     def prepare(self) -> None:

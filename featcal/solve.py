@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from featcal.stats import LinearMoments
+from featcal.stats import LinearMoments, inner
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +39,6 @@ def anchor(mer: torch.Tensor, base: torch.Tensor, rho: float) -> torch.Tensor:
     return rho * mer + (1.0 - rho) * base
 
 
-def _inner(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (a * b).sum()
-
-
 @dataclass
 class LinearSystem:
     """Task-summed terms of one Linear target's normal equations (no hyper-parameter in them).
@@ -51,7 +48,7 @@ class LinearSystem:
 
     S: torch.Tensor      # (d, d)  sum s_i C_i
     U: torch.Tensor      # (d, o)  sum s_i C_i W_i^T
-    V: torch.Tensor      # (d, o)  sum s_i (P_i - C_i) W_i^T
+    V: torch.Tensor | None  # (d, o)  sum s_i (P_i - C_i) W_i^T (None in a one-alpha system)
     s_sum: torch.Tensor  # ()      sum s_i
     m_s: torch.Tensor    # (d,)    sum s_i mu_s,i
     sb: torch.Tensor     # (o,)    sum s_i b_i
@@ -65,14 +62,22 @@ class LinearSystem:
     c_s: torch.Tensor    # ()      sum s_i b_i.W_i mu_s,i
     c_v: torch.Tensor    # ()      sum s_i b_i.W_i (mu_e,i - mu_s,i)
     bb: torch.Tensor     # ()      sum s_i |b_i|^2
+    k_mm: torch.Tensor | None = None  # () sum s_i E|W_mer xs|^2 (None unless every task saw it)
     n_tasks: int = 0
     min_rows: int = 0
+    owns_S: bool = True  # False: S is another system's (modules reading one input share it)
+    alpha: float | None = None  # set: U holds U + alpha V for this alpha alone, V is unused
 
     @classmethod
-    def zeros(cls, d: int, o: int, dtype: torch.dtype, device) -> "LinearSystem":
+    def zeros(cls, d: int, o: int, dtype: torch.dtype, device, S: torch.Tensor | None = None,
+              alpha: float | None = None) -> "LinearSystem":
+        """Empty sums; ``S`` given: share that system's ``S`` (same input, so same ``S``),
+        which :func:`add_task` then leaves to its owner. ``alpha`` given: a system for that
+        alpha only (``U`` holds ``U + alpha V``; :func:`solve_linear` refuses another)."""
         z = lambda *shape: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
-        return cls(z(d, d), z(d, o), z(d, o), z(()), z(d), z(o), z(o), z(o),
-                   z(()), z(()), z(()), z(o, d), z(()), z(()), z(()))
+        return cls(z(d, d) if S is None else S, z(d, o), z(d, o) if alpha is None else None, z(()), z(d),
+                   z(o), z(o), z(o), z(()), z(()), z(()), z(o, d), z(()), z(()), z(()), z(()),
+                   owns_S=S is None, alpha=alpha)
 
     def to(self, device) -> "LinearSystem":
         moved = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in self.__dict__.items()}
@@ -80,29 +85,38 @@ class LinearSystem:
 
 
 def add_task(sys: LinearSystem, mom: LinearMoments, W_i: torch.Tensor, b_i: torch.Tensor | None,
-             ye_sq: torch.Tensor, eps: float) -> LinearSystem:
+             eps: float) -> LinearSystem:
     """Add task i's terms (in place; returns ``sys``).
 
-    ``W_i`` ``(o, d)``, ``b_i`` ``(o,)`` or ``None``: expert i's parameters.
-    ``ye_sq``: ``E|W_i xe|^2`` (expert output without bias, measured in the pass).
+    ``mom``: the task's sums (:func:`featcal.stats.linear_moments`); ``W_i`` ``(o, d)``,
+    ``b_i`` ``(o,)`` or ``None``: expert i's parameters.
     """
     dt = sys.S.dtype
     W_i = W_i.to(dt)
-    s = float(task_scale(mom.C, eps))        # a Python float: the updates below run in place
-    CW = mom.C @ W_i.T                       # (d, o)
-    PW = mom.PW                              # (d, o)  E[xs xe^T] W_i^T
-    sys.S.add_(mom.C, alpha=s)
-    sys.U.add_(CW, alpha=s)
-    sys.V.add_(PW, alpha=s).add_(CW, alpha=-s)
+    w = float(mom.w)
+    s = 1.0 / max(float(torch.linalg.matrix_norm(mom.C)) / w, eps)   # task_scale(C / w)
+    f = s / w                                # sums -> s_i times means
+    if sys.owns_S:
+        sys.S.add_(mom.C, alpha=f)
+    if sys.alpha is None:
+        sys.U.add_(mom.CW, alpha=f)
+        sys.V.add_(mom.PW, alpha=f).add_(mom.CW, alpha=-f)
+    elif mom.T is not None:
+        sys.U.add_(mom.T, alpha=f)
+    else:
+        sys.U.add_(mom.CW, alpha=f * (1.0 - sys.alpha)).add_(mom.PW, alpha=f * sys.alpha)
     sys.s_sum += s
-    sys.m_s.add_(mom.mu_s, alpha=s)
-    Wmu_s = W_i @ mom.mu_s                   # (o,)
-    Wmu_d = W_i @ (mom.mu_e - mom.mu_s)      # (o,)
+    mu_s, mu_e = mom.mu_s, mom.mu_e
+    sys.m_s.add_(mu_s, alpha=s)
+    Wmu_s = W_i @ mu_s                       # (o,)
+    Wmu_d = W_i @ (mu_e - mu_s)              # (o,)
     sys.ub.add_(Wmu_s, alpha=s)
     sys.vb.add_(Wmu_d, alpha=s)
-    sys.k_ee += s * ye_sq.to(dt)
-    sys.k_se += s * _inner(W_i.T, PW)
-    sys.k_ss += s * _inner(W_i.T, CW)
+    sys.k_ee += f * mom.k_ee.to(dt)
+    sys.k_se += f * mom.k_se.to(dt)
+    sys.k_ss += f * mom.k_ss.to(dt)
+    if sys.k_mm is not None:
+        sys.k_mm = None if mom.k_mm is None else sys.k_mm + f * mom.k_mm.to(dt)
     if b_i is not None:
         b_i = b_i.to(dt)
         sys.sb.add_(b_i, alpha=s)
@@ -115,26 +129,44 @@ def add_task(sys: LinearSystem, mom: LinearMoments, W_i: torch.Tensor, b_i: torc
     return sys
 
 
-def spd_solve(A: torch.Tensor, B: torch.Tensor, what: str = "system") -> torch.Tensor:
-    """Solve ``A X = B`` for symmetric positive-definite ``A`` by Cholesky; fall back to
-    LU (logged) when the factorisation fails numerically."""
+def spd_factor(A: torch.Tensor, what: str = "system") -> Callable[[torch.Tensor], torch.Tensor]:
+    """A solver ``B -> A^-1 B`` for symmetric positive-definite ``A``: Cholesky, or LU
+    (logged) when the factorisation fails numerically."""
     L, info = torch.linalg.cholesky_ex(A)
     if int(info) == 0:
-        return torch.cholesky_solve(B, L)
+        return lambda B: torch.cholesky_solve(B, L)
     log.warning("%s: Cholesky failed (matrix not numerically positive definite); using LU.", what)
-    try:
-        return torch.linalg.solve(A, B)
-    except RuntimeError as err:  # singular
-        raise FloatingPointError(
-            f"{what}: the FeatCal system is singular ({err}); raise lam or eps."
-        ) from None
+
+    def lu(B: torch.Tensor) -> torch.Tensor:
+        try:
+            return torch.linalg.solve(A, B)
+        except RuntimeError as err:  # singular
+            raise FloatingPointError(
+                f"{what}: the FeatCal system is singular ({err}); raise lam or eps."
+            ) from None
+    return lu
+
+
+def spd_solve(A: torch.Tensor, B: torch.Tensor, what: str = "system") -> torch.Tensor:
+    """Solve ``A X = B`` for symmetric positive-definite ``A`` (:func:`spd_factor`)."""
+    return spd_factor(A, what)(B)
 
 
 def linear_rhs(sys: LinearSystem, W_mer: torch.Tensor, W_0: torch.Tensor,
                lam: float, rho: float, alpha: float) -> torch.Tensor:
     """``U + alpha V + lam W_anc^T`` ``(d, o)``."""
     W_anc = anchor(W_mer.to(sys.S.dtype), W_0.to(sys.S.dtype), rho)
-    return sys.U + alpha * sys.V + lam * W_anc.T
+    return _task_rhs(sys, alpha) + lam * W_anc.T
+
+
+def _task_rhs(sys: LinearSystem, alpha: float) -> torch.Tensor:
+    """``U + alpha V`` (a system built for one alpha has nothing else)."""
+    if sys.alpha is None:
+        return sys.U + alpha * sys.V
+    if alpha != sys.alpha:
+        raise ValueError(f"this system was built for alpha={sys.alpha} only, not {alpha}; "
+                         "calibrate with keep_stats=True to solve other settings.")
+    return sys.U
 
 
 def linear_bias(sys: LinearSystem, W: torch.Tensor, b_mer: torch.Tensor, b_0: torch.Tensor,
@@ -149,14 +181,22 @@ def linear_bias(sys: LinearSystem, W: torch.Tensor, b_mer: torch.Tensor, b_0: to
 def solve_linear(sys: LinearSystem, W_mer: torch.Tensor, b_mer: torch.Tensor | None,
                  W_0: torch.Tensor, b_0: torch.Tensor | None, *, lam: float, rho: float,
                  alpha: float, eps: float, bias: bool = True, what: str = "linear",
-                 with_swt: bool = False):
+                 with_swt: bool = False, factors: dict | None = None):
     """The calibrated ``(W, b)`` (in the system's dtype). ``b`` is the merged bias when
     ``bias`` is off, ``None`` when the module has none. With ``with_swt``, also ``S W^T``
-    (free from the normal equations: ``S W^T = R - (lam + eps) W^T``) for the residual."""
-    A = sys.S.clone()
-    A.diagonal().add_(lam + eps)
+    (free from the normal equations: ``S W^T = R - (lam + eps) W^T``) for the residual.
+    ``factors``: a dict that keeps the factorisation of ``S + (lam + eps) I`` for the
+    other systems sharing this ``S`` (live only while those systems are)."""
+    key = (id(sys.S), lam + eps)
+    solver = None if factors is None else factors.get(key)
+    if solver is None:
+        A = sys.S.clone()
+        A.diagonal().add_(lam + eps)
+        solver = spd_factor(A, what)
+        if factors is not None:
+            factors[key] = solver
     R = linear_rhs(sys, W_mer, W_0, lam, rho, alpha)
-    Wt = spd_solve(A, R, what)               # (d, o)
+    Wt = solver(R)                           # (d, o)
     W = Wt.T
     if b_mer is None:
         b = None
@@ -170,20 +210,22 @@ def solve_linear(sys: LinearSystem, W_mer: torch.Tensor, b_mer: torch.Tensor | N
 
 
 def linear_residual(sys: LinearSystem, W: torch.Tensor, b: torch.Tensor | None, alpha: float,
-                    SWt: torch.Tensor | None = None) -> float:
+                    SWt: torch.Tensor | None = None, wsw: torch.Tensor | None = None) -> float:
     """Relative residual ``sum s_i E|W xs + b - W_i xt - b_i|^2 / sum s_i E|W_i xt + b_i|^2``.
-    ``SWt`` (``S W^T``) may be given when already known (see :func:`solve_linear`)."""
+    ``SWt`` (``S W^T``) or ``wsw`` (``tr(W S W^T)``, e.g. ``sys.k_mm`` for the merged
+    weights) may be given when already known; else ``S W^T`` is computed."""
     dt = sys.S.dtype
-    Wt = W.to(dt).T                          # (d, o)
+    Wt = W.to(dt).T.contiguous()             # (d, o)
     a = alpha
     K = a * a * sys.k_ee + 2 * a * (1 - a) * sys.k_se + (1 - a) ** 2 * sys.k_ss
-    SWt = sys.S @ Wt if SWt is None else SWt
-    num = _inner(Wt, SWt) - 2 * (_inner(Wt, sys.U) + a * _inner(Wt, sys.V)) + K
+    if wsw is None:
+        wsw = inner(Wt, sys.S @ Wt if SWt is None else SWt)
+    num = wsw - 2 * inner(Wt, _task_rhs(sys, a)) + K
     den = K + 2 * (sys.c_s + a * sys.c_v) + sys.bb
     if b is not None:
         b = b.to(dt)
         Wm = Wt.T @ sys.m_s
-        num = num + 2 * (b @ Wm - b @ (sys.ub + a * sys.vb) - _inner(Wt.T, sys.B_ms) + sys.c_s + a * sys.c_v)
+        num = num + 2 * (b @ Wm - b @ (sys.ub + a * sys.vb) - inner(Wt.T, sys.B_ms) + sys.c_s + a * sys.c_v)
         num = num + sys.s_sum * (b @ b) - 2 * (b @ sys.sb) + sys.bb
     return float(num.clamp(min=0) / den.clamp(min=1e-30))
 

@@ -8,8 +8,22 @@ Rows are tokens (every token of every example), each with a weight ``w``
     mu_s = E[xs], mu_e = E[xe]
 
 ``X = E[xs xt^T] = alpha P + (1 - alpha) C`` for ``xt = alpha xe + (1 - alpha) xs``,
-so one pass serves every alpha. For LayerNorm targets only the normalised
-input ``z`` of the calibrating stream matters: ``e = E[z*z]``, ``m = E[z]``.
+so one pass serves every alpha. The solve needs ``P`` and ``C`` only through
+``C``, ``C W_i^T`` and ``P W_i^T`` (expert i's weight ``W_i``), which a module
+gets in one of three forms (:data:`FORMS`), each exact, whichever costs fewest
+flops for its widths and the task's row count (:func:`cheapest_form`):
+
+- ``"P"``: the shared ``P`` (d, d); ``C W_i^T`` and ``P W_i^T`` at the end;
+- ``"Q"``: per module ``Q = sum w xs (W_i xe)^T`` (d, o) from the expert module's
+  own output; ``C W_i^T`` at the end;
+- ``"QQ"``: per module also ``sum w xs (W_i xs)^T`` (d, o), so nothing of size
+  ``d x d x o`` is left for the end: cheapest when a task has fewer rows than
+  the module is wide.
+
+``C`` itself is symmetric: only its upper block triangle is accumulated
+(:func:`gram_blocks`), the rest mirrored once (:func:`finish_gram`).
+For LayerNorm targets only the normalised input ``z`` of the calibrating stream
+matters: ``e = E[z*z]``, ``m = E[z]``.
 
 The functions here are pure over tensors (the ``accumulate_*`` ones add into
 the sums they are given, and return them).
@@ -21,15 +35,37 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+FORMS = ("P", "Q", "QQ")
+GRAM_BLOCK = 384   # column block of the triangular Gram accumulation (wider inputs are split)
+
+
+def gram_blocks(d: int) -> tuple[int, ...]:
+    """Block edges ``(0, ..., d)`` of the triangular accumulation of a ``d x d`` Gram matrix:
+    ``k`` blocks cost ``(k + 1) / 2k`` of the full product (d = 3072: 8 blocks, 56%)."""
+    k = max(1, min(8, d // GRAM_BLOCK))
+    return tuple(round(i * d / k) for i in range(k + 1))
+
+
+def cheapest_form(d: int, outs: list[int], rows: int, computed_outputs: int = 0,
+                  fixed_alpha: bool = False) -> str:
+    """The form (:data:`FORMS`) with the fewest multiply-adds for a group of modules reading
+    one input of width ``d``: outputs ``outs``, ``rows`` rows per task; ``computed_outputs``
+    of the modules have no captured output, so ``W_i xe`` costs ``rows d o`` more for them;
+    ``fixed_alpha``: only one alpha is wanted (``"QQ"`` then needs two products, not three)."""
+    o = sum(outs)
+    extra = rows * d * computed_outputs * (o / max(len(outs), 1))
+    cost = {"P": rows * d * d + 2 * d * d * o,
+            "Q": rows * d * o + d * d * o + extra,
+            "QQ": (2 if fixed_alpha else 3) * rows * d * o + extra}
+    return min(FORMS, key=lambda f: cost[f])
+
 
 @dataclass
 class LinearSums:
     """Weighted sums over rows for a Linear input site (divide by ``w`` for means).
 
-    The cross moment is kept in one of two equivalent forms, whichever is
-    cheaper: ``P = sum w xs xe^T`` (d, d), shared by every module reading this
-    input, or, per module, ``Q = sum w xs (W_i xe)^T`` (d, o) from the expert
-    module's own output (``P W_i^T = Q``; the solve needs nothing else of ``P``).
+    ``C`` holds only its upper block triangle (``edges``) until :func:`finish_gram`.
+    ``P`` is kept only in the ``"P"`` form.
     """
 
     w: torch.Tensor          # ()        sum of row weights
@@ -37,12 +73,36 @@ class LinearSums:
     s: torch.Tensor          # (d,)      sum w xs
     e: torch.Tensor          # (d,)      sum w xe
     C: torch.Tensor          # (d, d)    sum w xs xs^T
-    P: torch.Tensor | None   # (d, d)    sum w xs xe^T (None when the Q form is used)
+    P: torch.Tensor | None   # (d, d)    sum w xs xe^T (None unless the "P" form)
+    edges: tuple[int, ...] = ()
+    finished: bool = False
 
     @classmethod
-    def zeros(cls, d: int, dtype: torch.dtype, device, cross: bool = True) -> "LinearSums":
+    def zeros(cls, d: int, dtype: torch.dtype, device, cross: bool = True,
+              reuse: "LinearSums | None" = None) -> "LinearSums":
+        """Empty sums; ``reuse``: take (and zero) the big buffers of sums no longer needed
+        (fresh large tensors cost page faults on first touch)."""
         z = lambda *shape: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
-        return cls(z(()), 0, z(d), z(d), z(d, d), z(d, d) if cross else None)
+        old = reuse if reuse is not None and reuse.C.shape == (d, d) and reuse.C.dtype == dtype else None
+        C = old.C.zero_() if old is not None else z(d, d)
+        P = None
+        if cross:
+            P = old.P.zero_() if old is not None and old.P is not None else z(d, d)
+        return cls(z(()), 0, z(d), z(d), C, P, gram_blocks(d))
+
+
+@dataclass
+class ModuleSums:
+    """Per-module weighted sums of one task (``ys = W_i xs``, ``ye = W_i xe``: expert i's
+    module, bias left out, on the calibrating and on the expert's input)."""
+
+    ee: torch.Tensor                 # ()      sum w |ye|^2
+    Q: torch.Tensor | None = None    # (d, o)  sum w xs ye^T            ("Q", "QQ")
+    CW: torch.Tensor | None = None   # (d, o)  sum w xs ys^T            ("QQ")
+    T: torch.Tensor | None = None    # (d, o)  sum w xs ((1-a) ys + a ye)^T  ("QQ" at a fixed alpha a)
+    ss: torch.Tensor | None = None   # ()      sum w |ys|^2             ("QQ")
+    se: torch.Tensor | None = None   # ()      sum w ys.ye              ("QQ")
+    mm: torch.Tensor | None = None   # ()      sum w |W_mer xs|^2 (when the merged output was seen)
 
 
 @dataclass
@@ -70,6 +130,36 @@ def weighted(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
     return x if w is None else x * w[:, None]
 
 
+def inner(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``sum(a * b)`` for two tensors of one shape, without the elementwise product."""
+    if not (a.is_contiguous() and b.is_contiguous()):
+        if a.mT.is_contiguous() and b.mT.is_contiguous():
+            a, b = a.mT, b.mT
+        else:
+            a, b = a.contiguous(), b.contiguous()
+    return torch.dot(a.reshape(-1), b.reshape(-1))
+
+
+def accumulate_gram(C: torch.Tensor, xw: torch.Tensor, x: torch.Tensor, edges: tuple[int, ...]) -> torch.Tensor:
+    """``C += xw^T x`` on the upper block triangle only (``C`` symmetric once finished)."""
+    if len(edges) <= 2:
+        return C.addmm_(xw.T, x)
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        C[lo:hi, lo:].addmm_(xw[:, lo:hi].T, x[:, lo:])
+    return C
+
+
+def finish_gram(acc: LinearSums) -> LinearSums:
+    """Mirror the upper block triangle of ``C`` into the lower one (once)."""
+    if not acc.finished:
+        e = acc.edges
+        for i in range(len(e) - 1):             # tile by tile: a cache-friendly transpose
+            for j in range(i + 1, len(e) - 1):
+                acc.C[e[j]:e[j + 1], e[i]:e[i + 1]] = acc.C[e[i]:e[i + 1], e[j]:e[j + 1]].T
+        acc.finished = True
+    return acc
+
+
 def accumulate_linear(acc: LinearSums, xs: torch.Tensor, xe: torch.Tensor,
                       w: torch.Tensor | None) -> LinearSums:
     """Add one batch: ``xs``, ``xe`` ``(rows, d)``, ``w`` ``(rows,)`` or ``None`` (all 1)."""
@@ -78,13 +168,9 @@ def accumulate_linear(acc: LinearSums, xs: torch.Tensor, xe: torch.Tensor,
     acc.rows += xs.shape[0] if w is None else int((w > 0).sum())
     acc.s += xsw.sum(0)
     acc.e += weighted(xe, w).sum(0)
-    if acc.P is None:
-        acc.C.addmm_(xsw.T, xs)
-        return acc
-    d = xs.shape[1]
-    both = xsw.T @ torch.cat([xs, xe], dim=1)  # (d, 2d): [sum w xs xs^T | sum w xs xe^T]
-    acc.C += both[:, :d]
-    acc.P += both[:, d:]
+    accumulate_gram(acc.C, xsw, xs, acc.edges or (0, xs.shape[1]))
+    if acc.P is not None:
+        acc.P.addmm_(xsw.T, xe)
     return acc
 
 
@@ -92,6 +178,43 @@ def accumulate_cross(Q: torch.Tensor, xs: torch.Tensor, ye: torch.Tensor,
                      w: torch.Tensor | None) -> torch.Tensor:
     """``Q += sum_r w_r xs_r ye_r^T`` for ``xs`` ``(rows, d)``, ``ye = W_i xe`` ``(rows, o)``."""
     return Q.addmm_(weighted(xs, w).T, ye)
+
+
+def _add(total: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    return x if total is None else total + x
+
+
+def _addmm(total: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``total + a @ b`` in place (``a @ b`` when ``total`` is None: no zero-filled start)."""
+    return a @ b if total is None else total.addmm_(a, b)
+
+
+def accumulate_module(ms: ModuleSums, form: str, xs: torch.Tensor, ye: torch.Tensor, w: torch.Tensor | None,
+                      W_i: torch.Tensor, ym: torch.Tensor | None = None, alpha: float | None = None) -> ModuleSums:
+    """Add one batch to a module's sums in ``form``: ``xs`` ``(rows, d)``, ``ye = W_i xe``
+    ``(rows, o)``; ``ym = W_mer xs`` ``(rows, o)`` when the merged module's output was seen.
+    ``alpha`` given: the ``"QQ"`` form keeps only the sum for that alpha (``T``), one
+    ``rows x d x o`` product less, and no preview is possible from it."""
+    sq = lambda y: (y * y).sum(1)  # noqa: E731
+    wsum = (lambda v: v.sum()) if w is None else (lambda v: (w * v).sum())  # noqa: E731
+    ms.ee = ms.ee + wsum(sq(ye))
+    if ym is not None:
+        ms.mm = _add(ms.mm, wsum(sq(ym)))
+    if form == "P":
+        return ms
+    xswT = weighted(xs, w).T
+    if form == "Q":
+        ms.Q = _addmm(ms.Q, xswT, ye)
+        return ms
+    ys = xs @ W_i.to(xs.dtype).T                                        # (rows, o)
+    ms.ss = _add(ms.ss, wsum(sq(ys)))
+    ms.se = _add(ms.se, wsum((ys * ye).sum(1)))
+    if alpha is None:
+        ms.Q = _addmm(ms.Q, xswT, ye)
+        ms.CW = _addmm(ms.CW, xswT, ys)
+    else:
+        ms.T = _addmm(ms.T, xswT, ys.mul_(1.0 - alpha).add_(ye, alpha=alpha))
+    return ms
 
 
 def accumulate_norm(acc: NormSums, xs: torch.Tensor, w: torch.Tensor | None, eps: float) -> NormSums:
@@ -113,24 +236,47 @@ def weighted_sq_norm(y: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class LinearMoments:
-    """Means of one task for one Linear module (the spec's ``C_i``, ``mu``), with the cross
-    moment already applied to the expert's weights: ``PW = E[xs xe^T] W_i^T`` ``(d, o)``."""
+    """One task's terms for one Linear module as weighted *sums* (divide by ``w`` for the
+    spec's means): ``C = sum w xs xs^T``, ``CW = C W_i^T``, ``PW = sum w xs xe^T W_i^T``,
+    ``k_ss = sum w |W_i xs|^2``, ``k_se = sum w (W_i xs).(W_i xe)``, ``k_ee = sum w |W_i xe|^2``,
+    ``k_mm = sum w |W_mer xs|^2`` (or None), ``s``/``e`` the sums of ``xs``/``xe``.
+    At a fixed alpha only ``T = (1 - alpha) CW + alpha PW`` may be there (``CW``, ``PW`` None)."""
 
     C: torch.Tensor
-    PW: torch.Tensor
-    mu_s: torch.Tensor
-    mu_e: torch.Tensor
+    CW: torch.Tensor | None
+    PW: torch.Tensor | None
+    k_ss: torch.Tensor
+    k_se: torch.Tensor
+    k_ee: torch.Tensor
+    k_mm: torch.Tensor | None
+    s: torch.Tensor
+    e: torch.Tensor
+    w: torch.Tensor
     rows: int
+    T: torch.Tensor | None = None
+
+    @property
+    def mu_s(self) -> torch.Tensor:
+        return self.s / self.w
+
+    @property
+    def mu_e(self) -> torch.Tensor:
+        return self.e / self.w
 
 
-def linear_moments(acc: LinearSums, W_i: torch.Tensor | None = None,
-                   Q: torch.Tensor | None = None) -> LinearMoments:
-    """Means of ``acc``; ``PW`` from ``P`` and ``W_i`` or from the per-module sum ``Q``."""
+def linear_moments(acc: LinearSums, W_i: torch.Tensor, ms: ModuleSums) -> LinearMoments:
+    """The terms of one task for one module, from its group's sums ``acc`` and its own ``ms``."""
     if not float(acc.w) > 0:
         raise ValueError("no calibration rows with positive weight for this module (empty task?).")
-    w = acc.w
-    PW = Q / w if Q is not None else (acc.P @ W_i.to(acc.P.dtype).T) / w
-    return LinearMoments(acc.C / w, PW, acc.s / w, acc.e / w, acc.rows)
+    finish_gram(acc)
+    if ms.T is not None:
+        return LinearMoments(acc.C, None, None, ms.ss, ms.se, ms.ee, ms.mm, acc.s, acc.e, acc.w, acc.rows, ms.T)
+    Wt = W_i.to(acc.C.dtype).T.contiguous()                        # (d, o)
+    CW = ms.CW if ms.CW is not None else acc.C @ Wt
+    PW = ms.Q if ms.Q is not None else acc.P @ Wt
+    k_ss = ms.ss if ms.ss is not None else inner(Wt, CW)
+    k_se = ms.se if ms.se is not None else inner(Wt, PW)
+    return LinearMoments(acc.C, CW, PW, k_ss, k_se, ms.ee, ms.mm, acc.s, acc.e, acc.w, acc.rows)
 
 
 def norm_moments(acc: NormSums) -> tuple[torch.Tensor, torch.Tensor]:

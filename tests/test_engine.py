@@ -242,6 +242,38 @@ def test_report_lists_every_module_with_time_and_residuals():
     assert d["config"]["lam"] == 0.05 and len(d["modules"]) == 16
 
 
+@pytest.mark.parametrize("kind", ["hf_clip", "open_clip"])
+def test_every_statistics_form_gives_the_same_calibration(kind, monkeypatch):
+    """The engine picks P, Q or QQ per module by cost, and sums for one alpha only unless
+    the statistics are kept; forcing each gives the same model and the same report (the
+    merged residual from the data equals the one from S)."""
+    from featcal import solve, stats
+
+    base, experts, merged, data = _zoo(kind)
+    runs = {}
+    for form in stats.FORMS:
+        monkeypatch.setattr(stats, "cheapest_form", lambda *a, _f=form, **k: _f)
+        for keep in (True, False):
+            runs[form, keep] = calibrate(merged, base=base, experts=experts, calib_data=data,
+                                         config=FeatCalConfig.clip(), keep_stats=keep, progress=False)
+    ref_model, ref_report = runs["P", True]
+    ref = _all_target_params(ref_model)
+    for form, (model, report) in runs.items():
+        for name, (W, b) in _all_target_params(model).items():
+            assert torch.allclose(W, ref[name][0], rtol=1e-4, atol=1e-5), (form, name)
+            assert b is None or torch.allclose(b, ref[name][1], rtol=1e-4, atol=1e-5), (form, name)
+        for a, b in zip(report.modules, ref_report.modules):
+            assert a.residual_before == pytest.approx(b.residual_before, rel=1e-3, abs=1e-6), (form, a.name)
+            assert a.residual_after == pytest.approx(b.residual_after, rel=1e-3, abs=1e-6), (form, a.name)
+        if report.preview_state is None:
+            continue
+        for blk, t, sysm, W_mer, b_mer, _, _ in report.preview_state.entries:
+            if t.kind == "linear":
+                direct = solve.linear_residual(sysm, W_mer, b_mer, 0.3)       # through S W_mer^T
+                rec = next(m for m in report.modules if m.block == blk and m.name == t.name)
+                assert rec.residual_before == pytest.approx(direct, rel=1e-3, abs=1e-6), (form, t.name)
+
+
 def test_llama_blocks_with_keyword_arguments_and_padding():
     """The generic path: blocks get position embeddings and masks as keyword arguments;
     padding tokens (attention_mask 0) are left out of the statistics."""

@@ -23,16 +23,16 @@ def _task(gen, rows=40, d=3, o=2, shift=0.3):
     return xs, xe, W, b, w
 
 
-def _system(tasks, eps=1e-8, batches=1):
+def _system(tasks, eps=1e-8, batches=1, form="P"):
     d, o = tasks[0][2].shape[1], tasks[0][2].shape[0]
     sysm = solve.LinearSystem.zeros(d, o, torch.float64, "cpu")
     for xs, xe, W, b, w in tasks:
-        acc = stats.LinearSums.zeros(d, torch.float64, "cpu")
-        ye = torch.zeros(())
+        acc = stats.LinearSums.zeros(d, torch.float64, "cpu", cross=form == "P")
+        ms = stats.ModuleSums(torch.zeros(()))
         for part in torch.arange(len(xs)).tensor_split(batches):
             stats.accumulate_linear(acc, xs[part], xe[part], w[part])
-            ye = ye + stats.weighted_sq_norm(xe[part] @ W.T, w[part])
-        solve.add_task(sysm, stats.linear_moments(acc, W), W, b, ye / acc.w, eps)
+            stats.accumulate_module(ms, form, xs[part], xe[part] @ W.T, w[part], W)
+        solve.add_task(sysm, stats.linear_moments(acc, W, ms), W, b, eps)
     return sysm
 
 
@@ -86,15 +86,33 @@ def test_residual_formula_matches_direct_computation():
     assert abs(solve.linear_residual(sysm, Wn, bn, alpha) - float(num / den)) < 1e-10
 
 
-def test_cross_moment_forms_agree():
-    """``P W^T`` from the shared P equals the per-module Q = sum w xs (W xe)^T."""
+@pytest.mark.parametrize("form", ["Q", "QQ"])
+def test_every_form_of_the_statistics_gives_the_same_system(form):
+    """P (shared cross moment), Q (per-module cross moment) and QQ (no d x d x o product
+    left) are the same sums in another order."""
     gen = torch.Generator().manual_seed(5)
-    xs, xe, W, b, w = _task(gen, rows=30, d=4, o=2)
-    with_p = stats.accumulate_linear(stats.LinearSums.zeros(4, torch.float64, "cpu"), xs, xe, w)
-    no_p = stats.accumulate_linear(stats.LinearSums.zeros(4, torch.float64, "cpu", cross=False), xs, xe, w)
-    Q = stats.accumulate_cross(torch.zeros(4, 2, dtype=torch.float64), xs, xe @ W.T, w)
-    a, b_ = stats.linear_moments(with_p, W), stats.linear_moments(no_p, Q=Q)
-    assert no_p.P is None and torch.allclose(a.C, b_.C) and torch.allclose(a.PW, b_.PW)
+    tasks = [_task(gen, rows=30, d=4, o=3) for _ in range(3)]
+    ref, other = _system(tasks, batches=3), _system(tasks, batches=3, form=form)
+    for name in ("S", "U", "V", "m_s", "sb", "ub", "vb", "k_ee", "k_se", "k_ss"):
+        assert torch.allclose(getattr(ref, name), getattr(other, name), atol=1e-12), name
+
+
+@pytest.mark.parametrize("d", [5, 384 * 2 + 7, 384 * 9])
+def test_triangular_gram_equals_the_full_product(d):
+    gen = torch.Generator().manual_seed(6)
+    x, w = torch.randn(20, d, generator=gen), torch.rand(20, generator=gen)
+    acc = stats.LinearSums.zeros(d, torch.float64, "cpu", cross=False)
+    for part in torch.arange(20).tensor_split(3):
+        stats.accumulate_linear(acc, x[part], x[part], w[part])
+    stats.finish_gram(acc)
+    assert len(acc.edges) == min(9, max(2, d // stats.GRAM_BLOCK + 1))
+    assert torch.allclose(acc.C, (x * w[:, None]).T @ x, atol=1e-12)
+
+
+def test_cheapest_form_follows_rows_and_widths():
+    assert stats.cheapest_form(3072, [768], rows=400) == "QQ"          # few rows, wide input
+    assert stats.cheapest_form(768, [768] * 3, rows=100_000) == "P"     # many rows: shared P
+    assert stats.cheapest_form(3072, [768], rows=100_000) == "Q"        # narrow output
 
 
 def test_batched_statistics_equal_one_shot():
