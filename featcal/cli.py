@@ -60,7 +60,8 @@ def _add_out(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
+def add_common(p: argparse.ArgumentParser) -> None:
+    """``--device``, ``--threads`` and ``--quiet``, shared by every subcommand that loads a zoo."""
     p.add_argument("--device", default="cpu", help="torch device for the models (default: cpu)")
     p.add_argument("--threads", type=int, metavar="N",
                    help="torch CPU threads (default: torch's; 1 is fastest for the demo "
@@ -104,14 +105,18 @@ def _check_out(out: str, force: bool) -> None:
         raise UserError(f"output {out!r} already exists; pass --force to replace it.")
 
 
-def _load_zoo(args):
-    from featcal.zoo import load_any
-
+def apply_threads(args) -> None:
+    """Honour ``--threads`` (see :func:`add_common`)."""
     if getattr(args, "threads", None):
         import torch
 
         torch.set_num_threads(args.threads)
 
+
+def _load_zoo(args):
+    from featcal.zoo import load_any
+
+    apply_threads(args)
     return load_any(args.zoo, progress=not args.quiet, device=args.device)
 
 
@@ -172,7 +177,7 @@ def add_merge_arguments(p: argparse.ArgumentParser) -> None:
                    help="a parameter of the method, e.g. scale=0.3 (repeatable)")
     _add_out(p)
     p.add_argument("--eval", action="store_true", help="also print the test accuracy")
-    _add_common(p)
+    add_common(p)
 
 
 def run_merge(args) -> int:
@@ -211,7 +216,7 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=16, help="calibration batch size (default 16)")
     _add_out(p)
     p.add_argument("--eval", action="store_true", help="also evaluate (test split) and record it")
-    _add_common(p)
+    add_common(p)
 
 
 def config_from_args(args):
@@ -263,7 +268,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", default="test", help="split to score (calib, val, test; default test)")
     p.add_argument("--max-per-task", type=int, help="score only the first N examples of each task")
     p.add_argument("--json", metavar="PATH", help="also write the scores as JSON")
-    _add_common(p)
+    add_common(p)
 
 
 def run_eval(args) -> int:

@@ -48,6 +48,13 @@ def load_zoo(spec: str, progress: bool = True, device: str = "cpu"):
     return load_any(spec, progress=progress, device=device)
 
 
+def _load(args: argparse.Namespace):
+    from featcal.cli import apply_threads
+
+    apply_threads(args)
+    return load_zoo(args.zoo, progress=not args.quiet, device=args.device)
+
+
 def _check_out(path: str, force: bool) -> None:
     """Fail before any work if the output directory exists (unless ``force``)."""
     if Path(path).exists() and not force:
@@ -96,8 +103,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="'demo', 'demo-fashion', a YAML spec or a zoo directory (default: demo)")
     p.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
-    p.add_argument("--device", default="cpu", help="torch device for the models (default: cpu)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    from featcal.cli import add_common
+
+    add_common(p)
 
 
 def _featcal_config(args):
@@ -150,7 +158,7 @@ def run_tune(args: argparse.Namespace) -> int:
     params = parse_params(args.merge_param, args.merge)
     grid = Grid.parse(args.grid) if args.grid else None
     _check_out(args.out, args.force)
-    zoo = load_zoo(args.zoo, progress=not args.quiet, device=args.device)
+    zoo = _load(args)
     res = tune_zoo(zoo, method=args.merge, merge_params=params, n_calib=args.n_calib, seed=args.seed,
                    val_per_task=args.val_per_task, config=_featcal_config(args),
                    grid=grid, search=args.search, score=args.score,
@@ -208,7 +216,7 @@ def run_study(args: argparse.Namespace) -> int:
 
     cfg = _featcal_config(args)
     _check_out(args.out, args.force)
-    zoo = load_zoo(args.zoo, progress=not args.quiet, device=args.device)
+    zoo = _load(args)
     figs = _figures()
     if args.study == "sample-efficiency":
         unknown = [m for m in (*args.mergers, args.merge) if m not in studies.MERGERS]
