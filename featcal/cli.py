@@ -181,19 +181,24 @@ def add_merge_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_merge(args) -> int:
-    from featcal.zoo.io import save_model
-
     params = parse_params(args.param, args.method)
     _check_out(args.out, args.force)
     zoo = _load_zoo(args)
     model = zoo.merged(args.method, **params)
     info = {"zoo": args.zoo, "method": args.method, "params": params}
-    if args.eval:
-        info["accuracy"] = _eval_and_print({args.method: model}, zoo, "test")
-    out = save_model(model, args.out, fmt=zoo.fmt, force=args.force,
-                     extra_files={"merge.json": info})
+    out = _write(args, zoo, model, "merge.json", info, scored={args.method: model})
     print(f"wrote {out}")
     return 0
+
+
+def _write(args, zoo, model, json_name: str, doc: dict, scored: dict) -> Path:
+    """With ``--eval``, score the ``scored`` models on the test split into ``doc``; then save
+    ``model`` in the zoo's format with ``doc`` as ``json_name`` (atomically, see save_model)."""
+    from featcal.zoo.io import save_model
+
+    if args.eval:
+        doc["accuracy"] = _eval_and_print(scored, zoo, "test")
+    return save_model(model, args.out, fmt=zoo.fmt, force=args.force, extra_files={json_name: doc})
 
 
 # ------------------------------------------------------------------ calibrate
@@ -233,7 +238,6 @@ def config_from_args(args):
 
 def run_calibrate(args) -> int:
     from featcal import calibrate
-    from featcal.zoo.io import save_model
 
     params = parse_params(args.merge_param, args.merge)
     cfg = config_from_args(args)
@@ -248,10 +252,7 @@ def run_calibrate(args) -> int:
     doc = {"zoo": args.zoo, "merge": {"method": args.merge, "params": params},
            "n_per_task": args.n_per_task, "seed": args.seed, "batch_size": args.batch_size,
            "preset": args.preset, "report": report.to_dict()}
-    if args.eval:
-        doc["accuracy"] = _eval_and_print({args.merge: merged, "featcal": model}, zoo, "test")
-    out = save_model(model, args.out, fmt=zoo.fmt, force=args.force,
-                     extra_files={"report.json": doc})
+    out = _write(args, zoo, model, "report.json", doc, scored={args.merge: merged, "featcal": model})
     print(f"calibrated in {report.seconds:.1f} s; wrote {out}")
     return 0
 

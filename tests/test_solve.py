@@ -36,6 +36,12 @@ def _system(tasks, eps=1e-8, batches=1, form="P"):
     return sysm
 
 
+def _anchors(gen, o=2, d=3):
+    """Random merged and base parameters ``(W_mer, b_mer, W_0, b_0)``."""
+    return (torch.randn(o, d, generator=gen), torch.randn(o, generator=gen),
+            torch.randn(o, d, generator=gen), torch.randn(o, generator=gen))
+
+
 def _objective(tasks, Wn, bn, alpha, lam, W_anc, b_anc, eps=1e-8):
     """The spec's objective, evaluated directly on the rows."""
     total = lam * ((Wn - W_anc) ** 2).sum() + eps * (Wn ** 2).sum() + lam * ((bn - b_anc) ** 2).sum()
@@ -52,8 +58,7 @@ def test_solution_is_the_minimiser_of_the_spec_objective():
     gen = torch.Generator().manual_seed(0)
     tasks = [_task(gen) for _ in range(3)]
     sysm = _system(tasks)
-    W_mer, b_mer = torch.randn(2, 3, generator=gen), torch.randn(2, generator=gen)
-    W_0, b_0 = torch.randn(2, 3, generator=gen), torch.randn(2, generator=gen)
+    W_mer, b_mer, W_0, b_0 = _anchors(gen)
     lam, rho, alpha = 0.7, 1.5, 0.4
     W, b = solve.solve_linear(sysm, W_mer, b_mer, W_0, b_0, lam=lam, rho=rho, alpha=alpha, eps=1e-8)
     W_anc, b_anc = rho * W_mer + (1 - rho) * W_0, rho * b_mer + (1 - rho) * b_0
@@ -127,8 +132,7 @@ def test_lambda_to_infinity_gives_the_anchor():
     gen = torch.Generator().manual_seed(3)
     tasks = [_task(gen) for _ in range(2)]
     sysm = _system(tasks)
-    W_mer, b_mer = torch.randn(2, 3, generator=gen), torch.randn(2, generator=gen)
-    W_0, b_0 = torch.randn(2, 3, generator=gen), torch.randn(2, generator=gen)
+    W_mer, b_mer, W_0, b_0 = _anchors(gen)
     W, b = solve.solve_linear(sysm, W_mer, b_mer, W_0, b_0, lam=1e9, rho=2.2, alpha=0.3, eps=1e-8)
     assert torch.allclose(W, 2.2 * W_mer - 1.2 * W_0, atol=1e-6)
     assert torch.allclose(b, 2.2 * b_mer - 1.2 * b_0, atol=1e-6)

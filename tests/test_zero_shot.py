@@ -140,14 +140,9 @@ def test_builtin_class_names_and_templates():
 def test_open_clip_zero_shot_rows_are_normalised_encode_text(tmp_path):
     pytest.importorskip("open_clip")
     from featcal.zoo.heads import OpenClipTextEncoder
-    from featcal.zoo.loaders import open_clip_model
+    import tiny
 
-    cfg = {"embed_dim": 16, "vision_cfg": {"image_size": 32, "layers": 2, "width": 32, "patch_size": 8,
-                                           "head_width": 16},
-           "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2}}
-    (tmp_path / "tiny-oc-zs.json").write_text(json.dumps(cfg))
-    torch.manual_seed(0)
-    model = open_clip_model("tiny-oc-zs", str(tmp_path / "tiny-oc-zs.json"), quick_gelu=False)
+    model, _ = tiny.tiny_open_clip_clip(tmp_path, "tiny-oc-zs")
     import open_clip
 
     tok = open_clip.get_tokenizer("tiny-oc-zs")

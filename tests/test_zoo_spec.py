@@ -303,14 +303,9 @@ def test_open_clip_spec_loads(tmp_path):
     open_clip = pytest.importorskip("open_clip")
     from safetensors.torch import save_file
 
-    from featcal.zoo.loaders import open_clip_model
+    import tiny
 
-    cfg = {"embed_dim": 16, "vision_cfg": {"image_size": 32, "layers": 2, "width": 32, "patch_size": 8,
-                                           "head_width": 16},
-           "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2}}
-    (tmp_path / "tiny-oc-spec.json").write_text(json.dumps(cfg))
-    torch.manual_seed(0)
-    clip = open_clip_model("tiny-oc-spec", str(tmp_path / "tiny-oc-spec.json"), quick_gelu=False)
+    clip, _ = tiny.tiny_open_clip_clip(tmp_path, "tiny-oc-spec")
     save_file({k: v.contiguous() for k, v in clip.state_dict().items()}, str(tmp_path / "base.safetensors"))
     for i, task in enumerate(("mnist", "shapes")):
         gen = torch.Generator().manual_seed(i + 1)

@@ -91,3 +91,19 @@ def tiny_open_clip_vit(seed: int = 0, layers: int = 2):
 
 def state_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def tiny_open_clip_clip(tmp_path, name: str, seed: int = 0):
+    """A tiny random open_clip ``CLIP`` (vision and text towers) from a model config
+    written to ``tmp_path / f"{name}.json"``: ``(model, config path)``."""
+    import json
+
+    from featcal.zoo.loaders import open_clip_model
+
+    cfg = {"embed_dim": 16, "vision_cfg": {"image_size": 32, "layers": 2, "width": 32, "patch_size": 8,
+                                           "head_width": 16},
+           "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2}}
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    torch.manual_seed(seed)
+    return open_clip_model(name, str(path), quick_gelu=False), path
