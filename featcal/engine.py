@@ -156,13 +156,14 @@ class _BlockStats:
         return stats.linear_moments(self.group(t), self.expert_params[t.name][0], self.module[t.name])
 
 
-def _check_finite_stats(acc, block: int, name: str) -> None:
-    """A NaN or Inf in any row reaches diag(C) (and the expert's through ``e``): checking the
-    diagonal and the sums is exact and costs O(d), not O(d^2)."""
-    if isinstance(acc, stats.LinearSums):
-        tensors = [acc.C.diagonal(), acc.s, acc.e]
+def _check_finite_system(sysm, block: int, name: str) -> None:
+    """A NaN or Inf in any row of any task reaches the system's diagonal and sums (``S``'s
+    diagonal, ``m_s``, and through the expert's features ``vb``; a LayerNorm's moments):
+    checking those is exact and costs O(d) once per module, not per task."""
+    if isinstance(sysm, solve.LinearSystem):
+        tensors = [sysm.S.diagonal(), sysm.m_s, sysm.vb]
     else:
-        tensors = [acc.z, acc.zz]
+        tensors = [sysm.e, sysm.m]
     if not bool(torch.isfinite(torch.cat([t.reshape(-1) for t in tensors])).all()):
         raise FloatingPointError(
             f"block {block}, module {name!r}: its input features hold NaN or Inf values "
@@ -246,7 +247,6 @@ def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, cfg
             st.exp[b] = ec.with_hidden(out_e.cpu() if cfg.offload_streams else out_e)
         for t in targets:
             group = acc.group(t)
-            _check_finite_stats(group, l, t.name)
             W_i, b_i = expert_params[t.name]
             if t.kind == arch.LINEAR:
                 mom = acc.linear_moments(t)
@@ -269,6 +269,8 @@ def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, cfg
         e, m, g, bb = zip(*parts)
         systems[name] = solve.NormSystem(torch.stack(e), torch.stack(m), torch.stack(g),
                                          None if bb[0] is None else torch.stack(bb))
+    for t in targets:
+        _check_finite_system(systems[t.name], l, t.name)
     return systems
 
 
@@ -299,13 +301,8 @@ def calibrate(merged: nn.Module, *, base: nn.Module, experts: Mapping[str, nn.Mo
     t_start = time.perf_counter()
     # 1. Validate before touching anything.
     tasks = validate.check_tasks(experts, calib_data)
-    validate.check_model_float(merged, "the merged model")
-    for role, m in [("base", base)] + [(f"expert {t!r}", experts[t]) for t in tasks]:
-        validate.check_model_float(m, role)
-        validate.check_same_params(merged, m, role)
-    path, _ = arch.resolve_blocks(merged, blocks)
-    for role, m in [("the merged model", merged), ("base", base)] + [(f"expert {t!r}", experts[t]) for t in tasks]:
-        validate.check_finite_params(m, role, path)
+    path = validate.check_models(merged, [("base", base)] + [(f"expert {t!r}", experts[t]) for t in tasks],
+                                 lambda m: arch.resolve_blocks(m, blocks)[0])
 
     # 2. The model to calibrate, and every model's blocks.
     model = merged if inplace else copy.deepcopy(merged)

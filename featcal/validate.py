@@ -7,22 +7,28 @@ import torch
 from torch import nn
 
 
-def check_model_float(model: nn.Module, role: str) -> None:
-    params = list(model.parameters())
+SMALL = 1 << 16   # parameters with fewer elements are checked for NaN/Inf together
+
+
+def _params(model: nn.Module, role: str) -> dict[str, torch.Tensor]:
+    """``{name: parameter}`` (detached), after checking there are some and all are float."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
     if not params:
         raise ValueError(f"{role} has no parameters.")
-    bad = next((n for n, p in model.named_parameters() if not torch.is_floating_point(p)), None)
+    bad = next((n for n, p in params.items() if not torch.is_floating_point(p)), None)
     if bad is not None:
         raise TypeError(
-            f"{role}: parameter {bad!r} is not floating point ({dict(model.named_parameters())[bad].dtype}); "
+            f"{role}: parameter {bad!r} is not floating point ({params[bad].dtype}); "
             "FeatCal calibrates float models (quantised models must be dequantised first)."
         )
+    return params
 
 
-def check_same_params(reference: nn.Module, other: nn.Module, role: str) -> None:
-    """``other`` must have the merged model's parameter names and shapes."""
-    ref = dict(reference.named_parameters())
-    oth = dict(other.named_parameters())
+def check_model_float(model: nn.Module, role: str) -> None:
+    _params(model, role)
+
+
+def _same_params(ref: dict, oth: dict, role: str) -> None:
     for name, p in ref.items():
         if name not in oth:
             raise ValueError(
@@ -39,17 +45,54 @@ def check_same_params(reference: nn.Module, other: nn.Module, role: str) -> None
         raise ValueError(f"{role} has a parameter {extra!r} that the merged model lacks.")
 
 
-def check_finite_params(model: nn.Module, role: str, blocks_path: str) -> None:
-    for name, p in model.named_parameters():
+def check_same_params(reference: nn.Module, other: nn.Module, role: str) -> None:
+    """``other`` must have the merged model's parameter names and shapes."""
+    _same_params(dict(reference.named_parameters()), dict(other.named_parameters()), role)
+
+
+def _nonfinite(name: str, role: str, blocks_path: str) -> FloatingPointError:
+    where = ""
+    if name.startswith(blocks_path + "."):
+        idx, _, rest = name[len(blocks_path) + 1:].partition(".")
+        where = f" (block {idx}, module {rest.rsplit('.', 1)[0]})"
+    return FloatingPointError(f"{role}: parameter {name!r}{where} holds NaN or Inf values.")
+
+
+def _finite_params(params: dict[str, torch.Tensor], role: str, blocks_path: str) -> None:
+    """Small parameters in one fused check per device and dtype (one check each costs more
+    than its arithmetic), large ones one by one (no copy)."""
+    groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+    for name, p in params.items():
         if p.numel() == 0:
             continue
-        lo, hi = torch.aminmax(p.detach().reshape(-1))  # NaN propagates; faster than isfinite().all()
+        if p.numel() < SMALL:
+            groups.setdefault((p.device, p.dtype), []).append((name, p))
+            continue
+        lo, hi = torch.aminmax(p.reshape(-1))  # NaN propagates; faster than isfinite().all()
         if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
-            where = ""
-            if name.startswith(blocks_path + "."):
-                idx, _, rest = name[len(blocks_path) + 1:].partition(".")
-                where = f" (block {idx}, module {rest.rsplit('.', 1)[0]})"
-            raise FloatingPointError(f"{role}: parameter {name!r}{where} holds NaN or Inf values.")
+            raise _nonfinite(name, role, blocks_path)
+    for group in groups.values():
+        if not bool(torch.isfinite(torch.cat([p.reshape(-1) for _, p in group])).all()):
+            bad = next(n for n, p in group if not bool(torch.isfinite(p).all()))
+            raise _nonfinite(bad, role, blocks_path)
+
+
+def check_finite_params(model: nn.Module, role: str, blocks_path: str) -> None:
+    _finite_params({n: p.detach() for n, p in model.named_parameters()}, role, blocks_path)
+
+
+def check_models(merged: nn.Module, others: list[tuple[str, nn.Module]], blocks_path_of) -> str:
+    """Every check of the models in one pass over each one's parameters: float, the merged
+    model's names and shapes, no NaN/Inf. ``blocks_path_of(merged)`` resolves the blocks
+    (after the float checks, before the finiteness ones, which name the block); returned."""
+    ref = _params(merged, "the merged model")
+    named = [(role, _params(m, role)) for role, m in others]
+    for role, params in named:
+        _same_params(ref, params, role)
+    path = blocks_path_of(merged)
+    for role, params in [("the merged model", ref), *named]:
+        _finite_params(params, role, path)
+    return path
 
 
 def check_tasks(experts: Mapping, calib_data: Mapping) -> list[str]:
