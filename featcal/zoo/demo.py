@@ -190,7 +190,7 @@ def build_parts(recipe: Recipe, progress: bool = True, device: str | torch.devic
     heads, experts = {}, {}
     for i, task in enumerate(_bar(recipe.tasks, progress, "experts")):
         x, y = train_minus_val(arrays[task], device)
-        head = fit_head(base, *_shots(x, y, recipe.head_shots), len(classes[task]))
+        head = fit_head(base, *per_class(x, y, recipe.head_shots), len(classes[task]))
         experts[task] = finetune(base, head, x, y, recipe, seed=recipe.seed + 100 + i).cpu()
         heads[task] = head.cpu()
     base = base.cpu()
@@ -259,12 +259,12 @@ def pretrain_base(recipe: Recipe, pools: Arrays, classes: Mapping[str, list[str]
     return model.eval()
 
 
-def _shots(x: torch.Tensor, y: torch.Tensor, shots: int) -> tuple[torch.Tensor, torch.Tensor]:
+def per_class(x: torch.Tensor, y: torch.Tensor, shots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``shots`` rows of each class (all rows when ``shots`` is 0)."""
     if shots <= 0:
         return x, y
-    keep = torch.cat([torch.nonzero(y == c).flatten()[:shots] for c in torch.unique(y)])
-    return x[keep.sort().values], y[keep.sort().values]
+    keep = torch.cat([torch.nonzero(y == c).flatten()[:shots] for c in torch.unique(y)]).sort().values
+    return x[keep], y[keep]
 
 
 def fit_head(model: nn.Module, x: torch.Tensor, y: torch.Tensor, n_classes: int,

@@ -119,7 +119,7 @@ def build_fashion_parts(recipe, progress: bool = True, device="cpu") -> dict:
         classes[task] = list(CLASSES if task == "fashion" else GROUPS)
         x, y = demo.train_minus_val(new[task], device)
         base = zoo.base.to(device)
-        heads[task] = demo.fit_head(base, *demo._shots(x, y, recipe.head_shots),
+        heads[task] = demo.fit_head(base, *demo.per_class(x, y, recipe.head_shots),
                                     len(classes[task])).cpu()
         experts[task] = demo.finetune(base, heads[task].to(device), x, y, recipe,
                                       seed=recipe.seed + 200 + i).cpu()
