@@ -94,7 +94,7 @@ def add_task(sys: LinearSystem, mom: LinearMoments, W_i: torch.Tensor, b_i: torc
     dt = sys.S.dtype
     W_i = W_i.to(dt)
     w = float(mom.w)
-    s = 1.0 / max(float(torch.linalg.matrix_norm(mom.C)) / w, eps)   # task_scale(C / w)
+    s = w * float(task_scale(mom.C, eps * w))   # = task_scale(C / w, eps): C holds sums
     f = s / w                                # sums -> s_i times means
     if sys.owns_S:
         sys.S.add_(mom.C, alpha=f)

@@ -174,12 +174,6 @@ def accumulate_linear(acc: LinearSums, xs: torch.Tensor, xe: torch.Tensor,
     return acc
 
 
-def accumulate_cross(Q: torch.Tensor, xs: torch.Tensor, ye: torch.Tensor,
-                     w: torch.Tensor | None) -> torch.Tensor:
-    """``Q += sum_r w_r xs_r ye_r^T`` for ``xs`` ``(rows, d)``, ``ye = W_i xe`` ``(rows, o)``."""
-    return Q.addmm_(weighted(xs, w).T, ye)
-
-
 def _add(total: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     return x if total is None else total + x
 
@@ -226,12 +220,6 @@ def accumulate_norm(acc: NormSums, xs: torch.Tensor, w: torch.Tensor | None, eps
     acc.z += zw.sum(0)
     acc.zz += (zw * z).sum(0)
     return acc
-
-
-def weighted_sq_norm(y: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
-    """``sum_r w_r |y_r|^2`` for ``y`` ``(rows, d)``."""
-    sq = (y * y).sum(1)
-    return sq.sum() if w is None else (w * sq).sum()
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import itertools
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from torch import nn
 
@@ -39,6 +39,9 @@ from featcal.tune_jobs import (HeadLogits, Logits, Point, ValData, Work, all_log
 
 __all__ = ["Grid", "TuneConfig", "TuneResult", "tune", "tune_zoo", "holdout_report", "HeadLogits",
            "preview_distance"]
+if TYPE_CHECKING:
+    import pandas as pd
+
 SEARCHES = ("grid", "adaptive")
 SCORES = ("auto", "accuracy", "kl")
 

@@ -24,10 +24,6 @@ def _params(model: nn.Module, role: str) -> dict[str, torch.Tensor]:
     return params
 
 
-def check_model_float(model: nn.Module, role: str) -> None:
-    _params(model, role)
-
-
 def _same_params(ref: dict, oth: dict, role: str) -> None:
     for name, p in ref.items():
         if name not in oth:
@@ -75,10 +71,6 @@ def _finite_params(params: dict[str, torch.Tensor], role: str, blocks_path: str)
         if not bool(torch.isfinite(torch.cat([p.reshape(-1) for _, p in group])).all()):
             bad = next(n for n, p in group if not bool(torch.isfinite(p).all()))
             raise _nonfinite(bad, role, blocks_path)
-
-
-def check_finite_params(model: nn.Module, role: str, blocks_path: str) -> None:
-    _finite_params({n: p.detach() for n, p in model.named_parameters()}, role, blocks_path)
 
 
 def check_models(merged: nn.Module, others: list[tuple[str, nn.Module]], blocks_path_of) -> str:

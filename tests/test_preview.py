@@ -1,5 +1,4 @@
 """The instant preview against exact runs."""
-import copy
 
 import torch
 
