@@ -9,7 +9,8 @@ The command line is a thin layer: :func:`add_arguments` declares the options,
 :func:`run` loads, builds the model, calls :func:`diagnostics.diagnose` and writes.
 :func:`register` hooks ``diagnose`` into ``featcal.cli`` (which imports this module
 as one of its ``EXTENSIONS``). Bad input raises ``ValueError`` / ``FileNotFoundError``
-/ ``FileExistsError``, which ``featcal`` reports as one ``featcal: error:`` line.
+(or ``featcal.cli.UserError`` for an existing output), which ``featcal`` reports as one
+``featcal: error:`` line.
 """
 from __future__ import annotations
 
@@ -99,11 +100,11 @@ def write_tables(tables: dict, summary: str, out: str, fmt: str, force: bool) ->
 def run(args: argparse.Namespace) -> int:
     """1. check the options; 2. load the zoo; 3. build the model; 4. diagnose; 5. write."""
     from diagnostics import diagnose
+    from featcal.cli import check_out
 
     if args.n_per_task < 1:
         raise ValueError(f"--n-per-task must be at least 1, got {args.n_per_task}.")
-    if Path(args.out).expanduser().exists() and not args.force:
-        raise FileExistsError(f"output {args.out!r} already exists; pass --force to replace it.")
+    check_out(args.out, args.force)
     zoo = load_zoo(args.zoo, progress=not args.quiet, device=args.device)
     model = build_model(zoo, args.model, args.merge, args.scale, args.n_per_task, args.seed,
                         progress=not args.quiet)

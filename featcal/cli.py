@@ -99,9 +99,10 @@ def parse_params(items: list[str] | None, method: str) -> dict:
     return params
 
 
-def _check_out(out: str, force: bool) -> None:
-    """Fail before any work if the output directory exists (save_model checks again)."""
-    if Path(out).exists() and not force:
+def check_out(out: str, force: bool) -> None:
+    """Fail before any work if the output directory exists (unless ``force``); every
+    subcommand that writes calls it first (save_model checks again when writing)."""
+    if Path(out).expanduser().exists() and not force:
         raise UserError(f"output {out!r} already exists; pass --force to replace it.")
 
 
@@ -182,7 +183,7 @@ def add_merge_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_merge(args) -> int:
     params = parse_params(args.param, args.method)
-    _check_out(args.out, args.force)
+    check_out(args.out, args.force)
     zoo = _load_zoo(args)
     model = zoo.merged(args.method, **params)
     info = {"zoo": args.zoo, "method": args.method, "params": params}
@@ -243,7 +244,7 @@ def run_calibrate(args) -> int:
     cfg = config_from_args(args)
     if args.n_per_task < 1:
         raise UserError(f"--n-per-task must be at least 1, got {args.n_per_task}.")
-    _check_out(args.out, args.force)
+    check_out(args.out, args.force)
     zoo = _load_zoo(args)
     merged = zoo.merged(args.merge, **params)
     data = zoo.calib_data(args.n_per_task, seed=args.seed, batch_size=args.batch_size)

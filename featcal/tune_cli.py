@@ -55,15 +55,11 @@ def _load(args: argparse.Namespace):
     return load_zoo(args.zoo, progress=not args.quiet, device=args.device)
 
 
-def _check_out(path: str, force: bool) -> None:
-    """Fail before any work if the output directory exists (unless ``force``)."""
-    if Path(path).exists() and not force:
-        raise FileExistsError(f"output {path!r} already exists; pass --force to replace it.")
-
-
 def _out_dir(path: str, force: bool) -> Path:
     """Create the output directory once there is something to write (replaced if ``force``)."""
-    _check_out(path, force)
+    from featcal.cli import check_out
+
+    check_out(path, force)
     out = Path(path)
     if out.exists():
         shutil.rmtree(out)
@@ -152,12 +148,12 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    from featcal.cli import parse_params
+    from featcal.cli import check_out, parse_params
     from featcal.tune import Grid, holdout_report, tune_zoo
 
     params = parse_params(args.merge_param, args.merge)
     grid = Grid.parse(args.grid) if args.grid else None
-    _check_out(args.out, args.force)
+    check_out(args.out, args.force)
     zoo = _load(args)
     res = tune_zoo(zoo, method=args.merge, merge_params=params, n_calib=args.n_calib, seed=args.seed,
                    val_per_task=args.val_per_task, config=_featcal_config(args),
@@ -213,9 +209,10 @@ def add_study_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run_study(args: argparse.Namespace) -> int:
     from featcal import studies
+    from featcal.cli import check_out
 
     cfg = _featcal_config(args)
-    _check_out(args.out, args.force)
+    check_out(args.out, args.force)
     zoo = _load(args)
     figs = _figures()
     if args.study == "sample-efficiency":
