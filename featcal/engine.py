@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -210,7 +211,9 @@ def _solve_block(l: int, targets, systems, blk, base_blk, cfg: FeatCalConfig, re
             after = solve.norm_residual(sysm, W, b)
             d_in = d_out = W.shape[0]
             rows = 0
-        if not (bool(torch.isfinite(W).all()) and (b is None or bool(torch.isfinite(b).all()))):
+        # The residual after is a sum of products with every entry of W and b: any NaN/Inf there
+        # makes it NaN or Inf (inf * 0 is NaN), so it checks them without another pass.
+        if not math.isfinite(after):
             raise FloatingPointError(f"block {l}, module {t.name!r}: the solve gave NaN/Inf; raise lam or eps.")
         new_params.append((t, W, b))
         report.modules.append(ModuleRecord(l, t.name, t.kind, d_in, d_out, rows, before, after,

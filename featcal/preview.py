@@ -38,7 +38,7 @@ class _EigLinear:
 
 def _eig_linear(sysm: solve.LinearSystem, W_mer: torch.Tensor, W_0: torch.Tensor,
                 eigh: tuple[torch.Tensor, torch.Tensor] | None = None) -> _EigLinear:
-    ev, Q = torch.linalg.eigh(sysm.S) if eigh is None else eigh
+    ev, Q = torch.linalg.eigh(sysm.S, UPLO="U") if eigh is None else eigh   # S: upper triangle
     dt = sysm.S.dtype
     Qt = Q.T
     return _EigLinear(Q, ev, Qt @ sysm.U, Qt @ sysm.V, Qt @ W_mer.to(dt).T, Qt @ W_0.to(dt).T)

@@ -24,14 +24,15 @@ from typing import Callable
 
 import torch
 
-from featcal.stats import LinearMoments, inner
+from featcal.stats import LinearMoments, add_gram, inner
 
 log = logging.getLogger(__name__)
 
 
-def task_scale(C: torch.Tensor, eps: float) -> torch.Tensor:
-    """``s_i = 1 / max(||C_i||_F, eps)``: the task-wise scale normalisation."""
-    return 1.0 / torch.linalg.matrix_norm(C).clamp(min=eps)
+def symmetric(S: torch.Tensor) -> torch.Tensor:
+    """The full symmetric matrix whose upper triangle is ``S``'s (a new tensor; the systems
+    keep only their upper triangle up to date, :func:`featcal.stats.accumulate_gram`)."""
+    return S.triu() + S.triu(1).T
 
 
 def anchor(mer: torch.Tensor, base: torch.Tensor, rho: float) -> torch.Tensor:
@@ -43,10 +44,12 @@ def anchor(mer: torch.Tensor, base: torch.Tensor, rho: float) -> torch.Tensor:
 class LinearSystem:
     """Task-summed terms of one Linear target's normal equations (no hyper-parameter in them).
 
-    Shapes: ``d`` input width, ``o`` output width.
+    Shapes: ``d`` input width, ``o`` output width. ``S`` is kept up to date on its upper
+    triangle only (:func:`symmetric` gives the whole); ``U`` and ``V`` are in the weight
+    layout (their transposes are contiguous).
     """
 
-    S: torch.Tensor      # (d, d)  sum s_i C_i
+    S: torch.Tensor      # (d, d)  sum s_i C_i (upper triangle)
     U: torch.Tensor      # (d, o)  sum s_i C_i W_i^T
     V: torch.Tensor | None  # (d, o)  sum s_i (P_i - C_i) W_i^T (None in a one-alpha system)
     s_sum: torch.Tensor  # ()      sum s_i
@@ -58,11 +61,12 @@ class LinearSystem:
     k_ee: torch.Tensor   # ()      sum s_i E|W_i xe|^2
     k_se: torch.Tensor   # ()      sum s_i E[(W_i xs).(W_i xe)]
     k_ss: torch.Tensor   # ()      sum s_i E|W_i xs|^2
-    B_ms: torch.Tensor   # (o, d)  sum s_i b_i mu_s,i^T
+    sbs: torch.Tensor    # (n, o)  s_i b_i per task     } sum s_i b_i.W mu_s,i = sum(sbs * (mus @ W^T))
+    mus: torch.Tensor    # (n, d)  mu_s,i per task     }
     c_s: torch.Tensor    # ()      sum s_i b_i.W_i mu_s,i
     c_v: torch.Tensor    # ()      sum s_i b_i.W_i (mu_e,i - mu_s,i)
     bb: torch.Tensor     # ()      sum s_i |b_i|^2
-    k_mm: torch.Tensor | None = None  # () sum s_i E|W_mer xs|^2 (None unless every task saw it)
+    k_mm: torch.Tensor | None = None  # () sum s_i E|W_mer xs|^2 (None once a task did not see it)
     n_tasks: int = 0
     min_rows: int = 0
     owns_S: bool = True  # False: S is another system's (modules reading one input share it)
@@ -75,9 +79,9 @@ class LinearSystem:
         which :func:`add_task` then leaves to its owner. ``alpha`` given: a system for that
         alpha only (``U`` holds ``U + alpha V``; :func:`solve_linear` refuses another)."""
         z = lambda *shape: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
-        return cls(z(d, d) if S is None else S, z(d, o), z(d, o) if alpha is None else None, z(()), z(d),
-                   z(o), z(o), z(o), z(()), z(()), z(()), z(o, d), z(()), z(()), z(()), z(()),
-                   owns_S=S is None, alpha=alpha)
+        return cls(z(d, d) if S is None else S, z(o, d).T, z(o, d).T if alpha is None else None, z(()), z(d),
+                   z(o), z(o), z(o), z(()), z(()), z(()), z(0, o), z(0, d), z(()), z(()), z(()),
+                   k_mm=z(()), owns_S=S is None, alpha=alpha)
 
     def to(self, device) -> "LinearSystem":
         moved = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in self.__dict__.items()}
@@ -94,10 +98,10 @@ def add_task(sys: LinearSystem, mom: LinearMoments, W_i: torch.Tensor, b_i: torc
     dt = sys.S.dtype
     W_i = W_i.to(dt)
     w = float(mom.w)
-    s = w * float(task_scale(mom.C, eps * w))   # = task_scale(C / w, eps): C holds sums
+    s = w / max(float(mom.c_norm), eps * w)  # s_i = 1 / max(||C_i / w||_F, eps): C holds sums
     f = s / w                                # sums -> s_i times means
     if sys.owns_S:
-        sys.S.add_(mom.C, alpha=f)
+        add_gram(sys.S, mom.C, f, mom.edges)
     if sys.alpha is None:
         sys.U.add_(mom.CW, alpha=f)
         sys.V.add_(mom.PW, alpha=f).add_(mom.CW, alpha=-f)
@@ -120,7 +124,8 @@ def add_task(sys: LinearSystem, mom: LinearMoments, W_i: torch.Tensor, b_i: torc
     if b_i is not None:
         b_i = b_i.to(dt)
         sys.sb.add_(b_i, alpha=s)
-        sys.B_ms.addr_(b_i, mom.mu_s, alpha=s)
+        sys.sbs = torch.cat([sys.sbs, s * b_i[None]])
+        sys.mus = torch.cat([sys.mus, mu_s[None]])
         sys.c_s += s * (b_i @ Wmu_s)
         sys.c_v += s * (b_i @ Wmu_d)
         sys.bb += s * (b_i @ b_i)
@@ -129,12 +134,44 @@ def add_task(sys: LinearSystem, mom: LinearMoments, W_i: torch.Tensor, b_i: torc
     return sys
 
 
-def spd_factor(A: torch.Tensor, what: str = "system") -> Callable[[torch.Tensor], torch.Tensor]:
-    """A solver ``B -> A^-1 B`` for symmetric positive-definite ``A``: Cholesky, or LU
-    (logged) when the factorisation fails numerically."""
-    L, info = torch.linalg.cholesky_ex(A)
-    if int(info) == 0:
-        return lambda B: torch.cholesky_solve(B, L)
+def _lapack_cholesky(A: torch.Tensor):
+    """Factor ``A`` in place with LAPACK's ``potrf`` (CPU float32/float64), reading only the
+    upper triangle of the row-major ``A`` (the lower one of its column-major view): about
+    twice as fast as ``torch.linalg.cholesky_ex`` on one core, which copies its input and
+    zeroes the other triangle. Returns the solver, or None when ``A`` is not numerically
+    positive definite (``A`` is then partly overwritten)."""
+    from scipy.linalg import lapack
+
+    potrf, potrs = (lapack.spotrf, lapack.spotrs) if A.dtype == torch.float32 else (lapack.dpotrf, lapack.dpotrs)
+    c, info = potrf(A.numpy().T, lower=1, clean=0, overwrite_a=1)
+    if info != 0:
+        return None
+
+    def solve(B: torch.Tensor) -> torch.Tensor:
+        Bt = B.T.to(A.dtype, copy=True, memory_format=torch.contiguous_format)  # private (o, d)
+        X, info = potrs(c, Bt.numpy().T, lower=1, overwrite_b=1)   # column-major (d, o)
+        if info != 0:
+            raise ValueError(f"LAPACK potrs failed (info={info})")
+        return torch.from_numpy(X)     # (d, o); its transpose is contiguous
+    return solve
+
+
+def spd_factor(S: torch.Tensor, shift: float = 0.0, what: str = "system") -> Callable[[torch.Tensor], torch.Tensor]:
+    """A solver ``B -> (S + shift I)^-1 B`` for the symmetric matrix whose upper triangle is
+    ``S``'s (``S + shift I`` positive definite): Cholesky (LAPACK on a copy on CPU, torch
+    elsewhere), or LU (logged) when the factorisation fails numerically. ``S`` is left as it is."""
+    if S.device.type == "cpu" and S.dtype in (torch.float32, torch.float64):
+        A = S.clone()
+        A.diagonal().add_(shift)
+        solver = _lapack_cholesky(A)
+        if solver is not None:
+            return solver
+    A = symmetric(S)
+    A.diagonal().add_(shift)
+    if A.device.type != "cpu":
+        L, info = torch.linalg.cholesky_ex(A)
+        if int(info) == 0:
+            return lambda B: torch.cholesky_solve(B, L)
     log.warning("%s: Cholesky failed (matrix not numerically positive definite); using LU.", what)
 
     def lu(B: torch.Tensor) -> torch.Tensor:
@@ -149,14 +186,17 @@ def spd_factor(A: torch.Tensor, what: str = "system") -> Callable[[torch.Tensor]
 
 def spd_solve(A: torch.Tensor, B: torch.Tensor, what: str = "system") -> torch.Tensor:
     """Solve ``A X = B`` for symmetric positive-definite ``A`` (:func:`spd_factor`)."""
-    return spd_factor(A, what)(B)
+    return spd_factor(A, 0.0, what)(B)
 
 
 def linear_rhs(sys: LinearSystem, W_mer: torch.Tensor, W_0: torch.Tensor,
                lam: float, rho: float, alpha: float) -> torch.Tensor:
-    """``U + alpha V + lam W_anc^T`` ``(d, o)``."""
-    W_anc = anchor(W_mer.to(sys.S.dtype), W_0.to(sys.S.dtype), rho)
-    return _task_rhs(sys, alpha) + lam * W_anc.T
+    """``U + alpha V + lam W_anc^T`` ``(d, o)``, a new tensor in the weight layout."""
+    U = sys.U if sys.alpha is None else _task_rhs(sys, alpha)
+    Rt = torch.add(U.T, W_mer, alpha=lam * rho).add_(W_0, alpha=lam * (1.0 - rho))   # (o, d)
+    if sys.alpha is None:
+        Rt.add_(sys.V.T, alpha=alpha)
+    return Rt.T
 
 
 def _task_rhs(sys: LinearSystem, alpha: float) -> torch.Tensor:
@@ -190,9 +230,7 @@ def solve_linear(sys: LinearSystem, W_mer: torch.Tensor, b_mer: torch.Tensor | N
     key = (id(sys.S), lam + eps)
     solver = None if factors is None else factors.get(key)
     if solver is None:
-        A = sys.S.clone()
-        A.diagonal().add_(lam + eps)
-        solver = spd_factor(A, what)
+        solver = spd_factor(sys.S, lam + eps, what)
         if factors is not None:
             factors[key] = solver
     R = linear_rhs(sys, W_mer, W_0, lam, rho, alpha)
@@ -215,17 +253,17 @@ def linear_residual(sys: LinearSystem, W: torch.Tensor, b: torch.Tensor | None, 
     ``SWt`` (``S W^T``) or ``wsw`` (``tr(W S W^T)``, e.g. ``sys.k_mm`` for the merged
     weights) may be given when already known; else ``S W^T`` is computed."""
     dt = sys.S.dtype
-    Wt = W.to(dt).T.contiguous()             # (d, o)
+    Wt = W.to(dt).T                          # (d, o), weight layout
     a = alpha
     K = a * a * sys.k_ee + 2 * a * (1 - a) * sys.k_se + (1 - a) ** 2 * sys.k_ss
     if wsw is None:
-        wsw = inner(Wt, sys.S @ Wt if SWt is None else SWt)
+        wsw = inner(Wt, symmetric(sys.S) @ Wt if SWt is None else SWt)
     num = wsw - 2 * inner(Wt, _task_rhs(sys, a)) + K
     den = K + 2 * (sys.c_s + a * sys.c_v) + sys.bb
     if b is not None:
         b = b.to(dt)
         Wm = Wt.T @ sys.m_s
-        num = num + 2 * (b @ Wm - b @ (sys.ub + a * sys.vb) - inner(Wt.T, sys.B_ms) + sys.c_s + a * sys.c_v)
+        num = num + 2 * (b @ Wm - b @ (sys.ub + a * sys.vb) - (sys.sbs * (sys.mus @ Wt)).sum() + sys.c_s + a * sys.c_v)
         num = num + sys.s_sum * (b @ b) - 2 * (b @ sys.sb) + sys.bb
     return float(num.clamp(min=0) / den.clamp(min=1e-30))
 

@@ -21,7 +21,11 @@ flops for its widths and the task's row count (:func:`cheapest_form`):
   the module is wide.
 
 ``C`` itself is symmetric: only its upper block triangle is accumulated
-(:func:`gram_blocks`), the rest mirrored once (:func:`finish_gram`).
+(:func:`gram_blocks`); the solve reads no more (:func:`featcal.solve.spd_factor`),
+and the rest is mirrored only where a full product needs it (:func:`finish_gram`).
+The per-module sums of size ``(d, o)`` are kept in the layout of a weight
+(``(o, d)`` contiguous, seen transposed), so that adding them up, solving and the
+residual's inner products with ``W^T`` never copy a transpose.
 For LayerNorm targets only the normalised input ``z`` of the calibrating stream
 matters: ``e = E[z*z]``, ``m = E[z]``.
 
@@ -149,6 +153,26 @@ def accumulate_gram(C: torch.Tensor, xw: torch.Tensor, x: torch.Tensor, edges: t
     return C
 
 
+def gram_norm(C: torch.Tensor, edges: tuple[int, ...]) -> torch.Tensor:
+    """``||C||_F`` of a symmetric ``C`` from its upper block triangle (:func:`accumulate_gram`):
+    the diagonal tiles are whole, the others count twice."""
+    if len(edges) <= 2:
+        return torch.linalg.vector_norm(C)
+    sq = C.new_zeros(())
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        sq += torch.linalg.vector_norm(C[lo:hi, lo:hi]) ** 2 + 2 * torch.linalg.vector_norm(C[lo:hi, hi:]) ** 2
+    return sq.sqrt()
+
+
+def add_gram(S: torch.Tensor, C: torch.Tensor, alpha: float, edges: tuple[int, ...]) -> torch.Tensor:
+    """``S += alpha C`` on the upper block triangle (all that :func:`accumulate_gram` fills)."""
+    if len(edges) <= 2:
+        return S.add_(C, alpha=alpha)
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        S[lo:hi, lo:].add_(C[lo:hi, lo:], alpha=alpha)
+    return S
+
+
 def finish_gram(acc: LinearSums) -> LinearSums:
     """Mirror the upper block triangle of ``C`` into the lower one (once)."""
     if not acc.finished:
@@ -179,8 +203,17 @@ def _add(total: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
 
 
 def _addmm(total: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``total + a @ b`` in place (``a @ b`` when ``total`` is None: no zero-filled start)."""
-    return a @ b if total is None else total.addmm_(a, b)
+    """``total + a @ b`` in place (``a @ b`` when ``total`` is None: no zero-filled start), in
+    the weight layout: the ``(d, o)`` result is the transpose of an ``(o, d)`` contiguous one."""
+    if total is None:
+        return (b.T @ a.T).T
+    total.T.addmm_(b.T, a.T)
+    return total
+
+
+def _wdot(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    """``sum_rows w <a_row, b_row>`` for ``(rows, o)`` tensors."""
+    return inner(a, b) if w is None else w @ (a * b).sum(1)
 
 
 def accumulate_module(ms: ModuleSums, form: str, xs: torch.Tensor, ye: torch.Tensor, w: torch.Tensor | None,
@@ -189,11 +222,9 @@ def accumulate_module(ms: ModuleSums, form: str, xs: torch.Tensor, ye: torch.Ten
     ``(rows, o)``; ``ym = W_mer xs`` ``(rows, o)`` when the merged module's output was seen.
     ``alpha`` given: the ``"QQ"`` form keeps only the sum for that alpha (``T``), one
     ``rows x d x o`` product less, and no preview is possible from it."""
-    sq = lambda y: (y * y).sum(1)  # noqa: E731
-    wsum = (lambda v: v.sum()) if w is None else (lambda v: (w * v).sum())  # noqa: E731
-    ms.ee = ms.ee + wsum(sq(ye))
+    ms.ee = ms.ee + _wdot(ye, ye, w)
     if ym is not None:
-        ms.mm = _add(ms.mm, wsum(sq(ym)))
+        ms.mm = _add(ms.mm, _wdot(ym, ym, w))
     if form == "P":
         return ms
     xswT = weighted(xs, w).T
@@ -201,8 +232,8 @@ def accumulate_module(ms: ModuleSums, form: str, xs: torch.Tensor, ye: torch.Ten
         ms.Q = _addmm(ms.Q, xswT, ye)
         return ms
     ys = xs @ W_i.to(xs.dtype).T                                        # (rows, o)
-    ms.ss = _add(ms.ss, wsum(sq(ys)))
-    ms.se = _add(ms.se, wsum((ys * ye).sum(1)))
+    ms.ss = _add(ms.ss, _wdot(ys, ys, w))
+    ms.se = _add(ms.se, _wdot(ys, ye, w))
     if alpha is None:
         ms.Q = _addmm(ms.Q, xswT, ye)
         ms.CW = _addmm(ms.CW, xswT, ys)
@@ -228,9 +259,13 @@ class LinearMoments:
     spec's means): ``C = sum w xs xs^T``, ``CW = C W_i^T``, ``PW = sum w xs xe^T W_i^T``,
     ``k_ss = sum w |W_i xs|^2``, ``k_se = sum w (W_i xs).(W_i xe)``, ``k_ee = sum w |W_i xe|^2``,
     ``k_mm = sum w |W_mer xs|^2`` (or None), ``s``/``e`` the sums of ``xs``/``xe``.
-    At a fixed alpha only ``T = (1 - alpha) CW + alpha PW`` may be there (``CW``, ``PW`` None)."""
+    At a fixed alpha only ``T = (1 - alpha) CW + alpha PW`` may be there (``CW``, ``PW`` None).
+    ``C`` is trustworthy on its upper block triangle (``edges``) only; ``c_norm = ||C||_F``.
+    The ``(d, o)`` terms are in the weight layout (their transposes are contiguous)."""
 
     C: torch.Tensor
+    edges: tuple[int, ...]
+    c_norm: torch.Tensor
     CW: torch.Tensor | None
     PW: torch.Tensor | None
     k_ss: torch.Tensor
@@ -256,15 +291,16 @@ def linear_moments(acc: LinearSums, W_i: torch.Tensor, ms: ModuleSums) -> Linear
     """The terms of one task for one module, from its group's sums ``acc`` and its own ``ms``."""
     if not float(acc.w) > 0:
         raise ValueError("no calibration rows with positive weight for this module (empty task?).")
-    finish_gram(acc)
+    edges = acc.edges or (0, acc.C.shape[0])
+    head = (acc.C, edges, gram_norm(acc.C, edges))
     if ms.T is not None:
-        return LinearMoments(acc.C, None, None, ms.ss, ms.se, ms.ee, ms.mm, acc.s, acc.e, acc.w, acc.rows, ms.T)
-    Wt = W_i.to(acc.C.dtype).T.contiguous()                        # (d, o)
-    CW = ms.CW if ms.CW is not None else acc.C @ Wt
-    PW = ms.Q if ms.Q is not None else acc.P @ Wt
-    k_ss = ms.ss if ms.ss is not None else inner(Wt, CW)
-    k_se = ms.se if ms.se is not None else inner(Wt, PW)
-    return LinearMoments(acc.C, CW, PW, k_ss, k_se, ms.ee, ms.mm, acc.s, acc.e, acc.w, acc.rows)
+        return LinearMoments(*head, None, None, ms.ss, ms.se, ms.ee, ms.mm, acc.s, acc.e, acc.w, acc.rows, ms.T)
+    W = W_i.to(acc.C.dtype)                                        # (o, d)
+    CW = ms.CW if ms.CW is not None else (W @ finish_gram(acc).C).T   # C W^T = (W C)^T: C symmetric
+    PW = ms.Q if ms.Q is not None else (W @ acc.P.T).T
+    k_ss = ms.ss if ms.ss is not None else inner(W.T, CW)
+    k_se = ms.se if ms.se is not None else inner(W.T, PW)
+    return LinearMoments(*head, CW, PW, k_ss, k_se, ms.ee, ms.mm, acc.s, acc.e, acc.w, acc.rows)
 
 
 def norm_moments(acc: NormSums) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,6 @@
 """The closed-form solves against direct computations on small random problems."""
+import math
+
 import pytest
 import torch
 
@@ -172,3 +174,44 @@ def test_indefinite_system_falls_back_to_lu():
     A = torch.tensor([[1.0, 0.0], [0.0, -2.0]])
     X = solve.spd_solve(A, torch.ones(2, 1), "indefinite")
     assert torch.allclose(A @ X, torch.ones(2, 1))
+
+
+def test_systems_kept_on_their_upper_triangle_solve_like_full_ones():
+    """Wide inputs keep only the upper block triangle of ``C`` and ``S`` (the QQ form never
+    mirrors it): the solve, the residual and the preview's eigenvectors read no more."""
+    gen = torch.Generator().manual_seed(7)
+    d = stats.GRAM_BLOCK * 2 + 5
+    tasks = [_task(gen, rows=30, d=d, o=3) for _ in range(2)]
+    full, upper = _system(tasks, form="P"), _system(tasks, form="QQ")
+    assert not torch.equal(upper.S, upper.S.T)                      # really one triangle only
+    assert torch.allclose(solve.symmetric(upper.S), solve.symmetric(full.S), atol=1e-12)
+    W_mer, b_mer, W_0, b_0 = _anchors(gen, o=3, d=d)
+    kw = dict(lam=0.2, rho=1.5, alpha=0.3, eps=1e-8)
+    (W1, b1), (W2, b2) = (solve.solve_linear(s, W_mer, b_mer, W_0, b_0, **kw) for s in (full, upper))
+    assert torch.allclose(W1, W2, atol=1e-9) and torch.allclose(b1, b2, atol=1e-9)
+    assert abs(solve.linear_residual(full, W1, b1, 0.3) - solve.linear_residual(upper, W1, b1, 0.3)) < 1e-10
+    ev1 = torch.linalg.eigvalsh(solve.symmetric(full.S))
+    assert torch.allclose(torch.linalg.eigvalsh(upper.S, UPLO="U"), ev1, atol=1e-10)
+
+
+def test_lu_fallback_reads_the_upper_triangle():
+    S = torch.tensor([[1.0, 2.0], [0.0, -2.0]])        # the symmetric [[1, 2], [2, -2]]: indefinite
+    X = solve.spd_factor(S, 0.0, "indefinite")(torch.ones(2, 1))
+    assert torch.allclose(solve.symmetric(S) @ X, torch.ones(2, 1))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_residual_is_not_finite_when_the_weights_are_not(bad):
+    """The engine checks a solved module through its residual alone (no pass over W)."""
+    gen = torch.Generator().manual_seed(8)
+    sysm = _system([_task(gen) for _ in range(2)])
+    W_mer, b_mer, W_0, b_0 = _anchors(gen)
+    W, b, SWt = solve.solve_linear(sysm, W_mer, b_mer, W_0, b_0, lam=0.1, rho=1.0, alpha=0.3, eps=1e-8,
+                                   with_swt=True)
+    assert math.isfinite(solve.linear_residual(sysm, W, b, 0.3, SWt))
+    W2 = W.clone()
+    W2[1, 2] = bad
+    assert not math.isfinite(solve.linear_residual(sysm, W2, b, 0.3, SWt))
+    b2 = b.clone()
+    b2[0] = bad
+    assert not math.isfinite(solve.linear_residual(sysm, W, b2, 0.3, SWt))
