@@ -8,6 +8,7 @@ that does not draw a widget still reads its value (:func:`current_merger`,
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass
 
 import streamlit as st
@@ -15,6 +16,9 @@ import streamlit as st
 BIND = dict(bind="query-params", persist_state="session")
 CAL_SIZES = (4, 8, 16, 32, 64, 128, 256, 512)
 DEFAULT_N = 8        # calibration examples per task (see benchmarks/app_latency.py)
+# The instant preview is scored and drawn only when the exact run has not finished this long
+# after a change: a quick exact run then has both cores to itself and is drawn once.
+PREVIEW_AFTER_S = float(os.environ.get("FEATCAL_PREVIEW_AFTER_S", "0.5"))
 MERGE_METHODS = {"average": "Simple averaging", "task_arithmetic": "Task Arithmetic", "ties": "TIES"}
 # Slider (min, max, step) of every merger parameter; defaults come from featcal.merging.
 MERGE_PARAMS = {"task_arithmetic": {"scale": (0.05, 1.0, 0.05)},

@@ -22,7 +22,7 @@ import hashlib
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -32,8 +32,8 @@ import streamlit as st
 import torch
 
 from app import compute
-from app.settings import (BIND, CAL_DEFAULTS, CAL_SIZES, DEFAULT_N, MERGE_METHODS, CalSettings,  # noqa: F401
-                          Merger, calibration_controls, current_calibration, current_merger,
+from app.settings import (BIND, CAL_DEFAULTS, CAL_SIZES, DEFAULT_N, MERGE_METHODS, PREVIEW_AFTER_S,  # noqa: F401
+                          CalSettings, Merger, calibration_controls, current_calibration, current_merger,
                           merger_controls)
 
 REPO = compute.REPO
@@ -231,6 +231,12 @@ def start_calibration(source: str, fp: str, merger: Merger, cal: CalSettings) ->
     """Start the exact run on a worker thread (while the script scores the preview on the
     other core); :func:`calibrated` then returns its result once it is cached."""
     return _worker().submit(calibrated, source, fp, merger, cal)
+
+
+def done_within(job: Future, seconds: float) -> bool:
+    """Whether ``job`` finishes within ``seconds`` (waits at most that long)."""
+    wait([job], timeout=seconds)
+    return job.done()
 
 
 def preview_base(source: str, fp: str, merger: Merger, cal: CalSettings) -> CalSettings | None:

@@ -107,17 +107,16 @@ def linear_cka(acc: CKASums, eps: float = EPS) -> float:
 
 @dataclass
 class DotSums:
-    """``<a, b>``, ``|a|^2``, ``|b|^2`` summed over any number of tensor pairs."""
+    """``<a, b>``, ``|a|^2``, ``|b|^2`` of two vectors, summed part by part (parameter by parameter)."""
 
     ab: float = 0.0
     aa: float = 0.0
     bb: float = 0.0
 
-    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        a, b = a.double().reshape(-1), b.double().reshape(-1)
-        self.ab += float(a @ b)
-        self.aa += float(a @ a)
-        self.bb += float(b @ b)
+    def add_sums(self, ab: float, aa: float, bb: float) -> None:
+        self.ab += ab
+        self.aa += aa
+        self.bb += bb
 
     def cosine(self, eps: float = EPS) -> float:
         """``<a, b> / (|a| |b|)``; NaN when either vector is zero."""
@@ -156,23 +155,29 @@ def task_vector_cosine(model: nn.Module, base: nn.Module, experts: Mapping[str, 
     """
     path, blks = resolve_blocks(model, blocks)
     theta, theta0 = model.state_dict(), base.state_dict()
-    rows = []
-    for task, expert in experts.items():
-        theta_i = expert.state_dict()
-        whole, per_block = DotSums(), [DotSums() for _ in blks]
-        for name, w in theta.items():
-            if not torch.is_floating_point(w):
-                continue
-            if name not in theta0 or name not in theta_i:
-                raise ValueError(f"parameter {name!r} of the model is missing from the base or expert {task!r}; "
-                                 "they must share one architecture.")
-            w0 = theta0[name].to(w.device, torch.float64)
-            tau, tau_i = w.double() - w0, theta_i[name].to(w.device, torch.float64) - w0
-            whole.add(tau, tau_i)
-            l = block_of(name, path)
+    thetas = {task: expert.state_dict() for task, expert in experts.items()}
+    whole = {task: DotSums() for task in thetas}
+    per_block = {task: [DotSums() for _ in blks] for task in thetas}
+    for name, w in theta.items():               # parameters outside, tasks inside: tau once
+        if not torch.is_floating_point(w):
+            continue
+        missing = next((t for t, th in [("", theta0), *thetas.items()] if name not in th), None)
+        if missing is not None:
+            raise ValueError(f"parameter {name!r} of the model is missing from the base or expert {missing!r}; "
+                             "they must share one architecture.")
+        w0 = theta0[name].to(w.device, torch.float64)
+        tau = (w.double() - w0).reshape(-1)
+        aa = float(tau @ tau)
+        l = block_of(name, path)
+        for task, theta_i in thetas.items():
+            tau_i = (theta_i[name].to(w.device, torch.float64) - w0).reshape(-1)
+            ab, bb = float(tau @ tau_i), float(tau_i @ tau_i)
+            whole[task].add_sums(ab, aa, bb)
             if l is not None and l < len(blks):
-                per_block[l].add(tau, tau_i)
-        for l, s in [(WHOLE, whole), *enumerate(per_block)]:
+                per_block[task][l].add_sums(ab, aa, bb)
+    rows = []
+    for task in thetas:
+        for l, s in [(WHOLE, whole[task]), *enumerate(per_block[task])]:
             rows += [(task, l, "task_vector_cosine", s.cosine()),
                      (task, l, "task_vector_norm", s.aa ** 0.5),
                      (task, l, "expert_task_vector_norm", s.bb ** 0.5)]

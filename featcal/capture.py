@@ -27,6 +27,18 @@ class Captured:
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+def sliced(cap: Captured, lo: int, hi: int) -> Captured:
+    """Examples ``lo:hi`` (the batch dimension) of every captured tensor, as views; tensors
+    that were one stay one (modules sharing an input are recognised by identity)."""
+    views: dict[int, torch.Tensor] = {}
+
+    def cut(x: torch.Tensor) -> torch.Tensor:
+        if id(x) not in views:
+            views[id(x)] = x[lo:hi]
+        return views[id(x)]
+    return Captured({k: cut(v) for k, v in cap.inputs.items()}, {k: cut(v) for k, v in cap.outputs.items()})
+
+
 def _mha_args(args, kwargs):
     names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask")
     bound = dict(zip(names, args))

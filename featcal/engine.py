@@ -28,10 +28,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from featcal import arch, solve, stats, validate
-from featcal.capture import Captured, capture, target_site
+from featcal.capture import Captured, capture, sliced, target_site
 from featcal.config import FeatCalConfig
 from featcal.report import BlockRecord, CalibrationReport, ModuleRecord
-from featcal.streams import BlockCall, catch_block_inputs, device_of, run_block
+from featcal.streams import BlockCall, catch_block_inputs, device_of, pool_spans, pooled, run_block
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +224,49 @@ def _solve_block(l: int, targets, systems, blk, base_blk, cfg: FeatCalConfig, re
         arch.set_params(blk, t, W, b)
 
 
+def _pool(streams: dict[str, _Stream]) -> tuple[list[tuple[str, int]], list, list] | None:
+    """``(keys, calls, spans)`` to run every task's calibrating batches as one call (fewer,
+    larger calls: small models are dominated by per-call costs), or None (see
+    :func:`featcal.streams.pool_spans`)."""
+    keys = [(task, b) for task, st in streams.items() for b in range(len(st.cal))]
+    calls = [streams[task].cal[b] for task, b in keys]
+    spans = pool_spans(calls)
+    return None if spans is None else (keys, calls, spans)
+
+
+def _pooled_capture(blk, targets, streams: dict[str, _Stream], device) -> dict | None:
+    """The still-merged block's captures of every (task, batch), from one pooled call."""
+    pool = _pool(streams)
+    if pool is None:
+        return None
+    keys, calls, spans = pool
+    with capture(blk, targets, outputs=True) as cs:
+        run_block(blk, pooled(calls), device)
+    return {key: sliced(cs, lo, hi) for key, (lo, hi) in zip(keys, spans)}
+
+
+def _advance(blk, streams: dict[str, _Stream], device, offload: bool, l: int) -> None:
+    """Step 3: move the calibrating streams through the calibrated block (pooled when possible)."""
+    pool = _pool(streams)
+    outs: dict[tuple[str, int], torch.Tensor] = {}
+    if pool is not None:
+        keys, calls, spans = pool
+        h = run_block(blk, pooled(calls), device)
+        h = h.cpu() if offload else h
+        outs = {key: h[lo:hi] for key, (lo, hi) in zip(keys, spans)}
+    else:
+        for task, st in streams.items():
+            for b, cc in enumerate(st.cal):
+                h = run_block(blk, cc, device)
+                outs[task, b] = h.cpu() if offload else h
+    for task, st in streams.items():
+        hs = [outs[task, b] for b in range(len(st.cal))]
+        if not bool(torch.stack([torch.isfinite(x).all() for x in hs]).all()):   # one sync per task
+            raise FloatingPointError(f"block {l}: the calibrated block's output on task {task!r} "
+                                     "holds NaN or Inf; raise lam or check the data.")
+        st.cal = [cc.with_hidden(x) for cc, x in zip(st.cal, hs)]
+
+
 def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, cfg: FeatCalConfig,
                    device, warn_rows: list, alpha: float | None) -> dict:
     """Step 1 for block ``l``: the snapshot statistics of every task, reduced task by task
@@ -235,14 +278,18 @@ def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, cfg
     merged_params = {t.name: arch.get_params(blk, t) for t in targets}
     shared_S: dict[tuple, str] = {}          # group -> the target whose system owns its S
     acc = None                               # the previous task's sums, whose buffers are reused
+    merged_caps = _pooled_capture(blk, targets, streams, device)
     for task, st in streams.items():
         eblk = exp_blocks[task][l]
         expert_params = {t.name: arch.get_params(eblk, t) for t in targets}
         rows = sum(c.hidden.shape[:-1].numel() for c in st.cal)
         acc = _BlockStats(cfg, l, n_blocks, targets, expert_params, merged_params, rows, alpha, reuse=acc)
         for b, (cc, ec) in enumerate(zip(st.cal, st.exp)):
-            with capture(blk, targets, outputs=True) as cs:
-                run_block(blk, cc, device)
+            if merged_caps is not None:
+                cs = merged_caps.pop((task, b))
+            else:
+                with capture(blk, targets, outputs=True) as cs:
+                    run_block(blk, cc, device)
             with capture(eblk, targets, outputs=True) as ce:
                 out_e = run_block(eblk, ec, device)
             acc.add(cs, ce, cc.mask if cc.mask is None else cc.mask.to(device))
@@ -338,15 +385,7 @@ def calibrate(merged: nn.Module, *, base: nn.Module, experts: Mapping[str, nn.Mo
             _solve_block(l, targets, systems, blk, base_blks[l], cfg, report, keep)
             t2 = time.perf_counter()
             # 3c. Advance the calibrating streams through the calibrated block.
-            for task, st in streams.items():
-                finite = torch.ones((), dtype=torch.bool, device=device)
-                for b, cc in enumerate(st.cal):
-                    h = run_block(blk, cc, device)
-                    finite &= torch.isfinite(h).all()  # one device sync per task, not per batch
-                    st.cal[b] = cc.with_hidden(h.cpu() if cfg.offload_streams else h)
-                if not bool(finite):
-                    raise FloatingPointError(f"block {l}: the calibrated block's output on task {task!r} "
-                                             "holds NaN or Inf; raise lam or check the data.")
+            _advance(blk, streams, device, cfg.offload_streams, l)
             report.blocks.append(BlockRecord(l, t1 - t0, t2 - t1, time.perf_counter() - t2))
             bar.set_postfix_str(f"block {l}: {len(targets)} modules")
         for msg in warn_rows:

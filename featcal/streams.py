@@ -41,6 +41,44 @@ class BlockCall:
         return BlockCall(h, self.args, self.kwargs, self.hidden_key, self.mask)
 
 
+POOL_ROWS = 4096   # rows (tokens) up to which the calibrating streams of all tasks run as one call
+
+
+def _has_tensor(obj: Any) -> bool:
+    if torch.is_tensor(obj):
+        return True
+    if isinstance(obj, Mapping):
+        return any(_has_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_tensor(v) for v in obj)
+    return False
+
+
+def pool_spans(calls: list[BlockCall], max_rows: int | None = None) -> list[tuple[int, int]] | None:
+    """The example ranges ``[(lo, hi), ...]`` of ``calls`` inside one pooled call, or None when
+    they cannot run as one: more than ``max_rows`` (default :data:`POOL_ROWS`) rows in all, a padding mask, a tensor
+    among the other arguments (it may have a batch dimension), or calls that differ in
+    anything but the hidden state (or a single call: nothing to pool)."""
+    first = calls[0]
+    limit = POOL_ROWS if max_rows is None else max_rows
+    if len(calls) < 2 or sum(c.hidden.shape[:-1].numel() for c in calls) > limit:
+        return None
+    for c in calls:
+        if (c.mask is not None or c.hidden.dim() < 2 or c.hidden.shape[1:] != first.hidden.shape[1:]
+                or c.hidden.dtype != first.hidden.dtype or c.hidden_key != first.hidden_key
+                or _has_tensor(c.args) or _has_tensor(c.kwargs) or c.args != first.args or c.kwargs != first.kwargs):
+            return None
+    edges = [0]
+    for c in calls:
+        edges.append(edges[-1] + c.hidden.shape[0])
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def pooled(calls: list[BlockCall]) -> BlockCall:
+    """One call over the concatenated hidden states (see :func:`pool_spans`)."""
+    return calls[0].with_hidden(torch.cat([c.hidden for c in calls]))
+
+
 def device_of(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device

@@ -4,6 +4,7 @@ overwrites silently. Most tests use a tiny zoo directory (tests/app_zoo.py); the
 ``demo_zoo`` ones open the app exactly as a user does, on the embedded demo."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -87,6 +88,21 @@ def test_preview_then_exact_result_is_shown(tiny_zoo):
     # The script's final state is the exact result (the preview was drawn first, then replaced).
     assert any("Exact FeatCal" in s.value for s in at.success)
     assert not any("Preview" in i.value for i in at.info)
+
+
+@pytest.mark.parametrize("after,value,previewed", [(0.0, 0.65, True), (60.0, 0.7, False)])
+def test_the_preview_is_drawn_only_while_the_exact_run_is_slow(tiny_zoo, monkeypatch, after, value, previewed):
+    from app import compute, state
+
+    real_calibrate, real_preview = compute.calibrate, compute.load_preview
+    previews = []
+    monkeypatch.setattr(state, "PREVIEW_AFTER_S", after)
+    monkeypatch.setattr(compute, "calibrate", lambda *a, **k: time.sleep(0.3) or real_calibrate(*a, **k))
+    monkeypatch.setattr(compute, "load_preview", lambda *a, **k: previews.append(a[3:]) or real_preview(*a, **k))
+    at = _page(_app(tiny_zoo).run(), "calibrate")
+    _ok(at.slider(key="alpha").set_value(value).run())
+    assert any("Exact FeatCal" in s.value for s in at.success)
+    assert any(p[2] == value for p in previews) == previewed, previews
 
 
 @pytest.mark.parametrize("method,key,value", [("task_arithmetic", "task_arithmetic_scale", 0.8),

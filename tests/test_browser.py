@@ -61,7 +61,8 @@ def server(tmp_path_factory):
            "--browser.gatherUsageStats", "false"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                     "FEATCAL_PREVIEW_AFTER_S": "0"})   # the preview path, every time
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while True:

@@ -298,3 +298,46 @@ def test_llama_blocks_with_keyword_arguments_and_padding():
     assert (frame.residual_after < frame.residual_before).all()
     assert {"self_attn.q_proj", "mlp.down_proj"} <= set(frame.name)
     assert all(torch.equal(v, snap[k]) for k, v in base.state_dict().items())
+
+
+@pytest.mark.parametrize("kind", ARCHS)
+def test_pooling_the_calibrating_streams_changes_nothing(kind, monkeypatch):
+    """Small runs move every task's calibrating batches through a block in one call; the
+    model and the report equal those of one call per batch."""
+    import featcal.streams as streams
+
+    base, experts, merged, data = _zoo(kind)
+    calls = {}
+    real = streams.pool_spans
+    monkeypatch.setattr("featcal.engine.pool_spans", lambda c, m=None: calls.setdefault(len(c), real(c, m)))
+    pooled, rep_pooled = calibrate(merged, base=base, experts=experts, calib_data=data,
+                                   config=FeatCalConfig.clip(), progress=False)
+    # The toy model's blocks get a tensor keyword argument (which might have a batch dimension): never pooled.
+    assert (calls[sum(len(b) for b in data.values())] is not None) == (kind != "toy")
+    monkeypatch.setattr(streams, "POOL_ROWS", 0)
+    calls.clear()
+    single, rep_single = calibrate(merged, base=base, experts=experts, calib_data=data,
+                                   config=FeatCalConfig.clip(), progress=False)
+    assert all(v is None for v in calls.values())
+    ref = _all_target_params(single)
+    for name, (W, b) in _all_target_params(pooled).items():
+        assert torch.allclose(W, ref[name][0], rtol=1e-4, atol=1e-5), name
+        assert b is None or torch.allclose(b, ref[name][1], rtol=1e-4, atol=1e-5), name
+    for a, b in zip(rep_pooled.modules, rep_single.modules):
+        assert a.residual_after == pytest.approx(b.residual_after, rel=1e-3, abs=1e-6), a.name
+
+
+def test_pool_spans_only_for_calls_that_can_run_as_one():
+    from featcal.streams import BlockCall, pool_spans
+
+    h = torch.zeros(4, 5, 8)
+    plain = [BlockCall(h), BlockCall(h[:3])]
+    assert pool_spans(plain) == [(0, 4), (4, 7)]
+    assert pool_spans(plain[:1]) is None                                   # nothing to pool
+    assert pool_spans(plain, max_rows=34) is None                          # 35 rows in all
+    assert pool_spans([BlockCall(h), BlockCall(torch.zeros(4, 6, 8))]) is None       # token counts differ
+    assert pool_spans([BlockCall(h, mask=torch.ones(4, 5)), BlockCall(h)]) is None   # padding
+    pos = torch.zeros(1, 5, 8)
+    assert pool_spans([BlockCall(h, kwargs={"pos": pos}), BlockCall(h, kwargs={"pos": pos})]) is None
+    assert pool_spans([BlockCall(h, kwargs={"flag": True}), BlockCall(h, kwargs={"flag": False})]) is None
+    assert pool_spans([BlockCall(h, kwargs={"flag": None}), BlockCall(h, kwargs={"flag": None})]) == [(0, 4), (4, 8)]

@@ -176,9 +176,12 @@ def test_indefinite_system_falls_back_to_lu():
     assert torch.allclose(A @ X, torch.ones(2, 1))
 
 
-def test_systems_kept_on_their_upper_triangle_solve_like_full_ones():
+@pytest.mark.parametrize("lapack_from", [solve.LAPACK_MIN_D, 1])
+def test_systems_kept_on_their_upper_triangle_solve_like_full_ones(lapack_from, monkeypatch):
     """Wide inputs keep only the upper block triangle of ``C`` and ``S`` (the QQ form never
-    mirrors it): the solve, the residual and the preview's eigenvectors read no more."""
+    mirrors it): the solve (torch's Cholesky on the mirrored system, or LAPACK's in place),
+    the residual and the preview's eigenvectors read no more."""
+    monkeypatch.setattr(solve, "LAPACK_MIN_D", lapack_from)
     gen = torch.Generator().manual_seed(7)
     d = stats.GRAM_BLOCK * 2 + 5
     tasks = [_task(gen, rows=30, d=d, o=3) for _ in range(2)]
@@ -194,7 +197,9 @@ def test_systems_kept_on_their_upper_triangle_solve_like_full_ones():
     assert torch.allclose(torch.linalg.eigvalsh(upper.S, UPLO="U"), ev1, atol=1e-10)
 
 
-def test_lu_fallback_reads_the_upper_triangle():
+@pytest.mark.parametrize("lapack_from", [solve.LAPACK_MIN_D, 1])
+def test_lu_fallback_reads_the_upper_triangle(lapack_from, monkeypatch):
+    monkeypatch.setattr(solve, "LAPACK_MIN_D", lapack_from)
     S = torch.tensor([[1.0, 2.0], [0.0, -2.0]])        # the symmetric [[1, 2], [2, -2]]: indefinite
     X = solve.spd_factor(S, 0.0, "indefinite")(torch.ones(2, 1))
     assert torch.allclose(solve.symmetric(S) @ X, torch.ones(2, 1))

@@ -1,8 +1,9 @@
 """Calibrate page: FeatCal's hyper-parameters, the instant preview, then the exact run.
 
-Every change re-runs the exact forward-order FeatCal (cached per setting). While it
-runs (on a worker thread), the preview from the kept statistics of the last exact run
-with the same calibration data and switches is scored and shown, labelled as such. A newer widget
+Every change re-runs the exact forward-order FeatCal (cached per setting). When it takes
+longer than ``PREVIEW_AFTER_S`` (on a worker thread), the preview from the kept statistics of
+the last exact run with the same calibration data and switches is scored and shown meanwhile,
+labelled as such. A newer widget
 change stops this script and starts the next one (Streamlit reruns), so the newest
 setting always wins.
 """
@@ -78,12 +79,16 @@ with status_slot.status(f"Scoring the merged model ({merger.label})…") as s:
     s.update(label="merged model scored", state="complete")
 merged_summary = compute.task_summary(merged_scores)
 
-# 2. The instant preview, when an exact run with the same data and switches exists; the
-#    exact run starts first, on a worker thread, and the preview is scored beside it.
+# 2. The instant preview, when an exact run with the same data and switches exists: the
+#    exact run starts first, on a worker thread; if it is not done within PREVIEW_AFTER_S,
+#    the preview is scored beside it and shown meanwhile.
 base = state.preview_base(source, fp, merger, cal)
-exact_job = None
+exact_job, quick = None, True
 if base is not None:
     exact_job = state.start_calibration(source, fp, merger, cal)
+    with status_slot.status(f"Running exact forward-order FeatCal: {cal.label}…"):
+        quick = state.done_within(exact_job, state.PREVIEW_AFTER_S)
+if not quick:
     ref = state.preview_ref(merger, base, cal)
     with status_slot.status(f"Preview of {cal.label} from the exact run at λ={base.lam:.3g}, ρ={base.rho:g}, "
                             f"α={base.alpha:g}; the exact run follows…"):
