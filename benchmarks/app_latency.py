@@ -3,14 +3,16 @@
 Three measurements on a zoo (default: the embedded demo), each a fresh setting so
 every one runs the exact forward-order FeatCal (nothing served from the cache):
 
-1. ``parts``: the work one slider change triggers, timed piece by piece without
-   Streamlit (exact calibrate on a worker thread beside the instant preview's scores,
+1. ``parts``: the work one slider change can trigger, timed piece by piece without
+   Streamlit (exact calibrate on a worker thread beside the instant preview's scores, which
+   the app does only when the exact run is slow, so this is the worst case,
    then the new model's scores beside its drift). Besides wall time, each piece's CPU
    time (``time.thread_time``): on a shared machine wall time mostly measures the other
    processes, while the CPU seconds on the critical path,
    ``max(preview, calibrate) + max(scores, drift)``, are what two free cores would take;
 2. ``apptest``: one whole script rerun after ``slider.set_value(...)`` under
-   ``streamlit.testing`` (preview pass + exact pass, every element drawn);
+   ``streamlit.testing`` (the preview pass when the exact run takes longer than
+   ``app.settings.PREVIEW_AFTER_S``, then the exact pass, every element drawn);
 3. ``browser`` (``--browser``, needs Debian chromium): ``streamlit run`` plus
    Playwright; from the arrow key press on a focused slider thumb until the metric
    text has changed and the run is over (what a user waits for).
