@@ -11,7 +11,10 @@ calibrating model's ``h_cal[i]`` and expert i's ``h_exp[i]``. For each block:
 3. advance ``h_cal[i]`` through the calibrated block.
 
 No block before l is ever re-run, and the base and the experts are touched one
-block at a time.
+block at a time. When the calibrating batches of every task can run as one call
+(:func:`featcal.streams.pool_spans`: few rows, no padding mask, no tensor argument),
+the still-merged block of step 1 and the calibrated block of step 3 see them in one
+call, and step 1's captures are cut back into each task's batches.
 """
 from __future__ import annotations
 

@@ -45,13 +45,22 @@ POOL_ROWS = 4096   # rows (tokens) up to which the calibrating streams of all ta
 
 
 def _has_tensor(obj: Any) -> bool:
-    if torch.is_tensor(obj):
+    """Whether ``obj`` holds a tensor or any other array (something with a ``shape``)."""
+    if torch.is_tensor(obj) or getattr(obj, "shape", None) is not None:
         return True
     if isinstance(obj, Mapping):
         return any(_has_tensor(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
         return any(_has_tensor(v) for v in obj)
     return False
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """``a == b`` as a plain bool; False when the comparison is not one (arrays, odd objects)."""
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 — e.g. numpy arrays: "truth value ... is ambiguous"
+        return False
 
 
 def pool_spans(calls: list[BlockCall], max_rows: int | None = None) -> list[tuple[int, int]] | None:
@@ -66,7 +75,8 @@ def pool_spans(calls: list[BlockCall], max_rows: int | None = None) -> list[tupl
     for c in calls:
         if (c.mask is not None or c.hidden.dim() < 2 or c.hidden.shape[1:] != first.hidden.shape[1:]
                 or c.hidden.dtype != first.hidden.dtype or c.hidden_key != first.hidden_key
-                or _has_tensor(c.args) or _has_tensor(c.kwargs) or c.args != first.args or c.kwargs != first.kwargs):
+                or _has_tensor(c.args) or _has_tensor(c.kwargs) or not _equal(c.args, first.args)
+                or not _equal(c.kwargs, first.kwargs)):
             return None
     edges = [0]
     for c in calls:

@@ -341,3 +341,12 @@ def test_pool_spans_only_for_calls_that_can_run_as_one():
     assert pool_spans([BlockCall(h, kwargs={"pos": pos}), BlockCall(h, kwargs={"pos": pos})]) is None
     assert pool_spans([BlockCall(h, kwargs={"flag": True}), BlockCall(h, kwargs={"flag": False})]) is None
     assert pool_spans([BlockCall(h, kwargs={"flag": None}), BlockCall(h, kwargs={"flag": None})]) == [(0, 4), (4, 8)]
+    import numpy as np
+    arr = np.zeros((4, 5))
+    assert pool_spans([BlockCall(h, kwargs={"a": arr}), BlockCall(h, kwargs={"a": arr})]) is None   # an array
+    assert pool_spans([BlockCall(h, args=([1],)), BlockCall(h, args=([2],))]) is None
+
+    class Odd:
+        def __eq__(self, other):
+            raise TypeError("no comparison")
+    assert pool_spans([BlockCall(h, args=(Odd(),)), BlockCall(h, args=(Odd(),))]) is None
