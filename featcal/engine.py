@@ -237,9 +237,9 @@ def _pool(streams: dict[str, _Stream]) -> tuple[list[tuple[str, int]], list, lis
     return None if spans is None else (keys, calls, spans)
 
 
-def _pooled_capture(blk, targets, streams: dict[str, _Stream], device) -> dict | None:
-    """The still-merged block's captures of every (task, batch), from one pooled call."""
-    pool = _pool(streams)
+def _pooled_capture(blk, targets, pool, device) -> dict | None:
+    """The still-merged block's captures of every (task, batch), from one pooled call
+    (``pool`` from :func:`_pool`; None: nothing to capture here)."""
     if pool is None:
         return None
     keys, calls, spans = pool
@@ -248,9 +248,9 @@ def _pooled_capture(blk, targets, streams: dict[str, _Stream], device) -> dict |
     return {key: sliced(cs, lo, hi) for key, (lo, hi) in zip(keys, spans)}
 
 
-def _advance(blk, streams: dict[str, _Stream], device, offload: bool, l: int) -> None:
-    """Step 3: move the calibrating streams through the calibrated block (pooled when possible)."""
-    pool = _pool(streams)
+def _advance(blk, streams: dict[str, _Stream], pool, device, offload: bool, l: int) -> None:
+    """Step 3: move the calibrating streams through the calibrated block (in one call when
+    ``pool``, from :func:`_pool` before step 1: the calibrating streams have not moved since)."""
     outs: dict[tuple[str, int], torch.Tensor] = {}
     if pool is not None:
         keys, calls, spans = pool
@@ -270,7 +270,7 @@ def _advance(blk, streams: dict[str, _Stream], device, offload: bool, l: int) ->
         st.cal = [cc.with_hidden(x) for cc, x in zip(st.cal, hs)]
 
 
-def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, cfg: FeatCalConfig,
+def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, pool, cfg: FeatCalConfig,
                    device, warn_rows: list, alpha: float | None) -> dict:
     """Step 1 for block ``l``: the snapshot statistics of every task, reduced task by task
     into each target's system. Advances the expert streams as a side effect. ``alpha``
@@ -281,7 +281,7 @@ def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, cfg
     merged_params = {t.name: arch.get_params(blk, t) for t in targets}
     shared_S: dict[tuple, str] = {}          # group -> the target whose system owns its S
     acc = None                               # the previous task's sums, whose buffers are reused
-    merged_caps = _pooled_capture(blk, targets, streams, device)
+    merged_caps = _pooled_capture(blk, targets, pool, device)
     for task, st in streams.items():
         eblk = exp_blocks[task][l]
         expert_params = {t.name: arch.get_params(eblk, t) for t in targets}
@@ -381,14 +381,15 @@ def calibrate(merged: nn.Module, *, base: nn.Module, experts: Mapping[str, nn.Mo
             targets = arch.block_targets(blk, linear=cfg.linear, layernorm=cfg.layernorm, only=cfg.modules)
             # 3a. Snapshot statistics of the still-merged block (and advance the experts).
             t0 = time.perf_counter()
-            systems = _block_systems(l, n, targets, blk, exp_blks, streams, cfg, device, warn_rows,
+            pool = _pool(streams)            # the calibrating batches as one call, for steps 1 and 3
+            systems = _block_systems(l, n, targets, blk, exp_blks, streams, pool, cfg, device, warn_rows,
                                      None if keep_stats else cfg.alpha)
             t1 = time.perf_counter()
             # 3b. Solve all modules of the block, then load them together.
             _solve_block(l, targets, systems, blk, base_blks[l], cfg, report, keep)
             t2 = time.perf_counter()
             # 3c. Advance the calibrating streams through the calibrated block.
-            _advance(blk, streams, device, cfg.offload_streams, l)
+            _advance(blk, streams, pool, device, cfg.offload_streams, l)
             report.blocks.append(BlockRecord(l, t1 - t0, t2 - t1, time.perf_counter() - t2))
             bar.set_postfix_str(f"block {l}: {len(targets)} modules")
         for msg in warn_rows:

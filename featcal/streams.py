@@ -44,14 +44,14 @@ class BlockCall:
 POOL_ROWS = 4096   # rows (tokens) up to which the calibrating streams of all tasks run as one call
 
 
-def _has_tensor(obj: Any) -> bool:
+def _has_array(obj: Any) -> bool:
     """Whether ``obj`` holds a tensor or any other array (something with a ``shape``)."""
     if torch.is_tensor(obj) or getattr(obj, "shape", None) is not None:
         return True
     if isinstance(obj, Mapping):
-        return any(_has_tensor(v) for v in obj.values())
+        return any(_has_array(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return any(_has_tensor(v) for v in obj)
+        return any(_has_array(v) for v in obj)
     return False
 
 
@@ -65,9 +65,10 @@ def _equal(a: Any, b: Any) -> bool:
 
 def pool_spans(calls: list[BlockCall], max_rows: int | None = None) -> list[tuple[int, int]] | None:
     """The example ranges ``[(lo, hi), ...]`` of ``calls`` inside one pooled call, or None when
-    they cannot run as one: more than ``max_rows`` (default :data:`POOL_ROWS`) rows in all, a padding mask, a tensor
-    among the other arguments (it may have a batch dimension), or calls that differ in
-    anything but the hidden state (or a single call: nothing to pool)."""
+    they cannot run as one: more than ``max_rows`` (default :data:`POOL_ROWS`) rows in all,
+    a padding mask, a tensor or other array among the other arguments (it may have a batch
+    dimension), or calls that differ in anything but the hidden state (or a single call:
+    nothing to pool)."""
     first = calls[0]
     limit = POOL_ROWS if max_rows is None else max_rows
     if len(calls) < 2 or sum(c.hidden.shape[:-1].numel() for c in calls) > limit:
@@ -75,7 +76,7 @@ def pool_spans(calls: list[BlockCall], max_rows: int | None = None) -> list[tupl
     for c in calls:
         if (c.mask is not None or c.hidden.dim() < 2 or c.hidden.shape[1:] != first.hidden.shape[1:]
                 or c.hidden.dtype != first.hidden.dtype or c.hidden_key != first.hidden_key
-                or _has_tensor(c.args) or _has_tensor(c.kwargs) or not _equal(c.args, first.args)
+                or _has_array(c.args) or _has_array(c.kwargs) or not _equal(c.args, first.args)
                 or not _equal(c.kwargs, first.kwargs)):
             return None
     edges = [0]
