@@ -50,6 +50,7 @@ def on_device(zoo, device: str):
 
 
 SMALL_MODEL = 20_000_000   # parameters: below this, one CPU thread is fastest
+STREAMS_BYTES = 1 << 30    # the experts' drift streams are kept up to this size
 
 
 def cpu_threads(zoo, device: str) -> int:
@@ -131,16 +132,15 @@ def scores(model: nn.Module, zoo, data: dict, max_per_task: int | None,
     features the heads read on ``data``, task-vector cosine (see :mod:`diagnostics`).
 
     With ``side`` (the experts' own outputs, :func:`expert_side`, computed once per zoo) the
-    experts are not run again; the tables are the same as diagnostics' own."""
+    experts are not run again (:func:`output_scores`, :func:`cosine_scores`: the app runs the
+    two on two threads); the tables are the same as diagnostics' own."""
     from diagnostics import expert_cosine, output_drift, task_vector_cosine
 
-    if side is None:
-        out = output_drift(model, zoo, split="test", max_per_task=max_per_task)
-        cos = expert_cosine(model, zoo.experts, data, features_fn=features_on_device(zoo))
-    else:
-        out, cos = _output_drift(model, zoo, side), _expert_cosine(model, zoo, data, side)
-    return {"output": out, "expert_cosine": cos,
-            "task_vector": task_vector_cosine(model, zoo.base, zoo.experts)}
+    if side is not None:
+        return {**output_scores(model, zoo, side), "expert_cosine": cosine_scores(model, zoo, data, side)}
+    out = output_drift(model, zoo, split="test", max_per_task=max_per_task)
+    cos = expert_cosine(model, zoo.experts, data, features_fn=features_on_device(zoo))
+    return {"output": out, "expert_cosine": cos, "task_vector": task_vector_cosine(model, zoo.base, zoo.experts)}
 
 
 @dataclass
@@ -170,8 +170,10 @@ def expert_side(zoo, data: dict, max_per_task: int | None, batch_size: int = 256
 
 
 @torch.no_grad()
-def _output_drift(model: nn.Module, zoo, side: ExpertSide, batch_size: int = 256) -> pd.DataFrame:
-    """:func:`diagnostics.output_drift`'s table from the experts' cached logits."""
+def output_scores(model: nn.Module, zoo, side: ExpertSide, batch_size: int = 256) -> dict[str, pd.DataFrame]:
+    """``{"output": diagnostics.output_drift's table from the experts' cached logits,
+    "task_vector": diagnostics.task_vector_cosine}``."""
+    from diagnostics import task_vector_cosine
     from diagnostics.output import kl_rows, top1_agreement
 
     model.eval()
@@ -188,11 +190,12 @@ def _output_drift(model: nn.Module, zoo, side: ExpertSide, batch_size: int = 256
             rows += [(task, -1, "accuracy", mean(lm.argmax(-1) == y, 100.0)),
                      (task, -1, "expert_accuracy", mean(le.argmax(-1) == y, 100.0))]
         rows.append((task, -1, "examples", float(n)))
-    return pd.DataFrame(rows, columns=["task", "block", "metric", "value"])
+    return {"output": pd.DataFrame(rows, columns=["task", "block", "metric", "value"]),
+            "task_vector": task_vector_cosine(model, zoo.base, zoo.experts)}
 
 
 @torch.no_grad()
-def _expert_cosine(model: nn.Module, zoo, data: dict, side: ExpertSide) -> pd.DataFrame:
+def cosine_scores(model: nn.Module, zoo, data: dict, side: ExpertSide) -> pd.DataFrame:
     """:func:`diagnostics.expert_cosine`'s table from the experts' cached features."""
     from diagnostics.similarity import cosine_rows
 
@@ -217,10 +220,33 @@ def features_on_device(zoo):
     return lambda model, batch: zoo.features(model, to_device(batch, device_of(model)))
 
 
-def drift(model: nn.Module, zoo, data: dict) -> pd.DataFrame:
+def drift(model: nn.Module, zoo, data: dict, cache=None) -> pd.DataFrame:
+    """:func:`diagnostics.drift_table` (no CKA); ``cache``: :func:`expert_streams` of ``data``."""
     from diagnostics import drift_table
 
-    return drift_table(model, zoo.experts, data, cka=False)
+    return drift_table(model, zoo.experts, data, cka=False, expert_cache=cache)
+
+
+@torch.no_grad()
+def expert_streams(zoo, data: dict, budget: int = STREAMS_BYTES):
+    """The experts' streams on ``data`` at every block (:func:`diagnostics.expert_streams`),
+    so that each drift table runs two block calls in three; None when they would take more
+    than ``budget`` bytes (estimated from one stem output before anything else runs)."""
+    from diagnostics import expert_streams as streams
+    from diagnostics.drift import batch_len
+    from featcal.arch import resolve_blocks
+    from featcal.streams import catch_block_inputs
+
+    task = zoo.tasks[0]
+    expert = zoo.experts[task]
+    _, blocks = resolve_blocks(expert)
+    first = data[task][0]
+    h = catch_block_inputs(expert, blocks[0], first).hidden
+    per_example = h.numel() * h.element_size() / max(batch_len(first), 1)
+    examples = sum(batch_len(b) for batches in data.values() for b in batches)
+    if per_example * examples * (len(blocks) + 1) > budget:
+        return None
+    return streams(zoo.experts, data)
 
 
 def task_summary(scores: dict[str, pd.DataFrame]) -> pd.DataFrame:

@@ -307,9 +307,14 @@ def model_of(source: str, fp: str, ref: tuple, hooks: bool = True) -> Iterator[t
             yield model
 
 
-def start_drift(source: str, fp: str, ref: tuple) -> Future:
-    """Measure the drift on the worker thread (while the script scores the same model)."""
-    return _worker().submit(drift, source, fp, ref)
+def start_heldout(source: str, fp: str, ref: tuple) -> Future:
+    """Measure the expert cosine, then the drift (both on the held-out subset) on the worker
+    thread, while the script scores the same model's outputs: about half the work each."""
+    def both() -> pd.DataFrame:
+        cosine_scores(source, fp, ref)
+        return drift(source, fp, ref)
+
+    return _worker().submit(both)
 
 
 # ============================================================================ 3. results
@@ -324,14 +329,40 @@ def expert_side(source: str, fp: str, max_per_task: int | None) -> compute.Exper
 
 
 @st.cache_data(max_entries=256, show_spinner=False)
-def scores(source: str, fp: str, ref: tuple, max_per_task: int | None = LIVE_TEST) -> dict[str, pd.DataFrame]:
-    """Output drift (KL, agreement, accuracy) on the test split, expert cosine on the
-    held-out subset, task-vector cosine: ``{"output", "expert_cosine", "task_vector"}``."""
+def output_scores(source: str, fp: str, ref: tuple, max_per_task: int | None = LIVE_TEST) -> dict[str, pd.DataFrame]:
+    """Output drift (KL, agreement, accuracy) on the test split, task-vector cosine:
+    ``{"output", "task_vector"}``."""
     zoo = _zoo(source, device())
-    data = diag_data(source, fp)
     side = expert_side(source, fp, max_per_task)
     with model_of(source, fp, ref, hooks=False) as model:
-        return compute.scores(model, zoo, data, max_per_task, side)
+        return compute.output_scores(model, zoo, side)
+
+
+@st.cache_data(max_entries=256, show_spinner=False)
+def cosine_scores(source: str, fp: str, ref: tuple) -> pd.DataFrame:
+    """Expert cosine on the held-out subset (the experts' features do not depend on the
+    test subset's size, so any cached side serves)."""
+    zoo = _zoo(source, device())
+    data = diag_data(source, fp)
+    side = expert_side(source, fp, LIVE_TEST)
+    with model_of(source, fp, ref, hooks=False) as model:
+        return compute.cosine_scores(model, zoo, data, side)
+
+
+def scores(source: str, fp: str, ref: tuple, max_per_task: int | None = LIVE_TEST) -> dict[str, pd.DataFrame]:
+    """``{"output", "task_vector"}`` (:func:`output_scores`) and ``"expert_cosine"``
+    (:func:`cosine_scores`; computed by :func:`start_heldout` when it was started)."""
+    return {**output_scores(source, fp, ref, max_per_task), "expert_cosine": cosine_scores(source, fp, ref)}
+
+
+@st.cache_resource(max_entries=2, show_spinner=False)
+def expert_streams(source: str, fp: str):
+    """The experts' streams on the held-out subset, at every block (they never change;
+    None when too large to keep, see :func:`app.compute.expert_streams`)."""
+    zoo = _zoo(source, device())
+    data = diag_data(source, fp)
+    with torch_lock(source):
+        return compute.expert_streams(zoo, data)
 
 
 @st.cache_data(max_entries=256, show_spinner=False)
@@ -339,8 +370,9 @@ def drift(source: str, fp: str, ref: tuple) -> pd.DataFrame:
     """:func:`diagnostics.drift_table` of the model on the held-out subset."""
     zoo = _zoo(source, device())
     data = diag_data(source, fp)
+    cache = expert_streams(source, fp)
     with model_of(source, fp, ref) as model:
-        return compute.drift(model, zoo, data)
+        return compute.drift(model, zoo, data, cache)
 
 
 @st.cache_data(max_entries=8, show_spinner=False)

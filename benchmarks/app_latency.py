@@ -6,7 +6,8 @@ every one runs the exact forward-order FeatCal (nothing served from the cache):
 1. ``parts``: the work one slider change can trigger, timed piece by piece without
    Streamlit (exact calibrate on a worker thread beside the instant preview's scores, which
    the app does only when the exact run is slow, so this is the worst case,
-   then the new model's scores beside its drift). Besides wall time, each piece's CPU
+   then the new model's output scores beside its expert cosines and drift, with the
+   experts' streams cached as the app keeps them). Besides wall time, each piece's CPU
    time (``time.thread_time``): on a shared machine wall time mostly measures the other
    processes, while the CPU seconds on the critical path,
    ``max(preview, calibrate) + max(scores, drift)``, are what two free cores would take;
@@ -54,7 +55,8 @@ def _stats(xs: list[float]) -> dict[str, str]:
 def bench_parts(source: str, n: int, repeats: int) -> list[dict]:
     """The app's work for one slider change, piece by piece, as :mod:`app.state` runs it:
     the exact calibration starts on a worker thread while the preview is scored, then the
-    exact model's drift (worker, on a copy) and scores (here) run side by side."""
+    exact model's expert cosines and drift (worker, the drift on a copy) and its output scores
+    (here) run side by side."""
     import copy
 
     import torch
@@ -68,11 +70,13 @@ def bench_parts(source: str, n: int, repeats: int) -> list[dict]:
     data = zoo.calib_data(n, seed=42)
     diag = zoo.calib_data(min(compute.DIAG_N, compute.split_size(zoo, "val")), seed=0, split="val")
     side = compute.expert_side(zoo, diag, compute.LIVE_TEST)   # once per zoo in the app
+    streams = compute.expert_streams(zoo, diag)                 # likewise
     compute.scores(merged, zoo, diag, compute.LIVE_TEST, side)  # warm-up (allocator, first-call costs)
     _, rep0 = compute.calibrate(merged, zoo, data, 0.05, 2.0, 0.3, True, True)
     scratch = compute.load_preview(zoo.merged("task_arithmetic", scale=0.3), rep0.preview_state.template,
                                    rep0, 0.05, 2.0, 0.3)
-    pieces = ("preview: load_into", "preview: scores", "exact: calibrate", "exact: scores", "exact: drift")
+    pieces = ("preview: load_into", "preview: scores", "exact: calibrate", "exact: output scores",
+              "exact: cosines + drift")
     wall: dict[str, list[float]] = {k: [] for k in (*pieces, "preview shown", "exact shown")}
     cpu: dict[str, list[float]] = {k: [] for k in (*pieces, "preview shown", "exact shown")}
 
@@ -92,11 +96,12 @@ def bench_parts(source: str, n: int, repeats: int) -> list[dict]:
             b = clock()
             return model, (b[0] - a[0], b[1] - a[1])
 
-    def drift(model):
+    def heldout(model):
         torch.set_num_threads(threads)
         with torch.no_grad():
             a = clock()
-            compute.drift(copy.deepcopy(model), zoo, diag)
+            compute.cosine_scores(model, zoo, diag, side)
+            compute.drift(copy.deepcopy(model), zoo, diag, streams)
             b = clock()
             return b[0] - a[0], b[1] - a[1]
 
@@ -110,10 +115,10 @@ def bench_parts(source: str, n: int, repeats: int) -> list[dict]:
         c2 = clock()
         model, cal = job.result()
         c3 = clock()
-        drift_job = pool.submit(drift, model)    # on a private copy, beside the scores
-        compute.scores(model, zoo, diag, compute.LIVE_TEST, side)
+        heldout_job = pool.submit(heldout, model)    # beside the output scores
+        compute.output_scores(model, zoo, side)
         c4 = clock()
-        dr = drift_job.result()
+        dr = heldout_job.result()
         c5 = clock()
         for j, k in ((0, "wall"), (1, "cpu")):
             d = wall if k == "wall" else cpu
@@ -121,7 +126,7 @@ def bench_parts(source: str, n: int, repeats: int) -> list[dict]:
             for name, v in zip(pieces, parts):
                 d[name].append(v)
             d["preview shown"].append(parts[0] + parts[1] if j else c2[0] - c0[0])
-            # CPU: the critical path on two free cores (preview beside calibrate, scores beside drift).
+            # CPU: the critical path on two free cores (preview beside calibrate, outputs beside the rest).
             d["exact shown"].append(max(parts[0] + parts[1], parts[2]) + max(parts[3], parts[4]) if j
                                     else c5[0] - c0[0])
     pool.shutdown()

@@ -19,12 +19,13 @@ from __future__ import annotations
 import pandas as pd
 from torch import nn
 
-from diagnostics.drift import DriftTokens, drift_metrics, drift_table, drift_tables, drift_tokens
+from diagnostics.drift import (DriftTokens, ExpertStreams, drift_metrics, drift_table, drift_tables, drift_tokens,
+                               expert_streams)
 from diagnostics.output import default_features, expert_cosine, kl_rows, output_drift
 from diagnostics.similarity import WHOLE, linear_cka, task_vector_cosine
 
 __all__ = ["diagnose", "summarize", "drift_table", "drift_tables", "drift_tokens", "drift_metrics",
-           "DriftTokens", "expert_cosine", "default_features", "task_vector_cosine", "output_drift",
+           "DriftTokens", "ExpertStreams", "expert_streams", "expert_cosine", "default_features", "task_vector_cosine", "output_drift",
            "kl_rows", "linear_cka", "WHOLE"]
 
 

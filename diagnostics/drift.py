@@ -68,16 +68,19 @@ class DriftTokens:
 
 
 @torch.no_grad()
-def drift_tokens(block_mod: nn.Module, block_exp: nn.Module, call_mod: BlockCall, call_exp: BlockCall,
-                 device: torch.device | None = None) -> DriftTokens:
+def drift_tokens(block_mod: nn.Module, block_exp: nn.Module | None, call_mod: BlockCall, call_exp: BlockCall,
+                 device: torch.device | None = None, h_exp: torch.Tensor | None = None) -> DriftTokens:
     """Run block l of the model and of the expert on their own streams, plus the one
     extra call ``f_mod,l(h_exp,l-1)`` (the model's block, with the model's other block
     arguments, on the expert's stream), and return ``e``, ``m``, ``p`` per token.
 
-    Three block calls: model twice, expert once.
+    Three block calls: model twice, expert once (none when its output ``h_exp`` is given,
+    e.g. from :func:`expert_streams`).
     """
     h_mod = run_block(block_mod, call_mod, device)                                  # f_mod,l(h_mod,l-1)
-    h_exp = run_block(block_exp, call_exp, device)                                  # f_exp,l(h_exp,l-1)
+    if h_exp is None:
+        h_exp = run_block(block_exp, call_exp, device)                              # f_exp,l(h_exp,l-1)
+    h_exp = h_exp.to(h_mod.device)
     cross = run_block(block_mod, call_mod.with_hidden(call_exp.hidden), device)     # f_mod,l(h_exp,l-1)
     a, b, c = h_mod.double(), h_exp.double(), cross.double()
     return DriftTokens(e=a - b, m=c - b, p=a - c, h_mod=h_mod, h_exp=h_exp)
@@ -234,37 +237,84 @@ def check_data(experts: Mapping[str, nn.Module], data: Mapping[str, list]) -> li
     return list(experts)
 
 
+def _expert_calls(expert: nn.Module, eblks: nn.ModuleList, batches: list, keep) -> list[BlockCall]:
+    """Expert i's stem, once per batch: its block-0 inputs."""
+    return [c.with_hidden(keep(c.hidden)) for c in (catch_block_inputs(expert, eblks[0], b) for b in batches)]
+
+
 def _task_rows(task: str, model: nn.Module, expert: nn.Module, blks: nn.ModuleList, eblks: nn.ModuleList,
-               batches: list, tokens: str, cka: bool, offload: bool, bar) -> list[tuple]:
+               batches: list, tokens: str, cka: bool, offload: bool, bar,
+               cached: list[list[BlockCall]] | None = None) -> list[tuple]:
     """Steps 1-3 for one task: catch both streams at block 0, then per block reduce every
-    batch's drift and advance both streams."""
+    batch's drift and advance both streams (the expert's from ``cached``, when given:
+    :attr:`ExpertStreams.calls` of this task)."""
     device = device_of(model)
     keep = (lambda h: h.cpu()) if offload else (lambda h: h)  # noqa: E731
     sizes = [batch_len(b) for b in batches]
     # 1. Both stems, once per batch.
-    mod = [catch_block_inputs(model, blks[0], b) for b in batches]
-    exp = [catch_block_inputs(expert, eblks[0], b) for b in batches]
-    mod, exp = [c.with_hidden(keep(c.hidden)) for c in mod], [c.with_hidden(keep(c.hidden)) for c in exp]
+    mod = [c.with_hidden(keep(c.hidden)) for c in (catch_block_inputs(model, blks[0], b) for b in batches)]
+    exp = cached[0] if cached is not None else _expert_calls(expert, eblks, batches, keep)
     rows: list[tuple] = []
     for l, (blk, eblk) in enumerate(zip(blks, eblks)):
         acc: BlockSums | None = None
         for j, (cm, ce) in enumerate(zip(mod, exp)):
-            # 2. Three block calls, reduced at once.
-            dt = drift_tokens(blk, eblk, cm, ce, device)
+            # 2. Three block calls (two with cached expert streams), reduced at once.
+            dt = drift_tokens(blk, eblk, cm, ce, device, None if cached is None else cached[l + 1][j].hidden)
             if acc is None:
                 acc = BlockSums.zeros(dt.e.shape[-1], dt.e.device, cka)
             acc.add(dt, sizes[j], tokens, cm.mask)
             # 3. Advance both streams; nothing else of this batch is kept.
-            mod[j], exp[j] = cm.with_hidden(keep(dt.h_mod)), ce.with_hidden(keep(dt.h_exp))
+            mod[j] = cm.with_hidden(keep(dt.h_mod))
+            if cached is None:
+                exp[j] = ce.with_hidden(keep(dt.h_exp))
+        if cached is not None:
+            exp = cached[l + 1]
         rows += [(task, l, k, v) for k, v in acc.metrics().items()]
         bar.update()
     return rows
 
 
+@dataclass
+class ExpertStreams:
+    """Every expert's stream on its data at every block (its block inputs, and the last
+    block's output): what :func:`drift_table` needs of the experts, which does not depend
+    on the diagnosed model. Holds ``tasks x batches x (blocks + 1)`` hidden states."""
+
+    blocks: str
+    calls: dict[str, list[list[BlockCall]]]   # task -> [l = 0..L] -> batch -> expert i's block-l input
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.hidden.numel() * c.hidden.element_size()
+                   for per_task in self.calls.values() for per_block in per_task for c in per_block)
+
+
+@torch.no_grad()
+def expert_streams(experts: Mapping[str, nn.Module], data: Mapping[str, list], blocks: str | None = None,
+                   offload: bool = False) -> ExpertStreams:
+    """Run each expert once over its data, one block at a time, keeping every block's
+    input (for :func:`drift_table`'s ``expert_cache``: diagnosing several models against
+    the same experts then runs no expert block again)."""
+    tasks = check_data(experts, data)
+    keep = (lambda h: h.cpu()) if offload else (lambda h: h)  # noqa: E731
+    calls = {}
+    path = None
+    with eval_mode(*experts.values()):
+        for t in tasks:
+            path, eblks = resolve_blocks(experts[t], blocks if path is None else path)
+            per_block = [_expert_calls(experts[t], eblks, data[t], keep)]
+            for eblk in eblks:
+                per_block.append([c.with_hidden(keep(run_block(eblk, c, device_of(experts[t]))))
+                                  for c in per_block[-1]])
+            calls[t] = per_block
+    return ExpertStreams(path, calls)
+
+
 @torch.no_grad()
 def drift_table(model: nn.Module, experts: Mapping[str, nn.Module], data: Mapping[str, list],
                 blocks: str | None = None, tokens: str = "all", progress: bool = False, cka: bool = True,
-                offload: bool = False, model_name: str | None = None) -> pd.DataFrame:
+                offload: bool = False, model_name: str | None = None,
+                expert_cache: ExpertStreams | None = None) -> pd.DataFrame:
     """Per task and block, the drift of ``model`` from expert i and its split into local
     mismatch and upstream propagation, plus the cosine and CKA of block outputs.
 
@@ -282,6 +332,8 @@ def drift_table(model: nn.Module, experts: Mapping[str, nn.Module], data: Mappin
             the current block).
         offload: keep the streams on the CPU between blocks (for long data on a GPU).
         model_name: when given, a leading ``model`` column holding it.
+        expert_cache: :func:`expert_streams` of ``experts`` on ``data`` (same blocks): the
+            experts' blocks are then not run (one block call in three saved; same table).
 
     Returns:
         A tidy DataFrame, one row per task x block (0-based) x metric: ``task``, ``block``,
@@ -294,15 +346,30 @@ def drift_table(model: nn.Module, experts: Mapping[str, nn.Module], data: Mappin
         check_same_params(model, experts[t], f"expert {t!r}")
     path, blks = resolve_blocks(model, blocks)
     eblks = {t: resolve_blocks(experts[t], path)[1] for t in tasks}
+    if expert_cache is not None:
+        _check_cached(expert_cache, path, data, len(blks))
     rows: list[tuple] = []
     with eval_mode(model, *experts.values()), \
             tqdm(total=len(tasks) * len(blks), desc="drift", unit="block", disable=not progress) as bar:
         for t in tasks:
-            rows += _task_rows(t, model, experts[t], blks, eblks[t], data[t], tokens, cka, offload, bar)
+            rows += _task_rows(t, model, experts[t], blks, eblks[t], data[t], tokens, cka, offload, bar,
+                               None if expert_cache is None else expert_cache.calls[t])
     df = pd.DataFrame(rows, columns=COLUMNS)
     if model_name is not None:
         df.insert(0, "model", model_name)
     return df
+
+
+def _check_cached(cached: ExpertStreams, path: str, data: Mapping[str, list], n_blocks: int) -> None:
+    """``cached`` must be of these blocks, tasks and batches (else its streams would be wrong)."""
+    fix = "compute expert_streams(experts, data) for this data and these blocks."
+    if cached.blocks != path or set(cached.calls) != set(data):
+        raise ValueError(f"expert_cache holds blocks {cached.blocks!r} and tasks {sorted(cached.calls)}, "
+                         f"not {path!r} and {sorted(data)}; {fix}")
+    for t, batches in data.items():
+        per_block = cached.calls[t]
+        if len(per_block) != n_blocks + 1 or len(per_block[0]) != len(batches):
+            raise ValueError(f"expert_cache does not match task {t!r}'s batches or the model's {n_blocks} blocks; {fix}")
 
 
 def drift_tables(models: Mapping[str, nn.Module], experts: Mapping[str, nn.Module], data: Mapping[str, list],

@@ -90,6 +90,16 @@ def test_preview_then_exact_result_is_shown(tiny_zoo):
     assert not any("Preview" in i.value for i in at.info)
 
 
+def test_the_table_and_residuals_are_drawn_only_when_opened(tiny_zoo):
+    at = _page(_app(tiny_zoo).run(), "calibrate")
+    assert len(at.get("plotly_chart")) == 2 and not at.dataframe        # the two drift charts only
+    at.session_state["cal_residuals_open"] = True                       # what a click on them does
+    at.session_state["cal_table_exact"] = True
+    _ok(at.run())
+    assert len(at.get("plotly_chart")) == 3 and len(at.dataframe) == 1
+    assert any("Exact FeatCal done" in c.value for c in at.caption)      # the status line
+
+
 @pytest.mark.parametrize("after,value,previewed", [(0.0, 0.65, True), (60.0, 0.7, False)])
 def test_the_preview_is_drawn_only_while_the_exact_run_is_slow(tiny_zoo, monkeypatch, after, value, previewed):
     from app import compute, state
@@ -261,6 +271,18 @@ def test_cached_expert_outputs_give_diagnostics_own_tables(tiny_zoo):
     for key in ("output", "expert_cosine", "task_vector"):
         pd.testing.assert_frame_equal(fast[key].reset_index(drop=True), ref[key].reset_index(drop=True),
                                       check_dtype=False, atol=1e-6)
+
+
+def test_cached_expert_streams_give_the_same_drift_and_respect_the_budget(tiny_zoo):
+    from app import compute
+
+    zoo = compute.load_zoo(tiny_zoo, "cpu")
+    model = zoo.merged("task_arithmetic", scale=0.3)
+    data = zoo.calib_data(8, seed=0, split="val")
+    cache = compute.expert_streams(zoo, data)
+    assert cache is not None and set(cache.calls) == set(zoo.tasks)
+    pd.testing.assert_frame_equal(compute.drift(model, zoo, data, cache), compute.drift(model, zoo, data))
+    assert compute.expert_streams(zoo, data, budget=cache.nbytes - 1) is None   # the estimate is exact here
 
 
 def test_a_spec_with_missing_models_lists_them():

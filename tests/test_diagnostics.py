@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from diagnostics import (WHOLE, diagnose, drift_table, drift_tables, drift_tokens, expert_cosine, kl_rows,
-                         output_drift, task_vector_cosine)
+from diagnostics import (WHOLE, diagnose, drift_table, drift_tables, drift_tokens, expert_cosine, expert_streams,
+                         kl_rows, output_drift, task_vector_cosine)
 from diagnostics.drift import batch_first, select_rows
 from diagnostics.similarity import CKASums, accumulate_cka, linear_cka
 from featcal.arch import resolve_blocks
@@ -204,6 +204,35 @@ def test_one_extra_block_call_per_block():
     n = len(batches)
     assert calls == {"mod_stem": n, "exp_stem": n, **{f"mod{l}": 2 * n for l in range(3)},
                      **{f"exp{l}": n for l in range(3)}}
+
+
+@pytest.mark.parametrize("kind", ["toy", "hf_clip", "open_clip"])
+def test_cached_expert_streams_give_the_same_table_without_expert_blocks(kind):
+    model, expert, batches = _pair(kind)
+    other = perturbed(model, 0.1, 7)                            # a second diagnosed model
+    data = {"a": batches}
+    cache = expert_streams({"a": expert}, data)
+    _, eblks = resolve_blocks(expert)
+    assert len(cache.calls["a"]) == len(eblks) + 1 and cache.nbytes > 0
+    calls = []
+    handles = [b.register_forward_hook(lambda *_: calls.append(1)) for b in eblks]
+    try:
+        got = [drift_table(m, {"a": expert}, data, expert_cache=cache) for m in (model, other)]
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls == []                                          # the experts' blocks never ran
+    for m, g in zip((model, other), got):
+        pd.testing.assert_frame_equal(g, drift_table(m, {"a": expert}, data))
+
+
+def test_cached_expert_streams_must_match_the_data():
+    model, expert, batches = _pair("toy")
+    cache = expert_streams({"a": expert}, {"a": batches})
+    with pytest.raises(ValueError, match="tasks"):
+        drift_table(model, {"b": expert}, {"b": batches}, expert_cache=cache)
+    with pytest.raises(ValueError, match="batches"):
+        drift_table(model, {"a": expert}, {"a": batches[:1]}, expert_cache=cache)
 
 
 def test_per_example_rows_only_for_final_features():

@@ -10,7 +10,7 @@ setting always wins.
 import pandas as pd
 import streamlit as st
 
-from app import compute, figures, state
+from app import compute, figures, state, ui
 
 zoo, source = state.active_zoo(), state.active_source()
 fp = state.fingerprint(source)
@@ -58,10 +58,12 @@ def show(kind: str, sc: dict, ref_summary: pd.DataFrame, drift: pd.DataFrame | N
             for col, task in zip(row, tasks[i:i + per_row]):
                 col.metric(task, f"{after.accuracy[task]:.1f}%",
                            f"{after.accuracy[task] - before.accuracy[task]:+.1f} pp")
-        table = pd.concat({"merged": before, kind: after}, axis=1).swaplevel(axis=1).sort_index(axis=1, level=0)
-        table.columns = [f"{metric} ({model})" for metric, model in table.columns]
-        with st.expander("per-task table (accuracy, KL, agreement, cosines)"):
-            st.dataframe(table.round(4), width="stretch")
+        box = st.expander("per-task table (accuracy, KL, agreement, cosines)", key=f"cal_table_{kind}",
+                          on_change="rerun")
+        if box.open:                     # drawn only when open: the browser's rendering is part of the 1 s
+            table = pd.concat({"merged": before, kind: after}, axis=1).swaplevel(axis=1).sort_index(axis=1, level=0)
+            table.columns = [f"{metric} ({model})" for metric, model in table.columns]
+            box.dataframe(table.round(4), width="stretch")
         if drift is not None:
             c1, c2 = st.columns(2)
             rng = figures.value_range([merged_drift, drift], figures.SQUARED, stacked=True)
@@ -73,7 +75,7 @@ def show(kind: str, sc: dict, ref_summary: pd.DataFrame, drift: pd.DataFrame | N
 
 
 # 1. The merged model's numbers (cached across every setting).
-with status_slot.status(f"Scoring the merged model ({merger.label})…") as s:
+with ui.status(f"Scoring the merged model ({merger.label})…", status_slot) as s:
     merged_scores = state.scores(source, fp, state.merged_ref(merger), limit)
     merged_drift = state.drift(source, fp, state.merged_ref(merger))
     s.update(label="merged model scored", state="complete")
@@ -86,12 +88,12 @@ base = state.preview_base(source, fp, merger, cal)
 exact_job, quick = None, True
 if base is not None:
     exact_job = state.start_calibration(source, fp, merger, cal)
-    with status_slot.status(f"Running exact forward-order FeatCal: {cal.label}…"):
+    with ui.status(f"Running exact forward-order FeatCal: {cal.label}…", status_slot):
         quick = state.done_within(exact_job, state.PREVIEW_AFTER_S)
 if not quick:
     ref = state.preview_ref(merger, base, cal)
-    with status_slot.status(f"Preview of {cal.label} from the exact run at λ={base.lam:.3g}, ρ={base.rho:g}, "
-                            f"α={base.alpha:g}; the exact run follows…"):
+    with ui.status(f"Preview of {cal.label} from the exact run at λ={base.lam:.3g}, ρ={base.rho:g}, "
+                            f"α={base.alpha:g}; the exact run follows…", status_slot):
         pv_scores = state.scores(source, fp, ref)
         live_merged = merged_summary if limit == state.LIVE_TEST else compute.task_summary(
             state.scores(source, fp, state.merged_ref(merger)))
@@ -100,18 +102,19 @@ if not quick:
          f"(λ={base.lam:.3g}, ρ={base.rho:g}, α={base.alpha:g}); it ignores how earlier blocks' changes move "
          "later features. Exact run in progress…")
 
-# 3. The exact forward-order run, then its scores (here) and drift (on the worker) side by side.
-with status_slot.status(f"Running exact forward-order FeatCal: {cal.label}…", expanded=False) as s:
+# 3. The exact forward-order run, then its output scores (here) beside its cosines and drift (worker).
+with ui.status(f"Running exact forward-order FeatCal: {cal.label}…", status_slot) as s:
     run = exact_job.result() if exact_job is not None else state.calibrated(source, fp, merger, cal)
     ref = state.calibrated_ref(merger, cal)
-    drift_job = state.start_drift(source, fp, ref)          # beside the scores, on the worker
-    cal_scores = state.scores(source, fp, ref, limit)
-    cal_drift = drift_job.result()
+    heldout_job = state.start_heldout(source, fp, ref)   # cosines and drift on the worker, beside
+    cal_scores = state.scores(source, fp, ref, limit)    # the output scores here
+    cal_drift = heldout_job.result()
     s.update(label=f"Exact FeatCal done: {cal.label} · {len(run.report.modules)} modules in "
                    f"{len(run.report.blocks)} blocks, {run.seconds:.2f} s", state="complete")
 show("exact", cal_scores, merged_summary, cal_drift, f"{cal.label} · {run.report.summary()}")
 
-with st.expander("relative residual per module (before → after)"):
-    st.plotly_chart(figures.residuals(run.report.to_frame()), key="cal_residuals")
+box = st.expander("relative residual per module (before → after)", key="cal_residuals_open", on_change="rerun")
+if box.open:
+    box.plotly_chart(figures.residuals(run.report.to_frame()), key="cal_residuals")
     for w in run.report.warnings:
-        st.warning(w)
+        box.warning(w)

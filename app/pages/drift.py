@@ -6,7 +6,7 @@ selectboxes below the charts do the same.
 """
 import streamlit as st
 
-from app import compute, figures, state
+from app import compute, figures, state, ui
 
 zoo, source = state.active_zoo(), state.active_source()
 fp = state.fingerprint(source)
@@ -24,7 +24,7 @@ st.caption(f"Merged: **{merger.label}** (Zoo page) · calibrated: exact FeatCal,
            "e = m + p per token: drift = local mismatch + upstream propagation; "
            "|e|² = ⟨e, m⟩ + ⟨e, p⟩ splits the squared drift exactly (bars), the norms do not add (lines).")
 
-with st.status(f"Measuring the drift of the merged model ({merger.label})…") as s:
+with ui.status(f"Measuring the drift of the merged model ({merger.label})…") as s:
     d_mer = state.drift(source, fp, state.merged_ref(merger))
     s.update(label=f"Running exact FeatCal: {cal.label}…")
     state.calibrated(source, fp, merger, cal)

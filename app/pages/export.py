@@ -6,7 +6,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from app import compute, figures, state
+from app import compute, figures, state, ui
 
 zoo, source = state.active_zoo(), state.active_source()
 fp = state.fingerprint(source)
@@ -16,7 +16,7 @@ cal = state.current_calibration(compute.split_size(zoo, "calib"))
 st.title("Export")
 st.caption(f"The calibrated model: **{merger.label}** + exact FeatCal **{cal.label}** "
            "(change them on the Zoo and Calibrate pages).")
-with st.status(f"Running exact FeatCal: {cal.label}…") as s:
+with ui.status(f"Running exact FeatCal: {cal.label}…") as s:
     run = state.calibrated(source, fp, merger, cal)
     s.update(label=f"Calibrated model ready ({run.report.summary()})", state="complete")
 report = run.report.to_dict() | {"zoo": {"name": zoo.name, "source": source, "fingerprint": fp},

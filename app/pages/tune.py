@@ -9,7 +9,7 @@ choose on the validation split; the test split only on request, after the choice
 import pandas as pd
 import streamlit as st
 
-from app import compute, figures_tune, state
+from app import compute, figures_tune, state, ui
 from featcal.config import FeatCalConfig
 from featcal.tune import Grid, holdout_report, tune_zoo
 
@@ -68,7 +68,7 @@ if st.button("Run sweep", type="primary"):
 if st.session_state.get("tune_args") != args:
     st.info(f"{len(GRIDS[grid_name].points())} grid points, {n_confirm} exact confirmations: press **Run sweep**.")
     st.stop()
-with st.status("Sweeping: one exact run, previews of every point, exact confirmations…") as s:
+with ui.status("Sweeping: one exact run, previews of every point, exact confirmations…") as s:
     res = _sweep(*args)
     s.update(label=f"Sweep done in {res.seconds:.1f} s: {len(res.table)} points, "
                    f"{int(res.table.confirmed.sum())} exact runs", state="complete")

@@ -1,7 +1,7 @@
 """Zoo page: the models, the tasks, the merger and per-task accuracy of base, experts, merged."""
 import streamlit as st
 
-from app import compute, figures, state
+from app import compute, figures, state, ui
 
 zoo, source = state.active_zoo(), state.active_source()
 fp = state.fingerprint(source)
@@ -32,7 +32,7 @@ with left:
 right.caption(state.live_note(zoo) if not full else "Full test split of every task.")
 
 limit = None if full else state.LIVE_TEST
-with right, st.status(f"Scoring base, experts and {merger.label}…", expanded=False) as status:
+with right, ui.status(f"Scoring base, experts and {merger.label}…") as status:
     base = state.scores(source, fp, ("base",), limit)
     merged = state.scores(source, fp, state.merged_ref(merger), limit)
     status.update(label=f"Scored base, experts and {merger.label}", state="complete")

@@ -1,0 +1,52 @@
+"""A status line for work the user waits on, drawn without ``st.status``'s pauses.
+
+``st.status`` (Streamlit 1.67) sleeps 50 ms when it opens and 50 ms when it closes still
+running, so that quick updates reach the browser in order; the Calibrate page opened three
+per slider change, 0.2 s of its 1 s budget. Here a status is one caption in a slot,
+replaced in place (each replacement is one delta to the same element: nothing to reorder).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import streamlit as st
+
+ICONS = {"running": ":material/hourglass_top:", "complete": ":material/check_circle:",
+         "error": ":material/error:"}
+
+
+class StatusLine:
+    """What is running (or was done) in one slot; ``update`` mirrors ``st.status``'s."""
+
+    def __init__(self, slot, label: str):
+        self.slot = slot
+        self.label = label
+        self.state = "running"
+        self._draw()
+
+    def update(self, label: str | None = None, state: str | None = None) -> "StatusLine":
+        if state is not None and state not in ICONS:
+            raise ValueError(f"state must be one of {sorted(ICONS)}, not {state!r}")
+        self.label = self.label if label is None else label
+        self.state = self.state if state is None else state
+        self._draw()
+        return self
+
+    def _draw(self) -> None:
+        self.slot.caption(f"{ICONS[self.state]} {self.label}")
+
+
+@contextlib.contextmanager
+def status(label: str, slot=None) -> Iterator[StatusLine]:
+    """``with status("Scoring…") as s: ...; s.update(label=..., state="complete")``, in
+    ``slot`` (an ``st.empty()``; a new one by default). Left running, it reads complete on exit;
+    an exception (not Streamlit's own rerun or stop) marks it as an error and propagates."""
+    line = StatusLine(st.empty() if slot is None else slot, label)
+    try:
+        yield line
+    except Exception:
+        line.update(state="error")
+        raise
+    if line.state == "running":
+        line.update(state="complete")
