@@ -227,6 +227,16 @@ def _solve_block(l: int, targets, systems, blk, base_blk, cfg: FeatCalConfig, re
         arch.set_params(blk, t, W, b)
 
 
+def _to_eval(models: list[nn.Module]) -> list[nn.Module]:
+    """Put every submodule of ``models`` in eval mode; returns the ones that were training,
+    to restore exactly (``Module.train(mode)`` would set one flag on all of them, and costs
+    a recursive call per model even when everything is in eval mode already)."""
+    training = [m for model in models for m in model.modules() if m.training]
+    for m in training:
+        m.training = False
+    return training
+
+
 def _pool(streams: dict[str, _Stream]) -> tuple[list[tuple[str, int]], list, list] | None:
     """``(keys, calls, spans)`` to run every task's calibrating batches as one call (fewer,
     larger calls: small models are dominated by per-call costs), or None (see
@@ -358,15 +368,11 @@ def calibrate(merged: nn.Module, *, base: nn.Module, experts: Mapping[str, nn.Mo
 
     # 2. The model to calibrate, and every model's blocks.
     model = merged if inplace else copy.deepcopy(merged)
-    was_training = model.training
-    model.eval()
     _, blks = arch.resolve_blocks(model, path)
     _, base_blks = arch.resolve_blocks(base, path)
     exp_blks = {t: arch.resolve_blocks(experts[t], path)[1] for t in tasks}
     device = device_of(model)
-    modes = [(m, m.training) for m in [base, *experts.values()]]
-    for m, _ in modes:
-        m.eval()
+    training = _to_eval([model, base, *experts.values()])
     report = CalibrationReport(cfg, path, tasks)
     keep: list | None = [] if keep_stats else None
     try:
@@ -400,9 +406,8 @@ def calibrate(merged: nn.Module, *, base: nn.Module, experts: Mapping[str, nn.Mo
             log.error("calibration failed part-way with inplace=True: the model is partly calibrated.")
         raise
     finally:
-        for m, mode in modes:
-            m.train(mode)
-    model.train(was_training)
+        for m in training:
+            m.training = True
     if keep is not None:
         from featcal.preview import Preview
 

@@ -97,6 +97,26 @@ def test_inputs_are_left_untouched(kind):
         assert all(torch.equal(a, b) for a, b in zip(data[t], data_before[t]))
 
 
+def test_training_flags_are_kept_exactly_and_calibration_runs_in_eval_mode():
+    base, experts, merged, data = _zoo("hf_clip")
+    flags = lambda m: [x.training for x in m.modules()]   # noqa: E731
+    merged.train()
+    resolve_blocks(merged)[1][0].eval()                       # mixed: one block in eval, the rest training
+    experts["t0"].train()
+    before = {n: flags(m) for n, m in [("base", base), ("merged", merged), *experts.items()]}
+    seen = []
+    hook = experts["t0"].register_forward_pre_hook(lambda m, _: seen.append(any(flags(m))))
+    try:
+        out, _ = calibrate(merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig(),
+                           progress=False)
+    finally:
+        hook.remove()
+    assert seen and not any(seen)                          # every module in eval mode while it ran
+    assert flags(out) == before["merged"]                  # the copy has the merged model's flags
+    for n, m in [("base", base), ("merged", merged), *experts.items()]:
+        assert flags(m) == before[n], n
+
+
 @pytest.mark.parametrize("kind", ARCHS)
 def test_calibrated_features_are_closer_to_the_experts(kind):
     base, experts, merged, data = _zoo(kind, n_tasks=3)

@@ -30,8 +30,9 @@ status_slot = st.empty()
 results_slot = st.empty()
 
 
-def show(kind: str, sc: dict, ref_summary: pd.DataFrame, drift: pd.DataFrame | None, note: str) -> None:
-    """Draw one result (``kind`` = ``preview`` or ``exact``) into the results slot."""
+def show(kind: str, sc: dict, ref_summary: pd.DataFrame, note: str):
+    """Draw one result's numbers (``kind`` = ``preview`` or ``exact``) into the results slot;
+    returns the slot below them for its drift charts (:func:`show_drift`)."""
     after = compute.task_summary(sc)
     before = ref_summary
     with results_slot.container():
@@ -64,14 +65,18 @@ def show(kind: str, sc: dict, ref_summary: pd.DataFrame, drift: pd.DataFrame | N
             table = pd.concat({"merged": before, kind: after}, axis=1).swaplevel(axis=1).sort_index(axis=1, level=0)
             table.columns = [f"{metric} ({model})" for metric, model in table.columns]
             box.dataframe(table.round(4), width="stretch")
-        if drift is not None:
-            c1, c2 = st.columns(2)
-            rng = figures.value_range([merged_drift, drift], figures.SQUARED, stacked=True)
-            nrng = figures.value_range([merged_drift, drift], figures.NORMS)
-            c1.plotly_chart(figures.drift_decomposition(merged_drift, "merged: drift per block", sq_range=rng,
-                                                        norm_range=nrng), key=f"cal_dm_{kind}")
-            c2.plotly_chart(figures.drift_decomposition(drift, f"calibrated ({kind}): drift per block", sq_range=rng,
-                                                        norm_range=nrng), key=f"cal_dc_{kind}")
+        return st.empty()
+
+
+def show_drift(slot, kind: str, drift: pd.DataFrame) -> None:
+    """The merged and the ``kind`` model's drift per block, side by side on one scale."""
+    c1, c2 = slot.container().columns(2)
+    rng = figures.value_range([merged_drift, drift], figures.SQUARED, stacked=True)
+    nrng = figures.value_range([merged_drift, drift], figures.NORMS)
+    c1.plotly_chart(figures.drift_decomposition(merged_drift, "merged: drift per block", sq_range=rng,
+                                                norm_range=nrng), key=f"cal_dm_{kind}")
+    c2.plotly_chart(figures.drift_decomposition(drift, f"calibrated ({kind}): drift per block", sq_range=rng,
+                                                norm_range=nrng), key=f"cal_dc_{kind}")
 
 
 # 1. The merged model's numbers (cached across every setting).
@@ -97,21 +102,22 @@ if not quick:
         pv_scores = state.scores(source, fp, ref)
         live_merged = merged_summary if limit == state.LIVE_TEST else compute.task_summary(
             state.scores(source, fp, state.merged_ref(merger)))
-    show("preview", pv_scores, live_merged, None,
+    show("preview", pv_scores, live_merged,
          f"{cal.label}, re-solved from the kept statistics of the last exact run "
          f"(λ={base.lam:.3g}, ρ={base.rho:g}, α={base.alpha:g}); it ignores how earlier blocks' changes move "
          "later features. Exact run in progress…")
 
-# 3. The exact forward-order run, then its output scores (here) beside its cosines and drift (worker).
+# 3. The exact forward-order run, then its output scores (here) beside its cosines and drift (worker,
+#    in that order): the numbers are drawn as soon as both scores are in, the drift charts after.
 with ui.status(f"Running exact forward-order FeatCal: {cal.label}…", status_slot) as s:
     run = exact_job.result() if exact_job is not None else state.calibrated(source, fp, merger, cal)
     ref = state.calibrated_ref(merger, cal)
-    heldout_job = state.start_heldout(source, fp, ref)   # cosines and drift on the worker, beside
-    cal_scores = state.scores(source, fp, ref, limit)    # the output scores here
-    cal_drift = heldout_job.result()
+    heldout_job = state.start_heldout(source, fp, ref)
+    cal_scores = state.scores(source, fp, ref, limit)
+    charts = show("exact", cal_scores, merged_summary, f"{cal.label} · {run.report.summary()}")
+    show_drift(charts, "exact", heldout_job.result())
     s.update(label=f"Exact FeatCal done: {cal.label} · {len(run.report.modules)} modules in "
                    f"{len(run.report.blocks)} blocks, {run.seconds:.2f} s", state="complete")
-show("exact", cal_scores, merged_summary, cal_drift, f"{cal.label} · {run.report.summary()}")
 
 box = st.expander("relative residual per module (before → after)", key="cal_residuals_open", on_change="rerun")
 if box.open:
