@@ -27,16 +27,34 @@ class Captured:
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def sliced(cap: Captured, lo: int, hi: int) -> Captured:
-    """Examples ``lo:hi`` (the batch dimension) of every captured tensor, as views; tensors
-    that were one stay one (modules sharing an input are recognised by identity)."""
-    views: dict[int, torch.Tensor] = {}
+def _mapped(caps: list[Captured], fn) -> Captured:
+    """``fn`` of the tensors under each key of ``caps``; tensors that were one (in every
+    capture) stay one, since modules sharing an input are recognised by identity."""
+    done: dict[tuple[int, ...], torch.Tensor] = {}
 
-    def cut(x: torch.Tensor) -> torch.Tensor:
-        if id(x) not in views:
-            views[id(x)] = x[lo:hi]
-        return views[id(x)]
-    return Captured({k: cut(v) for k, v in cap.inputs.items()}, {k: cut(v) for k, v in cap.outputs.items()})
+    def one(xs: list[torch.Tensor]) -> torch.Tensor:
+        key = tuple(id(x) for x in xs)
+        if key not in done:
+            done[key] = fn(xs)
+        return done[key]
+    return Captured({k: one([c.inputs[k] for c in caps]) for k in caps[0].inputs},
+                    {k: one([c.outputs[k] for c in caps]) for k in caps[0].outputs})
+
+
+def sliced(cap: Captured, lo: int, hi: int) -> Captured:
+    """Examples ``lo:hi`` (the batch dimension) of every captured tensor, as views."""
+    return _mapped([cap], lambda xs: xs[0][lo:hi])
+
+
+def per_task(cap: Captured, tasks: int) -> Captured:
+    """A pooled call's captures (the tasks' equal batches one after another) with a leading
+    task axis: ``(tasks * B, ...)`` -> ``(tasks, B, ...)``, as views."""
+    return _mapped([cap], lambda xs: xs[0].unflatten(0, (tasks, -1)))
+
+
+def stacked(caps: list[Captured]) -> Captured:
+    """One capture per task (same keys and shapes), stacked along a new leading task axis."""
+    return _mapped(caps, torch.stack)
 
 
 def _mha_args(args, kwargs):

@@ -31,7 +31,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from featcal import arch, solve, stats, validate
-from featcal.capture import Captured, capture, sliced, target_site
+from featcal.capture import Captured, capture, per_task, sliced, stacked, target_site
 from featcal.config import FeatCalConfig
 from featcal.report import BlockRecord, CalibrationReport, ModuleRecord
 from featcal.streams import BlockCall, catch_block_inputs, device_of, pool_spans, pooled, run_block
@@ -48,18 +48,19 @@ class _Stream:
 
 
 def _token_weights(x: torch.Tensor, weighted: bool, other: float, mask: torch.Tensor | None,
-                   dtype: torch.dtype) -> torch.Tensor | None:
-    """Per-row weights ``(rows,)`` for an input ``(B, T, d)``/``(B, d)``; ``None`` = all ones."""
-    has_tokens = x.dim() == 3
-    use_mask = mask is not None and has_tokens and tuple(mask.shape) == tuple(x.shape[:2])
+                   dtype: torch.dtype, lead: int = 0) -> torch.Tensor | None:
+    """Per-row weights ``(rows,)`` for an input ``(B, T, d)``/``(B, d)`` (``lead`` leading
+    task axes kept); ``None`` = all ones."""
+    has_tokens = x.dim() - lead == 3
+    use_mask = mask is not None and has_tokens and tuple(mask.shape) == tuple(x.shape[lead:lead + 2])
     if not (weighted and has_tokens) and not use_mask:
         return None
     w = torch.ones(x.shape[:-1], dtype=dtype, device=x.device)  # (B, T)
     if weighted and has_tokens:
-        w[:, 1:] = other
+        w[..., 1:] = other
     if use_mask:
         w = w * mask.to(device=x.device, dtype=dtype)
-    return w.reshape(-1)
+    return w.reshape(*x.shape[:lead], -1)
 
 
 def _canonical_sites(targets: list[arch.Target], cs: Captured, ce: Captured) -> dict[str, str]:
@@ -79,7 +80,8 @@ def _canonical_sites(targets: list[arch.Target], cs: Captured, ce: Captured) -> 
 
 
 class _BlockStats:
-    """Running statistics of every target of one block for one task.
+    """Running statistics of every target of one block for one task (or, with ``lead=1``,
+    for every task at once: captures, expert parameters and sums with a leading task axis).
 
     Targets that read the very same input tensors (q/k/v projections) and share a
     token weighting share one :class:`~featcal.stats.LinearSums`; each group keeps
@@ -91,8 +93,9 @@ class _BlockStats:
     def __init__(self, cfg: FeatCalConfig, block_idx: int, n_blocks: int, targets: list[arch.Target],
                  expert_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
                  merged_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]], rows: int,
-                 alpha: float | None, reuse: "_BlockStats | None" = None):
+                 alpha: float | None, reuse: "_BlockStats | None" = None, lead: int = 0):
         self.cfg = cfg
+        self.lead = lead
         self.alpha = alpha              # set: sums for this alpha only (no preview)
         self.reuse = {} if reuse is None else reuse.groups
         self.targets = targets
@@ -107,15 +110,14 @@ class _BlockStats:
         self.module: dict[str, stats.ModuleSums] = {}
         self.key_of: dict[str, tuple] = {}
 
-    @staticmethod
-    def _output(t: arch.Target, cap: Captured, params, x: torch.Tensor) -> torch.Tensor | None:
+    def _output(self, t: arch.Target, cap: Captured, params, x: torch.Tensor) -> torch.Tensor | None:
         """``W x`` (rows, o) from the module's captured output less its bias (None if not seen)."""
         y = cap.outputs.get(t.owner) if t.rows is None else None
         if y is None:
             return None
-        y = stats.as_rows(y, x.dtype)
+        y = stats.as_rows(y, x.dtype, self.lead)
         b = params[1]
-        return y if b is None else y - b.to(x.dtype)
+        return y if b is None else y - b.to(x.dtype).unsqueeze(-2)
 
     def add(self, cs: Captured, ce: Captured, mask: torch.Tensor | None) -> None:
         dt = self.cfg.stats_dtype
@@ -128,26 +130,28 @@ class _BlockStats:
         for key, ts in members.items():
             site, weighted, kind, ln_eps = key
             xs_raw = cs.inputs[site]
-            w = _token_weights(xs_raw, weighted, self.other, mask, dt)
-            xs = stats.as_rows(xs_raw, dt)                      # (rows, d)
+            lead = xs_raw.shape[:self.lead]
+            w = _token_weights(xs_raw, weighted, self.other, mask, dt, self.lead)
+            xs = stats.as_rows(xs_raw, dt, self.lead)           # (rows, d)
+            d = xs.shape[-1]
             if kind == arch.LAYERNORM:
-                acc = self.groups.get(key) or stats.NormSums.zeros(xs.shape[1], dt, xs.device)
+                acc = self.groups.get(key) or stats.NormSums.zeros(d, dt, xs.device, lead)
                 self.groups[key] = stats.accumulate_norm(acc, xs, w, ln_eps)
                 continue
-            xe = stats.as_rows(ce.inputs[site], dt)              # (rows, d)
+            xe = stats.as_rows(ce.inputs[site], dt, self.lead)   # (rows, d)
             if key not in self.groups:
-                outs = [self.expert_params[t.name][0].shape[0] for t in ts]
+                outs = [self.expert_params[t.name][0].shape[-2] for t in ts]
                 unseen = sum(t.rows is not None for t in ts)
-                self.form[key] = stats.cheapest_form(xs.shape[1], outs, self.rows, unseen,
-                                                     fixed_alpha=self.alpha is not None)
+                self.form[key] = stats.cheapest_form(d, outs, self.rows, unseen, fixed_alpha=self.alpha is not None)
                 old = self.reuse.pop(key, None)
-                self.groups[key] = stats.LinearSums.zeros(xs.shape[1], dt, xs.device, cross=self.form[key] == "P",
-                                                          reuse=old if isinstance(old, stats.LinearSums) else None)
+                self.groups[key] = stats.LinearSums.zeros(d, dt, xs.device, cross=self.form[key] == "P",
+                                                          reuse=old if isinstance(old, stats.LinearSums) else None,
+                                                          lead=lead)
             stats.accumulate_linear(self.groups[key], xs, xe, w)
             for t in ts:
                 W_i = self.expert_params[t.name][0]
                 ye = self._output(t, ce, self.expert_params[t.name], xe)
-                ye = xe @ W_i.to(dt).T if ye is None else ye       # (rows, o)
+                ye = xe @ W_i.to(dt).mT if ye is None else ye      # (rows, o)
                 ym = self._output(t, cs, self.merged_params[t.name], xs)
                 ms = self.module.get(t.name) or stats.ModuleSums(torch.zeros((), dtype=dt, device=xs.device))
                 self.module[t.name] = stats.accumulate_module(ms, self.form[key], xs, ye, w, W_i, ym, self.alpha)
@@ -247,15 +251,37 @@ def _pool(streams: dict[str, _Stream]) -> tuple[list[tuple[str, int]], list, lis
     return None if spans is None else (keys, calls, spans)
 
 
-def _pooled_capture(blk, targets, pool, device) -> dict | None:
-    """The still-merged block's captures of every (task, batch), from one pooled call
-    (``pool`` from :func:`_pool`; None: nothing to capture here)."""
+def _pooled_capture(blk, targets, pool, device) -> Captured | None:
+    """The still-merged block's captures of every (task, batch) from one pooled call (``pool``
+    from :func:`_pool`, whose spans cut them back; None: nothing pooled here)."""
     if pool is None:
         return None
-    keys, calls, spans = pool
     with capture(blk, targets, outputs=True) as cs:
-        run_block(blk, pooled(calls), device)
-    return {key: sliced(cs, lo, hi) for key, (lo, hi) in zip(keys, spans)}
+        run_block(blk, pooled(pool[1]), device)
+    return cs
+
+
+BATCH_TASKS_MAX = 1 << 22   # tasks x (widest input)^2 elements up to which all tasks reduce as one stack
+
+
+def _batchable(streams: dict[str, _Stream], pool, widths: list[int]) -> bool:
+    """Whether every task's statistics can be reduced as one stack (one call per operation,
+    not one per task: small models are dominated by per-call costs): the calibrating batches
+    are pooled, each task has one batch, all of one shape (the expert batches too), and the
+    stacked Gram matrices stay small (``BATCH_TASKS_MAX``)."""
+    sts = list(streams.values())
+    if pool is None or not widths or any(len(st.cal) != 1 for st in sts):
+        return False
+    cal, exp = sts[0].cal[0].hidden.shape, sts[0].exp[0].hidden.shape
+    if any(st.cal[0].hidden.shape != cal or st.exp[0].hidden.shape != exp for st in sts):
+        return False
+    return len(sts) * max(widths) ** 2 <= BATCH_TASKS_MAX
+
+
+def _stack_params(params: list[tuple[torch.Tensor, torch.Tensor | None]]):
+    """Every task's ``(W_i, b_i)`` of one target, stacked: ``((T, o, d), (T, o) or None)``."""
+    W, b = zip(*params)
+    return torch.stack(W), None if b[0] is None else torch.stack(b)
 
 
 def _advance(blk, streams: dict[str, _Stream], pool, device, offload: bool, l: int) -> None:
@@ -281,25 +307,45 @@ def _advance(blk, streams: dict[str, _Stream], pool, device, offload: bool, l: i
 
 
 def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, pool, cfg: FeatCalConfig,
-                   device, warn_rows: list, alpha: float | None) -> dict:
+                   device, warn_rows: list, alpha: float | None, scratch: dict) -> dict:
     """Step 1 for block ``l``: the snapshot statistics of every task, reduced task by task
-    into each target's system. Advances the expert streams as a side effect. ``alpha``
-    given: systems for that alpha only (cheaper; no preview from them)."""
-    dt = cfg.stats_dtype
-    systems: dict[str, Any] = {}
-    norm_parts: dict[str, list] = {t.name: [] for t in targets if t.kind == arch.LAYERNORM}
+    (or all tasks at once, :func:`_batchable`) into each target's system. Advances the expert
+    streams as a side effect. ``alpha`` given: systems for that alpha only (cheaper; no
+    preview from them). ``scratch``: kept from block to block, so that the statistics'
+    big buffers are reused (fresh ones cost page faults on first touch)."""
     merged_params = {t.name: arch.get_params(blk, t) for t in targets}
-    shared_S: dict[tuple, str] = {}          # group -> the target whose system owns its S
-    acc = None                               # the previous task's sums, whose buffers are reused
-    merged_caps = _pooled_capture(blk, targets, pool, device)
+    into = _Systems(cfg, l, targets, device, warn_rows, alpha)
+    merged_cap = _pooled_capture(blk, targets, pool, device)
+    widths = [p[0].shape[-1] for t, p in zip(targets, merged_params.values()) if t.kind == arch.LINEAR]
+    if _batchable(streams, pool, widths):
+        tasks = list(streams)
+        ces = []
+        for task in tasks:
+            st = streams[task]
+            with capture(exp_blocks[task][l], targets, outputs=True) as ce:
+                out_e = run_block(exp_blocks[task][l], st.exp[0], device)
+            ces.append(ce)
+            st.exp[0] = st.exp[0].with_hidden(out_e.cpu() if cfg.offload_streams else out_e)
+        expert_params = {t.name: _stack_params([arch.get_params(exp_blocks[task][l], t) for task in tasks])
+                         for t in targets}
+        rows = streams[tasks[0]].cal[0].hidden.shape[:-1].numel()
+        acc = _BlockStats(cfg, l, n_blocks, targets, expert_params, merged_params, rows, alpha,
+                          reuse=scratch.pop("stack", None), lead=1)
+        acc.add(per_task(merged_cap, len(tasks)), stacked(ces), None)
+        into.add(acc, expert_params, tasks[0])
+        scratch["stack"] = acc
+        return into.finish()
+    caps = None if merged_cap is None else {key: sliced(merged_cap, lo, hi)
+                                            for key, (lo, hi) in zip(pool[0], pool[2])}
+    acc = scratch.pop("each", None)          # the previous task's sums, whose buffers are reused
     for task, st in streams.items():
         eblk = exp_blocks[task][l]
         expert_params = {t.name: arch.get_params(eblk, t) for t in targets}
         rows = sum(c.hidden.shape[:-1].numel() for c in st.cal)
         acc = _BlockStats(cfg, l, n_blocks, targets, expert_params, merged_params, rows, alpha, reuse=acc)
         for b, (cc, ec) in enumerate(zip(st.cal, st.exp)):
-            if merged_caps is not None:
-                cs = merged_caps.pop((task, b))
+            if caps is not None:
+                cs = caps.pop((task, b))
             else:
                 with capture(blk, targets, outputs=True) as cs:
                     run_block(blk, cc, device)
@@ -307,33 +353,56 @@ def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, poo
                 out_e = run_block(eblk, ec, device)
             acc.add(cs, ce, cc.mask if cc.mask is None else cc.mask.to(device))
             st.exp[b] = ec.with_hidden(out_e.cpu() if cfg.offload_streams else out_e)
-        for t in targets:
-            group = acc.group(t)
+        into.add(acc, expert_params, task)
+    scratch["each"] = acc
+    return into.finish()
+
+
+class _Systems:
+    """Each target's system of one block, built from the tasks' statistics as they come
+    (one task's, or every task's at once with a leading task axis)."""
+
+    def __init__(self, cfg: FeatCalConfig, l: int, targets, device, warn_rows: list, alpha: float | None):
+        self.cfg, self.l, self.targets, self.device = cfg, l, targets, device
+        self.warn_rows, self.alpha = warn_rows, alpha
+        self.systems: dict[str, Any] = {}
+        self.norm_parts: dict[str, list] = {t.name: [] for t in targets if t.kind == arch.LAYERNORM}
+        self.shared_S: dict[tuple, str] = {}     # group -> the target whose system owns its S
+
+    def add(self, acc: _BlockStats, expert_params: dict, task: str) -> None:
+        dt, device = self.cfg.stats_dtype, self.device
+        lead = acc.lead
+        for t in self.targets:
             W_i, b_i = expert_params[t.name]
             if t.kind == arch.LINEAR:
                 mom = acc.linear_moments(t)
-                if mom.rows < mom.C.shape[0] and not warn_rows:
-                    warn_rows.append(
-                        f"task {task!r} gives {mom.rows} token rows for {t.name!r} (block {l}), fewer than its "
-                        f"input width {mom.C.shape[0]}; the ridge (lam + eps) keeps the solve defined."
+                d = mom.C.shape[-1]
+                if mom.rows < d and not self.warn_rows:
+                    self.warn_rows.append(
+                        f"task {task!r} gives {mom.rows} token rows for {t.name!r} (block {self.l}), fewer than "
+                        f"its input width {d}; the ridge (lam + eps) keeps the solve defined."
                     )
-                if t.name not in systems:
-                    owner = shared_S.setdefault(acc.key_of[t.name], t.name)
-                    S = systems[owner].S if owner != t.name else None
-                    systems[t.name] = solve.LinearSystem.zeros(W_i.shape[1], W_i.shape[0], dt, device, S=S,
-                                                               alpha=alpha)
-                solve.add_task(systems[t.name], mom, W_i.to(device), None if b_i is None else b_i.to(device),
-                               cfg.eps)
+                if t.name not in self.systems:
+                    owner = self.shared_S.setdefault(acc.key_of[t.name], t.name)
+                    S = self.systems[owner].S if owner != t.name else None
+                    self.systems[t.name] = solve.LinearSystem.zeros(d, W_i.shape[-2], dt, device, S=S,
+                                                                    alpha=self.alpha)
+                solve.add_task(self.systems[t.name], mom, W_i.to(device), None if b_i is None else b_i.to(device),
+                               self.cfg.eps)
             else:
-                e, m = stats.norm_moments(group)
-                norm_parts[t.name].append((e, m, W_i.to(device, dt), None if b_i is None else b_i.to(device, dt)))
-    for name, parts in norm_parts.items():
-        e, m, g, bb = zip(*parts)
-        systems[name] = solve.NormSystem(torch.stack(e), torch.stack(m), torch.stack(g),
-                                         None if bb[0] is None else torch.stack(bb))
-    for t in targets:
-        _check_finite_system(systems[t.name], l, t.name)
-    return systems
+                e, m = stats.norm_moments(acc.group(t))
+                one = (lambda x: x) if lead else (lambda x: x[None])   # noqa: E731  (tasks, d)
+                self.norm_parts[t.name].append((one(e), one(m), one(W_i.to(device, dt)),
+                                                None if b_i is None else one(b_i.to(device, dt))))
+
+    def finish(self) -> dict:
+        for name, parts in self.norm_parts.items():
+            e, m, g, bb = zip(*parts)
+            self.systems[name] = solve.NormSystem(torch.cat(e), torch.cat(m), torch.cat(g),
+                                                  None if bb[0] is None else torch.cat(bb))
+        for t in self.targets:
+            _check_finite_system(self.systems[t.name], self.l, t.name)
+        return self.systems
 
 
 @torch.no_grad()
@@ -382,6 +451,7 @@ def calibrate(merged: nn.Module, *, base: nn.Module, experts: Mapping[str, nn.Mo
         warn_rows: list[str] = []
         n = len(blks)
         bar = tqdm(range(n), desc="FeatCal", unit="block", disable=not progress)
+        scratch: dict = {}
         for l in bar:
             blk = blks[l]
             targets = arch.block_targets(blk, linear=cfg.linear, layernorm=cfg.layernorm, only=cfg.modules)
@@ -389,7 +459,7 @@ def calibrate(merged: nn.Module, *, base: nn.Module, experts: Mapping[str, nn.Mo
             t0 = time.perf_counter()
             pool = _pool(streams)            # the calibrating batches as one call, for steps 1 and 3
             systems = _block_systems(l, n, targets, blk, exp_blks, streams, pool, cfg, device, warn_rows,
-                                     None if keep_stats else cfg.alpha)
+                                     None if keep_stats else cfg.alpha, scratch)
             t1 = time.perf_counter()
             # 3b. Solve all modules of the block, then load them together.
             _solve_block(l, targets, systems, blk, base_blks[l], cfg, report, keep)

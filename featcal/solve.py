@@ -18,6 +18,7 @@ LayerNorm affine, per channel (tasks unweighted), a 2x2 system
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -93,8 +94,11 @@ def add_task(sys: LinearSystem, mom: LinearMoments, W_i: torch.Tensor, b_i: torc
     """Add task i's terms (in place; returns ``sys``).
 
     ``mom``: the task's sums (:func:`featcal.stats.linear_moments`); ``W_i`` ``(o, d)``,
-    ``b_i`` ``(o,)`` or ``None``: expert i's parameters.
+    ``b_i`` ``(o,)`` or ``None``: expert i's parameters. With a leading task axis on all of
+    them (``mom`` of every task, ``W_i`` ``(T, o, d)``, ``b_i`` ``(T, o)``), every task at once.
     """
+    if mom.w.dim():
+        return _add_tasks(sys, mom, W_i, b_i, eps)
     dt = sys.S.dtype
     W_i = W_i.to(dt)
     w = float(mom.w)
@@ -134,23 +138,81 @@ def add_task(sys: LinearSystem, mom: LinearMoments, W_i: torch.Tensor, b_i: torc
     return sys
 
 
-LAPACK_MIN_D = 1024   # from this width on, factor with LAPACK's potrf in place (see spd_factor)
+def _add_tasks(sys: LinearSystem, mom: LinearMoments, W: torch.Tensor, b: torch.Tensor | None,
+               eps: float) -> LinearSystem:
+    """:func:`add_task` for T tasks at once (each sum over tasks one operation)."""
+    dt = sys.S.dtype
+    W = W.to(dt)
+    w = mom.w.to(dt)                                              # (T,)
+    s = w / torch.maximum(mom.c_norm.to(dt), eps * w)             # s_i, as in add_task
+    f = s / w
+
+    def fsum(x: torch.Tensor) -> torch.Tensor:
+        """``sum_t f_t x_t`` of a (T, d, o) stack in the weight layout, in that layout."""
+        return torch.tensordot(f, x.mT, 1).T
+
+    if sys.owns_S:
+        add_gram(sys.S, mom.C, f, mom.edges)
+    if sys.alpha is None:
+        CW = fsum(mom.CW)
+        sys.U.add_(CW)
+        sys.V.add_(fsum(mom.PW)).sub_(CW)
+    elif mom.T is not None:
+        sys.U.add_(fsum(mom.T))
+    else:
+        sys.U.add_(fsum(mom.CW), alpha=1.0 - sys.alpha).add_(fsum(mom.PW), alpha=sys.alpha)
+    sys.s_sum += s.sum()
+    mu_s, mu_e = mom.mu_s.to(dt), mom.mu_e.to(dt)                 # (T, d)
+    sys.m_s.add_(s @ mu_s)
+    Wmu_s = (W @ mu_s.unsqueeze(-1)).squeeze(-1)                  # (T, o)
+    Wmu_d = (W @ (mu_e - mu_s).unsqueeze(-1)).squeeze(-1)
+    sys.ub.add_(s @ Wmu_s)
+    sys.vb.add_(s @ Wmu_d)
+    sys.k_ee += f @ mom.k_ee.to(dt)
+    sys.k_se += f @ mom.k_se.to(dt)
+    sys.k_ss += f @ mom.k_ss.to(dt)
+    if sys.k_mm is not None:
+        sys.k_mm = None if mom.k_mm is None else sys.k_mm + f @ mom.k_mm.to(dt)
+    if b is not None:
+        b = b.to(dt)
+        sys.sb.add_(s @ b)
+        sys.sbs = torch.cat([sys.sbs, s[:, None] * b])
+        sys.mus = torch.cat([sys.mus, mu_s])
+        sys.c_s += s @ (b * Wmu_s).sum(-1)
+        sys.c_v += s @ (b * Wmu_d).sum(-1)
+        sys.bb += s @ (b * b).sum(-1)
+    sys.min_rows = mom.rows if sys.n_tasks == 0 else min(sys.min_rows, mom.rows)
+    sys.n_tasks += len(w)
+    return sys
+
+
+LAPACK_MIN_D = 128    # from this width on, factor with LAPACK's potrf in place (see spd_factor)
 
 
 def _lapack_cholesky(A: torch.Tensor) -> torch.Tensor | None:
     """The lower Cholesky factor of ``A`` (CPU float32/float64), computed in place by LAPACK's
     ``potrf`` on the upper triangle of the row-major ``A`` (the lower one of its column-major
-    view) with as many threads as torch uses: 1.6x faster than ``torch.linalg.cholesky_ex``
-    at d = 3072 on one core (which copies its input and zeroes the other triangle). The
+    view) with as many threads as torch uses. Factor and solve on one core, float32, against
+    ``torch.linalg.cholesky_ex`` (which copies its input and zeroes the other triangle):
+    0.45 / 0.57 ms at d = 128, 3.4 / 5.7 ms at 512, 15 / 36 ms at 1024; 1.6x at 3072. The
     factor's other triangle keeps leftovers that ``torch.cholesky_solve`` never reads.
     None when ``A`` is not numerically positive definite (``A`` is then partly overwritten)."""
     from scipy.linalg import lapack
-    from threadpoolctl import threadpool_limits
 
     potrf = lapack.spotrf if A.dtype == torch.float32 else lapack.dpotrf
-    with threadpool_limits(limits=torch.get_num_threads(), user_api="blas"):
+    with _blas_threads().limit(limits=torch.get_num_threads(), user_api="blas"):
         c, info = potrf(A.numpy().T, lower=1, clean=0, overwrite_a=1)
     return torch.from_numpy(c) if info == 0 else None
+
+
+@functools.cache
+def _blas_threads():
+    """One threadpoolctl controller for scipy's BLAS (finding the libraries costs 0.8 ms; a
+    limit on a kept controller 0.03 ms), made once scipy's LAPACK is loaded."""
+    from scipy.linalg import lapack  # noqa: F401  (loads the BLAS the controller must see)
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController()
 
 
 def spd_factor(S: torch.Tensor, shift: float = 0.0, what: str = "system") -> Callable[[torch.Tensor], torch.Tensor]:

@@ -30,7 +30,9 @@ For LayerNorm targets only the normalised input ``z`` of the calibrating stream
 matters: ``e = E[z*z]``, ``m = E[z]``.
 
 The functions here are pure over tensors (the ``accumulate_*`` ones add into
-the sums they are given, and return them).
+the sums they are given, and return them). Every one also takes a leading task axis
+(rows ``(T, rows, d)``, sums ``(T, ...)``, expert weights ``(T, o, d)``): small models then
+reduce all tasks in one call per operation instead of one per task.
 """
 from __future__ import annotations
 
@@ -83,16 +85,16 @@ class LinearSums:
 
     @classmethod
     def zeros(cls, d: int, dtype: torch.dtype, device, cross: bool = True,
-              reuse: "LinearSums | None" = None) -> "LinearSums":
-        """Empty sums; ``reuse``: take (and zero) the big buffers of sums no longer needed
-        (fresh large tensors cost page faults on first touch)."""
-        z = lambda *shape: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
-        old = reuse if reuse is not None and reuse.C.shape == (d, d) and reuse.C.dtype == dtype else None
+              reuse: "LinearSums | None" = None, lead: tuple[int, ...] = ()) -> "LinearSums":
+        """Empty sums (``lead``: a leading task axis ``(T,)``); ``reuse``: take (and zero) the
+        big buffers of sums no longer needed (fresh large tensors cost page faults on first touch)."""
+        z = lambda *shape: torch.zeros((*lead, *shape), dtype=dtype, device=device)  # noqa: E731
+        old = reuse if reuse is not None and reuse.C.shape == (*lead, d, d) and reuse.C.dtype == dtype else None
         C = old.C.zero_() if old is not None else z(d, d)
         P = None
         if cross:
             P = old.P.zero_() if old is not None and old.P is not None else z(d, d)
-        return cls(z(()), 0, z(d), z(d), C, P, gram_blocks(d))
+        return cls(z(), 0, z(d), z(d), C, P, gram_blocks(d))
 
 
 @dataclass
@@ -119,23 +121,32 @@ class NormSums:
     zz: torch.Tensor         # (d,)  sum w z*z
 
     @classmethod
-    def zeros(cls, d: int, dtype: torch.dtype, device) -> "NormSums":
-        z = lambda *shape: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
-        return cls(z(()), 0, z(d), z(d))
+    def zeros(cls, d: int, dtype: torch.dtype, device, lead: tuple[int, ...] = ()) -> "NormSums":
+        z = lambda *shape: torch.zeros((*lead, *shape), dtype=dtype, device=device)  # noqa: E731
+        return cls(z(), 0, z(d), z(d))
 
 
-def as_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``(B, T, d)`` or ``(B, d)`` -> ``(rows, d)`` in ``dtype``."""
-    return x.reshape(-1, x.shape[-1]).to(dtype)
+def as_rows(x: torch.Tensor, dtype: torch.dtype, lead: int = 0) -> torch.Tensor:
+    """``(B, T, d)`` or ``(B, d)`` -> ``(rows, d)`` in ``dtype``; with ``lead`` leading axes
+    kept (``(tasks, B, T, d)`` -> ``(tasks, rows, d)`` for ``lead=1``)."""
+    return x.reshape(*x.shape[:lead], -1, x.shape[-1]).to(dtype)
 
 
 def weighted(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
     """Rows scaled by their weights (``x`` itself when ``w`` is None)."""
-    return x if w is None else x * w[:, None]
+    return x if w is None else x * w[..., None]
+
+
+def _acc(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``out += a @ b`` in place, for matrices or stacks of them."""
+    return out.addmm_(a, b) if out.dim() == 2 else out.baddbmm_(a, b)
 
 
 def inner(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``sum(a * b)`` for two tensors of one shape, without the elementwise product."""
+    """``sum(a * b)`` for two tensors of one shape, without the elementwise product; for
+    stacks of matrices ``(T, m, n)``, one sum per matrix ``(T,)``."""
+    if a.dim() > 2:
+        return (a * b).sum((-2, -1))      # (bmm of 1 x n by n x 1 stacks is 10x slower)
     if not (a.is_contiguous() and b.is_contiguous()):
         if a.mT.is_contiguous() and b.mT.is_contiguous():
             a, b = a.mT, b.mT
@@ -147,29 +158,33 @@ def inner(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def accumulate_gram(C: torch.Tensor, xw: torch.Tensor, x: torch.Tensor, edges: tuple[int, ...]) -> torch.Tensor:
     """``C += xw^T x`` on the upper block triangle only (``C`` symmetric once finished)."""
     if len(edges) <= 2:
-        return C.addmm_(xw.T, x)
+        return _acc(C, xw.mT, x)
     for lo, hi in zip(edges[:-1], edges[1:]):
-        C[lo:hi, lo:].addmm_(xw[:, lo:hi].T, x[:, lo:])
+        _acc(C[..., lo:hi, lo:], xw[..., lo:hi].mT, x[..., lo:])
     return C
 
 
 def gram_norm(C: torch.Tensor, edges: tuple[int, ...]) -> torch.Tensor:
     """``||C||_F`` of a symmetric ``C`` from its upper block triangle (:func:`accumulate_gram`):
-    the diagonal tiles are whole, the others count twice."""
+    the diagonal tiles are whole, the others count twice (one norm per matrix of a stack)."""
+    norm = lambda x: torch.linalg.vector_norm(x, dim=(-2, -1))  # noqa: E731
     if len(edges) <= 2:
-        return torch.linalg.vector_norm(C)
-    sq = C.new_zeros(())
+        return norm(C)
+    sq = C.new_zeros(C.shape[:-2])
     for lo, hi in zip(edges[:-1], edges[1:]):
-        sq += torch.linalg.vector_norm(C[lo:hi, lo:hi]) ** 2 + 2 * torch.linalg.vector_norm(C[lo:hi, hi:]) ** 2
+        sq += norm(C[..., lo:hi, lo:hi]) ** 2 + 2 * norm(C[..., lo:hi, hi:]) ** 2
     return sq.sqrt()
 
 
-def add_gram(S: torch.Tensor, C: torch.Tensor, alpha: float, edges: tuple[int, ...]) -> torch.Tensor:
-    """``S += alpha C`` on the upper block triangle (all that :func:`accumulate_gram` fills)."""
+def add_gram(S: torch.Tensor, C: torch.Tensor, alpha: float | torch.Tensor, edges: tuple[int, ...]) -> torch.Tensor:
+    """``S += alpha C`` on the upper block triangle (all that :func:`accumulate_gram` fills);
+    for a stack ``C`` ``(T, d, d)``, ``S += sum_t alpha_t C_t`` with ``alpha`` ``(T,)``."""
+    add = ((lambda out, x: out.add_(x, alpha=alpha)) if C.dim() == 2
+           else (lambda out, x: out.add_(torch.tensordot(alpha, x, 1))))
     if len(edges) <= 2:
-        return S.add_(C, alpha=alpha)
+        return add(S, C)
     for lo, hi in zip(edges[:-1], edges[1:]):
-        S[lo:hi, lo:].add_(C[lo:hi, lo:], alpha=alpha)
+        add(S[lo:hi, lo:], C[..., lo:hi, lo:])
     return S
 
 
@@ -179,22 +194,23 @@ def finish_gram(acc: LinearSums) -> LinearSums:
         e = acc.edges
         for i in range(len(e) - 1):             # tile by tile: a cache-friendly transpose
             for j in range(i + 1, len(e) - 1):
-                acc.C[e[j]:e[j + 1], e[i]:e[i + 1]] = acc.C[e[i]:e[i + 1], e[j]:e[j + 1]].T
+                acc.C[..., e[j]:e[j + 1], e[i]:e[i + 1]] = acc.C[..., e[i]:e[i + 1], e[j]:e[j + 1]].mT
         acc.finished = True
     return acc
 
 
 def accumulate_linear(acc: LinearSums, xs: torch.Tensor, xe: torch.Tensor,
                       w: torch.Tensor | None) -> LinearSums:
-    """Add one batch: ``xs``, ``xe`` ``(rows, d)``, ``w`` ``(rows,)`` or ``None`` (all 1)."""
+    """Add one batch: ``xs``, ``xe`` ``(rows, d)``, ``w`` ``(rows,)`` or ``None`` (all 1)
+    (or each with a leading task axis; ``rows`` then counts the task with fewest)."""
     xsw = weighted(xs, w)
-    acc.w += xs.shape[0] if w is None else w.sum()
-    acc.rows += xs.shape[0] if w is None else int((w > 0).sum())
-    acc.s += xsw.sum(0)
-    acc.e += weighted(xe, w).sum(0)
-    accumulate_gram(acc.C, xsw, xs, acc.edges or (0, xs.shape[1]))
+    acc.w += xs.shape[-2] if w is None else w.sum(-1)
+    acc.rows += xs.shape[-2] if w is None else int((w > 0).sum(-1).min())
+    acc.s += xsw.sum(-2)
+    acc.e += weighted(xe, w).sum(-2)
+    accumulate_gram(acc.C, xsw, xs, acc.edges or (0, xs.shape[-1]))
     if acc.P is not None:
-        acc.P.addmm_(xsw.T, xe)
+        _acc(acc.P, xsw.mT, xe)
     return acc
 
 
@@ -206,14 +222,16 @@ def _addmm(total: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torc
     """``total + a @ b`` in place (``a @ b`` when ``total`` is None: no zero-filled start), in
     the weight layout: the ``(d, o)`` result is the transpose of an ``(o, d)`` contiguous one."""
     if total is None:
-        return (b.T @ a.T).T
-    total.T.addmm_(b.T, a.T)
+        return (b.mT @ a.mT).mT
+    _acc(total.mT, b.mT, a.mT)
     return total
 
 
 def _wdot(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
-    """``sum_rows w <a_row, b_row>`` for ``(rows, o)`` tensors."""
-    return inner(a, b) if w is None else w @ (a * b).sum(1)
+    """``sum_rows w <a_row, b_row>`` for ``(rows, o)`` tensors (``(T,)`` for ``(T, rows, o)``)."""
+    if w is None:
+        return inner(a, b)
+    return w @ (a * b).sum(1) if a.dim() == 2 else (w * (a * b).sum(-1)).sum(-1)
 
 
 def accumulate_module(ms: ModuleSums, form: str, xs: torch.Tensor, ye: torch.Tensor, w: torch.Tensor | None,
@@ -227,11 +245,11 @@ def accumulate_module(ms: ModuleSums, form: str, xs: torch.Tensor, ye: torch.Ten
         ms.mm = _add(ms.mm, _wdot(ym, ym, w))
     if form == "P":
         return ms
-    xswT = weighted(xs, w).T
+    xswT = weighted(xs, w).mT
     if form == "Q":
         ms.Q = _addmm(ms.Q, xswT, ye)
         return ms
-    ys = xs @ W_i.to(xs.dtype).T                                        # (rows, o)
+    ys = xs @ W_i.to(xs.dtype).mT                                       # (rows, o)
     ms.ss = _add(ms.ss, _wdot(ys, ys, w))
     ms.se = _add(ms.se, _wdot(ys, ye, w))
     if alpha is None:
@@ -244,12 +262,12 @@ def accumulate_module(ms: ModuleSums, form: str, xs: torch.Tensor, ye: torch.Ten
 
 def accumulate_norm(acc: NormSums, xs: torch.Tensor, w: torch.Tensor | None, eps: float) -> NormSums:
     """Add one batch of LayerNorm inputs ``xs`` ``(rows, d)``: ``z = LayerNorm(xs)`` without affine."""
-    z = F.layer_norm(xs, (xs.shape[1],), eps=eps)
-    zw = z if w is None else z * w[:, None]
-    acc.w += xs.shape[0] if w is None else w.sum()
-    acc.rows += xs.shape[0] if w is None else int((w > 0).sum())
-    acc.z += zw.sum(0)
-    acc.zz += (zw * z).sum(0)
+    z = F.layer_norm(xs, (xs.shape[-1],), eps=eps)
+    zw = weighted(z, w)
+    acc.w += xs.shape[-2] if w is None else w.sum(-1)
+    acc.rows += xs.shape[-2] if w is None else int((w > 0).sum(-1).min())
+    acc.z += zw.sum(-2)
+    acc.zz += (zw * z).sum(-2)
     return acc
 
 
@@ -280,31 +298,33 @@ class LinearMoments:
 
     @property
     def mu_s(self) -> torch.Tensor:
-        return self.s / self.w
+        return self.s / self.w.unsqueeze(-1)
 
     @property
     def mu_e(self) -> torch.Tensor:
-        return self.e / self.w
+        return self.e / self.w.unsqueeze(-1)
 
 
 def linear_moments(acc: LinearSums, W_i: torch.Tensor, ms: ModuleSums) -> LinearMoments:
-    """The terms of one task for one module, from its group's sums ``acc`` and its own ``ms``."""
-    if not float(acc.w) > 0:
+    """The terms of one task for one module, from its group's sums ``acc`` and its own ``ms``
+    (of every task, with a leading task axis)."""
+    if not bool((acc.w > 0).all()):
         raise ValueError("no calibration rows with positive weight for this module (empty task?).")
     edges = acc.edges or (0, acc.C.shape[0])
     head = (acc.C, edges, gram_norm(acc.C, edges))
     if ms.T is not None:
         return LinearMoments(*head, None, None, ms.ss, ms.se, ms.ee, ms.mm, acc.s, acc.e, acc.w, acc.rows, ms.T)
     W = W_i.to(acc.C.dtype)                                        # (o, d)
-    CW = ms.CW if ms.CW is not None else (W @ finish_gram(acc).C).T   # C W^T = (W C)^T: C symmetric
-    PW = ms.Q if ms.Q is not None else (W @ acc.P.T).T
-    k_ss = ms.ss if ms.ss is not None else inner(W.T, CW)
-    k_se = ms.se if ms.se is not None else inner(W.T, PW)
+    CW = ms.CW if ms.CW is not None else (W @ finish_gram(acc).C).mT   # C W^T = (W C)^T: C symmetric
+    PW = ms.Q if ms.Q is not None else (W @ acc.P.mT).mT
+    k_ss = ms.ss if ms.ss is not None else inner(W.mT, CW)
+    k_se = ms.se if ms.se is not None else inner(W.mT, PW)
     return LinearMoments(*head, CW, PW, k_ss, k_se, ms.ee, ms.mm, acc.s, acc.e, acc.w, acc.rows)
 
 
 def norm_moments(acc: NormSums) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(e, m)`` = ``(E[z*z], E[z])`` per channel."""
-    if not float(acc.w) > 0:
+    """``(e, m)`` = ``(E[z*z], E[z])`` per channel (per task and channel with a task axis)."""
+    if not bool((acc.w > 0).all()):
         raise ValueError("no calibration rows with positive weight for this LayerNorm (empty task?).")
-    return acc.zz / acc.w, acc.z / acc.w
+    w = acc.w.unsqueeze(-1)
+    return acc.zz / w, acc.z / w

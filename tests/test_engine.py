@@ -347,6 +347,42 @@ def test_pooling_the_calibrating_streams_changes_nothing(kind, monkeypatch):
         assert a.residual_after == pytest.approx(b.residual_after, rel=1e-3, abs=1e-6), a.name
 
 
+@pytest.mark.parametrize("kind", ["hf_clip", "open_clip"])
+@pytest.mark.parametrize("keep_stats", [False, True])
+def test_reducing_every_task_as_one_stack_changes_nothing(kind, keep_stats, monkeypatch):
+    """One batch per task, pooled: every task's statistics are reduced as one stack (CLIP
+    preset: token weights in the last block, biases, LayerNorms); the model, the report and
+    the kept statistics (a preview) equal those of one task at a time."""
+    import featcal.engine as engine
+
+    base, experts, merged, data = _zoo(kind, n_tasks=3)
+    one = {t: [torch.cat(bs)] for t, bs in data.items()}
+    taken = []
+    real = engine._batchable
+    monkeypatch.setattr(engine, "_batchable", lambda *a: taken.append(real(*a)) or taken[-1])
+    cfg = FeatCalConfig.clip(alpha=0.4)
+    run = lambda: calibrate(merged, base=base, experts=experts, calib_data=one, config=cfg,  # noqa: E731
+                            keep_stats=keep_stats, progress=False)
+    stack, rep_stack = run()
+    assert taken and all(taken)
+    monkeypatch.setattr(engine, "BATCH_TASKS_MAX", 0)
+    taken.clear()
+    each, rep_each = run()
+    assert taken and not any(taken)
+    ref = _all_target_params(each)
+    for name, (W, b) in _all_target_params(stack).items():
+        assert torch.allclose(W, ref[name][0], rtol=1e-4, atol=1e-5), name
+        assert b is None or torch.allclose(b, ref[name][1], rtol=1e-4, atol=1e-5), name
+    for a, b in zip(rep_stack.modules, rep_each.modules):
+        assert (a.name, a.rows) == (b.name, b.rows)
+        assert a.residual_before == pytest.approx(b.residual_before, rel=1e-4, abs=1e-7), a.name
+        assert a.residual_after == pytest.approx(b.residual_after, rel=1e-3, abs=1e-6), a.name
+    if keep_stats:
+        pa, pb = rep_stack.preview(lam=0.5, rho=1.5, alpha=0.7), rep_each.preview(lam=0.5, rho=1.5, alpha=0.7)
+        for k, v in pa.state_dict().items():
+            assert torch.allclose(v, pb.state_dict()[k], rtol=1e-4, atol=1e-5), k
+
+
 def test_pool_spans_only_for_calls_that_can_run_as_one():
     from featcal.streams import BlockCall, pool_spans
 

@@ -176,7 +176,7 @@ def test_indefinite_system_falls_back_to_lu():
     assert torch.allclose(A @ X, torch.ones(2, 1))
 
 
-@pytest.mark.parametrize("lapack_from", [solve.LAPACK_MIN_D, 1])
+@pytest.mark.parametrize("lapack_from", [10**9, 1])   # torch's Cholesky, LAPACK's
 def test_systems_kept_on_their_upper_triangle_solve_like_full_ones(lapack_from, monkeypatch):
     """Wide inputs keep only the upper block triangle of ``C`` and ``S`` (the QQ form never
     mirrors it): the solve (torch's Cholesky on the mirrored system, or LAPACK's in place),
@@ -197,7 +197,7 @@ def test_systems_kept_on_their_upper_triangle_solve_like_full_ones(lapack_from, 
     assert torch.allclose(torch.linalg.eigvalsh(upper.S, UPLO="U"), ev1, atol=1e-10)
 
 
-@pytest.mark.parametrize("lapack_from", [solve.LAPACK_MIN_D, 1])
+@pytest.mark.parametrize("lapack_from", [10**9, 1])   # torch's Cholesky, LAPACK's
 def test_lu_fallback_reads_the_upper_triangle(lapack_from, monkeypatch):
     monkeypatch.setattr(solve, "LAPACK_MIN_D", lapack_from)
     S = torch.tensor([[1.0, 2.0], [0.0, -2.0]])        # the symmetric [[1, 2], [2, -2]]: indefinite
@@ -220,3 +220,15 @@ def test_residual_is_not_finite_when_the_weights_are_not(bad):
     b2 = b.clone()
     b2[0] = bad
     assert not math.isfinite(solve.linear_residual(sysm, W, b2, 0.3, SWt))
+
+
+def test_inner_of_stacks_is_one_sum_per_matrix():
+    gen = torch.Generator().manual_seed(9)
+    a, b = torch.randn(3, 5, 7, generator=gen, dtype=torch.float64), torch.randn(3, 5, 7, generator=gen,
+                                                                              dtype=torch.float64)
+    want = torch.stack([(x * y).sum() for x, y in zip(a, b)])
+    for x, y in ((a, b), (a.mT.contiguous().mT, b.mT.contiguous().mT), (a[:, :, ::2], b[:, :, ::2])):
+        ref = torch.stack([(p * q).sum() for p, q in zip(x, y)])
+        assert torch.allclose(stats.inner(x, y), ref)
+    assert torch.allclose(stats.inner(a, b), want)
+    assert torch.allclose(stats.inner(a[0], b[0]), want[0])              # one matrix: a scalar
