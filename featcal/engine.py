@@ -93,11 +93,11 @@ class _BlockStats:
     def __init__(self, cfg: FeatCalConfig, block_idx: int, n_blocks: int, targets: list[arch.Target],
                  expert_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
                  merged_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]], rows: int,
-                 alpha: float | None, reuse: "_BlockStats | None" = None, lead: int = 0):
+                 alpha: float | None, reuse: dict | None = None, lead: int = 0):
         self.cfg = cfg
         self.lead = lead
         self.alpha = alpha              # set: sums for this alpha only (no preview)
-        self.reuse = {} if reuse is None else reuse.groups
+        self.reuse = dict(reuse or {})      # another's groups, whose big buffers are taken over
         self.targets = targets
         self.expert_params = expert_params
         self.merged_params = merged_params
@@ -311,8 +311,9 @@ def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, poo
     """Step 1 for block ``l``: the snapshot statistics of every task, reduced task by task
     (or all tasks at once, :func:`_batchable`) into each target's system. Advances the expert
     streams as a side effect. ``alpha`` given: systems for that alpha only (cheaper; no
-    preview from them). ``scratch``: kept from block to block, so that the statistics'
-    big buffers are reused (fresh ones cost page faults on first touch)."""
+    preview from them). ``scratch``: kept from block to block, so that the stacked statistics'
+    buffers are reused (fresh ones cost page faults on first touch; the per-task path, for
+    big models, lets them go between blocks to keep the peak memory down)."""
     merged_params = {t.name: arch.get_params(blk, t) for t in targets}
     into = _Systems(cfg, l, targets, device, warn_rows, alpha)
     merged_cap = _pooled_capture(blk, targets, pool, device)
@@ -333,16 +334,17 @@ def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, poo
                           reuse=scratch.pop("stack", None), lead=1)
         acc.add(per_task(merged_cap, len(tasks)), stacked(ces), None)
         into.add(acc, expert_params, tasks[0])
-        scratch["stack"] = acc
+        scratch["stack"] = acc.groups
         return into.finish()
     caps = None if merged_cap is None else {key: sliced(merged_cap, lo, hi)
                                             for key, (lo, hi) in zip(pool[0], pool[2])}
-    acc = scratch.pop("each", None)          # the previous task's sums, whose buffers are reused
+    acc = None                               # the previous task's sums, whose buffers are reused
     for task, st in streams.items():
         eblk = exp_blocks[task][l]
         expert_params = {t.name: arch.get_params(eblk, t) for t in targets}
         rows = sum(c.hidden.shape[:-1].numel() for c in st.cal)
-        acc = _BlockStats(cfg, l, n_blocks, targets, expert_params, merged_params, rows, alpha, reuse=acc)
+        acc = _BlockStats(cfg, l, n_blocks, targets, expert_params, merged_params, rows, alpha,
+                          reuse=None if acc is None else acc.groups)
         for b, (cc, ec) in enumerate(zip(st.cal, st.exp)):
             if caps is not None:
                 cs = caps.pop((task, b))
@@ -354,7 +356,6 @@ def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, poo
             acc.add(cs, ce, cc.mask if cc.mask is None else cc.mask.to(device))
             st.exp[b] = ec.with_hidden(out_e.cpu() if cfg.offload_streams else out_e)
         into.add(acc, expert_params, task)
-    scratch["each"] = acc
     return into.finish()
 
 
