@@ -25,8 +25,8 @@ from diagnostics.output import default_features, expert_cosine, kl_rows, output_
 from diagnostics.similarity import WHOLE, linear_cka, task_vector_cosine
 
 __all__ = ["diagnose", "summarize", "drift_table", "drift_tables", "drift_tokens", "drift_metrics",
-           "DriftTokens", "ExpertStreams", "expert_streams", "expert_cosine", "default_features", "task_vector_cosine", "output_drift",
-           "kl_rows", "linear_cka", "WHOLE"]
+           "DriftTokens", "ExpertStreams", "expert_streams", "expert_cosine", "default_features",
+           "task_vector_cosine", "output_drift", "kl_rows", "linear_cka", "WHOLE"]
 
 
 def diagnose(model: nn.Module, zoo, n_per_task: int = 32, seed: int = 42, batch_size: int = 16,

@@ -369,7 +369,8 @@ def _check_cached(cached: ExpertStreams, path: str, data: Mapping[str, list], n_
     for t, batches in data.items():
         per_block = cached.calls[t]
         if len(per_block) != n_blocks + 1 or len(per_block[0]) != len(batches):
-            raise ValueError(f"expert_cache does not match task {t!r}'s batches or the model's {n_blocks} blocks; {fix}")
+            raise ValueError(f"expert_cache does not match task {t!r}'s batches or the model's {n_blocks} "
+                             f"blocks; {fix}")
 
 
 def drift_tables(models: Mapping[str, nn.Module], experts: Mapping[str, nn.Module], data: Mapping[str, list],

@@ -192,15 +192,18 @@ LAPACK_MIN_D = 128    # from this width on, factor with LAPACK's potrf in place 
 def _lapack_cholesky(A: torch.Tensor) -> torch.Tensor | None:
     """The lower Cholesky factor of ``A`` (CPU float32/float64), computed in place by LAPACK's
     ``potrf`` on the upper triangle of the row-major ``A`` (the lower one of its column-major
-    view) with as many threads as torch uses. Factor and solve on one core, float32, against
-    ``torch.linalg.cholesky_ex`` (which copies its input and zeroes the other triangle):
-    0.45 / 0.57 ms at d = 128, 3.4 / 5.7 ms at 512, 15 / 36 ms at 1024; 1.6x at 3072. The
+    view), on one thread: OpenBLAS's worker threads spin on after a call and slow torch's
+    next operation (2 cores, d = 3072, o = 768: factor + ``torch.cholesky_solve`` 212 ms with
+    two OpenBLAS threads, 187 ms with one, 269 ms all in torch). Factor and solve on one
+    core, float32, against ``torch.linalg.cholesky_ex`` (which copies its input and zeroes
+    the other triangle): 0.45 / 0.57 ms at d = 128, 3.4 / 5.7 ms at 512, 15 / 36 ms at 1024,
+    0.24 / 0.47 s at 3072. The
     factor's other triangle keeps leftovers that ``torch.cholesky_solve`` never reads.
     None when ``A`` is not numerically positive definite (``A`` is then partly overwritten)."""
     from scipy.linalg import lapack
 
     potrf = lapack.spotrf if A.dtype == torch.float32 else lapack.dpotrf
-    with _blas_threads().limit(limits=torch.get_num_threads(), user_api="blas"):
+    with _blas_threads().limit(limits=1, user_api="blas"):
         c, info = potrf(A.numpy().T, lower=1, clean=0, overwrite_a=1)
     return torch.from_numpy(c) if info == 0 else None
 
