@@ -1,0 +1,194 @@
+"""One block's statistics and systems, for the engine (:mod:`featcal.engine`).
+
+:class:`BlockStats` reduces the captures of one block's calls (the still-merged block on the
+calibrating stream, expert i's block on its own) into running sums, per task or for every
+task at once (a leading task axis); :class:`BlockSystems` adds each task's terms into every
+target's system (:mod:`featcal.solve`) and checks them.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from featcal import arch, solve, stats
+from featcal.capture import Captured, target_site
+from featcal.config import FeatCalConfig
+
+
+def token_weights(x: torch.Tensor, weighted: bool, other: float, mask: torch.Tensor | None,
+                  dtype: torch.dtype, lead: int = 0) -> torch.Tensor | None:
+    """Per-row weights ``(rows,)`` for an input ``(B, T, d)``/``(B, d)`` (``lead`` leading
+    task axes kept); ``None`` = all ones."""
+    has_tokens = x.dim() - lead == 3
+    use_mask = mask is not None and has_tokens and tuple(mask.shape) == tuple(x.shape[lead:lead + 2])
+    if not (weighted and has_tokens) and not use_mask:
+        return None
+    w = torch.ones(x.shape[:-1], dtype=dtype, device=x.device)  # (B, T)
+    if weighted and has_tokens:
+        w[..., 1:] = other
+    if use_mask:
+        w = w * mask.to(device=x.device, dtype=dtype)
+    return w.reshape(*x.shape[:lead], -1)
+
+
+def canonical_sites(targets: list[arch.Target], cs: Captured, ce: Captured) -> dict[str, str]:
+    """Map each target's site to the first site that saw the very same input tensors, so
+    modules sharing an input (q/k/v projections) share one set of statistics."""
+    canon: dict[str, str] = {}
+    seen: list[tuple[torch.Tensor, torch.Tensor, str]] = []
+    for t in targets:
+        site = target_site(t)
+        xs, xe = cs.inputs[site], ce.inputs[site]
+        hit = next((k for a, b, k in seen if a is xs and b is xe), None)
+        if hit is None:
+            seen.append((xs, xe, site))
+            hit = site
+        canon[site] = hit
+    return canon
+
+
+class BlockStats:
+    """Running statistics of every target of one block for one task (or, with ``lead=1``,
+    for every task at once: captures, expert parameters and sums with a leading task axis).
+
+    Targets that read the very same input tensors (q/k/v projections) and share a
+    token weighting share one :class:`~featcal.stats.LinearSums`; each group keeps
+    its cross moment in the cheapest exact form for its widths and the task's row
+    count (:func:`featcal.stats.cheapest_form`), each module its own
+    :class:`~featcal.stats.ModuleSums`.
+    """
+
+    def __init__(self, cfg: FeatCalConfig, block_idx: int, n_blocks: int, targets: list[arch.Target],
+                 expert_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+                 merged_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]], rows: int,
+                 alpha: float | None, reuse: dict | None = None, lead: int = 0):
+        self.cfg = cfg
+        self.lead = lead
+        self.alpha = alpha              # set: sums for this alpha only (no preview)
+        self.reuse = dict(reuse or {})      # another's groups, whose big buffers are taken over
+        self.targets = targets
+        self.expert_params = expert_params
+        self.merged_params = merged_params
+        self.rows = rows
+        tw = cfg.token_weights
+        self.weighted = {t.name: tw is not None and tw.applies(block_idx, n_blocks, t.name) for t in targets}
+        self.other = tw.other if tw is not None else 1.0
+        self.groups: dict[tuple, stats.LinearSums | stats.NormSums] = {}
+        self.form: dict[tuple, str] = {}
+        self.module: dict[str, stats.ModuleSums] = {}
+        self.key_of: dict[str, tuple] = {}
+
+    def _output(self, t: arch.Target, cap: Captured, params, x: torch.Tensor) -> torch.Tensor | None:
+        """``W x`` (rows, o) from the module's captured output less its bias (None if not seen)."""
+        y = cap.outputs.get(t.owner) if t.rows is None else None
+        if y is None:
+            return None
+        y = stats.as_rows(y, x.dtype, self.lead)
+        b = params[1]
+        return y if b is None else y - b.to(x.dtype).unsqueeze(-2)
+
+    def add(self, cs: Captured, ce: Captured, mask: torch.Tensor | None) -> None:
+        dt = self.cfg.stats_dtype
+        canon = canonical_sites(self.targets, cs, ce)
+        members: dict[tuple, list[arch.Target]] = {}
+        for t in self.targets:
+            key = (canon[target_site(t)], self.weighted[t.name], t.kind, t.ln_eps)
+            members.setdefault(key, []).append(t)
+            self.key_of[t.name] = key
+        for key, ts in members.items():
+            site, weighted, kind, ln_eps = key
+            xs_raw = cs.inputs[site]
+            lead = xs_raw.shape[:self.lead]
+            w = token_weights(xs_raw, weighted, self.other, mask, dt, self.lead)
+            xs = stats.as_rows(xs_raw, dt, self.lead)           # (rows, d)
+            d = xs.shape[-1]
+            if kind == arch.LAYERNORM:
+                acc = self.groups.get(key) or stats.NormSums.zeros(d, dt, xs.device, lead)
+                self.groups[key] = stats.accumulate_norm(acc, xs, w, ln_eps)
+                continue
+            xe = stats.as_rows(ce.inputs[site], dt, self.lead)   # (rows, d)
+            if key not in self.groups:
+                outs = [self.expert_params[t.name][0].shape[-2] for t in ts]
+                unseen = sum(t.rows is not None for t in ts)
+                self.form[key] = stats.cheapest_form(d, outs, self.rows, unseen, fixed_alpha=self.alpha is not None)
+                old = self.reuse.pop(key, None)
+                self.groups[key] = stats.LinearSums.zeros(d, dt, xs.device, cross=self.form[key] == "P",
+                                                          reuse=old if isinstance(old, stats.LinearSums) else None,
+                                                          lead=lead)
+            stats.accumulate_linear(self.groups[key], xs, xe, w)
+            for t in ts:
+                W_i = self.expert_params[t.name][0]
+                ye = self._output(t, ce, self.expert_params[t.name], xe)
+                ye = xe @ W_i.to(dt).mT if ye is None else ye      # (rows, o)
+                ym = self._output(t, cs, self.merged_params[t.name], xs)
+                ms = self.module.get(t.name) or stats.ModuleSums(torch.zeros((), dtype=dt, device=xs.device))
+                self.module[t.name] = stats.accumulate_module(ms, self.form[key], xs, ye, w, W_i, ym, self.alpha)
+
+    def group(self, t: arch.Target):
+        return self.groups[self.key_of[t.name]]
+
+    def linear_moments(self, t: arch.Target) -> stats.LinearMoments:
+        return stats.linear_moments(self.group(t), self.expert_params[t.name][0], self.module[t.name])
+
+
+def check_finite_system(sysm, block: int, name: str) -> None:
+    """A NaN or Inf in any row of any task reaches the system's diagonal and sums (``S``'s
+    diagonal, ``m_s``, and through the expert's features ``vb``; a LayerNorm's moments):
+    checking those is exact and costs O(d) once per module, not per task."""
+    if isinstance(sysm, solve.LinearSystem):
+        tensors = [sysm.S.diagonal(), sysm.m_s, sysm.vb]
+    else:
+        tensors = [sysm.e, sysm.m]
+    if not bool(torch.isfinite(torch.cat([t.reshape(-1) for t in tensors])).all()):
+        raise FloatingPointError(
+            f"block {block}, module {name!r}: its input features hold NaN or Inf values "
+            "(check the model's weights and the calibration data)."
+        )
+
+
+class BlockSystems:
+    """Each target's system of one block, built from the tasks' statistics as they come
+    (one task's, or every task's at once with a leading task axis)."""
+
+    def __init__(self, cfg: FeatCalConfig, l: int, targets, device, warn_rows: list, alpha: float | None):
+        self.cfg, self.l, self.targets, self.device = cfg, l, targets, device
+        self.warn_rows, self.alpha = warn_rows, alpha
+        self.systems: dict[str, Any] = {}
+        self.norm_parts: dict[str, list] = {t.name: [] for t in targets if t.kind == arch.LAYERNORM}
+        self.shared_S: dict[tuple, str] = {}     # group -> the target whose system owns its S
+
+    def add(self, acc: BlockStats, expert_params: dict, task: str) -> None:
+        dt, device = self.cfg.stats_dtype, self.device
+        lead = acc.lead
+        for t in self.targets:
+            W_i, b_i = expert_params[t.name]
+            if t.kind == arch.LINEAR:
+                mom = acc.linear_moments(t)
+                d = mom.C.shape[-1]
+                if mom.rows < d and not self.warn_rows:
+                    self.warn_rows.append(
+                        f"task {task!r} gives {mom.rows} token rows for {t.name!r} (block {self.l}), fewer than "
+                        f"its input width {d}; the ridge (lam + eps) keeps the solve defined."
+                    )
+                if t.name not in self.systems:
+                    owner = self.shared_S.setdefault(acc.key_of[t.name], t.name)
+                    S = self.systems[owner].S if owner != t.name else None
+                    self.systems[t.name] = solve.LinearSystem.zeros(d, W_i.shape[-2], dt, device, S=S,
+                                                                    alpha=self.alpha)
+                solve.add_task(self.systems[t.name], mom, W_i.to(device), None if b_i is None else b_i.to(device),
+                               self.cfg.eps)
+            else:
+                e, m = stats.norm_moments(acc.group(t))
+                one = (lambda x: x) if lead else (lambda x: x[None])   # noqa: E731  (tasks, d)
+                self.norm_parts[t.name].append((one(e), one(m), one(W_i.to(device, dt)),
+                                                None if b_i is None else one(b_i.to(device, dt))))
+
+    def finish(self) -> dict:
+        for name, parts in self.norm_parts.items():
+            e, m, g, bb = zip(*parts)
+            self.systems[name] = solve.NormSystem(torch.cat(e), torch.cat(m), torch.cat(g),
+                                                  None if bb[0] is None else torch.cat(bb))
+        for t in self.targets:
+            check_finite_system(self.systems[t.name], self.l, t.name)
+        return self.systems
