@@ -349,12 +349,17 @@ def test_pooling_the_calibrating_streams_changes_nothing(kind, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["hf_clip", "open_clip"])
 @pytest.mark.parametrize("keep_stats", [False, True])
-def test_reducing_every_task_as_one_stack_changes_nothing(kind, keep_stats, monkeypatch):
+@pytest.mark.parametrize("form", [None, "P", "Q", "QQ"])
+def test_reducing_every_task_as_one_stack_changes_nothing(kind, keep_stats, form, monkeypatch):
     """One batch per task, pooled: every task's statistics are reduced as one stack (CLIP
-    preset: token weights in the last block, biases, LayerNorms); the model, the report and
-    the kept statistics (a preview) equal those of one task at a time."""
+    preset: token weights in the last block, biases, LayerNorms; each statistics form, or
+    the cheapest); the model, the report and the kept statistics (a preview) equal those of
+    one task at a time."""
     import featcal.engine as engine
+    from featcal import stats
 
+    if form is not None:
+        monkeypatch.setattr(stats, "cheapest_form", lambda *a, _f=form, **k: _f)
     base, experts, merged, data = _zoo(kind, n_tasks=3)
     one = {t: [torch.cat(bs)] for t, bs in data.items()}
     taken = []
