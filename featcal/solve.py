@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 import torch
 
-from featcal.stats import LinearMoments, add_gram, inner
+from featcal.stats import LinearMoments, add_gram, add_weighted, inner
 
 log = logging.getLogger(__name__)
 
@@ -95,72 +95,29 @@ def add_task(sys: LinearSystem, mom: LinearMoments, W_i: torch.Tensor, b_i: torc
 
     ``mom``: the task's sums (:func:`featcal.stats.linear_moments`); ``W_i`` ``(o, d)``,
     ``b_i`` ``(o,)`` or ``None``: expert i's parameters. With a leading task axis on all of
-    them (``mom`` of every task, ``W_i`` ``(T, o, d)``, ``b_i`` ``(T, o)``), every task at once.
+    them (``mom`` of every task, ``W_i`` ``(T, o, d)``, ``b_i`` ``(T, o)``), every task at once
+    (each sum over the tasks one operation); one task is a stack of one.
     """
-    if mom.w.dim():
-        return _add_tasks(sys, mom, W_i, b_i, eps)
+    if not mom.w.dim():
+        mom = replace(mom, **{f.name: getattr(mom, f.name)[None] for f in fields(mom)
+                              if torch.is_tensor(getattr(mom, f.name))})
+        W_i, b_i = W_i[None], None if b_i is None else b_i[None]
     dt = sys.S.dtype
-    W_i = W_i.to(dt)
-    w = float(mom.w)
-    s = w / max(float(mom.c_norm), eps * w)  # s_i = 1 / max(||C_i / w||_F, eps): C holds sums
-    f = s / w                                # sums -> s_i times means
-    if sys.owns_S:
-        add_gram(sys.S, mom.C, f, mom.edges)
-    if sys.alpha is None:
-        sys.U.add_(mom.CW, alpha=f)
-        sys.V.add_(mom.PW, alpha=f).add_(mom.CW, alpha=-f)
-    elif mom.T is not None:
-        sys.U.add_(mom.T, alpha=f)
-    else:
-        sys.U.add_(mom.CW, alpha=f * (1.0 - sys.alpha)).add_(mom.PW, alpha=f * sys.alpha)
-    sys.s_sum += s
-    mu_s, mu_e = mom.mu_s, mom.mu_e
-    sys.m_s.add_(mu_s, alpha=s)
-    Wmu_s = W_i @ mu_s                       # (o,)
-    Wmu_d = W_i @ (mu_e - mu_s)              # (o,)
-    sys.ub.add_(Wmu_s, alpha=s)
-    sys.vb.add_(Wmu_d, alpha=s)
-    sys.k_ee += f * mom.k_ee.to(dt)
-    sys.k_se += f * mom.k_se.to(dt)
-    sys.k_ss += f * mom.k_ss.to(dt)
-    if sys.k_mm is not None:
-        sys.k_mm = None if mom.k_mm is None else sys.k_mm + f * mom.k_mm.to(dt)
-    if b_i is not None:
-        b_i = b_i.to(dt)
-        sys.sb.add_(b_i, alpha=s)
-        sys.sbs = torch.cat([sys.sbs, s * b_i[None]])
-        sys.mus = torch.cat([sys.mus, mu_s[None]])
-        sys.c_s += s * (b_i @ Wmu_s)
-        sys.c_v += s * (b_i @ Wmu_d)
-        sys.bb += s * (b_i @ b_i)
-    sys.min_rows = mom.rows if sys.n_tasks == 0 else min(sys.min_rows, mom.rows)
-    sys.n_tasks += 1
-    return sys
-
-
-def _add_tasks(sys: LinearSystem, mom: LinearMoments, W: torch.Tensor, b: torch.Tensor | None,
-               eps: float) -> LinearSystem:
-    """:func:`add_task` for T tasks at once (each sum over tasks one operation)."""
-    dt = sys.S.dtype
-    W = W.to(dt)
+    W = W_i.to(dt)
     w = mom.w.to(dt)                                              # (T,)
-    s = w / torch.maximum(mom.c_norm.to(dt), eps * w)             # s_i, as in add_task
-    f = s / w
-
-    def fsum(x: torch.Tensor) -> torch.Tensor:
-        """``sum_t f_t x_t`` of a (T, d, o) stack in the weight layout, in that layout."""
-        return torch.tensordot(f, x.mT, 1).T
-
+    s = w / torch.maximum(mom.c_norm.to(dt), eps * w)  # s_i = 1 / max(||C_i / w||_F, eps): C holds sums
+    f = s / w                                          # sums -> s_i times means
+    U, V = sys.U.T, None if sys.V is None else sys.V.T             # (o, d) contiguous
+    CW, PW = (None if x is None else x.mT for x in (mom.CW, mom.PW))   # (T, o, d) contiguous
     if sys.owns_S:
         add_gram(sys.S, mom.C, f, mom.edges)
     if sys.alpha is None:
-        CW = fsum(mom.CW)
-        sys.U.add_(CW)
-        sys.V.add_(fsum(mom.PW)).sub_(CW)
+        add_weighted(U, CW, f)
+        add_weighted(add_weighted(V, PW, f), CW, -f)
     elif mom.T is not None:
-        sys.U.add_(fsum(mom.T))
+        add_weighted(U, mom.T.mT, f)
     else:
-        sys.U.add_(fsum(mom.CW), alpha=1.0 - sys.alpha).add_(fsum(mom.PW), alpha=sys.alpha)
+        add_weighted(add_weighted(U, CW, f * (1.0 - sys.alpha)), PW, f * sys.alpha)
     sys.s_sum += s.sum()
     mu_s, mu_e = mom.mu_s.to(dt), mom.mu_e.to(dt)                 # (T, d)
     sys.m_s.add_(s @ mu_s)
@@ -173,8 +130,8 @@ def _add_tasks(sys: LinearSystem, mom: LinearMoments, W: torch.Tensor, b: torch.
     sys.k_ss += f @ mom.k_ss.to(dt)
     if sys.k_mm is not None:
         sys.k_mm = None if mom.k_mm is None else sys.k_mm + f @ mom.k_mm.to(dt)
-    if b is not None:
-        b = b.to(dt)
+    if b_i is not None:
+        b = b_i.to(dt)
         sys.sb.add_(s @ b)
         sys.sbs = torch.cat([sys.sbs, s[:, None] * b])
         sys.mus = torch.cat([sys.mus, mu_s])

@@ -176,15 +176,21 @@ def gram_norm(C: torch.Tensor, edges: tuple[int, ...]) -> torch.Tensor:
     return sq.sqrt()
 
 
-def add_gram(S: torch.Tensor, C: torch.Tensor, alpha: float | torch.Tensor, edges: tuple[int, ...]) -> torch.Tensor:
-    """``S += alpha C`` on the upper block triangle (all that :func:`accumulate_gram` fills);
-    for a stack ``C`` ``(T, d, d)``, ``S += sum_t alpha_t C_t`` with ``alpha`` ``(T,)``."""
-    add = ((lambda out, x: out.add_(x, alpha=alpha)) if C.dim() == 2
-           else (lambda out, x: out.add_(torch.tensordot(alpha, x, 1))))
+def add_weighted(out: torch.Tensor, x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """``out += sum_t f_t x_t`` for a stack ``x`` ``(T, ...)`` and weights ``f`` ``(T,)``, in
+    place; one task is one scaled add (no temporary: wide systems are tens of MB)."""
+    if len(f) == 1:
+        return out.add_(x[0], alpha=float(f[0]))
+    return out.add_(torch.tensordot(f, x, 1))
+
+
+def add_gram(S: torch.Tensor, C: torch.Tensor, f: torch.Tensor, edges: tuple[int, ...]) -> torch.Tensor:
+    """``S += sum_t f_t C_t`` for a stack ``C`` ``(T, d, d)``, on the upper block triangle (all
+    that :func:`accumulate_gram` fills)."""
     if len(edges) <= 2:
-        return add(S, C)
+        return add_weighted(S, C, f)
     for lo, hi in zip(edges[:-1], edges[1:]):
-        add(S[lo:hi, lo:], C[..., lo:hi, lo:])
+        add_weighted(S[lo:hi, lo:], C[:, lo:hi, lo:], f)
     return S
 
 
