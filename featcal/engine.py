@@ -178,6 +178,16 @@ def _advance(blk, streams: dict[str, _Stream], pool, device, offload: bool, l: i
         st.cal = [cc.with_hidden(x) for cc, x in zip(st.cal, hs)]
 
 
+def _expert_step(eblk, targets, st: _Stream, b: int, device, offload: bool) -> Captured:
+    """Run expert i's block on its batch ``b`` with the targets' inputs captured, and move
+    that batch of its stream on to the block's output."""
+    ec = st.exp[b]
+    with capture(eblk, targets, outputs=True) as ce:
+        out = run_block(eblk, ec, device)
+    st.exp[b] = ec.with_hidden(out.cpu() if offload else out)
+    return ce
+
+
 def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, pool, cfg: FeatCalConfig,
                    device, warn_rows: list, alpha: float | None, scratch: dict) -> dict:
     """Step 1 for block ``l``: the snapshot statistics of every task, reduced task by task
@@ -192,18 +202,13 @@ def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, poo
     widths = [p[0].shape[-1] for t, p in zip(targets, merged_params.values()) if t.kind == arch.LINEAR]
     if _batchable(streams, pool, widths):
         tasks = list(streams)
-        ces = []
-        for task in tasks:
-            st = streams[task]
-            with capture(exp_blocks[task][l], targets, outputs=True) as ce:
-                out_e = run_block(exp_blocks[task][l], st.exp[0], device)
-            ces.append(ce)
-            st.exp[0] = st.exp[0].with_hidden(out_e.cpu() if cfg.offload_streams else out_e)
+        ces = [_expert_step(exp_blocks[task][l], targets, streams[task], 0, device, cfg.offload_streams)
+               for task in tasks]
         expert_params = {t.name: _stack_params([arch.get_params(exp_blocks[task][l], t) for task in tasks])
                          for t in targets}
         rows = streams[tasks[0]].cal[0].hidden.shape[:-1].numel()
         acc = BlockStats(cfg, l, n_blocks, targets, expert_params, merged_params, rows, alpha,
-                          reuse=scratch.pop("stack", None), lead=1)
+                         reuse=scratch.pop("stack", None), lead=1)
         acc.add(per_task(merged_cap, len(tasks)), stacked(ces), None)
         into.add(acc, expert_params, tasks[0])
         scratch["stack"] = acc.groups
@@ -216,17 +221,15 @@ def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, poo
         expert_params = {t.name: arch.get_params(eblk, t) for t in targets}
         rows = sum(c.hidden.shape[:-1].numel() for c in st.cal)
         acc = BlockStats(cfg, l, n_blocks, targets, expert_params, merged_params, rows, alpha,
-                          reuse=None if acc is None else acc.groups)
-        for b, (cc, ec) in enumerate(zip(st.cal, st.exp)):
+                         reuse=None if acc is None else acc.groups)
+        for b, cc in enumerate(st.cal):
             if caps is not None:
                 cs = caps.pop((task, b))
             else:
                 with capture(blk, targets, outputs=True) as cs:
                     run_block(blk, cc, device)
-            with capture(eblk, targets, outputs=True) as ce:
-                out_e = run_block(eblk, ec, device)
+            ce = _expert_step(eblk, targets, st, b, device, cfg.offload_streams)
             acc.add(cs, ce, cc.mask if cc.mask is None else cc.mask.to(device))
-            st.exp[b] = ec.with_hidden(out_e.cpu() if cfg.offload_streams else out_e)
         into.add(acc, expert_params, task)
     return into.finish()
 
