@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
+import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
@@ -40,12 +41,22 @@ LAYOUT = {"margin": {"l": 10, "r": 10, "t": 45, "b": 10}, "height": 400,
 # ----------------------------------------------------------------------------- shaping
 
 def per_block(df: pd.DataFrame, metrics: Iterable[str], task: str | None = None) -> pd.DataFrame:
-    """Wide frame indexed by block, one column per metric: task ``task``'s values, or the
-    mean over tasks when ``task`` is None."""
-    sel = df[df.metric.isin(list(metrics)) & (df.block >= 0)]
+    """Wide frame indexed by block, one column per metric (sorted by name): task ``task``'s
+    values, or the mean over tasks when ``task`` is None. In numpy, not a pandas groupby
+    (3 ms a call, eight per slider change on the Calibrate page)."""
+    metric, block = df.metric.to_numpy(), df.block.to_numpy()
+    keep = np.isin(metric, list(metrics)) & (block >= 0)
     if task is not None:
-        sel = sel[sel.task == task]
-    return sel.groupby(["block", "metric"])["value"].mean().unstack("metric").sort_index()
+        keep &= df.task.to_numpy() == task
+    names, col = np.unique(metric[keep], return_inverse=True)
+    blocks, row = np.unique(block[keep], return_inverse=True)
+    total = np.zeros((len(blocks), len(names)))
+    count = np.zeros((len(blocks), len(names)))
+    np.add.at(total, (row, col), df.value.to_numpy(dtype=float)[keep])
+    np.add.at(count, (row, col), 1.0)
+    with np.errstate(invalid="ignore"):
+        mean = total / count                       # NaN where a block has no value of a metric
+    return pd.DataFrame(mean, index=pd.Index(blocks, name="block"), columns=pd.Index(names, name="metric"))
 
 
 def block_task_grid(df: pd.DataFrame, metric: str) -> pd.DataFrame:

@@ -234,6 +234,26 @@ def test_drift_figures_from_a_tidy_frame():
     assert "<html" in figures.to_html(fig)[:200].lower()
 
 
+
+def test_per_block_is_the_mean_over_tasks_per_block_and_metric():
+    """The wide frame the drift charts read: what a pandas groupby-mean gives, block -1 left
+    out, NaN where a block lacks a metric, one task's values when one is named."""
+    from app import figures
+
+    df = _drift_frame()
+    df.loc[len(df)] = ("a", -1, "drift", 99.0)                  # whole-model rows are not blocks
+    df = df[~((df.task == "b") & (df.block == 2) & (df.metric == "mismatch"))]
+    df = df[~((df.block == 1) & (df.metric == "propagation"))]
+    for metrics, task in ((figures.NORMS, None), (figures.SQUARED, "b"), (["drift_rel", "nothing"], None)):
+        sel = df[df.metric.isin(list(metrics)) & (df.block >= 0)]
+        sel = sel if task is None else sel[sel.task == task]
+        want = sel.groupby(["block", "metric"])["value"].mean().unstack("metric").sort_index()
+        pd.testing.assert_frame_equal(figures.per_block(df, metrics, task), want, check_dtype=False,
+                                      check_index_type=False, check_column_type=False)
+    wide = figures.per_block(df, figures.NORMS)
+    assert wide.loc[2, "mismatch"] == 0.5 and pd.isna(wide.loc[1, "propagation"])
+    assert figures.per_block(df, ["nothing"]).empty
+
 def test_png_export_without_chromium_is_a_clear_message(tiny_zoo, monkeypatch):
     from app import figures
 
