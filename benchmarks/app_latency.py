@@ -202,7 +202,6 @@ def bench_browser(source: str, n: int, repeats: int) -> list[dict]:
             page = browser.new_page(viewport={"width": 1500, "height": 1200})
             page.goto(f"{url}/calibrate?{urllib.parse.urlencode(query)}")
             page.wait_for_selector('[data-testid="stMetricValue"]', timeout=900_000)
-            _browser_idle(page)
             for label, key in (("ridge strength", "log_lam"), ("anchor blend", "rho"),
                                ("target interpolation", "alpha")):
                 xs, first = [], []
