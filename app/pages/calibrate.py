@@ -116,6 +116,7 @@ with ui.status(f"Running exact forward-order FeatCal: {cal.label}…", status_sl
     cal_scores = state.scores(source, fp, ref, limit)
     charts = show("exact", cal_scores, merged_summary, f"{cal.label} · {run.report.summary()}")
     show_drift(charts, "exact", heldout_job.result())
+    # Written after both charts: benchmarks/app_latency.py stops its clock on "Exact FeatCal done".
     s.update(label=f"Exact FeatCal done: {cal.label} · {len(run.report.modules)} modules in "
                    f"{len(run.report.blocks)} blocks, {run.seconds:.2f} s", state="complete")
 
