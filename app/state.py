@@ -65,13 +65,14 @@ def zoo_picker() -> str:
 device = compute.device
 
 
-_THREADS: dict[str, int] = {}   # torch CPU threads per zoo source (see torch_lock)
+_THREADS: dict[tuple[str, bool], int] = {}   # torch CPU threads per (zoo source, alone) (see torch_lock)
 
 
 @st.cache_resource(max_entries=2, show_spinner="Loading the zoo (the demo builds offline on first use, ~3 min)…")
 def _zoo(source: str, dev: str):
     zoo = compute.load_zoo(source, dev)
-    _THREADS[source] = compute.cpu_threads(zoo, dev)
+    for alone in (False, True):
+        _THREADS[source, alone] = compute.cpu_threads(zoo, dev, alone)
     return zoo
 
 
@@ -123,24 +124,25 @@ def _scratch_lock() -> threading.RLock:
     return threading.RLock()
 
 
-def _set_threads(source: str | None) -> None:
+def _set_threads(source: str | None, alone: bool = False) -> None:
     if source is None:
         try:
             source = st.session_state.get("_zoo_source")
         except Exception:  # noqa: BLE001 — a worker thread has no session
             source = None
-    threads = _THREADS.get(source or "") or (min(_THREADS.values()) if _THREADS else None)
+    threads = _THREADS.get((source or "", alone)) or (min(_THREADS.values()) if _THREADS else None)
     if threads:
         torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager
-def torch_lock(source: str | None = None, lock=None) -> Iterator[None]:
+def torch_lock(source: str | None = None, lock=None, alone: bool = False) -> Iterator[None]:
     """Run torch work on the shared models: one at a time (``lock``, by default the one
     every hook-setting or shared-model computation takes; a ``nullcontext`` for none),
-    without autograd, with the zoo's CPU thread count (set on every call: it is per thread)."""
+    without autograd, with the zoo's CPU thread count (set on every call: it is per thread;
+    ``alone``: for work that has the machine to itself, :func:`app.compute.cpu_threads`)."""
     with (lock or _lock()), torch.no_grad():
-        _set_threads(source)
+        _set_threads(source, alone)
         yield
 
 
@@ -214,7 +216,7 @@ def calibrated(source: str, fp: str, merger: Merger, cal: CalSettings) -> Calibr
     zoo = _zoo(source, device())
     merged = merged_model(source, fp, merger)
     data = calib_data(source, fp, cal.n)
-    with torch_lock(source):
+    with torch_lock(source, alone=True):      # nothing runs beside it until the preview's deadline
         t0 = time.perf_counter()
         model, report = compute.calibrate(merged, zoo, data, cal.lam, cal.rho, cal.alpha, cal.bias, cal.layernorm)
         run = Calibrated(model, report, time.perf_counter() - t0)

@@ -309,3 +309,17 @@ def test_a_spec_with_missing_models_lists_them():
     at = _app(None, zoo="assets/zoos/clip-vit-b32-ta8.yaml").run()
     assert not at.exception
     assert at.error and "not on this machine" in at.error[0].value and "fix" in at.error[0].value
+
+
+def test_small_models_pair_work_on_one_thread_each_and_run_alone_on_every_core(tiny_zoo, monkeypatch):
+    from app import compute
+
+    zoo = compute.load_zoo(tiny_zoo, "cpu")
+    monkeypatch.delenv("FEATCAL_APP_THREADS", raising=False)
+    monkeypatch.setattr(compute.os, "cpu_count", lambda: 6)
+    assert compute.cpu_threads(zoo, "cpu") == 1
+    assert compute.cpu_threads(zoo, "cpu", alone=True) == 6
+    monkeypatch.setattr(compute, "SMALL_MODEL", 0)             # a big model: every core either way
+    assert compute.cpu_threads(zoo, "cpu") == 6
+    monkeypatch.setenv("FEATCAL_APP_THREADS", "3")             # the user's choice wins for both
+    assert compute.cpu_threads(zoo, "cpu") == compute.cpu_threads(zoo, "cpu", alone=True) == 3
