@@ -67,12 +67,15 @@ def _prepare_streams(model: nn.Module, blocks: nn.ModuleList, experts: Mapping[s
 
 def _solve_block(l: int, targets, systems, blk, base_blk, cfg: FeatCalConfig, report: CalibrationReport,
                  keep: list | None) -> None:
-    """Solve every target of block ``l`` from the snapshot, then load them all."""
+    """Solve every target of block ``l`` from the snapshot, then load them all (the merged
+    parameters are read as views until then; copied only when ``keep`` holds on to them)."""
     new_params = []
     factors: dict = {}                      # one factorisation per shared S (q/k/v)
     for t in targets:
         t0 = time.perf_counter()
-        W_mer, b_mer = (p.clone() if p is not None else None for p in arch.get_params(blk, t))
+        W_mer, b_mer = arch.get_params(blk, t)
+        if keep is not None:
+            W_mer, b_mer = W_mer.clone(), None if b_mer is None else b_mer.clone()
         W_0, b_0 = arch.get_params(base_blk, t)
         W_0 = W_0.to(W_mer.device)
         b_0 = None if b_0 is None else b_0.to(W_mer.device)

@@ -178,9 +178,13 @@ def gram_norm(C: torch.Tensor, edges: tuple[int, ...]) -> torch.Tensor:
 
 def add_weighted(out: torch.Tensor, x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     """``out += sum_t f_t x_t`` for a stack ``x`` ``(T, ...)`` and weights ``f`` ``(T,)``, in
-    place; one task is one scaled add (no temporary: wide systems are tens of MB)."""
-    if len(f) == 1:
-        return out.add_(x[0], alpha=float(f[0]))
+    place; one task is one scaled add (no temporary: wide systems are tens of MB), and so
+    is each task of a strided ``x`` (a tile of a stack of Gram matrices, which a product
+    with ``f`` would first copy whole: 4 x 3072^2 in tiles, 9.9 ms against 14.6 ms)."""
+    if len(f) == 1 or not x.is_contiguous():
+        for x_t, f_t in zip(x, f.tolist()):
+            out.add_(x_t, alpha=f_t)
+        return out
     return out.add_(torch.tensordot(f, x, 1))
 
 

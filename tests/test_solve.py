@@ -232,3 +232,16 @@ def test_inner_of_stacks_is_one_sum_per_matrix():
         assert torch.allclose(stats.inner(x, y), ref)
     assert torch.allclose(stats.inner(a, b), want)
     assert torch.allclose(stats.inner(a[0], b[0]), want[0])              # one matrix: a scalar
+
+
+def test_add_weighted_on_strided_tiles_equals_the_weighted_sum():
+    gen = torch.Generator().manual_seed(9)
+    x, f = torch.randn(3, 8, 10, generator=gen), torch.rand(3, generator=gen)
+    out = torch.randn(8, 10, generator=gen)
+    want = out + (f[:, None, None] * x).sum(0)
+    tile = x[:, 2:5, 4:]                       # a strided tile of the stack
+    got = out.clone()
+    stats.add_weighted(got[2:5, 4:], tile, f)
+    assert torch.allclose(got[2:5, 4:], want[2:5, 4:], atol=1e-6)
+    assert torch.equal(got[:2], out[:2])
+    assert torch.allclose(stats.add_weighted(out.clone(), x, f), want, atol=1e-6)   # contiguous: one product

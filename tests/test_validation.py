@@ -115,3 +115,19 @@ def test_config_rejects_invalid_values():
         FeatCalConfig(stats_dtype=torch.float16)
     with pytest.raises(ValueError, match="nothing to calibrate"):
         FeatCalConfig(linear=False, layernorm=False)
+
+
+@pytest.mark.parametrize("value, bad", [(float("nan"), True), (float("-inf"), True), (3e38, False)])
+def test_large_parameters_are_checked_exactly(value, bad):
+    """Large parameters are checked through their sum; a sum that overflows on finite
+    values (3e38 + 3e38) is not mistaken for NaN/Inf."""
+    from featcal import validate
+
+    p = torch.zeros(validate.SMALL * 2)
+    p[7] = p[-1] = value
+    params = {"blocks.3.mlp.fc1.weight": p}
+    if bad:
+        with pytest.raises(FloatingPointError, match=r"expert 't0'.*block 3, module mlp.fc1"):
+            validate._finite_params(params, "expert 't0'", "blocks")
+    else:
+        validate._finite_params(params, "expert 't0'", "blocks")
