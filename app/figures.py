@@ -7,7 +7,8 @@ one-second budget cannot afford).
 
 No Streamlit and no model here. The drift tables are :func:`diagnostics.drift_table`'s
 tidy frames (``task``, ``block``, ``metric``, ``value``); accuracy tables are tidy
-``task``, ``model``, ``accuracy``. Every function returns a new ``go.Figure``.
+``task``, ``model``, ``accuracy``. Every function returns a new ``go.Figure``, except
+:func:`task_accuracy_table`, a markdown table.
 """
 from __future__ import annotations
 
@@ -108,15 +109,35 @@ def _title(text: str) -> dict:
     return {"text": text, "font": {"size": 15}}
 
 
+# ----------------------------------------------------------------------------- tables
+
+def task_accuracy_table(before: pd.DataFrame, after: pd.DataFrame, name: str) -> str:
+    """Accuracy per task (rows of ``task_summary`` frames, column ``accuracy``) of the merged
+    model and of ``name``, with the change in points, as one markdown table: one element for
+    the browser to draw on every slider change (a metric per task was seven metrics in eight
+    column containers)."""
+    tasks = list(after.index)
+    color = lambda d: "green" if d > 0.05 else "red" if d < -0.05 else "gray"  # noqa: E731
+    cells = [f"{after.accuracy[t]:.1f}% :{color(d)}[{d:+.1f}]"
+             for t, d in ((t, after.accuracy[t] - before.accuracy[t]) for t in tasks)]
+    return "\n".join([f"| accuracy per task | {' | '.join(tasks)} |",
+                      "|:--|" + "--:|" * len(tasks),
+                      f"| merged | {' | '.join(f'{before.accuracy[t]:.1f}%' for t in tasks)} |",
+                      f"| {name} (Δ pp) | {' | '.join(cells)} |"])
+
+
 # ----------------------------------------------------------------------------- drift
 
 def drift_decomposition(df: pd.DataFrame, title: str, task: str | None = None,
                         sq_range: tuple[float, float] | None = None,
                         norm_range: tuple[float, float] | None = None,
-                        selected_block: int | None = None) -> go.Figure:
+                        selected_block: int | None = None,
+                        reference: tuple[str, pd.DataFrame] | None = None) -> go.Figure:
     """Per block: the squared drift split additively, ``|e|^2 = <e, m> + <e, p>``, as stacked
     bars (left axis), and the norms ``|e|``, ``|m|``, ``|p|`` as lines (right axis; norms do
-    not add). Means over rows, and over tasks unless ``task`` is given."""
+    not add). Means over rows, and over tasks unless ``task`` is given. ``reference``:
+    ``(name, drift frame)`` of another model (the merged one) whose ``|e|^2`` is drawn as
+    hollow markers over the bars and whose ``|e|`` as a grey dashed line."""
     sq = per_block(df, SQUARED, task)
     nm = per_block(df, NORMS, task)
     blocks = [int(b) for b in sq.index]
@@ -133,6 +154,19 @@ def drift_decomposition(df: pd.DataFrame, title: str, task: str | None = None,
                          "name": label, "mode": "lines+markers", "yaxis": "y2",
                          "line": {"color": COLORS[metric], "dash": "solid" if metric == "drift" else "dot"},
                          "hovertemplate": "block %{x}<br>" + label + " %{y:.4g}<extra></extra>"})
+    if reference is not None:
+        name, ref = reference
+        sq_ref, nm_ref = per_block(ref, SQUARED, task).sum(axis=1, min_count=1), per_block(ref, ["drift"], task)
+        data.append({"type": "scatter", "x": [int(b) for b in sq_ref.index], "y": sq_ref.tolist(),
+                     "name": f"{name}: |e|^2", "mode": "markers",
+                     "marker": {"symbol": "line-ew-open", "size": 28, "color": COLORS["merged"],
+                                "line": {"width": 3, "color": COLORS["merged"]}},
+                     "hovertemplate": "block %{x}<br>" + name + " |e|^2 %{y:.4g}<extra></extra>"})
+        if "drift" in nm_ref:
+            data.append({"type": "scatter", "x": [int(b) for b in nm_ref.index], "y": nm_ref["drift"].tolist(),
+                         "name": f"{name}: |e|", "mode": "lines", "yaxis": "y2",
+                         "line": {"color": COLORS["base"], "dash": "dash"},
+                         "hovertemplate": "block %{x}<br>" + name + " |e| %{y:.4g}<extra></extra>"})
     return _figure(data, {
         "title": _title(title), "barmode": "relative", "clickmode": "event+select",
         "xaxis": {"title": {"text": "block"}, "dtick": 1},

@@ -92,11 +92,11 @@ def test_preview_then_exact_result_is_shown(tiny_zoo):
 
 def test_the_table_and_residuals_are_drawn_only_when_opened(tiny_zoo):
     at = _page(_app(tiny_zoo).run(), "calibrate")
-    assert len(at.get("plotly_chart")) == 2 and not at.dataframe        # the two drift charts only
+    assert len(at.get("plotly_chart")) == 1 and not at.dataframe        # the drift chart only
     at.session_state["cal_residuals_open"] = True                       # what a click on them does
     at.session_state["cal_table_exact"] = True
     _ok(at.run())
-    assert len(at.get("plotly_chart")) == 3 and len(at.dataframe) == 1
+    assert len(at.get("plotly_chart")) == 2 and len(at.dataframe) == 1
     assert any("Exact FeatCal done" in c.value for c in at.caption)      # the status line
 
 
@@ -233,6 +233,30 @@ def test_drift_figures_from_a_tidy_frame():
     assert hi >= 18.0 and lo == 0.0
     assert "<html" in figures.to_html(fig)[:200].lower()
 
+
+
+def test_a_reference_models_drift_is_drawn_over_the_bars():
+    from app import figures
+
+    df = _drift_frame()
+    ref = df.assign(value=df.value * 2)
+    fig = figures.drift_decomposition(df, "t", reference=("merged", ref))
+    marks = next(t for t in fig.data if t.name == "merged: |e|^2")
+    assert list(marks.y) == pytest.approx([2.0, 8.0, 18.0])             # 2 x (0.4 + 0.6) e^2, e = 1, 2, 3
+    line = next(t for t in fig.data if t.name == "merged: |e|")
+    assert list(line.y) == pytest.approx([2.0, 4.0, 6.0]) and line.yaxis == "y2"
+    assert len(fig.data) == len(figures.drift_decomposition(df, "t").data) + 2
+
+
+def test_task_accuracy_table_has_every_task_and_signed_changes():
+    from app import figures
+
+    before = pd.DataFrame({"accuracy": [50.0, 80.0, 70.0]}, index=["a", "b", "c"])
+    after = pd.DataFrame({"accuracy": [62.5, 75.0, 70.0]}, index=["a", "b", "c"])
+    lines = figures.task_accuracy_table(before, after, "calibrated").splitlines()
+    assert lines[0] == "| accuracy per task | a | b | c |" and lines[1] == "|:--|--:|--:|--:|"
+    assert lines[2] == "| merged | 50.0% | 80.0% | 70.0% |"
+    assert lines[3] == "| calibrated (Δ pp) | 62.5% :green[+12.5] | 75.0% :red[-5.0] | 70.0% :gray[+0.0] |"
 
 
 def test_per_block_is_the_mean_over_tasks_per_block_and_metric():

@@ -51,14 +51,7 @@ def show(kind: str, sc: dict, ref_summary: pd.DataFrame, note: str):
                        f"{after.kl.mean() - before.kl.mean():+.4f}", delta_color="inverse")
         cols[4].metric("top-1 agreement", f"{after.agreement.mean():.2f}%",
                        f"{after.agreement.mean() - before.agreement.mean():+.2f} pp")
-        st.markdown("**Accuracy per task** (merged → calibrated)")
-        per_row = 7
-        tasks = list(after.index)
-        for i in range(0, len(tasks), per_row):
-            row = st.columns(per_row)
-            for col, task in zip(row, tasks[i:i + per_row]):
-                col.metric(task, f"{after.accuracy[task]:.1f}%",
-                           f"{after.accuracy[task] - before.accuracy[task]:+.1f} pp")
+        st.markdown(figures.task_accuracy_table(before, after, "preview" if kind == "preview" else "calibrated"))
         box = st.expander("per-task table (accuracy, KL, agreement, cosines)", key=f"cal_table_{kind}",
                           on_change="rerun")
         if box.open:                     # drawn only when open: the browser's rendering is part of the 1 s
@@ -69,14 +62,14 @@ def show(kind: str, sc: dict, ref_summary: pd.DataFrame, note: str):
 
 
 def show_drift(slot, kind: str, drift: pd.DataFrame) -> None:
-    """The merged and the ``kind`` model's drift per block, side by side on one scale."""
-    c1, c2 = slot.container().columns(2)
+    """The ``kind`` model's drift per block, the merged model's drawn over it on one scale
+    (one chart: a second, unchanged one was redrawn by the browser on every change, ~0.08 s;
+    the Drift page has both side by side)."""
     rng = figures.value_range([merged_drift, drift], figures.SQUARED, stacked=True)
     nrng = figures.value_range([merged_drift, drift], figures.NORMS)
-    c1.plotly_chart(figures.drift_decomposition(merged_drift, "merged: drift per block", sq_range=rng,
-                                                norm_range=nrng), key=f"cal_dm_{kind}")
-    c2.plotly_chart(figures.drift_decomposition(drift, f"calibrated ({kind}): drift per block", sq_range=rng,
-                                                norm_range=nrng), key=f"cal_dc_{kind}")
+    slot.plotly_chart(figures.drift_decomposition(drift, f"calibrated ({kind}) vs merged: drift per block",
+                                                  sq_range=rng, norm_range=nrng,
+                                                  reference=("merged", merged_drift)), key=f"cal_drift_{kind}")
 
 
 # 1. The merged model's numbers (cached across every setting).
@@ -116,7 +109,7 @@ with ui.status(f"Running exact forward-order FeatCal: {cal.label}…", status_sl
     cal_scores = state.scores(source, fp, ref, limit)
     charts = show("exact", cal_scores, merged_summary, f"{cal.label} · {run.report.summary()}")
     show_drift(charts, "exact", heldout_job.result())
-    # Written after both charts: benchmarks/app_latency.py stops its clock on "Exact FeatCal done".
+    # Written after the drift chart: benchmarks/app_latency.py stops its clock on "Exact FeatCal done".
     s.update(label=f"Exact FeatCal done: {cal.label} · {len(run.report.modules)} modules in "
                    f"{len(run.report.blocks)} blocks, {run.seconds:.2f} s", state="complete")
 
