@@ -201,13 +201,28 @@ def output_scores(model: nn.Module, zoo, side: ExpertSide, batch_size: int = 256
 @torch.no_grad()
 def cosine_scores(model: nn.Module, zoo, data: dict, side: ExpertSide) -> pd.DataFrame:
     """:func:`diagnostics.expert_cosine`'s table from the experts' cached features."""
+    feats = features_on_device(zoo)
+    model.eval()
+    return _cosine_frame({task: [feats(model, b).cpu() for b in batches] for task, batches in data.items()}, side)
+
+
+@torch.no_grad()
+def cosine_scores_and_streams(model: nn.Module, zoo, data: dict, side: ExpertSide):
+    """``(cosine_scores' table, the model's streams on data)``: the streams kept while its
+    features are read (:func:`diagnostics.streams_while`), for :func:`drift`'s ``own``."""
+    from diagnostics import streams_while
+
+    feats = features_on_device(zoo)
+    results, own = streams_while(model, data, lambda m, b: feats(m, b).cpu())
+    return _cosine_frame(results, side), own
+
+
+def _cosine_frame(features: dict[str, list[torch.Tensor]], side: ExpertSide) -> pd.DataFrame:
     from diagnostics.similarity import cosine_rows
 
-    model.eval()
-    feats = features_on_device(zoo)
     frames = []
-    for task, batches in data.items():
-        f_mod = torch.cat([feats(model, b).cpu() for b in batches])      # (n, d)
+    for task, per_batch in features.items():
+        f_mod = torch.cat(per_batch)                                      # (n, d)
         f_exp = torch.cat(side.features[task])                            # (n, d)
         cos = cosine_rows(f_mod.reshape(len(f_mod), -1), f_exp.reshape(len(f_exp), -1))
         frames.append(pd.DataFrame({"task": task, "block": -1, "example": range(len(cos)),
@@ -224,11 +239,12 @@ def features_on_device(zoo):
     return lambda model, batch: zoo.features(model, to_device(batch, device_of(model)))
 
 
-def drift(model: nn.Module, zoo, data: dict, cache=None) -> pd.DataFrame:
-    """:func:`diagnostics.drift_table` (no CKA); ``cache``: :func:`expert_streams` of ``data``."""
+def drift(model: nn.Module, zoo, data: dict, cache=None, own=None) -> pd.DataFrame:
+    """:func:`diagnostics.drift_table` (no CKA); ``cache``: :func:`expert_streams` of ``data``;
+    ``own``: the model's streams on ``data`` (:func:`cosine_scores_and_streams`)."""
     from diagnostics import drift_table
 
-    return drift_table(model, zoo.experts, data, cka=False, expert_cache=cache)
+    return drift_table(model, zoo.experts, data, cka=False, expert_cache=cache, model_cache=own)
 
 
 @torch.no_grad()

@@ -340,15 +340,29 @@ def output_scores(source: str, fp: str, ref: tuple, max_per_task: int | None = L
         return compute.output_scores(model, zoo, side)
 
 
+_OWN_STREAMS: OrderedDict[tuple, object] = OrderedDict()   # (source, fp, ref) -> the model's held-out streams
+_OWN_LOCK = threading.Lock()
+
+
 @st.cache_data(max_entries=256, show_spinner=False)
 def cosine_scores(source: str, fp: str, ref: tuple) -> pd.DataFrame:
     """Expert cosine on the held-out subset (the experts' features do not depend on the
-    test subset's size, so any cached side serves)."""
+    test subset's size, so any cached side serves). Unless the model is a preview, its
+    streams are kept on the way (when the experts' are) for its :func:`drift`, which then
+    runs its blocks only on the experts' streams (the worker computes the two in turn)."""
     zoo = _zoo(source, device())
     data = diag_data(source, fp)
     side = expert_side(source, fp, LIVE_TEST)
-    with model_of(source, fp, ref, hooks=False) as model:
-        return compute.cosine_scores(model, zoo, data, side)
+    keep = ref[0] != "preview" and expert_streams(source, fp) is not None
+    with model_of(source, fp, ref, hooks=keep) as model:
+        if not keep:
+            return compute.cosine_scores(model, zoo, data, side)
+        frame, own = compute.cosine_scores_and_streams(model, zoo, data, side)
+    with _OWN_LOCK:
+        _OWN_STREAMS[(source, fp, ref)] = own
+        while len(_OWN_STREAMS) > 2:
+            _OWN_STREAMS.popitem(last=False)
+    return frame
 
 
 def scores(source: str, fp: str, ref: tuple, max_per_task: int | None = LIVE_TEST) -> dict[str, pd.DataFrame]:
@@ -373,8 +387,10 @@ def drift(source: str, fp: str, ref: tuple) -> pd.DataFrame:
     zoo = _zoo(source, device())
     data = diag_data(source, fp)
     cache = expert_streams(source, fp)
+    with _OWN_LOCK:
+        own = _OWN_STREAMS.pop((source, fp, ref), None)     # kept by cosine_scores, else none
     with model_of(source, fp, ref) as model:
-        return compute.drift(model, zoo, data, cache)
+        return compute.drift(model, zoo, data, cache, own)
 
 
 @st.cache_data(max_entries=8, show_spinner=False)

@@ -7,7 +7,8 @@ every one runs the exact forward-order FeatCal (nothing served from the cache):
    Streamlit: the instant preview's scores (which the app computes only when the exact run
    is slow, timed here on their own), the exact calibration alone on a worker thread with
    the threads the app gives it, then the new model's output scores beside its expert
-   cosines and drift, with the experts' streams cached as the app keeps them. Besides wall
+   cosines and drift (the drift reusing the model's streams kept while its features were
+   read for the cosines, and the experts' streams cached as the app keeps them). Besides wall
    time, each piece's CPU time (``time.thread_time``): on a shared machine wall time mostly
    measures the other processes, while the CPU seconds on the critical path,
    ``calibrate + max(scores, drift)``, are what two free cores would take (the calibration runs on
@@ -22,8 +23,8 @@ every one runs the exact forward-order FeatCal (nothing served from the cache):
    measure) and, separately, from an arrow key press on the focused thumb (which the
    browser holds ~0.24 s before sending it to the server), until the metric text has
    changed ("first new numbers") and until the page's status line reports the exact run
-   done, which the page writes after both drift charts, plus two animation frames for the
-   browser to paint them ("exact result, plots drawn": what a user waits for).
+   done, which the page writes after its drift chart, plus two animation frames for the
+   browser to paint it ("exact result, plots drawn": what a user waits for).
 
     python benchmarks/app_latency.py                 # parts + apptest on the demo zoo
     python benchmarks/app_latency.py --browser       # + the real browser
@@ -63,7 +64,7 @@ def bench_parts(source: str, n: int, repeats: int) -> list[dict]:
     """The app's work for one slider change, piece by piece, as :mod:`app.state` runs it:
     the preview's scores (only when the exact run is slow; timed on their own), the exact
     calibration alone on the worker thread, then the exact model's expert cosines and drift
-    (worker, the drift on a copy) and its output scores (here) side by side."""
+    (worker; the hooked passes on copies) and its output scores (here) side by side."""
     import copy
 
     import torch
@@ -108,8 +109,8 @@ def bench_parts(source: str, n: int, repeats: int) -> list[dict]:
         torch.set_num_threads(threads)
         with torch.no_grad():
             a = clock()
-            compute.cosine_scores(model, zoo, diag, side)
-            compute.drift(copy.deepcopy(model), zoo, diag, streams)
+            _, own = compute.cosine_scores_and_streams(copy.deepcopy(model), zoo, diag, side)   # hooks: a copy
+            compute.drift(copy.deepcopy(model), zoo, diag, streams, own)
             b = clock()
             return b[0] - a[0], b[1] - a[1]
 
@@ -133,7 +134,7 @@ def bench_parts(source: str, n: int, repeats: int) -> list[dict]:
             for name, v in zip(pieces, parts):
                 d[name].append(v)
             d["preview shown"].append(parts[0] + parts[1] if j else c2[0] - c0[0])
-            # CPU: the critical path on two free cores (outputs beside cosines and drift).
+            # CPU: the critical path on two free cores (outputs beside the worker's share).
             d["exact shown"].append(parts[2] + max(parts[3], parts[4]) if j else cal[0] + c5[0] - c3[0])
     pool.shutdown()
     rows = []

@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from diagnostics.similarity import TOKENS, CKASums, accumulate_cka, cosine_rows, linear_cka, pool_examples
 from featcal.arch import resolve_blocks
-from featcal.streams import BlockCall, catch_block_inputs, device_of, run_block
+from featcal.streams import BlockCall, block_call, catch_block_inputs, device_of, run_block
 from featcal.validate import check_same_params
 
 COLUMNS = ["task", "block", "metric", "value"]
@@ -69,15 +69,20 @@ class DriftTokens:
 
 @torch.no_grad()
 def drift_tokens(block_mod: nn.Module, block_exp: nn.Module | None, call_mod: BlockCall, call_exp: BlockCall,
-                 device: torch.device | None = None, h_exp: torch.Tensor | None = None) -> DriftTokens:
+                 device: torch.device | None = None, h_exp: torch.Tensor | None = None,
+                 h_mod: torch.Tensor | None = None) -> DriftTokens:
     """Run block l of the model and of the expert on their own streams, plus the one
     extra call ``f_mod,l(h_exp,l-1)`` (the model's block, with the model's other block
     arguments, on the expert's stream), and return ``e``, ``m``, ``p`` per token.
 
     Three block calls: model twice, expert once (none when its output ``h_exp`` is given,
-    e.g. from :func:`expert_streams`).
+    e.g. from :func:`expert_streams`; the model once when its own output ``h_mod`` is, e.g.
+    from :func:`streams_while`).
     """
-    h_mod = run_block(block_mod, call_mod, device)                                  # f_mod,l(h_mod,l-1)
+    if h_mod is None:
+        h_mod = run_block(block_mod, call_mod, device)                              # f_mod,l(h_mod,l-1)
+    elif device is not None:
+        h_mod = h_mod.to(device)
     if h_exp is None:
         h_exp = run_block(block_exp, call_exp, device)                              # f_exp,l(h_exp,l-1)
     h_exp = h_exp.to(h_mod.device)
@@ -244,22 +249,25 @@ def _expert_calls(expert: nn.Module, eblks: nn.ModuleList, batches: list, keep) 
 
 def _task_rows(task: str, model: nn.Module, expert: nn.Module, blks: nn.ModuleList, eblks: nn.ModuleList,
                batches: list, tokens: str, cka: bool, offload: bool, bar,
-               cached: list[list[BlockCall]] | None = None) -> list[tuple]:
+               cached: list[list[BlockCall]] | None = None,
+               own: list[list[BlockCall]] | None = None) -> list[tuple]:
     """Steps 1-3 for one task: catch both streams at block 0, then per block reduce every
-    batch's drift and advance both streams (the expert's from ``cached``, when given:
-    :attr:`ExpertStreams.calls` of this task)."""
+    batch's drift and advance both streams (the expert's from ``cached``, the model's from
+    ``own``, when given: :attr:`ExpertStreams.calls` of this task)."""
     device = device_of(model)
     keep = (lambda h: h.cpu()) if offload else (lambda h: h)  # noqa: E731
     sizes = [batch_len(b) for b in batches]
     # 1. Both stems, once per batch.
-    mod = [c.with_hidden(keep(c.hidden)) for c in (catch_block_inputs(model, blks[0], b) for b in batches)]
+    mod = list(own[0]) if own is not None else \
+        [c.with_hidden(keep(c.hidden)) for c in (catch_block_inputs(model, blks[0], b) for b in batches)]
     exp = cached[0] if cached is not None else _expert_calls(expert, eblks, batches, keep)
     rows: list[tuple] = []
     for l, (blk, eblk) in enumerate(zip(blks, eblks)):
         acc: BlockSums | None = None
         for j, (cm, ce) in enumerate(zip(mod, exp)):
             # 2. Three block calls (two with cached expert streams), reduced at once.
-            dt = drift_tokens(blk, eblk, cm, ce, device, None if cached is None else cached[l + 1][j].hidden)
+            dt = drift_tokens(blk, eblk, cm, ce, device, None if cached is None else cached[l + 1][j].hidden,
+                              None if own is None else own[l + 1][j].hidden)
             if acc is None:
                 acc = BlockSums.zeros(dt.e.shape[-1], dt.e.device, cka)
             acc.add(dt, sizes[j], tokens, cm.mask)
@@ -278,7 +286,8 @@ def _task_rows(task: str, model: nn.Module, expert: nn.Module, blks: nn.ModuleLi
 class ExpertStreams:
     """Every expert's stream on its data at every block (its block inputs, and the last
     block's output): what :func:`drift_table` needs of the experts, which does not depend
-    on the diagnosed model. Holds ``tasks x batches x (blocks + 1)`` hidden states."""
+    on the diagnosed model. Holds ``tasks x batches x (blocks + 1)`` hidden states.
+    :func:`streams_while` keeps one model's streams on every task's data the same way."""
 
     blocks: str
     calls: dict[str, list[list[BlockCall]]]   # task -> [l = 0..L] -> batch -> expert i's block-l input
@@ -311,10 +320,55 @@ def expert_streams(experts: Mapping[str, nn.Module], data: Mapping[str, list], b
 
 
 @torch.no_grad()
+def streams_while(model: nn.Module, data: Mapping[str, list], fn, blocks: str | None = None,
+                  offload: bool = False) -> tuple[dict[str, list], ExpertStreams]:
+    """Call ``fn(model, batch)`` on every batch of ``data`` (reading its features, say) and
+    keep the model's stream at every block on the way: ``({task: [fn's result per batch]},
+    streams)``, the streams as :func:`expert_streams` keeps an expert's. Given to
+    :func:`drift_table` as ``model_cache``, they spare the diagnosed model's blocks their
+    pass over its own stream (one block call in three). ``fn`` must run every block once."""
+    path, blks = resolve_blocks(model, blocks)
+    keep = (lambda h: h.cpu()) if offload else (lambda h: h)  # noqa: E731
+    results: dict[str, list] = {}
+    calls: dict[str, list[list[BlockCall]]] = {}
+    with eval_mode(model):
+        for task, batches in data.items():
+            outs, per_block = [], [[] for _ in range(len(blks) + 1)]
+            for batch in batches:
+                seen: dict = {}
+
+                def first(_mod, args, kwargs):
+                    seen.setdefault("call", (args, kwargs))
+
+                def after(l: int):
+                    def hook(_mod, _args, out):
+                        seen[l] = keep(out[0] if isinstance(out, (tuple, list)) else out)
+                    return hook
+
+                handles = [blks[0].register_forward_pre_hook(first, with_kwargs=True)]
+                handles += [blk.register_forward_hook(after(l)) for l, blk in enumerate(blks)]
+                try:
+                    outs.append(fn(model, batch))
+                finally:
+                    for h in handles:
+                        h.remove()
+                if "call" not in seen or any(l not in seen for l in range(len(blks))):
+                    raise RuntimeError(f"fn(model, batch) did not run every block of {path!r}; "
+                                       "streams_while needs a function that runs the whole model.")
+                call = block_call(*seen["call"], batch)
+                per_block[0].append(call.with_hidden(keep(call.hidden)))
+                for l in range(len(blks)):
+                    per_block[l + 1].append(call.with_hidden(seen[l]))
+            results[task], calls[task] = outs, per_block
+    return results, ExpertStreams(path, calls)
+
+
+@torch.no_grad()
 def drift_table(model: nn.Module, experts: Mapping[str, nn.Module], data: Mapping[str, list],
                 blocks: str | None = None, tokens: str = "all", progress: bool = False, cka: bool = True,
                 offload: bool = False, model_name: str | None = None,
-                expert_cache: ExpertStreams | None = None) -> pd.DataFrame:
+                expert_cache: ExpertStreams | None = None, model_cache: ExpertStreams | None = None
+                ) -> pd.DataFrame:
     """Per task and block, the drift of ``model`` from expert i and its split into local
     mismatch and upstream propagation, plus the cosine and CKA of block outputs.
 
@@ -334,6 +388,8 @@ def drift_table(model: nn.Module, experts: Mapping[str, nn.Module], data: Mappin
         model_name: when given, a leading ``model`` column holding it.
         expert_cache: :func:`expert_streams` of ``experts`` on ``data`` (same blocks): the
             experts' blocks are then not run (one block call in three saved; same table).
+        model_cache: the model's own streams on ``data`` (:func:`streams_while`): its blocks
+            then run only on the experts' streams (one block call in three saved).
 
     Returns:
         A tidy DataFrame, one row per task x block (0-based) x metric: ``task``, ``block``,
@@ -346,30 +402,34 @@ def drift_table(model: nn.Module, experts: Mapping[str, nn.Module], data: Mappin
         check_same_params(model, experts[t], f"expert {t!r}")
     path, blks = resolve_blocks(model, blocks)
     eblks = {t: resolve_blocks(experts[t], path)[1] for t in tasks}
-    if expert_cache is not None:
-        _check_cached(expert_cache, path, data, len(blks))
+    for cache, name, fix in ((expert_cache, "expert_cache", "expert_streams(experts, data)"),
+                             (model_cache, "model_cache", "streams_while(model, data, fn)")):
+        if cache is not None:
+            _check_cached(cache, path, data, len(blks), name, fix)
     rows: list[tuple] = []
     with eval_mode(model, *experts.values()), \
             tqdm(total=len(tasks) * len(blks), desc="drift", unit="block", disable=not progress) as bar:
         for t in tasks:
             rows += _task_rows(t, model, experts[t], blks, eblks[t], data[t], tokens, cka, offload, bar,
-                               None if expert_cache is None else expert_cache.calls[t])
+                               None if expert_cache is None else expert_cache.calls[t],
+                               None if model_cache is None else model_cache.calls[t])
     df = pd.DataFrame(rows, columns=COLUMNS)
     if model_name is not None:
         df.insert(0, "model", model_name)
     return df
 
 
-def _check_cached(cached: ExpertStreams, path: str, data: Mapping[str, list], n_blocks: int) -> None:
+def _check_cached(cached: ExpertStreams, path: str, data: Mapping[str, list], n_blocks: int,
+                  name: str = "expert_cache", how: str = "expert_streams(experts, data)") -> None:
     """``cached`` must be of these blocks, tasks and batches (else its streams would be wrong)."""
-    fix = "compute expert_streams(experts, data) for this data and these blocks."
+    fix = f"compute {how} for this data and these blocks."
     if cached.blocks != path or set(cached.calls) != set(data):
-        raise ValueError(f"expert_cache holds blocks {cached.blocks!r} and tasks {sorted(cached.calls)}, "
+        raise ValueError(f"{name} holds blocks {cached.blocks!r} and tasks {sorted(cached.calls)}, "
                          f"not {path!r} and {sorted(data)}; {fix}")
     for t, batches in data.items():
         per_block = cached.calls[t]
         if len(per_block) != n_blocks + 1 or len(per_block[0]) != len(batches):
-            raise ValueError(f"expert_cache does not match task {t!r}'s batches or the model's {n_blocks} "
+            raise ValueError(f"{name} does not match task {t!r}'s batches or the model's {n_blocks} "
                              f"blocks; {fix}")
 
 

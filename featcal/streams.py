@@ -145,7 +145,13 @@ def catch_block_inputs(model: nn.Module, first_block: nn.Module, batch: Any) -> 
             f"{type(model).__name__}'s forward never called its first block; check blocks=... "
             "names the blocks that the forward pass runs."
         )
-    args, kwargs = caught["args"], caught["kwargs"]
+    return block_call(caught["args"], caught["kwargs"], batch)
+
+
+def block_call(args: tuple, kwargs: dict, batch: Any) -> BlockCall:
+    """The :class:`BlockCall` of a block called as ``block(*args, **kwargs)`` on ``batch``:
+    the hidden state is the first argument (or the first keyword when there is none)."""
+    kwargs = dict(kwargs)
     key = None
     if args:
         hidden, args = args[0], tuple(args[1:])

@@ -329,6 +329,20 @@ def test_cached_expert_streams_give_the_same_drift_and_respect_the_budget(tiny_z
     assert compute.expert_streams(zoo, data, budget=cache.nbytes - 1) is None   # the estimate is exact here
 
 
+def test_streams_kept_while_scoring_cosines_give_the_same_drift(tiny_zoo):
+    """The worker's path: the cosine pass keeps the model's streams, the drift reuses them."""
+    from app import compute
+
+    zoo = compute.load_zoo(tiny_zoo, "cpu")
+    model = zoo.merged("ties", density=0.5, scale=0.7)
+    data = zoo.calib_data(8, seed=0, split="val")
+    side = compute.expert_side(zoo, data, 20)
+    frame, own = compute.cosine_scores_and_streams(model, zoo, data, side)
+    pd.testing.assert_frame_equal(frame, compute.cosine_scores(model, zoo, data, side))
+    cache = compute.expert_streams(zoo, data)
+    pd.testing.assert_frame_equal(compute.drift(model, zoo, data, cache, own), compute.drift(model, zoo, data))
+
+
 def test_a_spec_with_missing_models_lists_them():
     at = _app(None, zoo="assets/zoos/clip-vit-b32-ta8.yaml").run()
     assert not at.exception

@@ -226,6 +226,49 @@ def test_cached_expert_streams_give_the_same_table_without_expert_blocks(kind):
         pd.testing.assert_frame_equal(g, drift_table(m, {"a": expert}, data))
 
 
+@pytest.mark.parametrize("kind", ["toy", "hf_clip", "open_clip"])
+def test_a_models_own_streams_kept_while_reading_it_give_the_same_table(kind):
+    """streams_while keeps the model's stream while ``fn`` runs it; drift_table given both
+    caches then runs the model's blocks once per batch (the cross call) and the experts' none."""
+    from diagnostics import streams_while
+    from featcal.streams import call_model
+
+    model, expert, batches = _pair(kind)
+    data = {"a": batches}
+    fn = lambda m, b: call_model(m, b)  # noqa: E731
+    results, own = streams_while(model, data, fn)
+    assert len(results["a"]) == len(batches)
+    with torch.no_grad():
+        first = fn(model.eval(), batches[0])
+    want, got = (x[0] if isinstance(x, (tuple, list)) else getattr(x, "last_hidden_state", x)
+                 for x in (first, results["a"][0]))
+    torch.testing.assert_close(got, want)                       # fn's own results
+    _, blks = resolve_blocks(model)
+    calls = []
+    handles = [b.register_forward_hook(lambda *_: calls.append(1)) for b in blks]
+    try:
+        table = drift_table(model, {"a": expert}, data, expert_cache=expert_streams({"a": expert}, data),
+                            model_cache=own)
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(calls) == len(blks) * len(batches)              # only f_mod(h_exp): once per block and batch
+    pd.testing.assert_frame_equal(table, drift_table(model, {"a": expert}, data))
+
+
+def test_streams_while_needs_a_function_that_runs_every_block():
+    from diagnostics import streams_while
+    from featcal.streams import catch_block_inputs
+
+    model, expert, batches = _pair("toy")
+    _, blks = resolve_blocks(model)
+    with pytest.raises(RuntimeError, match="did not run every block"):
+        streams_while(model, {"a": batches}, lambda m, b: catch_block_inputs(m, blks[0], b))
+    _, own = streams_while(model, {"a": batches}, lambda m, b: m(b))
+    with pytest.raises(ValueError, match="model_cache .*streams_while"):
+        drift_table(model, {"a": expert}, {"a": batches[:1]}, model_cache=own)
+
+
 def test_cached_expert_streams_must_match_the_data():
     model, expert, batches = _pair("toy")
     cache = expert_streams({"a": expert}, {"a": batches})
@@ -312,6 +355,20 @@ def test_task_vector_cosine_whole_model_matches_flat_vectors():
         got = tv[(tv.task == t) & (tv.block == WHOLE) & (tv.metric == "task_vector_cosine")].value.item()
         assert got == pytest.approx(want, rel=1e-10)
     assert set(tv.block) == {WHOLE, 0, 1, 2}
+
+
+def test_task_vector_cosine_per_block_matches_the_blocks_own_vectors():
+    """Block ``l`` reads only ``blocks.l.*``."""
+    base, experts, merged = toy_zoo(n_tasks=3)
+    tv = task_vector_cosine(merged, base, experts)
+    flat = lambda m: torch.cat([v.double().reshape(-1) for k, v in m.state_dict().items()  # noqa: E731
+                                if k.startswith("blocks.1.")])
+    tau = flat(merged) - flat(base)
+    for t, e in experts.items():
+        tau_i = flat(e) - flat(base)
+        sel = tv[(tv.task == t) & (tv.block == 1)].set_index("metric").value
+        assert sel["task_vector_cosine"] == pytest.approx(float(tau @ tau_i / (tau.norm() * tau_i.norm())), rel=1e-10)
+        assert sel["expert_task_vector_norm"] == pytest.approx(float(tau_i.norm()), rel=1e-12)
 
 
 def test_row_selection_and_layout():
