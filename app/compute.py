@@ -108,14 +108,46 @@ def split_size(zoo, split: str) -> int:
 # ----------------------------------------------------------------------------- featcal
 
 def calibrate(merged: nn.Module, zoo, data: dict, lam: float, rho: float, alpha: float, bias: bool,
-              layernorm: bool):
-    """The exact forward-order FeatCal of ``merged`` with the CLIP preset's token weights."""
+              layernorm: bool, trace=None):
+    """The exact forward-order FeatCal of ``merged`` with the CLIP preset's token weights;
+    ``trace``: :func:`expert_trace` of ``data`` (the experts' part kept from run to run)."""
     from featcal import FeatCalConfig
     from featcal import calibrate as featcal_calibrate
 
     cfg = FeatCalConfig.clip(lam=lam, rho=rho, alpha=alpha, bias=bias, layernorm=layernorm)
     return featcal_calibrate(merged, base=zoo.base, experts=zoo.experts, calib_data=data, config=cfg,
-                             keep_stats=True, progress=False)
+                             keep_stats=True, progress=False, expert_trace=trace)
+
+
+TRACE_PER_HIDDEN = 20   # a ViT block's captured inputs and outputs, in hidden states (6 in, 6 out; MLP 4x)
+
+
+@torch.no_grad()
+def expert_trace(zoo, data: dict, budget: int = STREAMS_BYTES):
+    """An empty :class:`featcal.ExpertTrace` for repeated calibrations on ``data``, or None
+    when it would hold more than ``budget`` bytes (about ``TRACE_PER_HIDDEN`` hidden states
+    per block and example, estimated from one stem output)."""
+    from featcal import ExpertTrace
+
+    per_example, examples, blocks = _stream_size(zoo, data)
+    if per_example * examples * blocks * TRACE_PER_HIDDEN > budget:
+        return None
+    return ExpertTrace()
+
+
+def _stream_size(zoo, data: dict) -> tuple[float, int, int]:
+    """``(bytes of one example's hidden state, examples in data, blocks)``, from one stem run."""
+    from diagnostics.drift import batch_len
+    from featcal.arch import resolve_blocks
+    from featcal.streams import catch_block_inputs
+
+    task = zoo.tasks[0]
+    expert = zoo.experts[task]
+    _, blocks = resolve_blocks(expert)
+    first = data[task][0]
+    h = catch_block_inputs(expert, blocks[0], first).hidden
+    per_example = h.numel() * h.element_size() / max(batch_len(first), 1)
+    return per_example, sum(batch_len(b) for batches in data.values() for b in batches), len(blocks)
 
 
 @torch.no_grad()
@@ -253,18 +285,9 @@ def expert_streams(zoo, data: dict, budget: int = STREAMS_BYTES):
     so that each drift table runs two block calls in three; None when they would take more
     than ``budget`` bytes (estimated from one stem output before anything else runs)."""
     from diagnostics import expert_streams as streams
-    from diagnostics.drift import batch_len
-    from featcal.arch import resolve_blocks
-    from featcal.streams import catch_block_inputs
 
-    task = zoo.tasks[0]
-    expert = zoo.experts[task]
-    _, blocks = resolve_blocks(expert)
-    first = data[task][0]
-    h = catch_block_inputs(expert, blocks[0], first).hidden
-    per_example = h.numel() * h.element_size() / max(batch_len(first), 1)
-    examples = sum(batch_len(b) for batches in data.values() for b in batches)
-    if per_example * examples * (len(blocks) + 1) > budget:
+    per_example, examples, blocks = _stream_size(zoo, data)
+    if per_example * examples * (blocks + 1) > budget:
         return None
     return streams(zoo.experts, data)
 

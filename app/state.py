@@ -211,14 +211,26 @@ def _runs() -> _Runs:
 
 
 @st.cache_resource(max_entries=4, show_spinner=False)
+def _expert_trace(source: str, fp: str, n: int):
+    """What the exact runs on this zoo and calibration size compute of the experts, kept
+    from run to run (None when too large, see :func:`app.compute.expert_trace`)."""
+    zoo = _zoo(source, device())
+    data = calib_data(source, fp, n)
+    with torch_lock(source):
+        return compute.expert_trace(zoo, data)
+
+
+@st.cache_resource(max_entries=4, show_spinner=False)
 def calibrated(source: str, fp: str, merger: Merger, cal: CalSettings) -> Calibrated:
     """The exact forward-order FeatCal run (kept statistics included)."""
     zoo = _zoo(source, device())
     merged = merged_model(source, fp, merger)
     data = calib_data(source, fp, cal.n)
+    trace = _expert_trace(source, fp, cal.n)
     with torch_lock(source, alone=True):      # nothing runs beside it until the preview's deadline
         t0 = time.perf_counter()
-        model, report = compute.calibrate(merged, zoo, data, cal.lam, cal.rho, cal.alpha, cal.bias, cal.layernorm)
+        model, report = compute.calibrate(merged, zoo, data, cal.lam, cal.rho, cal.alpha, cal.bias, cal.layernorm,
+                                          trace)
         run = Calibrated(model, report, time.perf_counter() - t0)
     _runs().remember((source, fp, merger, cal.structure), cal, run)
     return run

@@ -80,7 +80,8 @@ def bench_parts(source: str, n: int, repeats: int) -> list[dict]:
     side = compute.expert_side(zoo, diag, compute.LIVE_TEST)   # once per zoo in the app
     streams = compute.expert_streams(zoo, diag)                 # likewise
     compute.scores(merged, zoo, diag, compute.LIVE_TEST, side)  # warm-up (allocator, first-call costs)
-    _, rep0 = compute.calibrate(merged, zoo, data, 0.05, 2.0, 0.3, True, True)
+    trace = compute.expert_trace(zoo, data)                     # once per zoo and size, as the app keeps it
+    _, rep0 = compute.calibrate(merged, zoo, data, 0.05, 2.0, 0.3, True, True, trace)
     scratch = compute.load_preview(zoo.merged("task_arithmetic", scale=0.3), rep0.preview_state.template,
                                    rep0, 0.05, 2.0, 0.3)
     pieces = ("preview: load_into", "preview: scores", "exact: calibrate", "exact: output scores",
@@ -101,7 +102,7 @@ def bench_parts(source: str, n: int, repeats: int) -> list[dict]:
         torch.set_num_threads(solo)         # per thread, as app.state.torch_lock does
         with torch.no_grad():
             a = clock()
-            model, _ = compute.calibrate(merged, zoo, data, 0.05, rho, 0.3, True, True)
+            model, _ = compute.calibrate(merged, zoo, data, 0.05, rho, 0.3, True, True, trace)
             b = clock()
             return model, (b[0] - a[0], b[1] - a[1])
 

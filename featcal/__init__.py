@@ -5,11 +5,11 @@
     model, report = calibrate(merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig.clip())
 """
 from featcal.config import FeatCalConfig, TokenWeights
-from featcal.engine import calibrate
+from featcal.engine import ExpertTrace, calibrate
 from featcal.merging import MERGERS, merge
 from featcal.report import CalibrationReport
 
-__all__ = ["FeatCalConfig", "TokenWeights", "calibrate", "merge", "MERGERS", "CalibrationReport", "evaluate"]
+__all__ = ["FeatCalConfig", "TokenWeights", "calibrate", "ExpertTrace", "merge", "MERGERS", "CalibrationReport", "evaluate"]
 __version__ = "0.1.0"
 
 

@@ -25,6 +25,7 @@ import logging
 import math
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -42,6 +43,40 @@ from featcal.streams import BlockCall, catch_block_inputs, device_of, pool_spans
 log = logging.getLogger(__name__)
 
 
+class ExpertTrace:
+    """What :func:`calibrate` computes of the experts, kept for the next call on the same
+    experts and calibration data: their stems' outputs, and per block their captures, stacked
+    parameters and next streams. None of it depends on the merged model or the
+    hyper-parameters, so an app that re-runs the exact calibration for every slider move
+    (the merged model, lam, rho or alpha changed) runs no expert block again.
+
+    Bound to the very expert modules, batches, blocks and modules of its first use (held by
+    weak references): any other ones clear it. The experts and the batches must not be
+    changed in place while it is used. It holds every block's expert captures (about one
+    forward pass of activations per task), so keep it for small models.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._refs: list = []
+        self.stems: dict[str, list[BlockCall]] = {}
+        self.steps: dict[tuple, tuple[Captured, torch.Tensor]] = {}   # (block, task, batch) -> (captures, output)
+        self.stacked: dict[int, tuple[Captured, dict]] = {}          # block -> (stacked captures, stacked params)
+
+    def bind(self, experts: Mapping[str, nn.Module], calib_data: Mapping[str, list], tasks: list[str],
+             key: tuple) -> "ExpertTrace":
+        """Clear the trace unless it was made with these experts, batches and ``key`` (the
+        blocks' path and what decides the captured modules)."""
+        objs = [experts[t] for t in tasks] + [b for t in tasks for b in calib_data[t]]
+        alive = [r() for r in self._refs]
+        if self._key != (key, tuple(tasks), tuple(len(calib_data[t]) for t in tasks)) or \
+                len(alive) != len(objs) or any(a is not o for a, o in zip(alive, objs)):
+            self.__init__()
+            self._key = (key, tuple(tasks), tuple(len(calib_data[t]) for t in tasks))
+            self._refs = [weakref.ref(o) for o in objs]
+        return self
+
+
 @dataclass
 class _Stream:
     """One task's batches at the input of the current block."""
@@ -52,16 +87,22 @@ class _Stream:
 
 def _prepare_streams(model: nn.Module, blocks: nn.ModuleList, experts: Mapping[str, nn.Module],
                      expert_blocks: Mapping[str, nn.ModuleList], calib_data: Mapping[str, list],
-                     offload: bool) -> dict[str, _Stream]:
-    """Run every stem once per batch: the calibrating model's and expert i's on D_i."""
+                     offload: bool, trace: ExpertTrace | None = None) -> dict[str, _Stream]:
+    """Run every stem once per batch: the calibrating model's and expert i's on D_i (the
+    latter from ``trace`` when it has them)."""
     streams = {}
     for task, batches in calib_data.items():
         cal = [catch_block_inputs(model, blocks[0], b) for b in batches]
-        exp = [catch_block_inputs(experts[task], expert_blocks[task][0], b) for b in batches]
+        exp = None if trace is None else trace.stems.get(task)
+        if exp is None:
+            exp = [catch_block_inputs(experts[task], expert_blocks[task][0], b) for b in batches]
+            if offload:
+                exp = [c.with_hidden(c.hidden.cpu()) for c in exp]
+            if trace is not None:
+                trace.stems[task] = exp
         if offload:
             cal = [c.with_hidden(c.hidden.cpu()) for c in cal]
-            exp = [c.with_hidden(c.hidden.cpu()) for c in exp]
-        streams[task] = _Stream(cal, exp)
+        streams[task] = _Stream(cal, list(exp))
     return streams
 
 
@@ -181,18 +222,26 @@ def _advance(blk, streams: dict[str, _Stream], pool, device, offload: bool, l: i
         st.cal = [cc.with_hidden(x) for cc, x in zip(st.cal, hs)]
 
 
-def _expert_step(eblk, targets, st: _Stream, b: int, device, offload: bool) -> Captured:
+def _expert_step(eblk, targets, st: _Stream, b: int, device, offload: bool,
+                 trace: ExpertTrace | None = None, key: tuple = ()) -> Captured:
     """Run expert i's block on its batch ``b`` with the targets' inputs captured, and move
-    that batch of its stream on to the block's output."""
+    that batch of its stream on to the block's output (both from ``trace`` at ``key`` when
+    it has them)."""
     ec = st.exp[b]
-    with capture(eblk, targets, outputs=True) as ce:
-        out = run_block(eblk, ec, device)
-    st.exp[b] = ec.with_hidden(out.cpu() if offload else out)
-    return ce
+    hit = None if trace is None else trace.steps.get(key)
+    if hit is None or hit[0] is None:            # (a stacked run keeps the outputs only)
+        with capture(eblk, targets, outputs=True) as ce:
+            out = run_block(eblk, ec, device)
+        hit = (ce, out.cpu() if offload else out)
+        if trace is not None:
+            trace.steps[key] = hit
+    st.exp[b] = ec.with_hidden(hit[1])
+    return hit[0]
 
 
 def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, pool, cfg: FeatCalConfig,
-                   device, warn_rows: list, alpha: float | None, scratch: dict) -> dict:
+                   device, warn_rows: list, alpha: float | None, scratch: dict,
+                   trace: ExpertTrace | None = None) -> dict:
     """Step 1 for block ``l``: the snapshot statistics of every task, reduced task by task
     (or all tasks at once, :func:`_batchable`) into each target's system. Advances the expert
     streams as a side effect. ``alpha`` given: systems for that alpha only (cheaper; no
@@ -205,14 +254,24 @@ def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, poo
     widths = [p[0].shape[-1] for t, p in zip(targets, merged_params.values()) if t.kind == arch.LINEAR]
     if _batchable(streams, pool, widths):
         tasks = list(streams)
-        ces = [_expert_step(exp_blocks[task][l], targets, streams[task], 0, device, cfg.offload_streams)
-               for task in tasks]
-        expert_params = {t.name: _stack_params([arch.get_params(exp_blocks[task][l], t) for task in tasks])
-                         for t in targets}
+        hit = None if trace is None else trace.stacked.get(l)
+        if hit is None:
+            ces = [_expert_step(exp_blocks[task][l], targets, streams[task], 0, device, cfg.offload_streams)
+                   for task in tasks]
+            hit = (stacked(ces), {t.name: _stack_params([arch.get_params(exp_blocks[task][l], t) for task in tasks])
+                                  for t in targets})
+            if trace is not None:
+                trace.stacked[l] = hit
+                for task in tasks:
+                    trace.steps[l, task, 0] = (None, streams[task].exp[0].hidden)
+        else:
+            for task in tasks:
+                streams[task].exp[0] = streams[task].exp[0].with_hidden(trace.steps[l, task, 0][1])
+        ce_stack, expert_params = hit
         rows = streams[tasks[0]].cal[0].hidden.shape[:-1].numel()
         acc = BlockStats(cfg, l, n_blocks, targets, expert_params, merged_params, rows, alpha,
                          reuse=scratch.pop("stack", None), lead=1)
-        acc.add(per_task(merged_cap, len(tasks)), stacked(ces), None)
+        acc.add(per_task(merged_cap, len(tasks)), ce_stack, None)
         into.add(acc, expert_params, tasks[0])
         scratch["stack"] = acc.groups
         return into.finish()
@@ -231,7 +290,7 @@ def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, poo
             else:
                 with capture(blk, targets, outputs=True) as cs:
                     run_block(blk, cc, device)
-            ce = _expert_step(eblk, targets, st, b, device, cfg.offload_streams)
+            ce = _expert_step(eblk, targets, st, b, device, cfg.offload_streams, trace, (l, task, b))
             acc.add(cs, ce, cc.mask if cc.mask is None else cc.mask.to(device))
         into.add(acc, expert_params, task)
     return into.finish()
@@ -241,7 +300,8 @@ def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, poo
 def calibrate(merged: nn.Module, *, base: nn.Module, experts: Mapping[str, nn.Module],
               calib_data: Mapping[str, list], config: FeatCalConfig | None = None,
               blocks: str | None = None, inplace: bool = False, keep_stats: bool = False,
-              progress: bool = True) -> tuple[nn.Module, CalibrationReport]:
+              progress: bool = True, expert_trace: ExpertTrace | None = None
+              ) -> tuple[nn.Module, CalibrationReport]:
     """Calibrate a merged model toward its experts with FeatCal.
 
     Args:
@@ -255,6 +315,9 @@ def calibrate(merged: nn.Module, *, base: nn.Module, experts: Mapping[str, nn.Mo
         inplace: calibrate ``merged`` itself (saves one model copy for big models).
         keep_stats: keep each module's system in the report for ``report.preview(...)``.
         progress: show a progress bar per block.
+        expert_trace: an :class:`ExpertTrace` to keep what is computed of the experts (their
+            blocks' captures and streams) and reuse it on the next call with the same experts
+            and batches (repeated calibrations of one zoo, e.g. an app's sliders).
 
     Returns:
         ``(model, report)``: the calibrated model (new unless ``inplace``) and a
@@ -276,10 +339,14 @@ def calibrate(merged: nn.Module, *, base: nn.Module, experts: Mapping[str, nn.Mo
     training = _to_eval([model, base, *experts.values()])
     report = CalibrationReport(cfg, path, tasks)
     keep: list | None = [] if keep_stats else None
+    trace = None
+    if expert_trace is not None:
+        what = (path, cfg.linear, cfg.layernorm, tuple(cfg.modules or ()), cfg.offload_streams, str(device))
+        trace = expert_trace.bind(experts, calib_data, tasks, what)
     try:
         # 3. The streams at the input of block 0.
         streams = _prepare_streams(model, blks, experts, exp_blks, {t: calib_data[t] for t in tasks},
-                                   cfg.offload_streams)
+                                   cfg.offload_streams, trace)
         warn_rows: list[str] = []
         n = len(blks)
         bar = tqdm(range(n), desc="FeatCal", unit="block", disable=not progress)
@@ -291,7 +358,7 @@ def calibrate(merged: nn.Module, *, base: nn.Module, experts: Mapping[str, nn.Mo
             t0 = time.perf_counter()
             pool = _pool(streams)            # the calibrating batches as one call, for steps 1 and 3
             systems = _block_systems(l, n, targets, blk, exp_blks, streams, pool, cfg, device, warn_rows,
-                                     None if keep_stats else cfg.alpha, scratch)
+                                     None if keep_stats else cfg.alpha, scratch, trace)
             t1 = time.perf_counter()
             # 3b. Solve all modules of the block, then load them together.
             _solve_block(l, targets, systems, blk, base_blks[l], cfg, report, keep)

@@ -411,3 +411,38 @@ def test_pool_spans_only_for_calls_that_can_run_as_one():
         def __eq__(self, other):
             raise TypeError("no comparison")
     assert pool_spans([BlockCall(h, args=(Odd(),)), BlockCall(h, args=(Odd(),))]) is None
+
+
+@pytest.mark.parametrize("kind, per_task_batches", [("toy", 3), ("hf_clip", 3), ("hf_clip", 1), ("open_clip", 1)])
+def test_an_expert_trace_reruns_no_expert_block_and_changes_nothing(kind, per_task_batches):
+    """Repeated calibrations of one zoo (another merged model, other hyper-parameters) with an
+    ExpertTrace: the second run calls no expert block or stem and gives the very same model
+    as a run without it; other expert objects clear the trace."""
+    from featcal import ExpertTrace
+
+    base, experts, merged, data = _zoo(kind, n=4 * per_task_batches)
+    other = tiny.perturbed(merged, 0.02, 99)
+    calls = []
+    handles = [m.register_forward_pre_hook(lambda *_: calls.append(1)) for e in experts.values()
+               for m in e.modules()]
+    trace = ExpertTrace()
+    cfg = FeatCalConfig.clip(lam=0.1, rho=1.5, alpha=0.4)
+    try:
+        calibrate(merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig.clip(),
+                  progress=False, expert_trace=trace)
+        assert calls
+        calls.clear()
+        got, rep = calibrate(other, base=base, experts=experts, calib_data=data, config=cfg, progress=False,
+                             expert_trace=trace)
+        assert calls == []                                  # nothing of the experts ran again
+    finally:
+        for h in handles:
+            h.remove()
+    want, rep_want = calibrate(other, base=base, experts=experts, calib_data=data, config=cfg, progress=False)
+    ref = _all_target_params(want)
+    for name, (W, b) in _all_target_params(got).items():
+        assert torch.equal(W, ref[name][0]), name
+        assert b is None or torch.equal(b, ref[name][1]), name
+    assert [m.residual_after for m in rep.modules] == [m.residual_after for m in rep_want.modules]
+    copies = {t: copy.deepcopy(e) for t, e in experts.items()}
+    assert trace.bind(copies, data, list(copies), trace._key[0]).steps == {} and not trace.stacked
