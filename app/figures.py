@@ -114,8 +114,8 @@ def _title(text: str) -> dict:
 def task_accuracy_table(before: pd.DataFrame, after: pd.DataFrame, name: str) -> str:
     """Accuracy per task (rows of ``task_summary`` frames, column ``accuracy``) of the merged
     model and of ``name``, with the change in points, as one markdown table: one element for
-    the browser to draw on every slider change (a metric per task was seven metrics in eight
-    column containers)."""
+    the browser to draw on every slider change, where an ``st.metric`` per task is one per
+    task plus their column containers)."""
     tasks = list(after.index)
     color = lambda d: "green" if d > 0.05 else "red" if d < -0.05 else "gray"  # noqa: E731
     cells = [f"{after.accuracy[t]:.1f}% :{color(d)}[{d:+.1f}]"
@@ -136,8 +136,8 @@ def drift_decomposition(df: pd.DataFrame, title: str, task: str | None = None,
     """Per block: the squared drift split additively, ``|e|^2 = <e, m> + <e, p>``, as stacked
     bars (left axis), and the norms ``|e|``, ``|m|``, ``|p|`` as lines (right axis; norms do
     not add). Means over rows, and over tasks unless ``task`` is given. ``reference``:
-    ``(name, drift frame)`` of another model (the merged one) whose ``|e|^2`` is drawn as
-    hollow markers over the bars and whose ``|e|`` as a grey dashed line."""
+    ``(name, drift frame)`` of another model (the merged one) whose ``|e|^2`` is drawn as a
+    short red dash over each bar and whose ``|e|`` as a grey dashed line."""
     sq = per_block(df, SQUARED, task)
     nm = per_block(df, NORMS, task)
     blocks = [int(b) for b in sq.index]

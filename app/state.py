@@ -210,7 +210,7 @@ def _runs() -> _Runs:
     return _Runs()
 
 
-@st.cache_resource(max_entries=4, show_spinner=False)
+@st.cache_resource(max_entries=2, show_spinner=False)
 def _expert_trace(source: str, fp: str, n: int):
     """What the exact runs on this zoo and calibration size compute of the experts, kept
     from run to run (None when too large, see :func:`app.compute.expert_trace`)."""
