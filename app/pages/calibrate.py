@@ -32,7 +32,7 @@ results_slot = st.empty()
 
 def show(kind: str, sc: dict, ref_summary: pd.DataFrame, note: str):
     """Draw one result's numbers (``kind`` = ``preview`` or ``exact``) into the results slot;
-    returns the slot below them for its drift charts (:func:`show_drift`)."""
+    returns the slot below them for its drift chart (:func:`show_drift`)."""
     after = compute.task_summary(sc)
     before = ref_summary
     with results_slot.container():
@@ -101,7 +101,7 @@ if not quick:
          "later features. Exact run in progress…")
 
 # 3. The exact forward-order run, then its output scores (here) beside its cosines and drift (worker,
-#    in that order): the numbers are drawn as soon as both scores are in, the drift charts after.
+#    in that order): the numbers are drawn as soon as both scores are in, the drift chart after.
 with ui.status(f"Running exact forward-order FeatCal: {cal.label}…", status_slot) as s:
     run = exact_job.result() if exact_job is not None else state.calibrated(source, fp, merger, cal)
     ref = state.calibrated_ref(merger, cal)
