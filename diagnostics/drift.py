@@ -242,6 +242,11 @@ def check_data(experts: Mapping[str, nn.Module], data: Mapping[str, list]) -> li
     return list(experts)
 
 
+def _keeper(offload: bool):
+    """What a stream keeps of a hidden state between blocks: a CPU copy when ``offload``."""
+    return (lambda h: h.cpu()) if offload else (lambda h: h)
+
+
 def _expert_calls(expert: nn.Module, eblks: nn.ModuleList, batches: list, keep) -> list[BlockCall]:
     """Expert i's stem, once per batch: its block-0 inputs."""
     return [c.with_hidden(keep(c.hidden)) for c in (catch_block_inputs(expert, eblks[0], b) for b in batches)]
@@ -255,7 +260,7 @@ def _task_rows(task: str, model: nn.Module, expert: nn.Module, blks: nn.ModuleLi
     batch's drift and advance both streams (the expert's from ``cached``, the model's from
     ``own``, when given: :attr:`ExpertStreams.calls` of this task)."""
     device = device_of(model)
-    keep = (lambda h: h.cpu()) if offload else (lambda h: h)  # noqa: E731
+    keep = _keeper(offload)
     sizes = [batch_len(b) for b in batches]
     # 1. Both stems, once per batch.
     mod = list(own[0]) if own is not None else \
@@ -305,7 +310,7 @@ def expert_streams(experts: Mapping[str, nn.Module], data: Mapping[str, list], b
     input (for :func:`drift_table`'s ``expert_cache``: diagnosing several models against
     the same experts then runs no expert block again)."""
     tasks = check_data(experts, data)
-    keep = (lambda h: h.cpu()) if offload else (lambda h: h)  # noqa: E731
+    keep = _keeper(offload)
     calls = {}
     path = None
     with eval_mode(*experts.values()):
@@ -328,38 +333,39 @@ def streams_while(model: nn.Module, data: Mapping[str, list], fn, blocks: str | 
     :func:`drift_table` as ``model_cache``, they spare the diagnosed model's blocks their
     pass over its own stream (one block call in three). ``fn`` must run every block once."""
     path, blks = resolve_blocks(model, blocks)
-    keep = (lambda h: h.cpu()) if offload else (lambda h: h)  # noqa: E731
+    keep = _keeper(offload)
     results: dict[str, list] = {}
     calls: dict[str, list[list[BlockCall]]] = {}
-    with eval_mode(model):
-        for task, batches in data.items():
-            outs, per_block = [], [[] for _ in range(len(blks) + 1)]
-            for batch in batches:
-                seen: dict = {}
+    seen: dict = {}                  # one batch's block-0 call and block outputs, from the hooks
 
-                def first(_mod, args, kwargs):
-                    seen.setdefault("call", (args, kwargs))
+    def first(_mod, args, kwargs):
+        seen.setdefault("call", (args, kwargs))
 
-                def after(l: int):
-                    def hook(_mod, _args, out):
-                        seen[l] = keep(out[0] if isinstance(out, (tuple, list)) else out)
-                    return hook
+    def after(l: int):
+        def hook(_mod, _args, out):
+            seen[l] = keep(out[0] if isinstance(out, (tuple, list)) else out)
+        return hook
 
-                handles = [blks[0].register_forward_pre_hook(first, with_kwargs=True)]
-                handles += [blk.register_forward_hook(after(l)) for l, blk in enumerate(blks)]
-                try:
+    handles = [blks[0].register_forward_pre_hook(first, with_kwargs=True)]
+    handles += [blk.register_forward_hook(after(l)) for l, blk in enumerate(blks)]
+    try:
+        with eval_mode(model):
+            for task, batches in data.items():
+                outs, per_block = [], [[] for _ in range(len(blks) + 1)]
+                for batch in batches:
+                    seen.clear()
                     outs.append(fn(model, batch))
-                finally:
-                    for h in handles:
-                        h.remove()
-                if "call" not in seen or any(l not in seen for l in range(len(blks))):
-                    raise RuntimeError(f"fn(model, batch) did not run every block of {path!r}; "
-                                       "streams_while needs a function that runs the whole model.")
-                call = block_call(*seen["call"], batch)
-                per_block[0].append(call.with_hidden(keep(call.hidden)))
-                for l in range(len(blks)):
-                    per_block[l + 1].append(call.with_hidden(seen[l]))
-            results[task], calls[task] = outs, per_block
+                    if "call" not in seen or any(l not in seen for l in range(len(blks))):
+                        raise RuntimeError(f"fn(model, batch) did not run every block of {path!r}; "
+                                           "streams_while needs a function that runs the whole model.")
+                    call = block_call(*seen["call"], batch)
+                    per_block[0].append(call.with_hidden(keep(call.hidden)))
+                    for l in range(len(blks)):
+                        per_block[l + 1].append(call.with_hidden(seen[l]))
+                results[task], calls[task] = outs, per_block
+    finally:
+        for h in handles:
+            h.remove()
     return results, ExpertStreams(path, calls)
 
 

@@ -61,18 +61,19 @@ class ExpertTrace:
         self._refs: list = []
         self.stems: dict[str, list[BlockCall]] = {}
         self.steps: dict[tuple, tuple[Captured, torch.Tensor]] = {}   # (block, task, batch) -> (captures, output)
-        self.stacked: dict[int, tuple[Captured, dict]] = {}          # block -> (stacked captures, stacked params)
+        # block -> (stacked captures, stacked params, each task's output): all tasks reduced as one stack
+        self.stacked: dict[int, tuple[Captured, dict, list[torch.Tensor]]] = {}
 
     def bind(self, experts: Mapping[str, nn.Module], calib_data: Mapping[str, list], tasks: list[str],
              key: tuple) -> "ExpertTrace":
         """Clear the trace unless it was made with these experts, batches and ``key`` (the
         blocks' path and what decides the captured modules)."""
         objs = [experts[t] for t in tasks] + [b for t in tasks for b in calib_data[t]]
+        key = (key, tuple(tasks), tuple(len(calib_data[t]) for t in tasks))
         alive = [r() for r in self._refs]
-        if self._key != (key, tuple(tasks), tuple(len(calib_data[t]) for t in tasks)) or \
-                len(alive) != len(objs) or any(a is not o for a, o in zip(alive, objs)):
+        if self._key != key or len(alive) != len(objs) or any(a is not o for a, o in zip(alive, objs)):
             self.__init__()
-            self._key = (key, tuple(tasks), tuple(len(calib_data[t]) for t in tasks))
+            self._key = key
             self._refs = [weakref.ref(o) for o in objs]
         return self
 
@@ -229,7 +230,7 @@ def _expert_step(eblk, targets, st: _Stream, b: int, device, offload: bool,
     it has them)."""
     ec = st.exp[b]
     hit = None if trace is None else trace.steps.get(key)
-    if hit is None or hit[0] is None:            # (a stacked run keeps the outputs only)
+    if hit is None:
         with capture(eblk, targets, outputs=True) as ce:
             out = run_block(eblk, ec, device)
         hit = (ce, out.cpu() if offload else out)
@@ -259,15 +260,12 @@ def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, poo
             ces = [_expert_step(exp_blocks[task][l], targets, streams[task], 0, device, cfg.offload_streams)
                    for task in tasks]
             hit = (stacked(ces), {t.name: _stack_params([arch.get_params(exp_blocks[task][l], t) for task in tasks])
-                                  for t in targets})
+                                  for t in targets}, [streams[task].exp[0].hidden for task in tasks])
             if trace is not None:
                 trace.stacked[l] = hit
-                for task in tasks:
-                    trace.steps[l, task, 0] = (None, streams[task].exp[0].hidden)
-        else:
-            for task in tasks:
-                streams[task].exp[0] = streams[task].exp[0].with_hidden(trace.steps[l, task, 0][1])
-        ce_stack, expert_params = hit
+        ce_stack, expert_params, outs = hit
+        for task, out in zip(tasks, outs):
+            streams[task].exp[0] = streams[task].exp[0].with_hidden(out)
         rows = streams[tasks[0]].cal[0].hidden.shape[:-1].numel()
         acc = BlockStats(cfg, l, n_blocks, targets, expert_params, merged_params, rows, alpha,
                          reuse=scratch.pop("stack", None), lead=1)
