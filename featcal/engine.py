@@ -34,7 +34,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from featcal import arch, solve, validate
-from featcal.blockstats import BlockStats, BlockSystems
+from featcal.blockstats import BlockStats, BlockSystems, Scratch
 from featcal.capture import Captured, capture, per_task, sliced, stacked
 from featcal.config import FeatCalConfig
 from featcal.report import BlockRecord, CalibrationReport, ModuleRecord
@@ -108,11 +108,19 @@ def _prepare_streams(model: nn.Module, blocks: nn.ModuleList, experts: Mapping[s
 
 
 def _solve_block(l: int, targets, systems, blk, base_blk, cfg: FeatCalConfig, report: CalibrationReport,
-                 keep: list | None) -> None:
+                 keep: list | None, scratch: Scratch) -> None:
     """Solve every target of block ``l`` from the snapshot, then load them all (the merged
-    parameters are read as views until then; copied only when ``keep`` holds on to them)."""
+    parameters are read as views until then; copied only when ``keep`` holds on to them).
+    The factorisations' buffers come from ``scratch`` and go back to it, and so do the
+    systems' ``S`` unless ``keep`` holds on to them."""
     new_params = []
     factors: dict = {}                      # one factorisation per shared S (q/k/v)
+    taken: list[torch.Tensor] = []
+
+    def take(*args, **kwargs) -> torch.Tensor:
+        taken.append(scratch.take(*args, **kwargs))
+        return taken[-1]
+
     for t in targets:
         t0 = time.perf_counter()
         W_mer, b_mer = arch.get_params(blk, t)
@@ -125,7 +133,8 @@ def _solve_block(l: int, targets, systems, blk, base_blk, cfg: FeatCalConfig, re
         if t.kind == arch.LINEAR:
             W, b, SWt = solve.solve_linear(sysm, W_mer, b_mer, W_0, b_0, lam=cfg.lam, rho=cfg.rho,
                                            alpha=cfg.alpha, eps=cfg.eps, bias=cfg.bias,
-                                           what=f"block {l} {t.name}", with_swt=True, factors=factors)
+                                           what=f"block {l} {t.name}", with_swt=True, factors=factors,
+                                           take=take)
             before = solve.linear_residual(sysm, W_mer, b_mer, cfg.alpha, wsw=sysm.k_mm)
             after = solve.linear_residual(sysm, W, b, cfg.alpha, SWt)
             d_in, d_out, rows = W.shape[1], W.shape[0], sysm.min_rows
@@ -146,6 +155,10 @@ def _solve_block(l: int, targets, systems, blk, base_blk, cfg: FeatCalConfig, re
             keep.append((l, t, sysm, W_mer, b_mer, W_0, b_0))
     for t, W, b in new_params:
         arch.set_params(blk, t, W, b)
+    factors.clear()
+    scratch.give(taken)
+    if keep is None:
+        scratch.give([s.S for s in systems.values() if isinstance(s, solve.LinearSystem) and s.owns_S])
 
 
 def _to_eval(models: list[nn.Module]) -> list[nn.Module]:
@@ -241,16 +254,15 @@ def _expert_step(eblk, targets, st: _Stream, b: int, device, offload: bool,
 
 
 def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, pool, cfg: FeatCalConfig,
-                   device, warn_rows: list, alpha: float | None, scratch: dict,
+                   device, warn_rows: list, alpha: float | None, scratch: Scratch,
                    trace: ExpertTrace | None = None) -> dict:
     """Step 1 for block ``l``: the snapshot statistics of every task, reduced task by task
     (or all tasks at once, :func:`_batchable`) into each target's system. Advances the expert
     streams as a side effect. ``alpha`` given: systems for that alpha only (cheaper; no
-    preview from them). ``scratch``: kept from block to block, so that the stacked statistics'
-    buffers are reused (fresh ones cost page faults on first touch; the per-task path, for
-    big models, lets them go between blocks to keep the peak memory down)."""
+    preview from them; their ``S`` then come from ``scratch``, as do the statistics' buffers
+    in any case: kept from task to task and block to block, fresh ones cost page faults)."""
     merged_params = {t.name: arch.get_params(blk, t) for t in targets}
-    into = BlockSystems(cfg, l, targets, device, warn_rows, alpha)
+    into = BlockSystems(cfg, l, targets, device, warn_rows, alpha, take=None if alpha is None else scratch.take)
     merged_cap = _pooled_capture(blk, targets, pool, device)
     widths = [p[0].shape[-1] for t, p in zip(targets, merged_params.values()) if t.kind == arch.LINEAR]
     if _batchable(streams, pool, widths):
@@ -267,21 +279,19 @@ def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, poo
         for task, out in zip(tasks, outs):
             streams[task].exp[0] = streams[task].exp[0].with_hidden(out)
         rows = streams[tasks[0]].cal[0].hidden.shape[:-1].numel()
-        acc = BlockStats(cfg, l, n_blocks, targets, expert_params, merged_params, rows, alpha,
-                         reuse=scratch.pop("stack", None), lead=1)
+        acc = BlockStats(cfg, l, n_blocks, targets, expert_params, merged_params, rows, alpha, scratch, lead=1)
         acc.add(per_task(merged_cap, len(tasks)), ce_stack, None)
         into.add(acc, expert_params, tasks[0])
-        scratch["stack"] = acc.groups
+        acc.release()
         return into.finish()
     caps = None if merged_cap is None else {key: sliced(merged_cap, lo, hi)
                                             for key, (lo, hi) in zip(pool[0], pool[2])}
-    acc = None                               # the previous task's sums, whose buffers are reused
     for task, st in streams.items():
         eblk = exp_blocks[task][l]
         expert_params = {t.name: arch.get_params(eblk, t) for t in targets}
         rows = sum(c.hidden.shape[:-1].numel() for c in st.cal)
-        acc = BlockStats(cfg, l, n_blocks, targets, expert_params, merged_params, rows, alpha,
-                         reuse=None if acc is None else acc.groups)
+        acc = BlockStats(cfg, l, n_blocks, targets, expert_params, merged_params, rows, alpha, scratch,
+                         one_batch=len(st.cal) == 1)
         for b, cc in enumerate(st.cal):
             if caps is not None:
                 cs = caps.pop((task, b))
@@ -291,6 +301,7 @@ def _block_systems(l: int, n_blocks: int, targets, blk, exp_blocks, streams, poo
             ce = _expert_step(eblk, targets, st, b, device, cfg.offload_streams, trace, (l, task, b))
             acc.add(cs, ce, cc.mask if cc.mask is None else cc.mask.to(device))
         into.add(acc, expert_params, task)
+        acc.release()
     return into.finish()
 
 
@@ -348,7 +359,7 @@ def calibrate(merged: nn.Module, *, base: nn.Module, experts: Mapping[str, nn.Mo
         warn_rows: list[str] = []
         n = len(blks)
         bar = tqdm(range(n), desc="FeatCal", unit="block", disable=not progress)
-        scratch: dict = {}
+        scratch = Scratch()
         for l in bar:
             blk = blks[l]
             targets = arch.block_targets(blk, linear=cfg.linear, layernorm=cfg.layernorm, only=cfg.modules)
@@ -359,7 +370,7 @@ def calibrate(merged: nn.Module, *, base: nn.Module, experts: Mapping[str, nn.Mo
                                      None if keep_stats else cfg.alpha, scratch, trace)
             t1 = time.perf_counter()
             # 3b. Solve all modules of the block, then load them together.
-            _solve_block(l, targets, systems, blk, base_blks[l], cfg, report, keep)
+            _solve_block(l, targets, systems, blk, base_blks[l], cfg, report, keep, scratch)
             t2 = time.perf_counter()
             # 3c. Advance the calibrating streams through the calibrated block.
             _advance(blk, streams, pool, device, cfg.offload_streams, l)

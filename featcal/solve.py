@@ -18,14 +18,13 @@ LayerNorm affine, per channel (tasks unweighted), a 2x2 system
 """
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 import torch
 
-from featcal.stats import LinearMoments, add_gram, add_weighted, inner
+from featcal.stats import LinearMoments, add_gram, add_rows_gram, add_weighted, inner, one_blas_thread
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +74,14 @@ class LinearSystem:
 
     @classmethod
     def zeros(cls, d: int, o: int, dtype: torch.dtype, device, S: torch.Tensor | None = None,
-              alpha: float | None = None) -> "LinearSystem":
+              alpha: float | None = None, take: Callable | None = None) -> "LinearSystem":
         """Empty sums; ``S`` given: share that system's ``S`` (same input, so same ``S``),
         which :func:`add_task` then leaves to its owner. ``alpha`` given: a system for that
-        alpha only (``U`` holds ``U + alpha V``; :func:`solve_linear` refuses another)."""
+        alpha only (``U`` holds ``U + alpha V``; :func:`solve_linear` refuses another).
+        ``take(shape, dtype, device)``: where a new ``S`` comes from (default ``torch.zeros``)."""
         z = lambda *shape: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
-        return cls(z(d, d) if S is None else S, z(o, d).T, z(o, d).T if alpha is None else None, z(()), z(d),
+        own = (lambda: z(d, d)) if take is None else (lambda: take((d, d), dtype, device))  # noqa: E731
+        return cls(own() if S is None else S, z(o, d).T, z(o, d).T if alpha is None else None, z(()), z(d),
                    z(o), z(o), z(o), z(()), z(()), z(()), z(0, o), z(0, d), z(()), z(()), z(()),
                    k_mm=z(()), owns_S=S is None, alpha=alpha)
 
@@ -109,8 +110,11 @@ def add_task(sys: LinearSystem, mom: LinearMoments, W_i: torch.Tensor, b_i: torc
     f = s / w                                          # sums -> s_i times means
     U, V = sys.U.T, None if sys.V is None else sys.V.T             # (o, d) contiguous
     CW, PW = (None if x is None else x.mT for x in (mom.CW, mom.PW))   # (T, o, d) contiguous
-    if sys.owns_S:
+    if sys.owns_S and mom.C is not None:
         add_gram(sys.S, mom.C, f, mom.edges)
+    elif sys.owns_S:                                   # direct sums: C = Z^T Z, one task at a time
+        for Z, f_t in zip(mom.Z[None] if mom.Z.dim() == 2 else mom.Z, f.tolist()):
+            add_rows_gram(sys.S, Z.to(dt), f_t, mom.edges)
     if sys.alpha is None:
         add_weighted(U, CW, f)
         add_weighted(add_weighted(V, PW, f), CW, -f)
@@ -160,29 +164,21 @@ def _lapack_cholesky(A: torch.Tensor) -> torch.Tensor | None:
     from scipy.linalg import lapack
 
     potrf = lapack.spotrf if A.dtype == torch.float32 else lapack.dpotrf
-    with _blas_threads().limit(limits=1, user_api="blas"):
+    with one_blas_thread():
         c, info = potrf(A.numpy().T, lower=1, clean=0, overwrite_a=1)
     return torch.from_numpy(c) if info == 0 else None
 
 
-@functools.cache
-def _blas_threads():
-    """One threadpoolctl controller for scipy's BLAS (finding the libraries costs 0.8 ms; a
-    limit on a kept controller 0.03 ms), made once scipy's LAPACK is loaded."""
-    from scipy.linalg import lapack  # noqa: F401  (loads the BLAS the controller must see)
-    from threadpoolctl import ThreadpoolController
-
-    return ThreadpoolController()
-
-
-def spd_factor(S: torch.Tensor, shift: float = 0.0, what: str = "system") -> Callable[[torch.Tensor], torch.Tensor]:
+def spd_factor(S: torch.Tensor, shift: float = 0.0, what: str = "system",
+               take: Callable | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
     """A solver ``B -> (S + shift I)^-1 B`` for the symmetric matrix whose upper triangle is
     ``S``'s (``S + shift I`` positive definite): Cholesky (in place by LAPACK on a copy for
     wide CPU systems, else torch's), or LU (logged) when the factorisation fails
-    numerically. ``S`` is left as it is."""
+    numerically. ``S`` is left as it is; ``take(shape, dtype, device)``: where that copy's
+    buffer comes from (a fresh tensor of tens of MB costs its page faults; the solver keeps it)."""
     lapack = S.device.type == "cpu" and S.dtype in (torch.float32, torch.float64) and S.shape[0] >= LAPACK_MIN_D
     if lapack:
-        A = S.clone()
+        A = S.clone() if take is None else take(S.shape, S.dtype, S.device, zero=False).copy_(S)
         A.diagonal().add_(shift)
         L = _lapack_cholesky(A)
         if L is not None:
@@ -242,16 +238,17 @@ def linear_bias(sys: LinearSystem, W: torch.Tensor, b_mer: torch.Tensor, b_0: to
 def solve_linear(sys: LinearSystem, W_mer: torch.Tensor, b_mer: torch.Tensor | None,
                  W_0: torch.Tensor, b_0: torch.Tensor | None, *, lam: float, rho: float,
                  alpha: float, eps: float, bias: bool = True, what: str = "linear",
-                 with_swt: bool = False, factors: dict | None = None):
+                 with_swt: bool = False, factors: dict | None = None, take: Callable | None = None):
     """The calibrated ``(W, b)`` (in the system's dtype). ``b`` is the merged bias when
     ``bias`` is off, ``None`` when the module has none. With ``with_swt``, also ``S W^T``
     (free from the normal equations: ``S W^T = R - (lam + eps) W^T``) for the residual.
     ``factors``: a dict that keeps the factorisation of ``S + (lam + eps) I`` for the
-    other systems sharing this ``S`` (live only while those systems are)."""
+    other systems sharing this ``S`` (live only while those systems are); ``take``: see
+    :func:`spd_factor`."""
     key = (id(sys.S), lam + eps)
     solver = None if factors is None else factors.get(key)
     if solver is None:
-        solver = spd_factor(sys.S, lam + eps, what)
+        solver = spd_factor(sys.S, lam + eps, what, take)
         if factors is not None:
             factors[key] = solver
     R = linear_rhs(sys, W_mer, W_0, lam, rho, alpha)

@@ -39,6 +39,23 @@ def _all_target_params(model):
     return out
 
 
+def _assert_same_calibration(got, rep_got, want, rep_want, preview: bool = False):
+    """Two calibrations agree: every target's weight and bias, each module's residuals and,
+    with ``preview``, their previews of another setting (kept statistics)."""
+    ref = _all_target_params(want)
+    for name, (W, b) in _all_target_params(got).items():
+        assert torch.allclose(W, ref[name][0], rtol=1e-4, atol=1e-5), name
+        assert b is None or torch.allclose(b, ref[name][1], rtol=1e-4, atol=1e-5), name
+    for a, b in zip(rep_got.modules, rep_want.modules):
+        assert (a.name, a.rows) == (b.name, b.rows)
+        assert a.residual_before == pytest.approx(b.residual_before, rel=1e-4, abs=1e-7), a.name
+        assert a.residual_after == pytest.approx(b.residual_after, rel=1e-3, abs=1e-6), a.name
+    if preview:
+        pa, pb = rep_got.preview(lam=0.5, rho=1.5, alpha=0.7), rep_want.preview(lam=0.5, rho=1.5, alpha=0.7)
+        for k, v in pa.state_dict().items():
+            assert torch.allclose(v, pb.state_dict()[k], rtol=1e-4, atol=1e-5), k
+
+
 def _features(model, batch):
     """The hidden state after the last block, through the same catcher the engine uses."""
     _, blks = resolve_blocks(model)
@@ -339,12 +356,7 @@ def test_pooling_the_calibrating_streams_changes_nothing(kind, monkeypatch):
     single, rep_single = calibrate(merged, base=base, experts=experts, calib_data=data,
                                    config=FeatCalConfig.clip(), progress=False)
     assert all(v is None for v in calls.values())
-    ref = _all_target_params(single)
-    for name, (W, b) in _all_target_params(pooled).items():
-        assert torch.allclose(W, ref[name][0], rtol=1e-4, atol=1e-5), name
-        assert b is None or torch.allclose(b, ref[name][1], rtol=1e-4, atol=1e-5), name
-    for a, b in zip(rep_pooled.modules, rep_single.modules):
-        assert a.residual_after == pytest.approx(b.residual_after, rel=1e-3, abs=1e-6), a.name
+    _assert_same_calibration(pooled, rep_pooled, single, rep_single)
 
 
 @pytest.mark.parametrize("kind", ["hf_clip", "open_clip"])
@@ -374,18 +386,44 @@ def test_reducing_every_task_as_one_stack_changes_nothing(kind, keep_stats, form
     taken.clear()
     each, rep_each = run()
     assert taken and not any(taken)
-    ref = _all_target_params(each)
-    for name, (W, b) in _all_target_params(stack).items():
-        assert torch.allclose(W, ref[name][0], rtol=1e-4, atol=1e-5), name
-        assert b is None or torch.allclose(b, ref[name][1], rtol=1e-4, atol=1e-5), name
-    for a, b in zip(rep_stack.modules, rep_each.modules):
-        assert (a.name, a.rows) == (b.name, b.rows)
-        assert a.residual_before == pytest.approx(b.residual_before, rel=1e-4, abs=1e-7), a.name
-        assert a.residual_after == pytest.approx(b.residual_after, rel=1e-3, abs=1e-6), a.name
-    if keep_stats:
-        pa, pb = rep_stack.preview(lam=0.5, rho=1.5, alpha=0.7), rep_each.preview(lam=0.5, rho=1.5, alpha=0.7)
-        for k, v in pa.state_dict().items():
-            assert torch.allclose(v, pb.state_dict()[k], rtol=1e-4, atol=1e-5), k
+    _assert_same_calibration(stack, rep_stack, each, rep_each, preview=keep_stats)
+
+
+@pytest.mark.parametrize("kind", ["hf_clip", "open_clip"])
+@pytest.mark.parametrize("keep_stats", [False, True])
+@pytest.mark.parametrize("threads", [1, None], ids=["syrk", "torch"])
+def test_direct_sums_of_one_batch_tasks_change_nothing(kind, keep_stats, threads, monkeypatch):
+    """Tasks of one batch with few rows for their inputs' widths add their rows' Gram matrix
+    straight into the systems (BLAS syrk on one thread): the model, the report and a preview
+    equal those of the running Gram sums, and a second run (buffers reused) is the same."""
+    import featcal.blockstats as blockstats
+    import featcal.engine as engine
+    from featcal import stats
+
+    base, experts, merged, data = _zoo(kind, n_tasks=3)
+    one = {t: [bs[0][:1]] for t, bs in data.items()}        # 5 token rows against widths 32, 64, 96
+    monkeypatch.setattr(engine, "BATCH_TASKS_MAX", 0)       # task by task
+    direct = []
+    real = stats.add_rows_gram
+    monkeypatch.setattr(stats, "add_rows_gram", lambda *a: direct.append(a[0].shape) or real(*a))
+    monkeypatch.setattr("featcal.solve.add_rows_gram", stats.add_rows_gram)
+    cfg = FeatCalConfig.clip(alpha=0.4)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads or max(old, 2))
+    try:
+        run = lambda: calibrate(merged, base=base, experts=experts, calib_data=one, config=cfg,  # noqa: E731
+                                keep_stats=keep_stats, progress=False)
+        got, rep_got = run()
+        assert direct and (stats._blas("syrk", torch.zeros(1)) is not None) == (threads == 1)
+        again, rep_again = run()
+        _assert_same_calibration(again, rep_again, got, rep_got)
+        monkeypatch.setattr(blockstats, "DIRECT_ROWS", 0.0)
+        direct.clear()
+        want, rep_want = run()
+    finally:
+        torch.set_num_threads(old)
+    assert not direct
+    _assert_same_calibration(got, rep_got, want, rep_want, preview=keep_stats)
 
 
 def test_pool_spans_only_for_calls_that_can_run_as_one():

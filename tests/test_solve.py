@@ -245,3 +245,82 @@ def test_add_weighted_on_strided_tiles_equals_the_weighted_sum():
     assert torch.allclose(got[2:5, 4:], want[2:5, 4:], atol=1e-6)
     assert torch.equal(got[:2], out[:2])
     assert torch.allclose(stats.add_weighted(out.clone(), x, f), want, atol=1e-6)   # contiguous: one product
+
+
+@pytest.fixture(params=[1, None], ids=["syrk", "torch"])
+def threads(request):
+    """One torch thread (CPU float Gram matrices by BLAS ``syrk``) or torch's own count
+    (torch's products); restored after."""
+    old = torch.get_num_threads()
+    if request.param == 1:
+        torch.set_num_threads(1)
+    elif old == 1:
+        torch.set_num_threads(2)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("form", ["P", "Q", "QQ"])
+def test_direct_sums_of_one_batch_equal_the_gram_sums(threads, form):
+    """A task of one batch may keep its weighted rows instead of ``C`` (direct sums): the
+    system (``S`` on its upper triangle, the right-hand sides, the scales) is the same."""
+    gen = torch.Generator().manual_seed(7)
+    d, o = 300, 5
+    tasks = [_task(gen, rows=rows, d=d, o=o) for rows in (40, 70)]
+    systems = []
+    for direct in (False, True):
+        sysm = solve.LinearSystem.zeros(d, o, torch.float64, "cpu")
+        for xs, xe, W, b, w in tasks:
+            acc = stats.LinearSums.zeros(d, torch.float64, "cpu", cross=form == "P", direct=direct)
+            ms = stats.ModuleSums(torch.zeros(()))
+            stats.accumulate_linear(acc, xs, xe, w)
+            stats.accumulate_module(ms, form, xs, xe @ W.T, w, W)
+            assert (acc.C is None) == direct
+            solve.add_task(sysm, stats.linear_moments(acc, W, ms), W, b, 1e-8)
+        systems.append(sysm)
+    gram, direct = systems
+    assert torch.allclose(direct.S.triu(), gram.S.triu(), rtol=1e-10, atol=1e-12)
+    for name in ("U", "V", "s_sum", "m_s", "ub", "vb", "k_ee", "k_se", "k_ss"):
+        assert torch.allclose(getattr(direct, name), getattr(gram, name), rtol=1e-10, atol=1e-12), name
+
+
+def test_direct_sums_take_one_batch_only():
+    x = torch.randn(4, 10)
+    acc = stats.LinearSums.zeros(10, torch.float64, "cpu", cross=False, direct=True)
+    stats.accumulate_linear(acc, x, x, None)
+    with pytest.raises(ValueError, match="one batch"):
+        stats.accumulate_linear(acc, x, x, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rows_gram_norm_and_syrk_update(threads, dtype):
+    """``||Z^T Z||_F`` from the rows' Gram matrix, and ``S += a Z^T Z`` on the upper triangle
+    (below it, each entry left as it was or updated alike), against float64 products."""
+    gen = torch.Generator().manual_seed(8)
+    Z = torch.randn(30, 500, generator=gen).to(dtype)
+    assert (stats._blas("syrk", Z) is not None) == (threads == 1)
+    C = Z.double().T @ Z.double()
+    assert stats.rows_gram_norm(Z).item() == pytest.approx(torch.linalg.matrix_norm(C).item(), rel=1e-6)
+    S = torch.randn(500, 500, generator=gen).to(dtype)
+    before = S.clone()
+    stats.add_rows_gram(S, Z, 0.25, stats.gram_blocks(500))
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert torch.allclose(S.triu().double(), (before.double() + 0.25 * C).triu(), rtol=tol, atol=tol * 10)
+    lower = torch.ones(500, 500, dtype=torch.bool).tril(-1)
+    kept = S[lower] == before[lower]
+    updated = torch.isclose(S[lower].double(), (before.double() + 0.25 * C)[lower], rtol=tol, atol=tol * 10)
+    assert bool((kept | updated).all())
+
+
+def test_scratch_hands_back_zeroed_buffers():
+    from featcal.blockstats import Scratch
+
+    sc = Scratch()
+    a = sc.take((3, 4), torch.float32, "cpu")
+    a.fill_(5.0)
+    sc.give([a])
+    b = sc.take((3, 4), torch.float32, "cpu")
+    assert b.data_ptr() == a.data_ptr() and not b.any()
+    c = sc.take((3, 4), torch.float32, "cpu")        # none left: a new one
+    assert c.data_ptr() != a.data_ptr() and not c.any()
+    assert sc.take((3, 4), torch.float64, "cpu").dtype == torch.float64
