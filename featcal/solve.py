@@ -125,8 +125,7 @@ def add_task(sys: LinearSystem, mom: LinearMoments, W_i: torch.Tensor, b_i: torc
     sys.s_sum += s.sum()
     mu_s, mu_e = mom.mu_s.to(dt), mom.mu_e.to(dt)                 # (T, d)
     sys.m_s.add_(s @ mu_s)
-    Wmu_s = (W @ mu_s.unsqueeze(-1)).squeeze(-1)                  # (T, o)
-    Wmu_d = (W @ (mu_e - mu_s).unsqueeze(-1)).squeeze(-1)
+    Wmu_s, Wmu_d = (W @ torch.stack([mu_s, mu_e - mu_s], -1)).unbind(-1)   # (T, o) each: W read once
     sys.ub.add_(s @ Wmu_s)
     sys.vb.add_(s @ Wmu_d)
     sys.k_ee += f @ mom.k_ee.to(dt)

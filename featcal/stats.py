@@ -118,6 +118,7 @@ class ModuleSums:
     T: torch.Tensor | None = None    # (d, o)  sum w xs ((1-a) ys + a ye)^T  ("QQ" at a fixed alpha a)
     ss: torch.Tensor | None = None   # ()      sum w |ys|^2             ("QQ")
     se: torch.Tensor | None = None   # ()      sum w ys.ye              ("QQ")
+    tt: torch.Tensor | None = None   # ()      sum w |(1-a) ys + a ye|^2  ("QQ" at a fixed alpha a)
     mm: torch.Tensor | None = None   # ()      sum w |W_mer xs|^2 (when the merged output was seen)
 
 
@@ -321,11 +322,19 @@ def accumulate_module(ms: ModuleSums, form: str, xs: torch.Tensor, ye: torch.Ten
                       W_i: torch.Tensor, ym: torch.Tensor | None = None, alpha: float | None = None) -> ModuleSums:
     """Add one batch to a module's sums in ``form``: ``xs`` ``(rows, d)``, ``ye = W_i xe``
     ``(rows, o)``; ``ym = W_mer xs`` ``(rows, o)`` when the merged module's output was seen.
-    ``alpha`` given: the ``"QQ"`` form keeps only the sum for that alpha (``T``), one
-    ``rows x d x o`` product less, and no preview is possible from it."""
-    ms.ee = ms.ee + _wdot(ye, ye, w)
+    ``alpha`` given: the ``"QQ"`` form keeps only the sums for that alpha (``T``, ``tt``), one
+    ``rows x d x o`` product and four passes over the outputs less, and no preview is
+    possible from it."""
     if ym is not None:
         ms.mm = _add(ms.mm, _wdot(ym, ym, w))
+    if form == "QQ" and alpha is not None:
+        W = W_i.to(xs.dtype).mT
+        mm = torch.addmm if xs.dim() == 2 else torch.baddbmm
+        yt = mm(ye, xs, W, beta=alpha, alpha=1.0 - alpha)         # W_i xt = (1-a) W_i xs + a ye
+        ms.tt = _add(ms.tt, _wdot(yt, yt, w))
+        ms.T = _addmm(ms.T, weighted(xs, w).mT, yt)
+        return ms
+    ms.ee = ms.ee + _wdot(ye, ye, w)
     if form == "P":
         return ms
     xswT = weighted(xs, w).mT
@@ -335,11 +344,8 @@ def accumulate_module(ms: ModuleSums, form: str, xs: torch.Tensor, ye: torch.Ten
     ys = xs @ W_i.to(xs.dtype).mT                                       # (rows, o)
     ms.ss = _add(ms.ss, _wdot(ys, ys, w))
     ms.se = _add(ms.se, _wdot(ys, ye, w))
-    if alpha is None:
-        ms.Q = _addmm(ms.Q, xswT, ye)
-        ms.CW = _addmm(ms.CW, xswT, ys)
-    else:
-        ms.T = _addmm(ms.T, xswT, ys.mul_(1.0 - alpha).add_(ye, alpha=alpha))
+    ms.Q = _addmm(ms.Q, xswT, ye)
+    ms.CW = _addmm(ms.CW, xswT, ys)
     return ms
 
 
@@ -360,7 +366,8 @@ class LinearMoments:
     spec's means): ``C = sum w xs xs^T``, ``CW = C W_i^T``, ``PW = sum w xs xe^T W_i^T``,
     ``k_ss = sum w |W_i xs|^2``, ``k_se = sum w (W_i xs).(W_i xe)``, ``k_ee = sum w |W_i xe|^2``,
     ``k_mm = sum w |W_mer xs|^2`` (or None), ``s``/``e`` the sums of ``xs``/``xe``.
-    At a fixed alpha only ``T = (1 - alpha) CW + alpha PW`` may be there (``CW``, ``PW`` None).
+    At a fixed alpha only ``T = (1 - alpha) CW + alpha PW`` may be there (``CW``, ``PW`` None),
+    and ``k_ss = k_se = k_ee = sum w |W_i xt|^2`` (the one combination the residual reads there).
     ``C`` is trustworthy on its upper block triangle (``edges``) only; ``c_norm = ||C||_F``;
     direct sums give ``Z`` (``C = Z^T Z``) instead of ``C``.
     The ``(d, o)`` terms are in the weight layout (their transposes are contiguous)."""
@@ -397,8 +404,8 @@ def linear_moments(acc: LinearSums, W_i: torch.Tensor, ms: ModuleSums) -> Linear
         raise ValueError("no calibration rows with positive weight for this module (empty task?).")
     edges = acc.edges or (0, acc.s.shape[-1])
     head = (acc.C, edges, rows_gram_norm(acc.Z) if acc.C is None else gram_norm(acc.C, edges))
-    if ms.T is not None:
-        return LinearMoments(*head, None, None, ms.ss, ms.se, ms.ee, ms.mm, acc.s, acc.e, acc.w, acc.rows, ms.T,
+    if ms.T is not None:    # K(a) = a^2 k_ee + 2a(1-a) k_se + (1-a)^2 k_ss is tt when all three are tt
+        return LinearMoments(*head, None, None, ms.tt, ms.tt, ms.tt, ms.mm, acc.s, acc.e, acc.w, acc.rows, ms.T,
                              Z=acc.Z)
     W = W_i.to(acc.s.dtype)                                        # (o, d)
     if ms.CW is not None:
