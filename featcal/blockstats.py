@@ -224,10 +224,6 @@ class BlockSystems:
                 self.norm_parts[t.name].append((one(e), one(m), one(W_i.to(device, dt)),
                                                 None if b_i is None else one(b_i.to(device, dt))))
 
-    def buffers(self) -> list[torch.Tensor]:
-        """The systems' own ``S`` matrices (to hand back to where ``take`` got them)."""
-        return [s.S for s in self.systems.values() if isinstance(s, solve.LinearSystem) and s.owns_S]
-
     def finish(self) -> dict:
         for name, parts in self.norm_parts.items():
             e, m, g, bb = zip(*parts)

@@ -18,6 +18,7 @@ LayerNorm affine, per channel (tasks unweighted), a 2x2 system
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, fields, replace
 from typing import Callable
@@ -168,6 +169,13 @@ def _lapack_cholesky(A: torch.Tensor) -> torch.Tensor | None:
     return torch.from_numpy(c) if info == 0 else None
 
 
+def _triangular_solves(L: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """``(L L^T)^-1 B`` by two triangular solves on the column-major ``L`` from LAPACK as it is
+    (``torch.cholesky_solve`` first copies it: d = 3072, o = 768, 98 against 115 ms)."""
+    y = torch.linalg.solve_triangular(L, B.to(L.dtype), upper=False)
+    return torch.linalg.solve_triangular(L.mT, y, upper=True)
+
+
 def spd_factor(S: torch.Tensor, shift: float = 0.0, what: str = "system",
                take: Callable | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
     """A solver ``B -> (S + shift I)^-1 B`` for the symmetric matrix whose upper triangle is
@@ -181,7 +189,7 @@ def spd_factor(S: torch.Tensor, shift: float = 0.0, what: str = "system",
         A.diagonal().add_(shift)
         L = _lapack_cholesky(A)
         if L is not None:
-            return lambda B: torch.cholesky_solve(B.to(L.dtype), L)
+            return functools.partial(_triangular_solves, L)
     A = symmetric(S)
     A.diagonal().add_(shift)
     if not lapack:

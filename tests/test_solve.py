@@ -111,9 +111,16 @@ def test_triangular_gram_equals_the_full_product(d):
     acc = stats.LinearSums.zeros(d, torch.float64, "cpu", cross=False)
     for part in torch.arange(20).tensor_split(3):
         stats.accumulate_linear(acc, x[part], x[part], w[part])
+    full = (x * w[:, None]).T @ x
+    norm = torch.linalg.matrix_norm(full).item()
+    assert stats.gram_norm(acc.C, acc.edges).item() == pytest.approx(norm, rel=1e-12)
     stats.finish_gram(acc)
+    assert stats.gram_norm(acc.C, acc.edges, finished=True).item() == pytest.approx(norm, rel=1e-12)
     assert len(acc.edges) == min(9, max(2, d // stats.GRAM_BLOCK + 1))
-    assert torch.allclose(acc.C, (x * w[:, None]).T @ x, atol=1e-12)
+    assert torch.allclose(acc.C, full, atol=1e-12)
+    C32 = torch.zeros(d, d, dtype=torch.float32)                  # float32 sums keep the norm to ~1e-5
+    stats.accumulate_gram(C32, x.float() * w.float()[:, None], x.float(), acc.edges)
+    assert stats.gram_norm(C32, acc.edges).item() == pytest.approx(norm, rel=2e-5)
 
 
 def test_cheapest_form_follows_rows_and_widths():
