@@ -135,8 +135,8 @@ def _solve_block(l: int, targets, systems, blk, base_blk, cfg: FeatCalConfig, re
                                            alpha=cfg.alpha, eps=cfg.eps, bias=cfg.bias,
                                            what=f"block {l} {t.name}", with_swt=True, factors=factors,
                                            take=take)
-            before = solve.linear_residual(sysm, W_mer, b_mer, cfg.alpha, wsw=sysm.k_mm)
-            after = solve.linear_residual(sysm, W, b, cfg.alpha, SWt)
+            before, after = solve.linear_residuals(sysm, cfg.alpha, (W_mer, b_mer, None, sysm.k_mm),
+                                                   (W, b, SWt, None))
             d_in, d_out, rows = W.shape[1], W.shape[0], sysm.min_rows
         else:
             W, b = solve.solve_norm(sysm, W_mer, b_mer, W_0, b_0, lam=cfg.lam, rho=cfg.rho, eps=cfg.eps)

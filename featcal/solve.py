@@ -277,20 +277,44 @@ def linear_residual(sys: LinearSystem, W: torch.Tensor, b: torch.Tensor | None, 
     """Relative residual ``sum s_i E|W xs + b - W_i xt - b_i|^2 / sum s_i E|W_i xt + b_i|^2``.
     ``SWt`` (``S W^T``) or ``wsw`` (``tr(W S W^T)``, e.g. ``sys.k_mm`` for the merged
     weights) may be given when already known; else ``S W^T`` is computed."""
+    return linear_residuals(sys, alpha, (W, b, SWt, wsw))[0]
+
+
+def linear_residuals(sys: LinearSystem, alpha: float, *models) -> list[float]:
+    """:func:`linear_residual` of each ``(W, b, SWt, wsw)`` in ``models`` (e.g. the merged
+    weights and the solution): the products with each ``W`` and ``b`` as tensors, all read
+    back at once, and the scalar algebra in Python floats (a module's residuals are
+    dozens of operations on scalars, which cost more as tensor calls than they compute).
+    A NaN or Inf in any ``W`` or ``b`` makes its residual NaN or Inf (``inf * 0`` is NaN)."""
     dt = sys.S.dtype
-    Wt = W.to(dt).T                          # (d, o), weight layout
+    rhs = _task_rhs(sys, alpha)
+    rows, with_bias = [], []
+    for W, b, SWt, wsw in models:
+        Wt = W.to(dt).T                          # (d, o), weight layout
+        if wsw is None:
+            wsw = inner(Wt, symmetric(sys.S) @ Wt if SWt is None else SWt)
+        terms = [wsw, inner(Wt, rhs)]
+        if b is not None:
+            b = b.to(dt)
+            terms += [b @ (Wt.T @ sys.m_s), b @ sys.ub, b @ sys.vb, (sys.sbs * (sys.mus @ Wt)).sum(),
+                      b @ b, b @ sys.sb]
+        rows.append(torch.stack(terms))
+        with_bias.append(b is not None)
+    k_ee, k_se, k_ss, c_s, c_v, bb, s_sum, *vals = torch.cat(
+        [torch.stack([sys.k_ee, sys.k_se, sys.k_ss, sys.c_s, sys.c_v, sys.bb, sys.s_sum]).to(dt), *rows]).tolist()
     a = alpha
-    K = a * a * sys.k_ee + 2 * a * (1 - a) * sys.k_se + (1 - a) ** 2 * sys.k_ss
-    if wsw is None:
-        wsw = inner(Wt, symmetric(sys.S) @ Wt if SWt is None else SWt)
-    num = wsw - 2 * inner(Wt, _task_rhs(sys, a)) + K
-    den = K + 2 * (sys.c_s + a * sys.c_v) + sys.bb
-    if b is not None:
-        b = b.to(dt)
-        Wm = Wt.T @ sys.m_s
-        num = num + 2 * (b @ Wm - b @ (sys.ub + a * sys.vb) - (sys.sbs * (sys.mus @ Wt)).sum() + sys.c_s + a * sys.c_v)
-        num = num + sys.s_sum * (b @ b) - 2 * (b @ sys.sb) + sys.bb
-    return float(num.clamp(min=0) / den.clamp(min=1e-30))
+    K = a * a * k_ee + 2 * a * (1 - a) * k_se + (1 - a) ** 2 * k_ss
+    den = K + 2 * (c_s + a * c_v) + bb
+    den = den if not den < 1e-30 else 1e-30          # (a NaN passes through both clamps)
+    out = []
+    for has_b in with_bias:
+        wsw, w_rhs, *vals = vals
+        num = wsw - 2 * w_rhs + K
+        if has_b:
+            bWm, b_ub, b_vb, sbs_W, b_b, b_sb, *vals = vals
+            num += 2 * (bWm - b_ub - a * b_vb - sbs_W + c_s + a * c_v) + s_sum * b_b - 2 * b_sb + bb
+        out.append((num if not num < 0 else 0.0) / den)
+    return out
 
 
 @dataclass
