@@ -84,9 +84,8 @@ class BlockStats:
     count (:func:`featcal.stats.cheapest_form`), each module its own
     :class:`~featcal.stats.ModuleSums`. A task of one batch (``one_batch``) with few rows
     for an input's width (``DIRECT_ROWS``) keeps that input's rows instead of their Gram
-    matrix (direct sums, added into the system by ``syrk``; at d = 3072 and 400 rows,
-    33 against 43 ms a task). The big buffers come from ``scratch`` (:meth:`release`
-    hands them back).
+    matrix (direct sums, :mod:`featcal.stats`). The big buffers come from ``scratch``
+    (:meth:`release` hands them back).
     """
 
     def __init__(self, cfg: FeatCalConfig, block_idx: int, n_blocks: int, targets: list[arch.Target],

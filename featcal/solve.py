@@ -114,7 +114,7 @@ def add_task(sys: LinearSystem, mom: LinearMoments, W_i: torch.Tensor, b_i: torc
     if sys.owns_S and mom.C is not None:
         add_gram(sys.S, mom.C, f, mom.edges)
     elif sys.owns_S:                                   # direct sums: C = Z^T Z, one task at a time
-        for Z, f_t in zip(mom.Z[None] if mom.Z.dim() == 2 else mom.Z, f.tolist()):
+        for Z, f_t in zip(mom.Z, f.tolist()):
             add_rows_gram(sys.S, Z.to(dt), f_t, mom.edges)
     if sys.alpha is None:
         add_weighted(U, CW, f)
