@@ -6,54 +6,10 @@ import torch
 
 import tiny
 from featcal import FeatCalConfig, calibrate
-from featcal.arch import block_targets, get_params, resolve_blocks
+from featcal.arch import block_targets, resolve_blocks
 from featcal.streams import catch_block_inputs, run_block
 
 ARCHS = ["toy", "hf_clip", "open_clip"]
-
-
-def _zoo(kind, n_tasks=2, std=0.05, n=12):
-    if kind == "toy":
-        base, experts, merged = tiny.toy_zoo(n_tasks=n_tasks, std=0.3)
-        return base, experts, merged, tiny.toy_data(experts)
-    make = tiny.tiny_hf_clip if kind == "hf_clip" else tiny.tiny_open_clip_vit
-    base = make(0)
-    experts = {f"t{i}": tiny.perturbed(base, std, 10 + i) for i in range(n_tasks)}
-    from featcal import merge
-
-    merged = copy.deepcopy(base)
-    merged.load_state_dict(merge("task_arithmetic", base.state_dict(),
-                                 {t: m.state_dict() for t, m in experts.items()}, scale=0.3))
-    gen = torch.Generator().manual_seed(5)
-    data = {t: list(torch.randn(n, 3, 16, 16, generator=gen).split(4)) for t in experts}
-    return base, experts, merged, data
-
-
-def _all_target_params(model):
-    _, blks = resolve_blocks(model)
-    out = {}
-    for l, blk in enumerate(blks):
-        for t in block_targets(blk):
-            W, b = get_params(blk, t)
-            out[(l, t.name)] = (W.clone(), None if b is None else b.clone())
-    return out
-
-
-def _assert_same_calibration(got, rep_got, want, rep_want, preview: bool = False):
-    """Two calibrations agree: every target's weight and bias, each module's residuals and,
-    with ``preview``, their previews of another setting (kept statistics)."""
-    ref = _all_target_params(want)
-    for name, (W, b) in _all_target_params(got).items():
-        assert torch.allclose(W, ref[name][0], rtol=1e-4, atol=1e-5), name
-        assert b is None or torch.allclose(b, ref[name][1], rtol=1e-4, atol=1e-5), name
-    for a, b in zip(rep_got.modules, rep_want.modules):
-        assert (a.name, a.rows) == (b.name, b.rows)
-        assert a.residual_before == pytest.approx(b.residual_before, rel=1e-4, abs=1e-7), a.name
-        assert a.residual_after == pytest.approx(b.residual_after, rel=1e-3, abs=1e-6), a.name
-    if preview:
-        pa, pb = rep_got.preview(lam=0.5, rho=1.5, alpha=0.7), rep_want.preview(lam=0.5, rho=1.5, alpha=0.7)
-        for k, v in pa.state_dict().items():
-            assert torch.allclose(v, pb.state_dict()[k], rtol=1e-4, atol=1e-5), k
 
 
 def _features(model, batch):
@@ -71,14 +27,14 @@ def test_fixed_point_single_expert_equal_to_merged(kind):
     # Enough token rows (40 x 5) that every input Gram matrix has full rank (widest input: 64).
     # float64 models: block l's inputs then match the expert's to ~1e-12, and the fixed point
     # is checked on the weights themselves (poorly conditioned LayerNorm outputs amplify float32 noise).
-    base, experts, merged, data = _zoo(kind, n_tasks=1, n=40)
+    base, experts, merged, data = tiny.zoo(kind, n_tasks=1, n=40)
     base, merged = base.double(), merged.double()
     data = {t: [b.double() for b in bs] for t, bs in data.items()}
     expert = copy.deepcopy(merged)
     cfg = FeatCalConfig(lam=0.0, rho=2.0, alpha=0.3, eps=1e-15, stats_dtype=torch.float64)
     out, _ = calibrate(merged, base=base, experts={"t0": expert}, calib_data={"t0": data["t0"]},
                        config=cfg, progress=False)
-    got, want = _all_target_params(out), _all_target_params(expert)
+    got, want = tiny.all_target_params(out), tiny.all_target_params(expert)
     for key, (W, b) in want.items():
         assert torch.allclose(got[key][0], W, atol=1e-6), key
         if b is not None:
@@ -87,12 +43,12 @@ def test_fixed_point_single_expert_equal_to_merged(kind):
 
 @pytest.mark.parametrize("kind", ARCHS)
 def test_lambda_to_infinity_returns_the_anchor(kind):
-    base, experts, merged, data = _zoo(kind)
+    base, experts, merged, data = tiny.zoo(kind)
     rho = 2.2
     out, _ = calibrate(merged, base=base, experts=experts, calib_data=data,
                        config=FeatCalConfig(lam=1e12, rho=rho, alpha=0.25, stats_dtype=torch.float64),
                        progress=False)
-    got, mer, b0 = _all_target_params(out), _all_target_params(merged), _all_target_params(base)
+    got, mer, b0 = tiny.all_target_params(out), tiny.all_target_params(merged), tiny.all_target_params(base)
     for key, (W, b) in got.items():
         assert torch.allclose(W, rho * mer[key][0] + (1 - rho) * b0[key][0], atol=1e-5), key
         if b is not None:
@@ -101,7 +57,7 @@ def test_lambda_to_infinity_returns_the_anchor(kind):
 
 @pytest.mark.parametrize("kind", ARCHS)
 def test_inputs_are_left_untouched(kind):
-    base, experts, merged, data = _zoo(kind)
+    base, experts, merged, data = tiny.zoo(kind)
     before = {n: tiny.state_snapshot(m) for n, m in [("base", base), ("merged", merged), *experts.items()]}
     data_before = {t: [b.clone() for b in bs] for t, bs in data.items()}
     out, _ = calibrate(merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig(),
@@ -115,7 +71,7 @@ def test_inputs_are_left_untouched(kind):
 
 
 def test_training_flags_are_kept_exactly_and_calibration_runs_in_eval_mode():
-    base, experts, merged, data = _zoo("hf_clip")
+    base, experts, merged, data = tiny.zoo("hf_clip")
     flags = lambda m: [x.training for x in m.modules()]   # noqa: E731
     merged.train()
     resolve_blocks(merged)[1][0].eval()                       # mixed: one block in eval, the rest training
@@ -136,7 +92,7 @@ def test_training_flags_are_kept_exactly_and_calibration_runs_in_eval_mode():
 
 @pytest.mark.parametrize("kind", ARCHS)
 def test_calibrated_features_are_closer_to_the_experts(kind):
-    base, experts, merged, data = _zoo(kind, n_tasks=3)
+    base, experts, merged, data = tiny.zoo(kind, n_tasks=3)
     out, report = calibrate(merged, base=base, experts=experts, calib_data=data,
                             config=FeatCalConfig(lam=0.05, rho=1.0, alpha=0.5), progress=False)
     for t, batches in data.items():
@@ -152,18 +108,18 @@ def test_calibrated_features_are_closer_to_the_experts(kind):
 
 @pytest.mark.parametrize("kind", ARCHS)
 def test_batch_by_batch_equals_one_shot(kind):
-    base, experts, merged, data = _zoo(kind)
+    base, experts, merged, data = tiny.zoo(kind)
     one = {t: [torch.cat(bs)] for t, bs in data.items()}
     cfg = FeatCalConfig(stats_dtype=torch.float64)
     a, _ = calibrate(merged, base=base, experts=experts, calib_data=data, config=cfg, progress=False)
     b, _ = calibrate(merged, base=base, experts=experts, calib_data=one, config=cfg, progress=False)
-    for (key, (Wa, ba)), (Wb, bb) in zip(_all_target_params(a).items(), _all_target_params(b).values()):
+    for (key, (Wa, ba)), (Wb, bb) in zip(tiny.all_target_params(a).items(), tiny.all_target_params(b).values()):
         assert torch.allclose(Wa, Wb, atol=1e-5), key
 
 
 @pytest.mark.parametrize("kind", ARCHS)
 def test_block_by_block_streams_equal_the_full_forward(kind):
-    base, experts, merged, data = _zoo(kind)
+    base, experts, merged, data = tiny.zoo(kind)
     x = data["t0"][0]
     h = _features(merged, x)
     with torch.no_grad():
@@ -200,12 +156,12 @@ def test_packed_attention_context_is_the_out_proj_input():
 
 
 def test_clip_token_weights_reach_the_last_block_only():
-    base, experts, merged, data = _zoo("hf_clip")
+    base, experts, merged, data = tiny.zoo("hf_clip")
     plain, _ = calibrate(merged, base=base, experts=experts, calib_data=data,
                          config=FeatCalConfig.clip(token_weights=None), progress=False)
     weighted, _ = calibrate(merged, base=base, experts=experts, calib_data=data,
                             config=FeatCalConfig.clip(), progress=False)
-    p, w = _all_target_params(plain), _all_target_params(weighted)
+    p, w = tiny.all_target_params(plain), tiny.all_target_params(weighted)
     last = max(k[0] for k in p)
     for key in p:
         same = torch.allclose(p[key][0], w[key][0], atol=1e-6)
@@ -224,7 +180,7 @@ def test_clip_preset_values():
 
 
 def test_switches_bias_and_layernorm_keep_merged_values():
-    base, experts, merged, data = _zoo("toy")
+    base, experts, merged, data = tiny.zoo("toy")
     out, _ = calibrate(merged, base=base, experts=experts, calib_data=data,
                        config=FeatCalConfig(bias=False, layernorm=False), progress=False)
     for l, (bo, bm) in enumerate(zip(out.blocks, merged.blocks)):
@@ -258,7 +214,7 @@ def test_padding_rows_do_not_count():
 
 
 def test_bf16_model_keeps_its_dtype():
-    base, experts, merged, data = _zoo("toy")
+    base, experts, merged, data = tiny.zoo("toy")
     to16 = lambda m: copy.deepcopy(m).to(torch.bfloat16)  # noqa: E731
     out, _ = calibrate(to16(merged), base=to16(base), experts={t: to16(m) for t, m in experts.items()},
                        calib_data=data,  # float32 batches: cast to the model's dtype on the way in
@@ -268,7 +224,7 @@ def test_bf16_model_keeps_its_dtype():
 
 
 def test_report_lists_every_module_with_time_and_residuals():
-    base, experts, merged, data = _zoo("hf_clip")
+    base, experts, merged, data = tiny.zoo("hf_clip")
     _, report = calibrate(merged, base=base, experts=experts, calib_data=data,
                           config=FeatCalConfig.clip(), progress=False)
     frame = report.to_frame()
@@ -277,40 +233,6 @@ def test_report_lists_every_module_with_time_and_residuals():
     assert len(report.blocks) == 2 and report.seconds > 0
     d = report.to_dict()
     assert d["config"]["lam"] == 0.05 and len(d["modules"]) == 16
-
-
-@pytest.mark.parametrize("kind", ["hf_clip", "open_clip"])
-def test_every_statistics_form_gives_the_same_calibration(kind, monkeypatch):
-    """The engine picks P, Q or QQ per module by cost, and sums for one alpha only unless
-    the statistics are kept; forcing each gives the same model and the same report (the
-    merged residual from the data equals the one from S)."""
-    from featcal import solve, stats
-
-    base, experts, merged, data = _zoo(kind)
-    runs = {}
-    for form in stats.FORMS:
-        monkeypatch.setattr(stats, "cheapest_form", lambda *a, _f=form, **k: _f)
-        for keep in (True, False):
-            runs[form, keep] = calibrate(merged, base=base, experts=experts, calib_data=data,
-                                         config=FeatCalConfig.clip(), keep_stats=keep, progress=False)
-    ref_model, ref_report = runs["P", True]
-    ref = _all_target_params(ref_model)
-    for form, (model, report) in runs.items():
-        for name, (W, b) in _all_target_params(model).items():
-            assert torch.allclose(W, ref[name][0], rtol=1e-4, atol=1e-5), (form, name)
-            assert b is None or torch.allclose(b, ref[name][1], rtol=1e-4, atol=1e-5), (form, name)
-        for a, b in zip(report.modules, ref_report.modules):
-            assert a.residual_before == pytest.approx(b.residual_before, rel=1e-3, abs=1e-6), (form, a.name)
-            assert a.residual_after == pytest.approx(b.residual_after, rel=1e-3, abs=1e-6), (form, a.name)
-        if report.preview_state is None:
-            continue
-        seen = [e[2].k_mm is not None for e in report.preview_state.entries if e[1].kind == "linear"]
-        assert sum(seen) >= 4, "the report's residual before should come from the merged outputs seen"
-        for blk, t, sysm, W_mer, b_mer, _, _ in report.preview_state.entries:
-            if t.kind == "linear":
-                direct = solve.linear_residual(sysm, W_mer, b_mer, 0.3)       # through S W_mer^T
-                rec = next(m for m in report.modules if m.block == blk and m.name == t.name)
-                assert rec.residual_before == pytest.approx(direct, rel=1e-3, abs=1e-6), (form, t.name)
 
 
 def test_llama_blocks_with_keyword_arguments_and_padding():
@@ -335,152 +257,3 @@ def test_llama_blocks_with_keyword_arguments_and_padding():
     assert (frame.residual_after < frame.residual_before).all()
     assert {"self_attn.q_proj", "mlp.down_proj"} <= set(frame.name)
     assert all(torch.equal(v, snap[k]) for k, v in base.state_dict().items())
-
-
-@pytest.mark.parametrize("kind", ARCHS)
-def test_pooling_the_calibrating_streams_changes_nothing(kind, monkeypatch):
-    """Small runs move every task's calibrating batches through a block in one call; the
-    model and the report equal those of one call per batch."""
-    import featcal.streams as streams
-
-    base, experts, merged, data = _zoo(kind)
-    calls = {}
-    real = streams.pool_spans
-    monkeypatch.setattr("featcal.engine.pool_spans", lambda c, m=None: calls.setdefault(len(c), real(c, m)))
-    pooled, rep_pooled = calibrate(merged, base=base, experts=experts, calib_data=data,
-                                   config=FeatCalConfig.clip(), progress=False)
-    # The toy model's blocks get a tensor keyword argument (which might have a batch dimension): never pooled.
-    assert (calls[sum(len(b) for b in data.values())] is not None) == (kind != "toy")
-    monkeypatch.setattr(streams, "POOL_ROWS", 0)
-    calls.clear()
-    single, rep_single = calibrate(merged, base=base, experts=experts, calib_data=data,
-                                   config=FeatCalConfig.clip(), progress=False)
-    assert all(v is None for v in calls.values())
-    _assert_same_calibration(pooled, rep_pooled, single, rep_single)
-
-
-@pytest.mark.parametrize("kind", ["hf_clip", "open_clip"])
-@pytest.mark.parametrize("keep_stats", [False, True])
-@pytest.mark.parametrize("form", [None, "P", "Q", "QQ"])
-def test_reducing_every_task_as_one_stack_changes_nothing(kind, keep_stats, form, monkeypatch):
-    """One batch per task, pooled: every task's statistics are reduced as one stack (CLIP
-    preset: token weights in the last block, biases, LayerNorms; each statistics form, or
-    the cheapest); the model, the report and the kept statistics (a preview) equal those of
-    one task at a time."""
-    import featcal.engine as engine
-    from featcal import stats
-
-    if form is not None:
-        monkeypatch.setattr(stats, "cheapest_form", lambda *a, _f=form, **k: _f)
-    base, experts, merged, data = _zoo(kind, n_tasks=3)
-    one = {t: [torch.cat(bs)] for t, bs in data.items()}
-    taken = []
-    real = engine._batchable
-    monkeypatch.setattr(engine, "_batchable", lambda *a: taken.append(real(*a)) or taken[-1])
-    cfg = FeatCalConfig.clip(alpha=0.4)
-    run = lambda: calibrate(merged, base=base, experts=experts, calib_data=one, config=cfg,  # noqa: E731
-                            keep_stats=keep_stats, progress=False)
-    stack, rep_stack = run()
-    assert taken and all(taken)
-    monkeypatch.setattr(engine, "BATCH_TASKS_MAX", 0)
-    taken.clear()
-    each, rep_each = run()
-    assert taken and not any(taken)
-    _assert_same_calibration(stack, rep_stack, each, rep_each, preview=keep_stats)
-
-
-@pytest.mark.parametrize("kind", ["hf_clip", "open_clip"])
-@pytest.mark.parametrize("keep_stats", [False, True])
-@pytest.mark.parametrize("threads", [1, None], ids=["syrk", "torch"])
-def test_direct_sums_of_one_batch_tasks_change_nothing(kind, keep_stats, threads, monkeypatch):
-    """Tasks of one batch with few rows for their inputs' widths add their rows' Gram matrix
-    straight into the systems (BLAS syrk on one thread): the model, the report and a preview
-    equal those of the running Gram sums, and a second run (buffers reused) is the same."""
-    import featcal.blockstats as blockstats
-    import featcal.engine as engine
-    from featcal import stats
-
-    base, experts, merged, data = _zoo(kind, n_tasks=3)
-    one = {t: [bs[0][:1]] for t, bs in data.items()}        # 5 token rows against widths 32, 64, 96
-    monkeypatch.setattr(engine, "BATCH_TASKS_MAX", 0)       # task by task
-    direct = []
-    real = stats.add_rows_gram
-    monkeypatch.setattr(stats, "add_rows_gram", lambda *a: direct.append(a[0].shape) or real(*a))
-    monkeypatch.setattr("featcal.solve.add_rows_gram", stats.add_rows_gram)
-    cfg = FeatCalConfig.clip(alpha=0.4)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads or max(old, 2))
-    try:
-        run = lambda: calibrate(merged, base=base, experts=experts, calib_data=one, config=cfg,  # noqa: E731
-                                keep_stats=keep_stats, progress=False)
-        got, rep_got = run()
-        assert direct and (stats._blas("syrk", torch.zeros(1)) is not None) == (threads == 1)
-        again, rep_again = run()
-        _assert_same_calibration(again, rep_again, got, rep_got)
-        monkeypatch.setattr(blockstats, "DIRECT_ROWS", 0.0)
-        direct.clear()
-        want, rep_want = run()
-    finally:
-        torch.set_num_threads(old)
-    assert not direct
-    _assert_same_calibration(got, rep_got, want, rep_want, preview=keep_stats)
-
-
-def test_pool_spans_only_for_calls_that_can_run_as_one():
-    from featcal.streams import BlockCall, pool_spans
-
-    h = torch.zeros(4, 5, 8)
-    plain = [BlockCall(h), BlockCall(h[:3])]
-    assert pool_spans(plain) == [(0, 4), (4, 7)]
-    assert pool_spans(plain[:1]) is None                                   # nothing to pool
-    assert pool_spans(plain, max_rows=34) is None                          # 35 rows in all
-    assert pool_spans([BlockCall(h), BlockCall(torch.zeros(4, 6, 8))]) is None       # token counts differ
-    assert pool_spans([BlockCall(h, mask=torch.ones(4, 5)), BlockCall(h)]) is None   # padding
-    pos = torch.zeros(1, 5, 8)
-    assert pool_spans([BlockCall(h, kwargs={"pos": pos}), BlockCall(h, kwargs={"pos": pos})]) is None
-    assert pool_spans([BlockCall(h, kwargs={"flag": True}), BlockCall(h, kwargs={"flag": False})]) is None
-    assert pool_spans([BlockCall(h, kwargs={"flag": None}), BlockCall(h, kwargs={"flag": None})]) == [(0, 4), (4, 8)]
-    import numpy as np
-    arr = np.zeros((4, 5))
-    assert pool_spans([BlockCall(h, kwargs={"a": arr}), BlockCall(h, kwargs={"a": arr})]) is None   # an array
-    assert pool_spans([BlockCall(h, args=([1],)), BlockCall(h, args=([2],))]) is None
-
-    class Odd:
-        def __eq__(self, other):
-            raise TypeError("no comparison")
-    assert pool_spans([BlockCall(h, args=(Odd(),)), BlockCall(h, args=(Odd(),))]) is None
-
-
-@pytest.mark.parametrize("kind, per_task_batches", [("toy", 3), ("hf_clip", 3), ("hf_clip", 1), ("open_clip", 1)])
-def test_an_expert_trace_reruns_no_expert_block_and_changes_nothing(kind, per_task_batches):
-    """Repeated calibrations of one zoo (another merged model, other hyper-parameters) with an
-    ExpertTrace: the second run calls no expert block or stem and gives the very same model
-    as a run without it; other expert objects clear the trace."""
-    from featcal import ExpertTrace
-
-    base, experts, merged, data = _zoo(kind, n=4 * per_task_batches)
-    other = tiny.perturbed(merged, 0.02, 99)
-    calls = []
-    handles = [m.register_forward_pre_hook(lambda *_: calls.append(1)) for e in experts.values()
-               for m in e.modules()]
-    trace = ExpertTrace()
-    cfg = FeatCalConfig.clip(lam=0.1, rho=1.5, alpha=0.4)
-    try:
-        calibrate(merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig.clip(),
-                  progress=False, expert_trace=trace)
-        assert calls
-        calls.clear()
-        got, rep = calibrate(other, base=base, experts=experts, calib_data=data, config=cfg, progress=False,
-                             expert_trace=trace)
-        assert calls == []                                  # nothing of the experts ran again
-    finally:
-        for h in handles:
-            h.remove()
-    want, rep_want = calibrate(other, base=base, experts=experts, calib_data=data, config=cfg, progress=False)
-    ref = _all_target_params(want)
-    for name, (W, b) in _all_target_params(got).items():
-        assert torch.equal(W, ref[name][0]), name
-        assert b is None or torch.equal(b, ref[name][1]), name
-    assert [m.residual_after for m in rep.modules] == [m.residual_after for m in rep_want.modules]
-    copies = {t: copy.deepcopy(e) for t, e in experts.items()}
-    assert trace.bind(copies, data, list(copies), trace._key[0]).steps == {} and not trace.stacked

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
+
+from featcal.arch import block_targets, get_params, resolve_blocks
 
 
 class ToyBlock(nn.Module):
@@ -107,3 +110,51 @@ def tiny_open_clip_clip(tmp_path, name: str, seed: int = 0):
     path.write_text(json.dumps(cfg))
     torch.manual_seed(seed)
     return open_clip_model(name, str(path), quick_gelu=False), path
+
+
+def zoo(kind, n_tasks=2, std=0.05, n=12):
+    """``(base, experts, merged, data)`` of a ``kind`` in ("toy", "hf_clip", "open_clip"):
+    seeded experts around a base, Task Arithmetic (0.3) as the merge, ``n`` examples a task
+    in batches of 4 (the toy zoo: its own data)."""
+    if kind == "toy":
+        base, experts, merged = toy_zoo(n_tasks=n_tasks, std=0.3)
+        return base, experts, merged, toy_data(experts)
+    make = tiny_hf_clip if kind == "hf_clip" else tiny_open_clip_vit
+    base = make(0)
+    experts = {f"t{i}": perturbed(base, std, 10 + i) for i in range(n_tasks)}
+    from featcal import merge
+
+    merged = copy.deepcopy(base)
+    merged.load_state_dict(merge("task_arithmetic", base.state_dict(),
+                                 {t: m.state_dict() for t, m in experts.items()}, scale=0.3))
+    gen = torch.Generator().manual_seed(5)
+    data = {t: list(torch.randn(n, 3, 16, 16, generator=gen).split(4)) for t in experts}
+    return base, experts, merged, data
+
+
+def all_target_params(model):
+    """``{(block, target): (W, b)}`` (copies) of every calibrated target of ``model``."""
+    _, blks = resolve_blocks(model)
+    out = {}
+    for l, blk in enumerate(blks):
+        for t in block_targets(blk):
+            W, b = get_params(blk, t)
+            out[(l, t.name)] = (W.clone(), None if b is None else b.clone())
+    return out
+
+
+def assert_same_calibration(got, rep_got, want, rep_want, preview: bool = False):
+    """Two calibrations agree: every target's weight and bias, each module's residuals and,
+    with ``preview``, their previews of another setting (kept statistics)."""
+    ref = all_target_params(want)
+    for name, (W, b) in all_target_params(got).items():
+        assert torch.allclose(W, ref[name][0], rtol=1e-4, atol=1e-5), name
+        assert b is None or torch.allclose(b, ref[name][1], rtol=1e-4, atol=1e-5), name
+    for a, b in zip(rep_got.modules, rep_want.modules):
+        assert (a.name, a.rows) == (b.name, b.rows)
+        assert a.residual_before == pytest.approx(b.residual_before, rel=1e-4, abs=1e-7), a.name
+        assert a.residual_after == pytest.approx(b.residual_after, rel=1e-3, abs=1e-6), a.name
+    if preview:
+        pa, pb = rep_got.preview(lam=0.5, rho=1.5, alpha=0.7), rep_want.preview(lam=0.5, rho=1.5, alpha=0.7)
+        for k, v in pa.state_dict().items():
+            assert torch.allclose(v, pb.state_dict()[k], rtol=1e-4, atol=1e-5), k
