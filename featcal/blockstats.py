@@ -7,6 +7,7 @@ target's system (:mod:`featcal.solve`) and checks them.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from featcal.config import FeatCalConfig
 
 
 DIRECT_ROWS = 0.5   # a task of one batch with at most this many rows per input column keeps direct sums
+SCRATCH_KEEP = 1 << 26  # elements (256 MB in float32) up to which a buffer is kept for the next block
 
 
 class Scratch:
@@ -24,7 +26,8 @@ class Scratch:
     tens of MB costs its page faults on first touch (d = 3072, float32: 21 ms to zero a new
     one, 5 ms to zero a kept one), so the engine keeps the Gram matrices, systems and
     factors of one block for the next one of the same widths. :meth:`take` a buffer,
-    :meth:`give` it back when done; what was given is held until the scratch is dropped."""
+    :meth:`give` it back when done; what was given is held until the scratch is dropped or
+    :meth:`trim` lets go of it (the engine keeps buffers up to ``SCRATCH_KEEP`` elements)."""
 
     def __init__(self) -> None:
         self._free: dict[tuple, list[torch.Tensor]] = {}
@@ -40,6 +43,12 @@ class Scratch:
     def give(self, tensors) -> None:
         for x in tensors:
             self._free.setdefault((tuple(x.shape), x.dtype, x.device), []).append(x)
+
+    def trim(self, max_numel: int) -> None:
+        """Let go of the free buffers of more than ``max_numel`` elements (kept from one block
+        to the next they would add to the peak memory, while their page faults are small next
+        to a factorisation of their size)."""
+        self._free = {k: v for k, v in self._free.items() if math.prod(k[0]) <= max_numel}
 
 
 def token_weights(x: torch.Tensor, weighted: bool, other: float, mask: torch.Tensor | None,

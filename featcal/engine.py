@@ -34,7 +34,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from featcal import arch, solve, validate
-from featcal.blockstats import BlockStats, BlockSystems, Scratch
+from featcal.blockstats import SCRATCH_KEEP, BlockStats, BlockSystems, Scratch
 from featcal.capture import Captured, capture, per_task, sliced, stacked
 from featcal.config import FeatCalConfig
 from featcal.report import BlockRecord, CalibrationReport, ModuleRecord
@@ -371,6 +371,7 @@ def calibrate(merged: nn.Module, *, base: nn.Module, experts: Mapping[str, nn.Mo
             t1 = time.perf_counter()
             # 3b. Solve all modules of the block, then load them together.
             _solve_block(l, targets, systems, blk, base_blks[l], cfg, report, keep, scratch)
+            scratch.trim(SCRATCH_KEEP)
             t2 = time.perf_counter()
             # 3c. Advance the calibrating streams through the calibrated block.
             _advance(blk, streams, pool, device, cfg.offload_streams, l)

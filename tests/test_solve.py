@@ -331,3 +331,8 @@ def test_scratch_hands_back_zeroed_buffers():
     c = sc.take((3, 4), torch.float32, "cpu")        # none left: a new one
     assert c.data_ptr() != a.data_ptr() and not c.any()
     assert sc.take((3, 4), torch.float64, "cpu").dtype == torch.float64
+    big = torch.zeros(10, 10)
+    sc.give([a, big])
+    sc.trim(50)                                      # the 10 x 10 one goes, the 3 x 4 one stays
+    assert sc.take((10, 10), torch.float32, "cpu").data_ptr() != big.data_ptr()
+    assert sc.take((3, 4), torch.float32, "cpu").data_ptr() == a.data_ptr()
