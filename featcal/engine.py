@@ -368,10 +368,11 @@ def calibrate(merged: nn.Module, *, base: nn.Module, experts: Mapping[str, nn.Mo
             pool = _pool(streams)            # the calibrating batches as one call, for steps 1 and 3
             systems = _block_systems(l, n, targets, blk, exp_blks, streams, pool, cfg, device, warn_rows,
                                      None if keep_stats else cfg.alpha, scratch, trace)
+            scratch.trim(SCRATCH_KEEP)       # big Gram buffers go before the solve (kept, they add to its peak)
             t1 = time.perf_counter()
             # 3b. Solve all modules of the block, then load them together.
             _solve_block(l, targets, systems, blk, base_blks[l], cfg, report, keep, scratch)
-            scratch.trim(SCRATCH_KEEP)
+            scratch.trim(SCRATCH_KEEP)       # and big systems and factors before the advance
             t2 = time.perf_counter()
             # 3c. Advance the calibrating streams through the calibrated block.
             _advance(blk, streams, pool, device, cfg.offload_streams, l)
