@@ -148,9 +148,9 @@ def weighted(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
     return x if w is None else x * w[..., None]
 
 
-def _acc(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``out += a @ b`` in place, for matrices or stacks of them."""
-    return out.addmm_(a, b) if out.dim() == 2 else out.baddbmm_(a, b)
+def _acc(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """``out += alpha a @ b`` in place, for matrices or stacks of them."""
+    return out.addmm_(a, b, alpha=alpha) if out.dim() == 2 else out.baddbmm_(a, b, alpha=alpha)
 
 
 def inner(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -166,12 +166,13 @@ def inner(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.dot(a.reshape(-1), b.reshape(-1))
 
 
-def accumulate_gram(C: torch.Tensor, xw: torch.Tensor, x: torch.Tensor, edges: tuple[int, ...]) -> torch.Tensor:
-    """``C += xw^T x`` on the upper block triangle only (``C`` symmetric once finished)."""
+def accumulate_gram(C: torch.Tensor, xw: torch.Tensor, x: torch.Tensor, edges: tuple[int, ...],
+                    alpha: float = 1.0) -> torch.Tensor:
+    """``C += alpha xw^T x`` on the upper block triangle only (``C`` symmetric once finished)."""
     if len(edges) <= 2:
-        return _acc(C, xw.mT, x)
+        return _acc(C, xw.mT, x, alpha)
     for lo, hi in zip(edges[:-1], edges[1:]):
-        _acc(C[..., lo:hi, lo:], xw[..., lo:hi].mT, x[..., lo:])
+        _acc(C[..., lo:hi, lo:], xw[..., lo:hi].mT, x[..., lo:], alpha)
     return C
 
 
@@ -201,33 +202,36 @@ def _blas_threads():
     return ThreadpoolController()
 
 
+def _syrk(C: torch.Tensor, Z: torch.Tensor, alpha: float, rows: bool) -> bool:
+    """``C += alpha Z^T Z`` (``rows``: ``alpha Z Z^T``) on the upper triangle of ``C`` by BLAS
+    ``syrk`` (half a product's flops) on one CPU thread; False, with nothing done, where it
+    does not apply (:func:`_blas`, non-contiguous or mixed dtypes)."""
+    syrk = _blas("syrk", C) if C.is_contiguous() and Z.is_contiguous() and C.dtype == Z.dtype else None
+    if syrk is None:
+        return False
+    with one_blas_thread():   # row-major C and Z are column-major C^T (= C) and Z^T
+        out = syrk(alpha, Z.numpy().T, beta=1.0, c=C.numpy().T, trans=int(rows), lower=1, overwrite_c=1)
+    if out.ctypes.data != C.data_ptr():     # pragma: no cover  (scipy copied: keep the result)
+        C.copy_(torch.from_numpy(out.T))
+    return True
+
+
 def add_rows_gram(S: torch.Tensor, Z: torch.Tensor, alpha: float, edges: tuple[int, ...]) -> torch.Tensor:
     """``S += alpha Z^T Z`` on the upper triangle of ``S`` ``(d, d)`` for rows ``Z`` ``(rows, d)``:
-    BLAS ``syrk`` (half a product's flops: d = 3072, 400 rows, 24 against 29 ms for the block
-    triangle) on one CPU thread, else on the upper block triangle (``edges``)."""
-    syrk = _blas("syrk", S) if S.is_contiguous() and Z.is_contiguous() and S.dtype == Z.dtype else None
-    if syrk is None:
-        for lo, hi in zip(edges[:-1], edges[1:]):
-            S[lo:hi, lo:].addmm_(Z[:, lo:hi].T, Z[:, lo:], alpha=alpha)
-        return S
-    with one_blas_thread():   # row-major S and Z are column-major S^T (= S) and Z^T: S^T += alpha Z^T Z
-        out = syrk(alpha, Z.numpy().T, beta=1.0, c=S.numpy().T, trans=0, lower=1, overwrite_c=1)
-    if out.ctypes.data != S.data_ptr():     # pragma: no cover  (scipy copied: keep the result)
-        S.copy_(torch.from_numpy(out.T))
+    :func:`_syrk` (d = 3072, 400 rows, 24 against 29 ms for the block triangle), else on the
+    upper block triangle (``edges``)."""
+    if not _syrk(S, Z, alpha, rows=False):
+        accumulate_gram(S, Z, Z, edges, alpha)
     return S
 
 
 def rows_gram_norm(Z: torch.Tensor) -> torch.Tensor:
     """``||Z^T Z||_F`` from the ``rows x rows`` Gram matrix ``Z Z^T`` (the same norm; fewer
     flops when ``rows < d``)."""
-    syrk = _blas("syrk", Z) if Z.is_contiguous() else None
-    if syrk is None:
+    K = torch.zeros(Z.shape[0], Z.shape[0], dtype=Z.dtype, device=Z.device)
+    if not _syrk(K, Z, 1.0, rows=True):
         return _sum_sq(Z @ Z.mT).sqrt()
-    K = torch.zeros(Z.shape[0], Z.shape[0], dtype=Z.dtype)   # upper triangle of K, zeros below
-    with one_blas_thread():
-        out = syrk(1.0, Z.numpy().T, beta=0.0, c=K.numpy().T, trans=1, lower=1, overwrite_c=1)
-    K = torch.from_numpy(out.T) if out.ctypes.data != K.data_ptr() else K
-    diag = K.diagonal()
+    diag = K.diagonal()                       # K: its upper triangle, zeros below
     return (2 * _sum_sq(K) - torch.dot(diag, diag)).clamp(min=0).sqrt()
 
 
