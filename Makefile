@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml 2>/dev/null | sha1sum | cut -c1-12)
 PORT   ?= 8501
 
-.PHONY: app test test-quick venv system-deps zoo bench clean-venv
+.PHONY: app test test-quick lint venv system-deps zoo bench clean-venv
 
 venv: $(STAMP)
 
@@ -32,6 +32,10 @@ test: venv system-deps
 
 test-quick: venv
 	$(BIN)/python -m pytest -q -m "not browser and not slow and not demo_zoo"
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 zoo: venv
 	$(BIN)/featcal zoo build-demo
