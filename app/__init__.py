@@ -1,3 +1,12 @@
 """The featcal Streamlit app (``streamlit run app/streamlit_app.py``): a thin view over
-featcal and diagnostics. Layout in ``pages/``, caching in :mod:`app.state`, figures in
-:mod:`app.figures`, library calls in :mod:`app.compute`."""
+featcal and diagnostics.
+
+- ``pages/``: the layout, one file per page;
+- :mod:`app.settings`: the settings as frozen values (merger, calibration, model references);
+- :mod:`app.controls`: the URL-bound widgets that set them;
+- :mod:`app.state`: the zoo, its models and result tables, cached across reruns and tabs;
+- :mod:`app.workers`: locks, CPU threads and the worker thread the torch work runs on;
+- :mod:`app.compute`: the library calls, without Streamlit;
+- :mod:`app.figures`, :mod:`app.ui`: figures from tables, a status line;
+- :mod:`app.st_patch`: the one setting of a Streamlit internal, and why.
+"""

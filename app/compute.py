@@ -17,6 +17,8 @@ import pandas as pd
 import torch
 from torch import nn
 
+from featcal import FeatCalConfig
+
 REPO = Path(__file__).resolve().parents[1]
 LIVE_TEST = 50       # test examples per task scored live (the first ones of the split)
 DIAG_N = 16          # held-out examples per task the drift and cosines are measured on
@@ -107,15 +109,13 @@ def split_size(zoo, split: str) -> int:
 
 # ----------------------------------------------------------------------------- featcal
 
-def calibrate(merged: nn.Module, zoo, data: dict, lam: float, rho: float, alpha: float, bias: bool,
-              layernorm: bool, trace=None):
-    """The exact forward-order FeatCal of ``merged`` with the CLIP preset's token weights;
-    ``trace``: :func:`expert_trace` of ``data`` (the experts' part kept from run to run)."""
-    from featcal import FeatCalConfig
+def calibrate(merged: nn.Module, zoo, data: dict, config: FeatCalConfig, trace=None):
+    """The exact forward-order FeatCal of ``merged`` under ``config``, keeping the statistics
+    a preview re-solves; ``trace``: :func:`expert_trace` of ``data`` (the experts' part kept
+    from run to run)."""
     from featcal import calibrate as featcal_calibrate
 
-    cfg = FeatCalConfig.clip(lam=lam, rho=rho, alpha=alpha, bias=bias, layernorm=layernorm)
-    return featcal_calibrate(merged, base=zoo.base, experts=zoo.experts, calib_data=data, config=cfg,
+    return featcal_calibrate(merged, base=zoo.base, experts=zoo.experts, calib_data=data, config=config,
                              keep_stats=True, progress=False, expert_trace=trace)
 
 
@@ -151,12 +151,12 @@ def _stream_size(zoo, data: dict) -> tuple[float, int, int]:
 
 
 @torch.no_grad()
-def load_preview(scratch: nn.Module, calibrated: nn.Module, report, lam: float, rho: float,
-                 alpha: float) -> nn.Module:
-    """Write the preview for (lam, rho, alpha) from ``report``'s kept statistics into ``scratch``
-    (a model of the same architecture), in place."""
+def load_preview(scratch: nn.Module, calibrated: nn.Module, report, config: FeatCalConfig) -> nn.Module:
+    """Write the preview for ``config``'s (lam, rho, alpha) from ``report``'s kept statistics
+    into ``scratch`` (a model of the same architecture), in place; the statistics fix every
+    other setting."""
     scratch.load_state_dict(calibrated.state_dict())
-    report.preview_state.load_into(scratch, lam, rho, alpha)
+    report.preview_state.load_into(scratch, config.lam, config.rho, config.alpha)
     return scratch.eval()
 
 
@@ -220,14 +220,19 @@ def output_scores(model: nn.Module, zoo, side: ExpertSide, batch_size: int = 256
         lm = torch.cat([zoo.logits(model, task, xb).cpu() for xb in x.split(batch_size)])   # (n, C)
         le = side.logits[task]                                                               # (n, C)
         n = len(x)
-        mean = (lambda t, scale=1.0: scale * float(t.double().mean()) if n else float("nan"))  # noqa: E731
-        rows += [(task, -1, "kl", mean(kl_rows(le, lm))), (task, -1, "agreement", mean(top1_agreement(le, lm), 100.0))]
+        rows += [(task, -1, "kl", _mean(kl_rows(le, lm))),
+                 (task, -1, "agreement", _mean(top1_agreement(le, lm), 100.0))]
         if y is not None:
-            rows += [(task, -1, "accuracy", mean(lm.argmax(-1) == y, 100.0)),
-                     (task, -1, "expert_accuracy", mean(le.argmax(-1) == y, 100.0))]
+            rows += [(task, -1, "accuracy", _mean(lm.argmax(-1) == y, 100.0)),
+                     (task, -1, "expert_accuracy", _mean(le.argmax(-1) == y, 100.0))]
         rows.append((task, -1, "examples", float(n)))
     return {"output": pd.DataFrame(rows, columns=["task", "block", "metric", "value"]),
             "task_vector": task_vector_cosine(model, zoo.base, zoo.experts)}
+
+
+def _mean(values: torch.Tensor, scale: float = 1.0) -> float:
+    """``scale`` times the mean of ``values`` (NaN for none), in double precision."""
+    return scale * float(values.double().mean()) if len(values) else float("nan")
 
 
 @torch.no_grad()

@@ -1,19 +1,22 @@
-"""The app's settings: small frozen values read from the widgets.
+"""The app's settings as values: the merger, the calibration and the model a table is about.
 
-Every widget is bound to the URL (``bind="query-params"``: a view can be shared and
-restored) and kept for the whole session (``persist_state="session"``), so a page
-that does not draw a widget still reads its value (:func:`current_merger`,
-:func:`current_calibration`).
+Three frozen dataclasses, hashable (``st.cache_*`` keys, with :data:`HASH_FUNCS`, and dict
+keys) and free of Streamlit (the widgets that build them are in :mod:`app.controls`):
+
+- :class:`Merger`: the merge method and its parameters (Zoo page);
+- :class:`AppCal`: a :class:`featcal.FeatCalConfig` (the maths: λ, ρ, α, switches, token
+  weights) plus what only the app chooses (``n``, calibration examples per task);
+- :class:`ModelRef`: which model a score or drift table is of, with every setting that made it.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 from dataclasses import dataclass
 
-import streamlit as st
+from featcal import FeatCalConfig
 
-BIND = dict(bind="query-params", persist_state="session")
 CAL_SIZES = (4, 8, 16, 32, 64, 128, 256, 512)
 DEFAULT_N = 8        # calibration examples per task (see benchmarks/app_latency.py)
 # The instant preview is scored and drawn only when the exact run has not finished this long
@@ -28,117 +31,124 @@ MERGE_PARAMS = {"task_arithmetic": {"scale": (0.05, 1.0, 0.05)},
 CAL_DEFAULTS = dict(log_lam=-1.3, rho=2.0, alpha=0.3, n_cal=DEFAULT_N, bias=True, layernorm=True)
 
 
+def merge_default(method: str, name: str) -> float:
+    """The default of a merger parameter, read from its function in :mod:`featcal.merging`."""
+    from featcal.merging import MERGERS
+
+    return float(inspect.signature(MERGERS[method]).parameters[name].default)
+
+
 @dataclass(frozen=True)
 class Merger:
+    """A merge method (a key of :data:`featcal.merging.MERGERS`) and its parameters."""
+
     method: str
-    params: tuple[tuple[str, float], ...] = ()
+    params: tuple[tuple[str, float], ...] = ()   # (name, value) pairs, in the sliders' order
+
+    @property
+    def kwargs(self) -> dict[str, float]:
+        """The parameters as keyword arguments of the merge function."""
+        return dict(self.params)
 
     @property
     def label(self) -> str:
         args = ", ".join(f"{k}={v:g}" for k, v in self.params)
         return f"{MERGE_METHODS.get(self.method, self.method)}" + (f" ({args})" if args else "")
 
-    @property
-    def ref(self) -> tuple:
-        return (self.method, self.params)
-
 
 @dataclass(frozen=True)
-class CalSettings:
-    n: int
-    lam: float
-    rho: float
-    alpha: float
-    bias: bool
-    layernorm: bool
+class AppCal:
+    """One exact FeatCal run of the app: its :class:`featcal.FeatCalConfig` and the number of
+    calibration examples per task it reads (the only setting the app adds)."""
+
+    config: FeatCalConfig   # the CLIP preset (token weights) with the sliders' λ, ρ, α and switches
+    n: int                  # calibration examples per task
+
+    def __post_init__(self):
+        if not (isinstance(self.n, int) and self.n > 0):
+            raise ValueError(f"n (calibration examples per task) must be a positive int, got {self.n!r}.")
+
+    @classmethod
+    def from_widgets(cls, log_lam: float, rho: float, alpha: float, n: int, bias: bool,
+                     layernorm: bool) -> "AppCal":
+        """The settings the widgets show. λ moves on a log10 slider: rounded there (a URL or a
+        slider step can carry float noise, which would split the cache) and turned into
+        ``config.lam`` here, once."""
+        lam = 10 ** round(float(log_lam), 4)
+        config = FeatCalConfig.clip(lam=lam, rho=float(rho), alpha=float(alpha), bias=bool(bias),
+                                    layernorm=bool(layernorm))
+        return cls(config, int(n))
 
     @property
     def structure(self) -> tuple:
-        """What the kept statistics depend on: runs sharing it can preview each other."""
-        return (self.n, self.bias, self.layernorm)
+        """What the kept statistics depend on (everything but λ, ρ, α): runs sharing it can
+        preview each other."""
+        return (self.n, dataclasses.replace(self.config, lam=0.0, rho=0.0, alpha=0.0))
 
     @property
-    def ref(self) -> tuple:
-        return (self.n, self.lam, self.rho, self.alpha, self.bias, self.layernorm)
+    def point_label(self) -> str:
+        """λ, ρ, α: what a preview from this run's kept statistics can change."""
+        return f"λ={self.config.lam:.3g}, ρ={self.config.rho:g}, α={self.config.alpha:g}"
 
     @property
     def label(self) -> str:
-        sw = ", ".join(s for s, on in (("bias", self.bias), ("LayerNorm", self.layernorm)) if on) or "weights only"
-        return f"λ={self.lam:.3g}, ρ={self.rho:g}, α={self.alpha:g}, n={self.n}/task, {sw}"
+        c = self.config
+        sw = ", ".join(s for s, on in (("bias", c.bias), ("LayerNorm", c.layernorm)) if on) or "weights only"
+        return f"{self.point_label}, n={self.n}/task, {sw}"
 
 
-def _merge_default(method: str, name: str) -> float:
-    from featcal.merging import MERGERS
-
-    return float(inspect.signature(MERGERS[method]).parameters[name].default)
+MODEL_KINDS = ("base", "merged", "calibrated", "preview")
 
 
-def _setting(key: str, default, cast):
-    """A widget's value on any page: its session value, else its URL parameter, else ``default``."""
-    if key in st.session_state:
-        return st.session_state[key]
-    raw = st.query_params.get(key)
-    if raw is None:
-        return default
-    try:
-        return cast(raw)
-    except (TypeError, ValueError):
-        return default
+@dataclass(frozen=True)
+class ModelRef:
+    """Names a model the app scores, with every setting that made it: the key of the score
+    and drift caches.
+
+    ``base``: the zoo's pre-trained model; ``merged``: ``merger``'s merge; ``calibrated``: the
+    exact FeatCal run ``cal`` on it; ``preview``: ``cal`` re-solved from the kept statistics of
+    the exact run ``from_run`` (same :attr:`AppCal.structure`, other λ, ρ, α). Build them with
+    the class methods.
+    """
+
+    kind: str
+    merger: Merger | None = None
+    cal: AppCal | None = None
+    from_run: AppCal | None = None   # preview only: the exact run whose kept statistics it re-solves
+
+    def __post_init__(self):
+        if self.kind not in MODEL_KINDS:
+            raise ValueError(f"kind must be one of {MODEL_KINDS}, got {self.kind!r}.")
+        needs = {"base": (), "merged": ("merger",), "calibrated": ("merger", "cal"),
+                 "preview": ("merger", "cal", "from_run")}[self.kind]
+        for name in ("merger", "cal", "from_run"):
+            if (getattr(self, name) is None) == (name in needs):
+                state = "needs" if name in needs else "takes no"
+                build = "base_model" if self.kind == "base" else self.kind
+                raise ValueError(f"a {self.kind!r} model reference {state} {name!r}; build it with "
+                                 f"ModelRef.{build}(...).")
+        if self.kind == "preview" and self.cal.structure != self.from_run.structure:
+            raise ValueError("a preview re-solves only λ, ρ, α: it and the run it comes from must share "
+                             "n and every other setting (AppCal.structure).")
+
+    @classmethod
+    def base_model(cls) -> "ModelRef":
+        return cls("base")
+
+    @classmethod
+    def merged(cls, merger: Merger) -> "ModelRef":
+        return cls("merged", merger)
+
+    @classmethod
+    def calibrated(cls, merger: Merger, cal: AppCal) -> "ModelRef":
+        return cls("calibrated", merger, cal)
+
+    @classmethod
+    def preview(cls, merger: Merger, from_run: AppCal, cal: AppCal) -> "ModelRef":
+        return cls("preview", merger, cal, from_run)
 
 
-def _bool(raw) -> bool:
-    return str(raw).lower() in ("1", "true", "yes", "on")
-
-
-def merger_controls() -> Merger:
-    """The merger's widgets (Zoo page): method and its parameters."""
-    methods = list(MERGE_METHODS)
-    method = st.selectbox("Merger", methods, index=methods.index("task_arithmetic"),
-                          format_func=MERGE_METHODS.get, key="merge", **BIND)
-    params = []
-    for name, (lo, hi, step) in MERGE_PARAMS.get(method, {}).items():
-        key = f"{method}_{name}"
-        v = st.slider(f"{MERGE_METHODS[method]} {name}", lo, hi, _merge_default(method, name), step,
-                      key=key, **BIND)
-        params.append((name, round(float(v), 4)))
-    return Merger(method, tuple(params))
-
-
-def current_merger() -> Merger:
-    method = _setting("merge", "task_arithmetic", str)
-    if method not in MERGE_METHODS:
-        method = "task_arithmetic"
-    params = tuple((name, round(float(_setting(f"{method}_{name}", _merge_default(method, name), float)), 4))
-                   for name in MERGE_PARAMS.get(method, {}))
-    return Merger(method, params)
-
-
-def calibration_controls(max_n: int) -> CalSettings:
-    """The FeatCal widgets (Calibrate page). λ moves on a log10 scale."""
-    sizes = [n for n in CAL_SIZES if n <= max_n] or [max_n]
-    c1, c2, c3 = st.columns(3)
-    log_lam = c1.slider("log₁₀ λ  (ridge strength)", -6.0, 2.0, CAL_DEFAULTS["log_lam"], 0.1, key="log_lam",
-                        help="λ pulls every calibrated weight toward the anchor W_anc.", **BIND)
-    c1.caption(f"λ = {10 ** log_lam:.3g}")
-    rho = c2.slider("ρ  (anchor blend)", -1.0, 3.0, CAL_DEFAULTS["rho"], 0.05, key="rho",
-                    help="W_anc = ρ·W_mer + (1-ρ)·W_0", **BIND)
-    alpha = c3.slider("α  (target interpolation)", 0.0, 1.0, CAL_DEFAULTS["alpha"], 0.05, key="alpha",
-                      help="x_t = α·x_expert + (1-α)·x_calibrating", **BIND)
-    c4, c5, c6 = st.columns(3)
-    default_n = CAL_DEFAULTS["n_cal"] if CAL_DEFAULTS["n_cal"] in sizes else sizes[-1]
-    n = c4.select_slider("calibration examples per task", sizes, default_n, key="n_cal", **BIND)
-    bias = c5.toggle("calibrate Linear biases", CAL_DEFAULTS["bias"], key="bias", **BIND)
-    layernorm = c6.toggle("calibrate LayerNorm affine", CAL_DEFAULTS["layernorm"], key="layernorm", **BIND)
-    return CalSettings(int(n), round(10 ** float(log_lam), 8), float(rho), float(alpha), bool(bias), bool(layernorm))
-
-
-def current_calibration(max_n: int) -> CalSettings:
-    n = int(_setting("n_cal", CAL_DEFAULTS["n_cal"], int))
-    return CalSettings(
-        n if n <= max_n else max_n,
-        round(10 ** float(_setting("log_lam", CAL_DEFAULTS["log_lam"], float)), 8),
-        float(_setting("rho", CAL_DEFAULTS["rho"], float)),
-        float(_setting("alpha", CAL_DEFAULTS["alpha"], float)),
-        bool(_setting("bias", CAL_DEFAULTS["bias"], _bool)),
-        bool(_setting("layernorm", CAL_DEFAULTS["layernorm"], _bool)),
-    )
+# How the st.cache_* functions hash these values: by their repr, one string naming every field
+# exactly (floats round-trip). Streamlit's default hashes a dataclass field by field, through the
+# whole FeatCalConfig, slowly enough to add up over the cached calls of one slider change.
+HASH_FUNCS = {Merger: repr, AppCal: repr, ModelRef: repr}

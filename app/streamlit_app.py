@@ -2,7 +2,8 @@
 
 1. the sidebar zoo picker loads the zoo (cached for every tab), or shows what is wrong;
 2. ``st.navigation`` lists the pages (loaded lazily: only the open page runs);
-3. the open page runs. Pages read the zoo and the settings through :mod:`app.state`.
+3. the open page runs. Pages read the settings through :mod:`app.controls`, the zoo, models
+   and tables through :mod:`app.state`.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ if str(HERE.parent) not in sys.path:
 
 import streamlit as st  # noqa: E402
 
-from app import state  # noqa: E402
+from app import controls, state  # noqa: E402
 
 # (file, title, icon); tune and studies are other engineers' pages, listed when present.
 PAGES = [
@@ -31,7 +32,7 @@ st.set_page_config(page_title="featcal", page_icon=":material/tune:", layout="wi
 
 # 1. The zoo.
 st.sidebar.title("featcal")
-source = state.zoo_picker()
+source = controls.zoo_picker()
 zoo, error = state.zoo_or_error(source)
 
 # 2. The pages.

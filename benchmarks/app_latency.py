@@ -70,6 +70,7 @@ def bench_parts(source: str, n: int, repeats: int) -> list[dict]:
     import torch
 
     from app import compute
+    from featcal import FeatCalConfig
 
     dev = compute.device()
     zoo = compute.load_zoo(source, dev)
@@ -81,9 +82,9 @@ def bench_parts(source: str, n: int, repeats: int) -> list[dict]:
     streams = compute.expert_streams(zoo, diag)                 # likewise
     compute.scores(merged, zoo, diag, compute.LIVE_TEST, side)  # warm-up (allocator, first-call costs)
     trace = compute.expert_trace(zoo, data)                     # once per zoo and size, as the app keeps it
-    _, rep0 = compute.calibrate(merged, zoo, data, 0.05, 2.0, 0.3, True, True, trace)
+    _, rep0 = compute.calibrate(merged, zoo, data, FeatCalConfig.clip(), trace)
     scratch = compute.load_preview(zoo.merged("task_arithmetic", scale=0.3), rep0.preview_state.template,
-                                   rep0, 0.05, 2.0, 0.3)
+                                   rep0, FeatCalConfig.clip())
     pieces = ("preview: load_into", "preview: scores", "exact: calibrate", "exact: output scores",
               "exact: cosines + drift")
     wall: dict[str, list[float]] = {k: [] for k in (*pieces, "preview shown", "exact shown")}
@@ -99,10 +100,10 @@ def bench_parts(source: str, n: int, repeats: int) -> list[dict]:
     pool = ThreadPoolExecutor(max_workers=1)
 
     def exact(rho: float):
-        torch.set_num_threads(solo)         # per thread, as app.state.torch_lock does
+        torch.set_num_threads(solo)         # per thread, as app.workers.torch_lock does
         with torch.no_grad():
             a = clock()
-            model, _ = compute.calibrate(merged, zoo, data, 0.05, rho, 0.3, True, True, trace)
+            model, _ = compute.calibrate(merged, zoo, data, FeatCalConfig.clip(rho=rho), trace)
             b = clock()
             return model, (b[0] - a[0], b[1] - a[1])
 
@@ -118,7 +119,7 @@ def bench_parts(source: str, n: int, repeats: int) -> list[dict]:
     for i in range(repeats):
         rho = 1.5 + 0.1 * i
         c0 = clock()                         # the preview, scored only when the exact run is slow
-        compute.load_preview(scratch, rep0.preview_state.template, rep0, 0.05, rho, 0.3)
+        compute.load_preview(scratch, rep0.preview_state.template, rep0, FeatCalConfig.clip(rho=rho))
         c1 = clock()
         compute.scores(scratch, zoo, diag, compute.LIVE_TEST, side)
         c2 = clock()

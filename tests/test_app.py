@@ -102,17 +102,29 @@ def test_the_table_and_residuals_are_drawn_only_when_opened(tiny_zoo):
 
 @pytest.mark.parametrize("after,value,previewed", [(0.0, 0.65, True), (60.0, 0.7, False)])
 def test_the_preview_is_drawn_only_while_the_exact_run_is_slow(tiny_zoo, monkeypatch, after, value, previewed):
-    from app import compute, state
+    from app import compute, settings
 
     real_calibrate, real_preview = compute.calibrate, compute.load_preview
     previews = []
-    monkeypatch.setattr(state, "PREVIEW_AFTER_S", after)
+    monkeypatch.setattr(settings, "PREVIEW_AFTER_S", after)
     monkeypatch.setattr(compute, "calibrate", lambda *a, **k: time.sleep(0.3) or real_calibrate(*a, **k))
-    monkeypatch.setattr(compute, "load_preview", lambda *a, **k: previews.append(a[3:]) or real_preview(*a, **k))
+    monkeypatch.setattr(compute, "load_preview", lambda *a, **k: previews.append(a[3]) or real_preview(*a, **k))
     at = _page(_app(tiny_zoo).run(), "calibrate")
     _ok(at.slider(key="alpha").set_value(value).run())
     assert any("Exact FeatCal" in s.value for s in at.success)
-    assert any(p[2] == value for p in previews) == previewed, previews
+    assert any(config.alpha == value for config in previews) == previewed, previews
+
+
+def test_the_calibration_gets_the_config_the_url_sets(tiny_zoo, monkeypatch):
+    """log10 λ from the URL reaches featcal as ``config.lam`` (values no other test uses: the
+    exact runs are cached for the whole process)."""
+    from app import compute
+    from featcal import FeatCalConfig
+
+    real_calibrate, configs = compute.calibrate, []
+    monkeypatch.setattr(compute, "calibrate", lambda *a, **k: configs.append(a[3]) or real_calibrate(*a, **k))
+    _page(_app(tiny_zoo, log_lam=-2.7, rho=1.35, alpha=0.45, n_cal=16, bias="false").run(), "calibrate")
+    assert configs == [FeatCalConfig.clip(lam=10 ** -2.7, rho=1.35, alpha=0.45, bias=False, layernorm=True)]
 
 
 @pytest.mark.parametrize("method,key,value", [("task_arithmetic", "task_arithmetic_scale", 0.8),
@@ -202,6 +214,78 @@ def test_every_slider_moves_the_numbers_on_the_demo_zoo(demo_built):
         assert _numbers(at) != before, key
     for page in ("drift", "export", "zoo"):
         _page(at, page)
+
+
+# ----------------------------------------------------------------------------- settings (pure)
+
+def test_widget_values_become_the_featcal_config():
+    from app.settings import AppCal
+    from featcal import FeatCalConfig
+
+    cal = AppCal.from_widgets(log_lam=-1.3, rho=1.5, alpha=0.45, n=16, bias=False, layernorm=True)
+    assert cal.config.lam == 10 ** -1.3 and cal.n == 16
+    assert cal.config == FeatCalConfig.clip(lam=10 ** -1.3, rho=1.5, alpha=0.45, bias=False, layernorm=True)
+    assert cal.config.token_weights is not None                       # the CLIP preset's, as before
+    assert AppCal.from_widgets(-1.2999999999999998, 1.5, 0.45, 16, False, True) == cal   # one cache entry
+    assert "λ=0.0501" in cal.label and "n=16/task" in cal.label and "bias" not in cal.label
+    with pytest.raises(ValueError, match="lam"):
+        AppCal.from_widgets(float("nan"), 1.5, 0.45, 16, False, True)
+
+
+def _cal(log_lam=-1.3, rho=2.0, alpha=0.3, n=8, bias=True):
+    from app.settings import AppCal
+
+    return AppCal.from_widgets(log_lam, rho, alpha, n, bias, layernorm=True)
+
+
+def _refs() -> list:
+    """One reference per model the app can show, each differing from another in one setting."""
+    from app.settings import Merger, ModelRef
+
+    ta, ta4 = Merger("task_arithmetic", (("scale", 0.3),)), Merger("task_arithmetic", (("scale", 0.4),))
+    ties = Merger("ties", (("density", 0.5), ("scale", 0.3)))
+    cal, others = _cal(), [_cal(log_lam=-1.2), _cal(rho=1.5), _cal(alpha=0.35), _cal(n=16), _cal(bias=False)]
+    return [ModelRef.base_model(), ModelRef.merged(ta), ModelRef.merged(ta4), ModelRef.merged(ties),
+            ModelRef.calibrated(ta, cal), ModelRef.calibrated(ties, cal),
+            *(ModelRef.calibrated(ta, c) for c in others),
+            ModelRef.preview(ta, cal, others[0]), ModelRef.preview(ta, others[0], cal),
+            ModelRef.preview(ta, cal, others[1]), ModelRef.preview(ta4, cal, others[1])]
+
+
+@pytest.mark.parametrize("by_repr", [True, False])
+def test_model_refs_are_distinct_cache_keys_for_distinct_settings(by_repr):
+    """Python's hash (dict keys) and Streamlit's, the app's (HASH_FUNCS) and its default."""
+    import streamlit as st
+
+    from app.settings import HASH_FUNCS
+
+    refs, again = _refs(), _refs()
+    assert len(set(refs)) == len(refs) and again == refs and [hash(r) for r in again] == [hash(r) for r in refs]
+    calls = []
+
+    @st.cache_data(show_spinner=False, hash_funcs=HASH_FUNCS if by_repr else None)
+    def table(ref):
+        calls.append(ref)
+        return ref.kind
+
+    table.clear()                                                     # the other parametrization's entries
+    assert [table(r) for r in refs + again] == [r.kind for r in refs + again]
+    assert calls == refs                                              # one cache entry per setting
+
+
+def test_model_refs_reject_what_does_not_name_a_model():
+    from app.settings import Merger, ModelRef
+
+    ta, cal = Merger("task_arithmetic", (("scale", 0.3),)), _cal()
+    assert cal.structure == _cal(log_lam=0.5, rho=1.0, alpha=0.9).structure != _cal(n=16).structure
+    with pytest.raises(ValueError, match="needs 'cal'"):
+        ModelRef("calibrated", ta)
+    with pytest.raises(ValueError, match=r"takes no 'merger'.*ModelRef\.base_model"):
+        ModelRef("base", ta)
+    with pytest.raises(ValueError, match="kind"):
+        ModelRef("expert")
+    with pytest.raises(ValueError, match="structure"):
+        ModelRef.preview(ta, cal, _cal(n=16))
 
 
 # ----------------------------------------------------------------------------- figures (pure)

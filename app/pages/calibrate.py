@@ -1,25 +1,25 @@
 """Calibrate page: FeatCal's hyper-parameters, the instant preview, then the exact run.
 
 Every change re-runs the exact forward-order FeatCal (cached per setting). When it takes
-longer than ``PREVIEW_AFTER_S`` (on a worker thread), the preview from the kept statistics of
-the last exact run with the same calibration data and switches is scored and shown meanwhile,
-labelled as such. A newer widget
-change stops this script and starts the next one (Streamlit reruns), so the newest
-setting always wins.
+longer than ``settings.PREVIEW_AFTER_S`` (on a worker thread), the preview from the kept
+statistics of the last exact run with the same calibration data and switches is scored and
+shown meanwhile, labelled as such. A newer widget change stops this script and starts the
+next one (Streamlit reruns), so the newest setting always wins.
 """
 import pandas as pd
 import streamlit as st
 
-from app import compute, figures, state, ui
+from app import compute, controls, figures, settings, state, ui, workers
+from app.settings import ModelRef
 
 zoo, source = state.active_zoo(), state.active_source()
 fp = state.fingerprint(source)
-merger = state.current_merger()
+merger = controls.current_merger()
 
 st.title("Calibrate")
 st.caption(f"Merged model: **{merger.label}** (change it on the Zoo page). "
            "FeatCal re-solves every Linear and LayerNorm of every block in forward order, in closed form.")
-cal = state.calibration_controls(compute.split_size(zoo, "calib"))
+cal = controls.calibration_controls(compute.split_size(zoo, "calib"))
 note, full = st.columns([4, 1])
 full = full.toggle("full test split", key="cal_full_eval",
                    help="Score the exact result on every test example (slower; the preview stays live).")
@@ -74,37 +74,37 @@ def show_drift(slot, kind: str, drift: pd.DataFrame) -> None:
 
 # 1. The merged model's numbers (cached across every setting).
 with ui.status(f"Scoring the merged model ({merger.label})…", status_slot) as s:
-    merged_scores = state.scores(source, fp, state.merged_ref(merger), limit)
-    merged_drift = state.drift(source, fp, state.merged_ref(merger))
+    merged_scores = state.scores(source, fp, ModelRef.merged(merger), limit)
+    merged_drift = state.drift(source, fp, ModelRef.merged(merger))
     s.update(label="merged model scored", state="complete")
 merged_summary = compute.task_summary(merged_scores)
 
 # 2. The instant preview, when an exact run with the same data and switches exists: the
 #    exact run starts first, on a worker thread; if it is not done within PREVIEW_AFTER_S,
 #    the preview is scored beside it and shown meanwhile.
-base = state.preview_base(source, fp, merger, cal)
+from_run = state.preview_from(source, fp, merger, cal)
 exact_job, quick = None, True
-if base is not None:
+if from_run is not None:
     exact_job = state.start_calibration(source, fp, merger, cal)
     with ui.status(f"Running exact forward-order FeatCal: {cal.label}…", status_slot):
-        quick = state.done_within(exact_job, state.PREVIEW_AFTER_S)
+        quick = workers.done_within(exact_job, settings.PREVIEW_AFTER_S)
 if not quick:
-    ref = state.preview_ref(merger, base, cal)
-    with ui.status(f"Preview of {cal.label} from the exact run at λ={base.lam:.3g}, ρ={base.rho:g}, "
-                            f"α={base.alpha:g}; the exact run follows…", status_slot):
+    ref = ModelRef.preview(merger, from_run, cal)
+    with ui.status(f"Preview of {cal.label} from the exact run at {from_run.point_label}; the exact run follows…",
+                   status_slot):
         pv_scores = state.scores(source, fp, ref)
         live_merged = merged_summary if limit == state.LIVE_TEST else compute.task_summary(
-            state.scores(source, fp, state.merged_ref(merger)))
+            state.scores(source, fp, ModelRef.merged(merger)))
     show("preview", pv_scores, live_merged,
          f"{cal.label}, re-solved from the kept statistics of the last exact run "
-         f"(λ={base.lam:.3g}, ρ={base.rho:g}, α={base.alpha:g}); it ignores how earlier blocks' changes move "
+         f"({from_run.point_label}); it ignores how earlier blocks' changes move "
          "later features. Exact run in progress…")
 
 # 3. The exact forward-order run, then its output scores (here) beside its cosines and drift (worker,
 #    in that order): the numbers are drawn as soon as both scores are in, the drift chart after.
 with ui.status(f"Running exact forward-order FeatCal: {cal.label}…", status_slot) as s:
     run = exact_job.result() if exact_job is not None else state.calibrated(source, fp, merger, cal)
-    ref = state.calibrated_ref(merger, cal)
+    ref = ModelRef.calibrated(merger, cal)
     heldout_job = state.start_heldout(source, fp, ref)
     cal_scores = state.scores(source, fp, ref, limit)
     charts = show("exact", cal_scores, merged_summary, f"{cal.label} · {run.report.summary()}")

@@ -6,12 +6,13 @@ selectboxes below the charts do the same.
 """
 import streamlit as st
 
-from app import compute, figures, state, ui
+from app import compute, controls, figures, state, ui
+from app.settings import ModelRef
 
 zoo, source = state.active_zoo(), state.active_source()
 fp = state.fingerprint(source)
-merger = state.current_merger()
-cal = state.current_calibration(compute.split_size(zoo, "calib"))
+merger = controls.current_merger()
+cal = controls.current_calibration(compute.split_size(zoo, "calib"))
 ALL = "mean over tasks"
 METRICS = {"drift_rel": "relative drift |e| / |h_exp|", "drift": "drift |e|",
            "drift_sq_mismatch_share": "share of |e|² from local mismatch",
@@ -25,11 +26,11 @@ st.caption(f"Merged: **{merger.label}** (Zoo page) · calibrated: exact FeatCal,
            "|e|² = ⟨e, m⟩ + ⟨e, p⟩ splits the squared drift exactly (bars), the norms do not add (lines).")
 
 with ui.status(f"Measuring the drift of the merged model ({merger.label})…") as s:
-    d_mer = state.drift(source, fp, state.merged_ref(merger))
+    d_mer = state.drift(source, fp, ModelRef.merged(merger))
     s.update(label=f"Running exact FeatCal: {cal.label}…")
     state.calibrated(source, fp, merger, cal)
     s.update(label="Measuring the drift of the calibrated model…")
-    d_cal = state.drift(source, fp, state.calibrated_ref(merger, cal))
+    d_cal = state.drift(source, fp, ModelRef.calibrated(merger, cal))
     s.update(label=f"Drift of merged and calibrated ({cal.label})", state="complete")
 frames = {"merged": d_mer, "calibrated": d_cal}
 

@@ -6,12 +6,13 @@ from pathlib import Path
 
 import streamlit as st
 
-from app import compute, figures, state, ui
+from app import compute, controls, figures, state, ui, workers
+from app.settings import ModelRef
 
 zoo, source = state.active_zoo(), state.active_source()
 fp = state.fingerprint(source)
-merger = state.current_merger()
-cal = state.current_calibration(compute.split_size(zoo, "calib"))
+merger = controls.current_merger()
+cal = controls.current_calibration(compute.split_size(zoo, "calib"))
 
 st.title("Export")
 st.caption(f"The calibrated model: **{merger.label}** + exact FeatCal **{cal.label}** "
@@ -20,11 +21,11 @@ with ui.status(f"Running exact FeatCal: {cal.label}…") as s:
     run = state.calibrated(source, fp, merger, cal)
     s.update(label=f"Calibrated model ready ({run.report.summary()})", state="complete")
 report = run.report.to_dict() | {"zoo": {"name": zoo.name, "source": source, "fingerprint": fp},
-                                 "merger": {"method": merger.method, **dict(merger.params)}}
+                                 "merger": {"method": merger.method, **merger.kwargs}}
 
 # 1. The model and its report, written atomically by featcal.zoo.io.save_model.
 st.subheader("Model")
-default_dir = f"featcal-out/{zoo.name}-{merger.method}-featcal-{state.short_hash(merger.ref, cal.ref)}"
+default_dir = f"featcal-out/{zoo.name}-{merger.method}-featcal-{state.short_hash(ModelRef.calibrated(merger, cal))}"
 out_dir = st.text_input("output directory", default_dir, key="export_dir")
 target = Path(out_dir).expanduser()
 exists = target.exists()
@@ -38,7 +39,7 @@ if st.button(f"Save the calibrated model ({zoo.fmt} format) and report.json", ty
     from featcal.zoo.io import OutputExistsError, save_model
 
     try:
-        with state.torch_lock():
+        with workers.torch_lock():
             path = save_model(run.model, target, fmt=zoo.fmt, force=replace,
                               extra_files={"report.json": report},
                               config=None if zoo.fmt == "hf" else {"zoo": zoo.name, "source": source})
@@ -52,10 +53,9 @@ st.download_button("Download report.json", json.dumps(report, indent=2, default=
 
 # 2. Figures.
 st.subheader("Figures")
-d_mer = state.drift(source, fp, state.merged_ref(merger))
-d_cal = state.drift(source, fp, state.calibrated_ref(merger, cal))
-cal_scores = state.scores(source, fp, state.calibrated_ref(merger, cal))
-mer_scores = state.scores(source, fp, state.merged_ref(merger))
+mer_ref, cal_ref = ModelRef.merged(merger), ModelRef.calibrated(merger, cal)
+d_mer, d_cal = state.drift(source, fp, mer_ref), state.drift(source, fp, cal_ref)
+mer_scores, cal_scores = state.scores(source, fp, mer_ref), state.scores(source, fp, cal_ref)
 sq = figures.value_range([d_mer, d_cal], figures.SQUARED, stacked=True)
 nm = figures.value_range([d_mer, d_cal], figures.NORMS)
 FIGS = {

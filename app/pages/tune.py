@@ -24,11 +24,11 @@ merger = state.current_merger()
 
 
 @st.cache_data(max_entries=8, show_spinner=False)
-def _sweep(source: str, fp: str, merger_ref: tuple, n: int, grid: Grid, search: str, n_confirm: int,
+def _sweep(source: str, fp: str, merger: state.Merger, n: int, grid: Grid, search: str, n_confirm: int,
            val_per_task: int | None):
     z = state.active_zoo()
     with state.torch_lock():
-        return tune_zoo(z, method=merger_ref[0], merge_params=dict(merger_ref[1]), n_calib=n,
+        return tune_zoo(z, method=merger.method, merge_params=merger.kwargs, n_calib=n,
                         val_per_task=val_per_task, config=FeatCalConfig.clip(), grid=grid, search=search,
                         n_confirm=n_confirm)
 
@@ -60,7 +60,7 @@ if n_val == 0:
 val_sizes = sorted({min(50, n_val), min(100, n_val), n_val})
 val_per_task = (st.select_slider("validation examples per task", val_sizes, min(100, n_val), key="tune_val")
                 if len(val_sizes) > 1 else n_val)
-args = (source, fp, merger.ref, int(n), GRIDS[grid_name], search, int(n_confirm), int(val_per_task))
+args = (source, fp, merger, int(n), GRIDS[grid_name], search, int(n_confirm), int(val_per_task))
 
 # 2. The sweep.
 if st.button("Run sweep", type="primary"):

@@ -1,7 +1,8 @@
 """Zoo page: the models, the tasks, the merger and per-task accuracy of base, experts, merged."""
 import streamlit as st
 
-from app import compute, figures, state, ui
+from app import compute, controls, figures, state, ui
+from app.settings import ModelRef
 
 zoo, source = state.active_zoo(), state.active_source()
 fp = state.fingerprint(source)
@@ -26,15 +27,15 @@ with c2:
 st.subheader("Merger")
 left, right = st.columns([1, 2])
 with left:
-    merger = state.merger_controls()
+    merger = controls.merger_controls()
     full = st.toggle("score on the full test split", key="zoo_full_eval",
                      help="Off: the first test examples of each task (the live subset).")
 right.caption(state.live_note(zoo) if not full else "Full test split of every task.")
 
 limit = None if full else state.LIVE_TEST
 with right, ui.status(f"Scoring base, experts and {merger.label}…") as status:
-    base = state.scores(source, fp, ("base",), limit)
-    merged = state.scores(source, fp, state.merged_ref(merger), limit)
+    base = state.scores(source, fp, ModelRef.base_model(), limit)
+    merged = state.scores(source, fp, ModelRef.merged(merger), limit)
     status.update(label=f"Scored base, experts and {merger.label}", state="complete")
 
 acc = compute.accuracy_frame({"base": base["output"], "merged": merged["output"]}, expert_from="merged")
