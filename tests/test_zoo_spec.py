@@ -334,7 +334,8 @@ def test_open_clip_spec_loads(tmp_path):
 
 def test_open_clip_pretrained_tag_is_read_from_the_hf_cache_only(tmp_path):
     pytest.importorskip("open_clip")
-    from featcal.zoo.loaders import locate_model, open_clip_quick_gelu
+    from featcal.zoo.loaders import open_clip_quick_gelu
+    from featcal.zoo.locate import locate_model
 
     entry = zoo_spec.from_dict({"format": "open_clip", "arch": "ViT-B-32", "base": {"pretrained": "openai"},
                                 "experts": {"mnist": "e.pt"}, "data": {"mnist": "d"}}, root=tmp_path).base
