@@ -136,7 +136,8 @@ def test_hf_spec_loads_merges_calibrates_and_evaluates(hf_zoo):
         assert head.bias is None
         torch.testing.assert_close(head.weight.norm(dim=-1), torch.full((head.out_features,), scale))
     x, y = zoo.split("mnist", "test")
-    assert x.shape == (20, 3, 32, 32) and x.dtype == torch.float32 and y.tolist() == [d for d in range(10) for _ in (0, 1)]
+    assert x.shape == (20, 3, 32, 32) and x.dtype == torch.float32
+    assert y.tolist() == [d for d in range(10) for _ in (0, 1)]
     feats = zoo.features(zoo.base, x[:4])
     torch.testing.assert_close(feats.norm(dim=-1), torch.ones(4))
 
@@ -270,7 +271,8 @@ def test_parquet_arrow_and_file_heads(tmp_path):
             t = table(n, 50)
             with pa.ipc.new_stream(sink, t.schema) as writer:
                 writer.write_table(t)
-        (arrow / split / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+        files = [{"filename": "data-00000-of-00001.arrow"}]
+        (arrow / split / "state.json").write_text(json.dumps({"_data_files": files}))
         (arrow / split / "dataset_info.json").write_text(json.dumps({"features": {"label": {"names": names}}}))
     (arrow / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
     gen = torch.Generator().manual_seed(0)
