@@ -3,6 +3,7 @@
 - the library (``featcal/``, ``diagnostics/``) never imports the app (``app/``);
 - ``featcal/`` imports ``diagnostics/`` only in its command-line table (:data:`CLI_TABLE`);
 - the module import graph has no cycle;
+- the zoo's modules import one way: schema <- locate <- load <- build (:data:`ZOO_LAYERS`);
 - no tracked file points outside the repository (to a ``shared`` folder beside it).
 
 Every import counts: those inside functions too (an import moved into a function to
@@ -30,6 +31,17 @@ PACKAGES = ("featcal", "diagnostics", "app")
 LIBRARY = ("featcal", "diagnostics")
 CLI_TABLE = "featcal.cli"                 # the one featcal module allowed to import diagnostics
 OUTSIDE = "../" + "shared"                # spelled in two parts so this file does not match itself
+# featcal.zoo's layers, lowest first: a module may import its own layer and those before it.
+ZOO_LAYERS = {
+    "base": ("featcal.zoo.core", "featcal.zoo.io", "featcal.zoo.classnames", "featcal.zoo.demo_data",
+             "featcal.zoo.resolve"),
+    "schema": ("featcal.zoo.schema",),
+    "locate": ("featcal.zoo.locate",),
+    "load": ("featcal.zoo.loaders", "featcal.zoo.heads", "featcal.zoo.data", "featcal.zoo.spec",
+             "featcal.zoo.store", "featcal.zoo.scores"),
+    "build": ("featcal.zoo.demo_recipe", "featcal.zoo.fashion", "featcal.zoo.demo"),
+    "package": ("featcal.zoo",),
+}
 
 
 # ----------------------------------------------------------------------------- the graph
@@ -169,6 +181,19 @@ def featcal_imports_of_diagnostics(graph: dict[str, set[str]]) -> list[str]:
             for t in sorted(graph[m]) if _in(t, "diagnostics")]
 
 
+def zoo_layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """``"importer (layer) -> imported (later layer)"`` for every zoo import against :data:`ZOO_LAYERS`,
+    and ``"module: in no layer"`` for a zoo module not placed in one."""
+    rank = {m: i for i, modules in enumerate(ZOO_LAYERS.values()) for m in modules}
+    names = list(ZOO_LAYERS)
+    out = [f"{m}: in no layer of ZOO_LAYERS" for m in sorted(graph) if _in(m, "featcal.zoo") and m not in rank]
+    for m in sorted(graph):
+        for t in sorted(graph[m]):
+            if m in rank and t in rank and rank[t] > rank[m]:
+                out.append(f"{m} ({names[rank[m]]}) -> {t} ({names[rank[t]]})")
+    return out
+
+
 def files_pointing_outside(root: Path = ROOT) -> list[str] | None:
     """Tracked files containing :data:`OUTSIDE` (None when git cannot list them)."""
     git = shutil.which("git")
@@ -213,6 +238,13 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
     assert cycles(import_graph(tmp_path)) == []
 
 
+def test_zoo_layers_catch_an_upward_import_and_an_unplaced_module():
+    g = {"featcal.zoo.schema": {"featcal.zoo.loaders"}, "featcal.zoo.loaders": {"featcal.zoo.schema"},
+         "featcal.zoo.extra": set()}
+    assert zoo_layer_violations(g) == ["featcal.zoo.extra: in no layer of ZOO_LAYERS",
+                                       "featcal.zoo.schema (schema) -> featcal.zoo.loaders (load)"]
+
+
 def test_library_never_imports_the_app(graph):
     bad = library_imports_of_app(graph)
     assert not bad, f"featcal/ and diagnostics/ must not import app/ (the app is a view over them): {bad}"
@@ -228,6 +260,11 @@ def test_no_import_cycles(graph):
     found = cycles(graph)
     assert not found, "import cycles (each list: modules that import each other): " + \
         "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_the_zoo_imports_one_way(graph):
+    bad = zoo_layer_violations(graph)
+    assert not bad, f"featcal.zoo imports against its layers {list(ZOO_LAYERS)}: {bad}"
 
 
 def test_no_tracked_file_points_outside_the_repository():
@@ -246,6 +283,7 @@ def main() -> int:
     problems = [("import cycles", [" <-> ".join(c) for c in found]),
                 ("library modules importing the app", library_imports_of_app(g)),
                 (f"featcal modules other than {CLI_TABLE} importing diagnostics", featcal_imports_of_diagnostics(g)),
+                ("zoo imports against its layers", zoo_layer_violations(g)),
                 (f"tracked files citing {OUTSIDE!r}", files_pointing_outside() or [])]
     print(f"{len(g)} modules, {sum(len(t) for t in g.values())} imports between them")
     for title, items in problems:

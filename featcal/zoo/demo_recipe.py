@@ -75,7 +75,7 @@ def recipe_sha256(recipe: Recipe) -> str:
 
 
 def build_parts(recipe: Recipe, progress: bool = True, device: str | torch.device = "cpu") -> dict:
-    """Run the recipe on ``device``; returns the keyword arguments of :func:`write_zoo_dir`
+    """Run the recipe on ``device``; returns the keyword arguments of :func:`featcal.zoo.store.write_zoo_dir`
     (models and heads on the CPU)."""
     torch.manual_seed(recipe.seed)
     arrays, pretrain = make_data(recipe, progress)
