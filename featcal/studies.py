@@ -22,8 +22,8 @@ from typing import Mapping, Sequence
 
 import pandas as pd
 
+from featcal import corrupt
 from featcal.config import FeatCalConfig
-from featcal.corrupt import corrupt
 from featcal.engine import calibrate
 from featcal.merging import MERGERS
 from featcal.progress import bar
@@ -31,7 +31,7 @@ from featcal.zoo.core import Zoo, evaluate
 
 BUDGETS = (4, 8, 16, 32, 64, 128, 256)
 BASELINES = ("task_arithmetic", "average", "ties")   # the mergers sample_efficiency compares by default
-CORRUPTIONS = ("gaussian_noise", "blur", "fog")
+CORRUPTIONS = tuple(corrupt.CORRUPTIONS)             # robustness studies every corruption by default
 COLUMNS = ["method", "merger", "featcal", "n", "seed", "corruption", "severity", "task", "accuracy"]
 
 
@@ -124,7 +124,7 @@ def robustness(zoo: Zoo, *, corruptions: Sequence[str] = CORRUPTIONS, severities
             cell = dict(n=n_calib, seed=seed, corruption=kind, severity=sev)
             rows += _rows(plain, method=merger, merger=merger, featcal=False, **cell)
             data = clean if kind == "none" else {
-                t: [corrupt(b, kind, sev, seed=seed * 100_000 + 1000 * k + i, mean=pix["mean"], std=pix["std"])
+                t: [corrupt.corrupt(b, kind, sev, seed=seed * 100_000 + 1000 * k + i, mean=pix["mean"], std=pix["std"])
                     for i, b in enumerate(batches)]
                 for k, (t, batches) in enumerate(clean.items())}
             model, _ = calibrate(merged, base=zoo.base, experts=zoo.experts, calib_data=data, config=cfg,
