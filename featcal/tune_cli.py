@@ -29,7 +29,6 @@ from featcal import studies
 from featcal.cli_common import (add_common, add_out, add_zoo, check_merge_method, check_out, parse_params,
                                 zoo_from_args)
 from featcal.config import FeatCalConfig
-from featcal.corrupt import CORRUPTIONS
 from featcal.merging import MERGERS
 from featcal.tune import Grid, holdout_report, tune_zoo
 
@@ -179,7 +178,7 @@ def add_study_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="sample-efficiency: baseline mergers, each with its own default parameters "
                         f"(any of {', '.join(sorted(MERGERS))})")
     p.add_argument("--merge", default="task_arithmetic", help="the merger FeatCal calibrates")
-    p.add_argument("--corruptions", type=_names, default=tuple(CORRUPTIONS), help="robustness: corruptions")
+    p.add_argument("--corruptions", type=_names, default=studies.CORRUPTIONS, help="robustness: corruptions")
     p.add_argument("--severities", type=_floats, default=(1.0, 3.0, 5.0), help="robustness: severities in [0, 5]")
     p.add_argument("--n-calib", type=int, default=256, help="robustness: calibration examples per task")
     return p
