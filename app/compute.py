@@ -38,10 +38,9 @@ def load_zoo(source: str, device: str):
     (:func:`featcal.zoo.load_any`; ``~`` and ``$VARS`` in paths are expanded)."""
     from featcal.zoo import load_any
 
-    name = source if source in ("demo", "demo-fashion") else os.path.expandvars(source)
-    if not Path(name).expanduser().exists() and (REPO / name).exists():
-        name = str(REPO / name)              # the example specs, from any working directory
-    return on_device(load_any(name, progress=False, device=device), device)
+    if not Path(os.path.expandvars(source)).expanduser().exists() and (REPO / source).exists():
+        source = str(REPO / source)          # the example specs, from any working directory
+    return load_any(source, progress=False, device=device)
 
 
 def on_device(zoo, device: str):
@@ -137,7 +136,7 @@ def expert_trace(zoo, data: dict, budget: int = STREAMS_BYTES):
 
 def _stream_size(zoo, data: dict) -> tuple[float, int, int]:
     """``(bytes of one example's hidden state, examples in data, blocks)``, from one stem run."""
-    from diagnostics.drift import batch_len
+    from featcal.validate import batch_len
     from featcal.arch import resolve_blocks
     from featcal.streams import catch_block_inputs
 

@@ -19,6 +19,8 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from featcal.tune_figures import LAYOUT   # one layout for the app's and the command line's figures
+
 # One colour per quantity, the same in every figure.
 COLORS = {
     "drift": "#111827",
@@ -34,9 +36,6 @@ COLORS = {
 }
 SQUARED = {"drift_sq_mismatch": "local mismatch <e, m>", "drift_sq_propagation": "upstream propagation <e, p>"}
 NORMS = {"drift": "|e| drift", "mismatch": "|m| mismatch", "propagation": "|p| propagation"}
-# No template here: in the app Streamlit's theme styles the charts; exports add plotly_white.
-LAYOUT = {"margin": {"l": 10, "r": 10, "t": 45, "b": 10}, "height": 400,
-          "legend": {"orientation": "h", "yanchor": "top", "y": -0.22, "x": 0.0, "font": {"size": 11}}}
 
 
 # ----------------------------------------------------------------------------- shaping

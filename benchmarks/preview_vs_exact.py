@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 from featcal import FeatCalConfig, arch, calibrate  # noqa: E402
 from featcal.tune_jobs import preview_distance  # noqa: E402
-from featcal.tune_cli import load_zoo  # noqa: E402
+from featcal.zoo import load_any as load_zoo  # noqa: E402
 from featcal.zoo.core import evaluate  # noqa: E402
 
 # (label, lam, rho, alpha): the paper's setting first, then near and far from it.

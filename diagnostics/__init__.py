@@ -21,8 +21,9 @@ from torch import nn
 
 from diagnostics.drift import (DriftTokens, ExpertStreams, drift_metrics, drift_table, drift_tables, drift_tokens,
                                expert_streams, streams_while)
-from diagnostics.output import default_features, expert_cosine, kl_rows, output_drift
+from diagnostics.output import default_features, expert_cosine, output_drift
 from diagnostics.similarity import WHOLE, linear_cka, task_vector_cosine
+from featcal.metrics import kl_rows
 
 __all__ = ["diagnose", "summarize", "drift_table", "drift_tables", "drift_tokens", "drift_metrics",
            "DriftTokens", "ExpertStreams", "expert_streams", "streams_while", "expert_cosine", "default_features",

@@ -3,33 +3,36 @@ against a zoo's experts, written as tables plus ``summary.txt``.
 
     featcal diagnose --zoo demo --model merged --out runs/diag-merged
     featcal diagnose --zoo zoo.yaml --model calibrated --n-per-task 64 --format parquet --out runs/diag-cal
-    python -m diagnostics.cli --zoo demo --model runs/my-model --out runs/diag-mine
+    featcal diagnose --zoo demo --model runs/my-model --out runs/diag-mine
 
 The command line is a thin layer: :func:`add_arguments` declares the options,
-:func:`run` loads, builds the model, calls :func:`diagnostics.diagnose` and writes.
-:func:`register` hooks ``diagnose`` into ``featcal.cli`` (which imports this module
-as one of its ``EXTENSIONS``). Bad input raises ``ValueError`` / ``FileNotFoundError``
-(or ``featcal.cli.UserError`` for an existing output), which ``featcal`` reports as one
-``featcal: error:`` line.
+:func:`run` loads, builds the model, calls :func:`diagnostics.diagnose` and writes;
+both are a row of :data:`featcal.cli.COMMANDS`. Bad input raises ``ValueError`` /
+``FileNotFoundError`` (or :class:`featcal.cli_common.UserError` for an existing output),
+which ``featcal`` reports as one ``featcal: error:`` line.
 """
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
+from diagnostics import diagnose
 from diagnostics.similarity import TOKENS
+from featcal.cli_common import add_common, add_out, add_zoo, check_out, zoo_from_args
+from featcal.config import FeatCalConfig
+from featcal.engine import calibrate
+from featcal.merging import MERGERS
+from featcal.streams import device_of
+from featcal.zoo.io import atomic_dir, load_model
 
 FORMATS = ("csv", "parquet")
 MODEL_CHOICES = ("merged", "calibrated")
+HELP = "feature-drift diagnostics of a merged, calibrated or saved model against the zoo's experts"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Declare the ``diagnose`` options on ``parser``."""
-    from featcal.merging import MERGERS
-
-    parser.add_argument("--zoo", default="demo",
-                        help="'demo', 'demo-fashion', a zoo YAML spec, or a zoo directory (default: demo)")
+    add_zoo(parser)
     parser.add_argument("--model", default="merged",
                         help="'merged', 'calibrated' (merged, then FeatCal on the zoo's calibration split), "
                              "or a directory holding a saved model")
@@ -45,29 +48,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="rows of the drift statistics: every token, or the class token only")
     parser.add_argument("--no-cka", action="store_true", help="skip linear CKA per block")
     parser.add_argument("--seed", type=int, default=42, help="seed drawing D_i from the calibration split")
-    parser.add_argument("--out", required=True, help="output directory (created; see --force)")
     parser.add_argument("--format", choices=FORMATS, default="csv", help="table file format")
-    parser.add_argument("--force", action="store_true", help="replace an existing --out directory")
-    parser.add_argument("--device", default="cpu", help="torch device for the models (default: cpu)")
-    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars, no summary on stdout")
+    add_out(parser)
+    add_common(parser)                 # --device, --threads, --quiet (also: no summary on stdout)
     return parser
-
-
-def load_zoo(spec: str, progress: bool = True, device: str = "cpu"):
-    """A zoo by name or path (``demo``, ``demo-fashion``, a YAML spec, a zoo directory)."""
-    from featcal.zoo import load_any
-
-    return load_any(spec, progress=progress, device=device)
 
 
 def build_model(zoo, which: str, merge: str, scale: float | None, n_per_task: int, seed: int,
                 progress: bool):
     """The model to diagnose: ``merged``, ``calibrated`` or a saved model directory."""
     if which not in MODEL_CHOICES:
-        from featcal.zoo.io import load_model
-
-        from featcal.streams import device_of
-
         if not Path(which).expanduser().is_dir():
             raise FileNotFoundError(f"--model {which!r}: choose {' or '.join(MODEL_CHOICES)}, "
                                     "or give a saved model directory.")
@@ -75,8 +65,6 @@ def build_model(zoo, which: str, merge: str, scale: float | None, n_per_task: in
     merged = zoo.merged(merge) if scale is None else zoo.merged(merge, scale=scale)
     if which == "merged":
         return merged
-    from featcal import FeatCalConfig, calibrate
-
     cfg = FeatCalConfig.clip() if zoo.fmt in ("hf", "open_clip") else FeatCalConfig()
     model, _ = calibrate(merged, base=zoo.base, experts=zoo.experts, inplace=True, progress=progress,
                          calib_data=zoo.calib_data(n_per_task, seed=seed), config=cfg)
@@ -85,8 +73,6 @@ def build_model(zoo, which: str, merge: str, scale: float | None, n_per_task: in
 
 def write_tables(tables: dict, summary: str, out: str, fmt: str, force: bool) -> Path:
     """``<name>.<fmt>`` per table plus ``summary.txt``, written atomically into ``out``."""
-    from featcal.zoo.io import atomic_dir
-
     with atomic_dir(out, force=force) as tmp:
         for name, df in tables.items():
             if fmt == "parquet":
@@ -99,13 +85,10 @@ def write_tables(tables: dict, summary: str, out: str, fmt: str, force: bool) ->
 
 def run(args: argparse.Namespace) -> int:
     """1. check the options; 2. load the zoo; 3. build the model; 4. diagnose; 5. write."""
-    from diagnostics import diagnose
-    from featcal.cli import check_out
-
     if args.n_per_task < 1:
         raise ValueError(f"--n-per-task must be at least 1, got {args.n_per_task}.")
     check_out(args.out, args.force)
-    zoo = load_zoo(args.zoo, progress=not args.quiet, device=args.device)
+    zoo = zoo_from_args(args)
     model = build_model(zoo, args.model, args.merge, args.scale, args.n_per_task, args.seed,
                         progress=not args.quiet)
     name = args.model if args.model in MODEL_CHOICES else Path(args.model).name
@@ -118,27 +101,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"tables written to {out}")
     return 0
 
-
-HELP = "feature-drift diagnostics of a merged, calibrated or saved model against the zoo's experts"
-
-
-def register(target) -> None:
-    """Add ``diagnose`` to featcal's command line: ``target`` is an argparse sub-parsers
-    action (the sub-parser gets ``func=run``) or a function ``register(name, add_arguments,
-    run[, help])`` (the same convention as :func:`featcal.tune_cli.register`)."""
-    if hasattr(target, "add_parser"):
-        add_arguments(target.add_parser("diagnose", help=HELP, description=HELP)).set_defaults(func=run)
-        return
-    try:
-        target("diagnose", add_arguments, run, help=HELP)
-    except TypeError:
-        target("diagnose", add_arguments, run)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = add_arguments(argparse.ArgumentParser(prog="featcal diagnose", description=HELP))
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

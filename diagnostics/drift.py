@@ -29,19 +29,19 @@ recognised by its second axis matching the batch size (when ``T != B``).
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Mapping
 
 import pandas as pd
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from diagnostics.similarity import TOKENS, CKASums, accumulate_cka, cosine_rows, linear_cka, pool_examples
 from featcal.arch import resolve_blocks
+from featcal.modes import eval_mode
+from featcal.progress import bar as progress_bar
 from featcal.streams import BlockCall, block_call, catch_block_inputs, device_of, run_block
-from featcal.validate import check_same_params
+from featcal.validate import batch_len, check_same_params, check_tasks
 
 COLUMNS = ["task", "block", "metric", "value"]
 
@@ -203,45 +203,6 @@ class BlockSums:
 
 # ----------------------------------------------------------------------------- the pass
 
-@contextlib.contextmanager
-def eval_mode(*models: nn.Module) -> Iterator[None]:
-    """Put ``models`` in eval mode, restoring each one's training flag afterwards."""
-    modes = [(m, m.training) for m in models]
-    try:
-        for m, _ in modes:
-            m.eval()
-        yield
-    finally:
-        for m, mode in modes:
-            m.train(mode)
-
-
-def batch_len(batch: Any) -> int:
-    """Examples in a tensor batch or a dict batch (its first tensor's first axis)."""
-    if torch.is_tensor(batch):
-        return batch.shape[0]
-    for v in batch.values():
-        if torch.is_tensor(v):
-            return v.shape[0]
-    raise ValueError("a dict batch must hold at least one tensor.")
-
-
-def check_data(experts: Mapping[str, nn.Module], data: Mapping[str, list]) -> list[str]:
-    """The tasks, once ``experts`` and ``data`` are checked to pair up."""
-    if not experts:
-        raise ValueError("experts is empty; give at least one {task: expert model}.")
-    if set(experts) != set(data):
-        raise ValueError(f"the tasks of experts {sorted(experts)} and data {sorted(data)} differ; "
-                         "give one list of batches per expert.")
-    for task, batches in data.items():
-        if torch.is_tensor(batches) or isinstance(batches, Mapping):
-            raise TypeError(f"data[{task!r}] must be a list of batches, got one {type(batches).__name__}; "
-                            "wrap it in a list.")
-        if len(batches) == 0:
-            raise ValueError(f"data[{task!r}] holds no batches.")
-    return list(experts)
-
-
 def _keeper(offload: bool):
     """What a stream keeps of a hidden state between blocks: a CPU copy when ``offload``."""
     return (lambda h: h.cpu()) if offload else (lambda h: h)
@@ -309,7 +270,7 @@ def expert_streams(experts: Mapping[str, nn.Module], data: Mapping[str, list], b
     """Run each expert once over its data, one block at a time, keeping every block's
     input (for :func:`drift_table`'s ``expert_cache``: diagnosing several models against
     the same experts then runs no expert block again)."""
-    tasks = check_data(experts, data)
+    tasks = check_tasks(experts, data, name="data")
     keep = _keeper(offload)
     calls = {}
     path = None
@@ -403,7 +364,7 @@ def drift_table(model: nn.Module, experts: Mapping[str, nn.Module], data: Mappin
     """
     if tokens not in TOKENS:
         raise ValueError(f"tokens={tokens!r}; choose one of {TOKENS}.")
-    tasks = check_data(experts, data)
+    tasks = check_tasks(experts, data, name="data")
     for t in tasks:
         check_same_params(model, experts[t], f"expert {t!r}")
     path, blks = resolve_blocks(model, blocks)
@@ -414,7 +375,7 @@ def drift_table(model: nn.Module, experts: Mapping[str, nn.Module], data: Mappin
             _check_cached(cache, path, data, len(blks), name, fix)
     rows: list[tuple] = []
     with eval_mode(model, *experts.values()), \
-            tqdm(total=len(tasks) * len(blks), desc="drift", unit="block", disable=not progress) as bar:
+            progress_bar(total=len(tasks) * len(blks), desc="drift", unit="block", show=progress) as bar:
         for t in tasks:
             rows += _task_rows(t, model, experts[t], blks, eblks[t], data[t], tokens, cka, offload, bar,
                                None if expert_cache is None else expert_cache.calls[t],

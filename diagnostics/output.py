@@ -16,25 +16,18 @@ from typing import Any, Callable, Mapping
 
 import pandas as pd
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from diagnostics.drift import COLUMNS, eval_mode
+from diagnostics.drift import COLUMNS
 from diagnostics.similarity import WHOLE, cosine_rows, pool_examples
+from featcal.metrics import kl_rows
+from featcal.modes import eval_mode
 from featcal.streams import call_model, device_of, to_device
 
 FeaturesFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
 # ----------------------------------------------------------------------------- pure maths
-
-def kl_rows(logits_exp: torch.Tensor, logits_mod: torch.Tensor) -> torch.Tensor:
-    """``KL(p_exp || p_mod)`` per example, in nats: ``(n, C)``, ``(n, C)`` -> ``(n,)`` float64,
-    with ``p = softmax(logits)``."""
-    log_pe = F.log_softmax(logits_exp.double(), dim=-1)
-    log_pm = F.log_softmax(logits_mod.double(), dim=-1)
-    return (log_pe.exp() * (log_pe - log_pm)).sum(-1)
-
 
 def top1_agreement(logits_exp: torch.Tensor, logits_mod: torch.Tensor) -> torch.Tensor:
     """``(n,)`` bool: the model's top-1 class equals the expert's."""

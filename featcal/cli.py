@@ -6,125 +6,46 @@
     featcal calibrate --zoo demo --merge task_arithmetic --preset clip --n-per-task 256 --out runs/fc
     featcal eval --zoo demo                       # base, experts, Task Arithmetic
     featcal eval --zoo demo --model runs/fc --json runs/fc/eval.json
+    featcal diagnose --zoo demo --model merged --out runs/diag     # diagnostics.cli
+    featcal tune --zoo demo --out runs/tune                        # featcal.tune_cli
+    featcal study sample-efficiency --zoo demo --out runs/se       # featcal.tune_cli
 
-Subcommands live in ``COMMANDS = {name: (add_arguments, run)}``; another module
-adds its own with :func:`register` (``add_arguments(parser)`` declares the
-options, ``run(args) -> int`` does the work). The optional modules in
-``EXTENSIONS`` are imported when present and given :func:`register`.
+Every subcommand is one row of :data:`COMMANDS`: ``name: (add_arguments, run, help)``,
+where ``add_arguments(parser)`` declares its options and ``run(args) -> int`` does the
+work. This module holds the zoo, merge, calibrate and eval subcommands; the options
+and checks they share are in :mod:`featcal.cli_common`.
 
 Bad input (a zoo that does not exist, an output directory that does, an
 unknown merge method, an invalid hyper-parameter) ends with one
 ``featcal: error: ...`` line and exit status 2; ``--traceback`` shows the
-traceback instead. Heavy imports (torch, transformers) happen inside the
-subcommands, so ``featcal --help`` is quick.
+traceback instead.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
+from diagnostics import cli as diagnose_cli
+from featcal import tune_cli
+from featcal.cli_common import (UserError, add_common, add_out, add_zoo, apply_threads, check_merge_method,
+                                check_out, parse_params, zoo_from_args)
+from featcal.config import FeatCalConfig
+from featcal.engine import calibrate
+from featcal.streams import device_of
+from featcal.zoo import evaluate, load_any, load_demo
+from featcal.zoo.io import load_model, save_model
+from featcal.zoo.scores import average, expert_accuracies, markdown_table, normalized, write_scores
+
+__all__ = ["COMMANDS", "build_parser", "main", "config_from_args",
+           # shared with the other subcommands; defined in featcal.cli_common
+           "UserError", "add_common", "apply_threads", "check_out", "parse_params"]
+
 AddArguments = Callable[[argparse.ArgumentParser], object]
 Run = Callable[[argparse.Namespace], "int | None"]
-
-COMMANDS: dict[str, tuple[AddArguments, Run]] = {}
-HELP: dict[str, str] = {}
-EXTENSIONS = ("diagnostics.cli", "featcal.tune_cli")
-
-
-class UserError(Exception):
-    """Bad input on the command line: reported as one line, without a traceback."""
-
-
-def register(name: str, add_arguments: AddArguments, run: Run, help: str | None = None) -> None:
-    """Add (or replace) the subcommand ``name``."""
-    COMMANDS[name] = (add_arguments, run)
-    if help:
-        HELP[name] = help
-
-
-# ------------------------------------------------------------------ shared options
-
-def _add_zoo(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--zoo", default="demo",
-                   help="'demo', 'demo-fashion', a YAML spec or a zoo directory (default: demo)")
-
-
-def _add_out(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
-    p.add_argument("--force", action="store_true", help="replace an existing output directory")
-
-
-def add_common(p: argparse.ArgumentParser) -> None:
-    """``--device``, ``--threads`` and ``--quiet``, shared by every subcommand that loads a zoo."""
-    p.add_argument("--device", default="cpu", help="torch device for the models (default: cpu)")
-    p.add_argument("--threads", type=int, metavar="N",
-                   help="torch CPU threads (default: torch's; 1 is fastest for the demo "
-                        "zoo on a busy machine)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
-
-
-def _parse_value(text: str):
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_params(items: list[str] | None, method: str) -> dict:
-    """``["scale=0.3", ...]`` -> ``{"scale": 0.3}``, checked against the merger's signature."""
-    from featcal.merging import MERGERS
-
-    if method not in MERGERS:
-        raise UserError(f"unknown merge method {method!r}; choose one of {', '.join(sorted(MERGERS))}.")
-    allowed = [n for n in inspect.signature(MERGERS[method]).parameters if n not in ("base", "experts")]
-    params = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise UserError(f"--param {item!r}: expected NAME=VALUE (e.g. scale=0.3).")
-        if key not in allowed:
-            raise UserError(f"--param {key!r}: {method} takes {', '.join(allowed) or 'no parameters'}.")
-        params[key] = _parse_value(value)
-    return params
-
-
-def check_out(out: str, force: bool) -> None:
-    """Fail before any work if the output directory exists (unless ``force``); every
-    subcommand that writes calls it first (save_model checks again when writing)."""
-    if Path(out).expanduser().exists() and not force:
-        raise UserError(f"output {out!r} already exists; pass --force to replace it.")
-
-
-def apply_threads(args) -> None:
-    """Honour ``--threads`` (see :func:`add_common`)."""
-    if getattr(args, "threads", None):
-        import torch
-
-        torch.set_num_threads(args.threads)
-
-
-def _load_zoo(args):
-    from featcal.zoo import load_any
-
-    apply_threads(args)
-    return load_any(args.zoo, progress=not args.quiet, device=args.device)
-
-
-def _model_device(zoo):
-    from featcal.zoo.core import _device_of
-
-    return _device_of(zoo.base)
 
 
 # ------------------------------------------------------------------ zoo
@@ -136,13 +57,11 @@ def add_zoo_arguments(p: argparse.ArgumentParser) -> None:
     b.add_argument("--rebuild", action="store_true", help="build afresh even if cached")
     b.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     i = sub.add_parser("info", help="where a zoo is and what it holds")
-    _add_zoo(i)
+    add_zoo(i)
     i.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
 
 def run_zoo(args) -> int:
-    from featcal.zoo import load_any, load_demo
-
     t0 = time.perf_counter()
     if args.zoo_command == "build-demo":
         zoo = load_demo(rebuild=args.rebuild, progress=not args.quiet, variant=args.variant)
@@ -172,11 +91,11 @@ def _print_zoo_info(zoo, seconds: float) -> None:
 # ------------------------------------------------------------------ merge
 
 def add_merge_arguments(p: argparse.ArgumentParser) -> None:
-    _add_zoo(p)
+    add_zoo(p)
     p.add_argument("--method", default="task_arithmetic", help="merge method (default: task_arithmetic)")
     p.add_argument("--param", action="append", metavar="NAME=VALUE",
                    help="a parameter of the method, e.g. scale=0.3 (repeatable)")
-    _add_out(p)
+    add_out(p)
     p.add_argument("--eval", action="store_true", help="also print the test accuracy")
     add_common(p)
 
@@ -184,7 +103,7 @@ def add_merge_arguments(p: argparse.ArgumentParser) -> None:
 def run_merge(args) -> int:
     params = parse_params(args.param, args.method)
     check_out(args.out, args.force)
-    zoo = _load_zoo(args)
+    zoo = zoo_from_args(args)
     model = zoo.merged(args.method, **params)
     info = {"zoo": args.zoo, "method": args.method, "params": params}
     out = _write(args, zoo, model, "merge.json", info, scored={args.method: model})
@@ -195,8 +114,6 @@ def run_merge(args) -> int:
 def _write(args, zoo, model, json_name: str, doc: dict, scored: dict) -> Path:
     """With ``--eval``, score the ``scored`` models on the test split into ``doc``; then save
     ``model`` in the zoo's format with ``doc`` as ``json_name`` (atomically, see save_model)."""
-    from featcal.zoo.io import save_model
-
     if args.eval:
         doc["accuracy"] = _eval_and_print(scored, zoo, "test")
     return save_model(model, args.out, fmt=zoo.fmt, force=args.force, extra_files={json_name: doc})
@@ -205,7 +122,7 @@ def _write(args, zoo, model, json_name: str, doc: dict, scored: dict) -> Path:
 # ------------------------------------------------------------------ calibrate
 
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
-    _add_zoo(p)
+    add_zoo(p)
     p.add_argument("--merge", default="task_arithmetic", help="merge method (default: task_arithmetic)")
     p.add_argument("--merge-param", action="append", metavar="NAME=VALUE",
                    help="a parameter of the merge method (repeatable; default: its own defaults)")
@@ -220,15 +137,13 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-per-task", type=int, default=256, help="calibration examples per task (default 256)")
     p.add_argument("--seed", type=int, default=42, help="seed of the calibration sample (default 42)")
     p.add_argument("--batch-size", type=int, default=16, help="calibration batch size (default 16)")
-    _add_out(p)
+    add_out(p)
     p.add_argument("--eval", action="store_true", help="also evaluate (test split) and record it")
     add_common(p)
 
 
 def config_from_args(args):
     """The :class:`FeatCalConfig` the options ask for (validated by the config itself)."""
-    from featcal import FeatCalConfig
-
     overrides = {k: getattr(args, k) for k in ("lam", "rho", "alpha") if getattr(args, k) is not None}
     if args.no_bias:
         overrides["bias"] = False
@@ -238,14 +153,12 @@ def config_from_args(args):
 
 
 def run_calibrate(args) -> int:
-    from featcal import calibrate
-
     params = parse_params(args.merge_param, args.merge)
     cfg = config_from_args(args)
     if args.n_per_task < 1:
         raise UserError(f"--n-per-task must be at least 1, got {args.n_per_task}.")
     check_out(args.out, args.force)
-    zoo = _load_zoo(args)
+    zoo = zoo_from_args(args)
     merged = zoo.merged(args.merge, **params)
     data = zoo.calib_data(args.n_per_task, seed=args.seed, batch_size=args.batch_size)
     model, report = calibrate(merged, base=zoo.base, experts=zoo.experts, calib_data=data,
@@ -261,7 +174,7 @@ def run_calibrate(args) -> int:
 # ------------------------------------------------------------------ eval
 
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
-    _add_zoo(p)
+    add_zoo(p)
     p.add_argument("--model", action="append", metavar="DIR",
                    help="a saved model to evaluate (repeatable); without it: base, experts, merges")
     p.add_argument("--merge", action="append", metavar="METHOD",
@@ -274,22 +187,17 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_eval(args) -> int:
-    from featcal.merging import MERGERS
-    from featcal.zoo.io import load_model
-    from featcal.zoo.scores import expert_accuracies, write_scores
-
     for d in args.model or []:
         if not Path(d).is_dir():
             raise UserError(f"--model {d!r} does not exist.")
     merges = args.merge or ([] if args.model else ["task_arithmetic"])
     for m in merges:
-        if m not in MERGERS:
-            raise UserError(f"unknown merge method {m!r}; choose one of {', '.join(sorted(MERGERS))}.")
-    zoo = _load_zoo(args)
+        check_merge_method(m)
+    zoo = zoo_from_args(args)
     kw = {"split": args.split, "max_per_task": args.max_per_task}
     experts = expert_accuracies(zoo, **kw)
     if args.model:
-        models = {Path(d).name: load_model(d, like=zoo.base).to(_model_device(zoo)) for d in args.model}
+        models = {Path(d).name: load_model(d, like=zoo.base).to(device_of(zoo.base)) for d in args.model}
         scores = {}
     else:
         models = {m: zoo.merged(m) for m in merges}
@@ -303,14 +211,10 @@ def run_eval(args) -> int:
 
 
 def _evaluate(model, zoo, kw) -> dict:
-    from featcal.zoo.core import evaluate
-
     return evaluate(model, zoo, **kw)
 
 
 def _eval_and_print(models: dict, zoo, split: str) -> dict:
-    from featcal.zoo.scores import expert_accuracies
-
     experts = expert_accuracies(zoo, split=split)
     scores = {name: _evaluate(m, zoo, {"split": split}) for name, m in models.items()}
     _print_table({"experts": experts, **scores}, experts)
@@ -318,8 +222,6 @@ def _eval_and_print(models: dict, zoo, split: str) -> dict:
 
 
 def _print_table(scores: dict, experts: dict) -> None:
-    from featcal.zoo.scores import average, markdown_table, normalized
-
     print(markdown_table(scores))
     for name, accs in scores.items():
         if name != "experts":
@@ -327,44 +229,33 @@ def _print_table(scores: dict, experts: dict) -> None:
                   f"expert-normalised {average(normalized(accs, experts)):.2f}")
 
 
-# ------------------------------------------------------------------ wiring
+# ------------------------------------------------------------------ the table
 
-register("zoo", add_zoo_arguments, run_zoo, "build or inspect zoos")
-register("merge", add_merge_arguments, run_merge, "merge the experts of a zoo and save the model")
-register("calibrate", add_calibrate_arguments, run_calibrate,
-         "merge, then calibrate with FeatCal; save the model and report.json")
-register("eval", add_eval_arguments, run_eval, "per-task accuracy of the zoo's models or a saved one")
-
-
-def load_extensions() -> None:
-    """Import each of ``EXTENSIONS`` that exists and let it :func:`register` its
-    subcommands. Only a missing module is skipped: an error inside one is raised."""
-    for name in EXTENSIONS:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as err:
-            if err.name and (name == err.name or name.startswith(err.name + ".")):
-                continue
-            raise
-        hook = getattr(module, "register", None)
-        if callable(hook):
-            hook(register)
+COMMANDS: dict[str, tuple[AddArguments, Run, str]] = {
+    "zoo": (add_zoo_arguments, run_zoo, "build or inspect zoos"),
+    "merge": (add_merge_arguments, run_merge, "merge the experts of a zoo and save the model"),
+    "calibrate": (add_calibrate_arguments, run_calibrate,
+                  "merge, then calibrate with FeatCal; save the model and report.json"),
+    "eval": (add_eval_arguments, run_eval, "per-task accuracy of the zoo's models or a saved one"),
+    "diagnose": (diagnose_cli.add_arguments, diagnose_cli.run, diagnose_cli.HELP),
+    "tune": (tune_cli.add_tune_arguments, tune_cli.run_tune, tune_cli.TUNE_HELP),
+    "study": (tune_cli.add_study_arguments, tune_cli.run_study, tune_cli.STUDY_HELP),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    load_extensions()
+    """The parser of every subcommand in :data:`COMMANDS` (each sets ``args.func``)."""
     parser = argparse.ArgumentParser(prog="featcal", description="Post-merging feature calibration.")
     parser.add_argument("--traceback", action="store_true", help="show tracebacks of errors")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (add_arguments, run) in COMMANDS.items():
-        p = sub.add_parser(name, help=HELP.get(name), description=HELP.get(name))
+    for name, (add_arguments, run, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
         add_arguments(p)
         p.set_defaults(func=run)
     return parser
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    return (UserError, FileNotFoundError, FileExistsError, NotADirectoryError, ValueError)
+USER_ERRORS = (UserError, FileNotFoundError, FileExistsError, NotADirectoryError, ValueError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -372,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except _user_errors() as err:
+    except USER_ERRORS as err:
         if args.traceback:
             raise
         msg = str(err).strip() or type(err).__name__

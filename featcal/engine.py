@@ -37,6 +37,7 @@ from featcal import arch, solve, validate
 from featcal.blockstats import SCRATCH_KEEP, BlockStats, BlockSystems, Scratch
 from featcal.capture import Captured, capture, per_task, sliced, stacked
 from featcal.config import FeatCalConfig
+from featcal.modes import to_eval
 from featcal.report import BlockRecord, CalibrationReport, ModuleRecord
 from featcal.streams import BlockCall, catch_block_inputs, device_of, pool_spans, pooled, run_block
 
@@ -159,16 +160,6 @@ def _solve_block(l: int, targets, systems, blk, base_blk, cfg: FeatCalConfig, re
     scratch.give(taken)
     if keep is None:
         scratch.give([s.S for s in systems.values() if isinstance(s, solve.LinearSystem) and s.owns_S])
-
-
-def _to_eval(models: list[nn.Module]) -> list[nn.Module]:
-    """Put every submodule of ``models`` in eval mode; returns the ones that were training,
-    to restore exactly (``Module.train(mode)`` would set one flag on all of them, and costs
-    a recursive call per model even when everything is in eval mode already)."""
-    training = [m for model in models for m in model.modules() if m.training]
-    for m in training:
-        m.training = False
-    return training
 
 
 def _pool(streams: dict[str, _Stream]) -> tuple[list[tuple[str, int]], list, list] | None:
@@ -345,7 +336,7 @@ def calibrate(merged: nn.Module, *, base: nn.Module, experts: Mapping[str, nn.Mo
     _, base_blks = arch.resolve_blocks(base, path)
     exp_blks = {t: arch.resolve_blocks(experts[t], path)[1] for t in tasks}
     device = device_of(model)
-    training = _to_eval([model, base, *experts.values()])
+    restore_modes = to_eval(model, base, *experts.values())   # each submodule's flag comes back exactly
     report = CalibrationReport(cfg, path, tasks)
     keep: list | None = [] if keep_stats else None
     trace = None
@@ -386,8 +377,7 @@ def calibrate(merged: nn.Module, *, base: nn.Module, experts: Mapping[str, nn.Mo
             log.error("calibration failed part-way with inplace=True: the model is partly calibrated.")
         raise
     finally:
-        for m in training:
-            m.training = True
+        restore_modes()
     if keep is not None:
         from featcal.preview import Preview
 

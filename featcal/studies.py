@@ -12,6 +12,9 @@ percent; :func:`summarize` reduces them to mean and std over seeds of the
 task-average accuracy. Baselines use no calibration data: each is evaluated
 once and its rows repeated on every (n, seed) (or corruption) cell, so every
 cell of the design has a row for every method.
+
+Mergers are named as in :data:`featcal.merging.MERGERS` and run with their own
+default parameters unless given others (``{"ties": {"density": 0.1}}``).
 """
 from __future__ import annotations
 
@@ -19,19 +22,16 @@ from typing import Mapping, Sequence
 
 import pandas as pd
 
+from featcal import corrupt
 from featcal.config import FeatCalConfig
-from featcal.corrupt import corrupt
 from featcal.engine import calibrate
+from featcal.merging import MERGERS
+from featcal.progress import bar
 from featcal.zoo.core import Zoo, evaluate
 
 BUDGETS = (4, 8, 16, 32, 64, 128, 256)
-# The baselines' merge parameters (TIES: top 20 %, sign election, summed, scaled like TA).
-MERGERS: dict[str, dict] = {
-    "task_arithmetic": {"scale": 0.3},
-    "average": {},
-    "ties": {"density": 0.2, "scale": 0.3, "disjoint": "sum"},
-}
-CORRUPTIONS = ("gaussian_noise", "blur", "fog")
+BASELINES = ("task_arithmetic", "average", "ties")   # the mergers sample_efficiency compares by default
+CORRUPTIONS = tuple(corrupt.CORRUPTIONS)             # robustness studies every corruption by default
 COLUMNS = ["method", "merger", "featcal", "n", "seed", "corruption", "severity", "task", "accuracy"]
 
 
@@ -43,12 +43,17 @@ def _rows(acc: Mapping[str, float], **cell) -> list[dict]:
     return [{**cell, "task": t, "accuracy": a} for t, a in acc.items()]
 
 
-def _bar(items, progress: bool, desc: str):
-    if not progress:
-        return items
-    from tqdm.auto import tqdm
-
-    return tqdm(items, desc=desc, leave=False)
+def _mergers(mergers: Mapping[str, dict] | Sequence[str] | None) -> dict[str, dict]:
+    """``{name: parameters}`` from names (their default parameters) or a mapping, each checked
+    against :data:`featcal.merging.MERGERS`."""
+    if isinstance(mergers, Mapping):
+        out = {name: dict(params) for name, params in mergers.items()}
+    else:
+        out = {name: {} for name in (BASELINES if mergers is None else mergers)}
+    unknown = [m for m in out if m not in MERGERS]
+    if unknown:
+        raise ValueError(f"unknown merger(s) {unknown}; choose from {sorted(MERGERS)}.")
+    return out
 
 
 def _baselines(zoo: Zoo, mergers: Mapping[str, dict], split: str, max_per_task: int | None) -> dict:
@@ -61,26 +66,27 @@ def _baselines(zoo: Zoo, mergers: Mapping[str, dict], split: str, max_per_task: 
 
 
 def sample_efficiency(zoo: Zoo, *, budgets: Sequence[int] = BUDGETS, seeds: Sequence[int] = (0, 1, 2),
-                      mergers: Mapping[str, dict] | None = None, calibrate_on: Sequence[str] = ("task_arithmetic",),
-                      config: FeatCalConfig | None = None, calib_batch: int = 16, split: str = "test",
-                      max_per_task: int | None = None, progress: bool = False) -> pd.DataFrame:
+                      mergers: Mapping[str, dict] | Sequence[str] | None = None,
+                      calibrate_on: Sequence[str] = ("task_arithmetic",), config: FeatCalConfig | None = None,
+                      calib_batch: int = 16, split: str = "test", max_per_task: int | None = None,
+                      progress: bool = False) -> pd.DataFrame:
     """Test accuracy against the calibration budget.
 
-    For every merger in ``calibrate_on`` (each must be in ``mergers``, default
-    :data:`MERGERS`), every n in ``budgets`` and every seed: FeatCal (``config``,
-    default the paper's CLIP setting) on ``n`` examples per task drawn from the
-    ``calib`` split with that seed. Columns: :data:`COLUMNS` (``corruption``
-    ``"none"``, ``severity`` 0).
+    For every merger in ``calibrate_on`` (each must be in ``mergers``: names, or
+    ``{name: parameters}``; default :data:`BASELINES`), every n in ``budgets`` and
+    every seed: FeatCal (``config``, default the paper's CLIP setting) on ``n``
+    examples per task drawn from the ``calib`` split with that seed. Columns:
+    :data:`COLUMNS` (``corruption`` ``"none"``, ``severity`` 0).
     """
     cfg = config or FeatCalConfig.clip()
-    mergers = dict(MERGERS if mergers is None else mergers)
+    mergers = _mergers(mergers)
     missing = [m for m in calibrate_on if m not in mergers]
     if missing:
         raise ValueError(f"calibrate_on names {missing}, which are not among the mergers {sorted(mergers)}.")
     base = _baselines(zoo, mergers, split, max_per_task)
     rows: list[dict] = []
     cells = [(n, s) for n in budgets for s in seeds]
-    for n, seed in _bar(cells, progress, "sample efficiency"):
+    for n, seed in bar(cells, desc="sample efficiency", show=progress):
         data = zoo.calib_data(n, seed=seed, batch_size=calib_batch, split="calib")
         common = dict(n=n, seed=seed, corruption="none", severity=0.0)
         for name, (merged, acc) in base.items():
@@ -103,9 +109,10 @@ def robustness(zoo: Zoo, *, corruptions: Sequence[str] = CORRUPTIONS, severities
     calibration set itself is corrupted). Rows: the merger alone, FeatCal on clean
     data (``corruption`` ``"none"``, ``severity`` 0) and FeatCal for every
     (corruption, severity, seed). Columns: :data:`COLUMNS` (``n`` = ``n_calib``).
+    ``merge_params`` default to the merger's own defaults.
     """
     cfg = config or FeatCalConfig.clip()
-    params = dict(MERGERS.get(merger, {}) if merge_params is None else merge_params)
+    params = _mergers({merger: dict(merge_params or {})})[merger]
     merged = zoo.merged(merger, **params)
     pix = zoo.meta.get("pixels", {"mean": 0.5, "std": 0.5})
     rows: list[dict] = []
@@ -113,11 +120,11 @@ def robustness(zoo: Zoo, *, corruptions: Sequence[str] = CORRUPTIONS, severities
     cells = [("none", 0.0)] + [(c, float(s)) for c in corruptions for s in severities]
     for seed in seeds:
         clean = zoo.calib_data(n_calib, seed=seed, batch_size=calib_batch, split="calib")
-        for kind, sev in _bar(cells, progress, f"robustness (seed {seed})"):
+        for kind, sev in bar(cells, desc=f"robustness (seed {seed})", show=progress):
             cell = dict(n=n_calib, seed=seed, corruption=kind, severity=sev)
             rows += _rows(plain, method=merger, merger=merger, featcal=False, **cell)
             data = clean if kind == "none" else {
-                t: [corrupt(b, kind, sev, seed=seed * 100_000 + 1000 * k + i, mean=pix["mean"], std=pix["std"])
+                t: [corrupt.corrupt(b, kind, sev, seed=seed * 100_000 + 1000 * k + i, mean=pix["mean"], std=pix["std"])
                     for i, b in enumerate(batches)]
                 for k, (t, batches) in enumerate(clean.items())}
             model, _ = calibrate(merged, base=zoo.base, experts=zoo.experts, calib_data=data, config=cfg,

@@ -5,26 +5,36 @@
     featcal tune --zoo demo --grid "lam=0.01,0.05,0.2;rho=1,2;alpha=0.2,0.3,0.5" --out runs/tune
     featcal study sample-efficiency --zoo demo --seeds 0,1,2 --out runs/se
     featcal study robustness --zoo demo --severities 1,3,5 --out runs/robust
-    python -m featcal.tune_cli tune --zoo demo --out runs/tune   # the same, without featcal.cli
 
 ``tune`` writes ``best.json``, ``table.csv``, ``sweep_parallel.html`` and
 ``sweep_heatmap.html`` (and with ``--report`` ``test_report.csv``: the test
 accuracy of the merged model, the anchor and the tuned setting, measured after
 the choice). ``study`` writes ``rows.csv`` (tidy), ``summary.csv`` and its figure.
+The figures (:mod:`featcal.tune_figures`) need plotly; without it they are skipped
+with a warning.
 
 The command line is a thin layer: ``add_*_arguments`` declare the options, ``run_*``
-load the zoo, call :mod:`featcal.tune` / :mod:`featcal.studies` and write.
+load the zoo, call :mod:`featcal.tune` / :mod:`featcal.studies` and write. Both are
+rows of :data:`featcal.cli.COMMANDS`.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import shutil
-import sys
 import warnings
 from pathlib import Path
 
+from featcal import studies
+from featcal.cli_common import (add_common, add_out, add_zoo, check_merge_method, check_out, parse_params,
+                                zoo_from_args)
+from featcal.config import FeatCalConfig
+from featcal.merging import MERGERS
+from featcal.tune import Grid, holdout_report, tune_zoo
+
 STUDIES = ("sample-efficiency", "robustness")
+TUNE_HELP = "choose FeatCal's (lam, rho, alpha) on the validation split"
+STUDY_HELP = "the paper's studies: sample efficiency, robustness to corrupted calibration data"
 
 
 # ------------------------------------------------------------------ helpers
@@ -41,24 +51,8 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in text.split(",") if v.strip())
 
 
-def load_zoo(spec: str, progress: bool = True, device: str = "cpu"):
-    """A zoo by name or path (:func:`featcal.zoo.load_any`)."""
-    from featcal.zoo import load_any
-
-    return load_any(spec, progress=progress, device=device)
-
-
-def _load(args: argparse.Namespace):
-    from featcal.cli import apply_threads
-
-    apply_threads(args)
-    return load_zoo(args.zoo, progress=not args.quiet, device=args.device)
-
-
 def _out_dir(path: str, force: bool) -> Path:
     """Create the output directory once there is something to write (replaced if ``force``)."""
-    from featcal.cli import check_out
-
     check_out(path, force)
     out = Path(path)
     if out.exists():
@@ -68,17 +62,13 @@ def _out_dir(path: str, force: bool) -> Path:
 
 
 def _figures():
-    """:mod:`app.figures_tune` (it lives beside featcal in the repository, and needs plotly),
-    or None with a warning."""
-    root = Path(__file__).resolve().parents[1]
-    if (root / "app" / "figures_tune.py").is_file() and str(root) not in sys.path:
-        sys.path.append(str(root))
+    """:mod:`featcal.tune_figures`, or None with a warning when plotly is not installed."""
     try:
-        from app import figures_tune
-    except ImportError as err:
+        from featcal import tune_figures
+    except ImportError as err:   # plotly is optional (featcal[app])
         warnings.warn(f"no figures written ({err}).", stacklevel=2)
         return None
-    return figures_tune
+    return tune_figures
 
 
 def to_markdown(df, floatfmt: str = ".2f") -> str:
@@ -95,18 +85,12 @@ def to_markdown(df, floatfmt: str = ".2f") -> str:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--zoo", default="demo",
-                   help="'demo', 'demo-fashion', a YAML spec or a zoo directory (default: demo)")
-    p.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
-    p.add_argument("--force", action="store_true", help="replace an existing output directory")
-    from featcal.cli import add_common
-
+    add_zoo(p)
+    add_out(p)
     add_common(p)
 
 
 def _featcal_config(args):
-    from featcal.config import FeatCalConfig
-
     return FeatCalConfig.clip(lam=args.lam, rho=args.rho, alpha=args.alpha)
 
 
@@ -120,8 +104,6 @@ def _anchor_args(p: argparse.ArgumentParser) -> None:
 
 def add_tune_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Declare the ``tune`` options on ``p``."""
-    from featcal.merging import MERGERS
-
     _common(p)
     p.add_argument("--merge", default="task_arithmetic", choices=sorted(MERGERS),
                    help="merge method (default: task_arithmetic)")
@@ -148,13 +130,10 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    from featcal.cli import check_out, parse_params
-    from featcal.tune import Grid, holdout_report, tune_zoo
-
     params = parse_params(args.merge_param, args.merge)
     grid = Grid.parse(args.grid) if args.grid else None
     check_out(args.out, args.force)
-    zoo = _load(args)
+    zoo = zoo_from_args(args)
     res = tune_zoo(zoo, method=args.merge, merge_params=params, n_calib=args.n_calib, seed=args.seed,
                    val_per_task=args.val_per_task, config=_featcal_config(args),
                    grid=grid, search=args.search, score=args.score,
@@ -187,42 +166,36 @@ def run_tune(args: argparse.Namespace) -> int:
 
 def add_study_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Declare the ``study`` options on ``p``."""
-    from featcal.corrupt import CORRUPTIONS
-    from featcal.studies import BUDGETS, MERGERS
-
     p.add_argument("study", choices=STUDIES, help="which study")
     _common(p)
     _anchor_args(p)
     p.add_argument("--seeds", type=_ints, default=None,
                    help="seeds of the calibration draw (default: 0,1,2 for sample-efficiency, 0 for robustness)")
     p.add_argument("--max-test", type=int, default=None, help="test examples per task (default: the whole split)")
-    p.add_argument("--budgets", type=_ints, default=BUDGETS,
+    p.add_argument("--budgets", type=_ints, default=studies.BUDGETS,
                    help="sample-efficiency: examples per task, comma-separated")
-    p.add_argument("--mergers", type=_names, default=tuple(MERGERS),
-                   help="sample-efficiency: baseline mergers (their parameters: featcal.studies.MERGERS)")
+    p.add_argument("--mergers", type=_names, default=studies.BASELINES,
+                   help="sample-efficiency: baseline mergers, each with its own default parameters "
+                        f"(any of {', '.join(sorted(MERGERS))})")
     p.add_argument("--merge", default="task_arithmetic", help="the merger FeatCal calibrates")
-    p.add_argument("--corruptions", type=_names, default=tuple(CORRUPTIONS), help="robustness: corruptions")
+    p.add_argument("--corruptions", type=_names, default=studies.CORRUPTIONS, help="robustness: corruptions")
     p.add_argument("--severities", type=_floats, default=(1.0, 3.0, 5.0), help="robustness: severities in [0, 5]")
     p.add_argument("--n-calib", type=int, default=256, help="robustness: calibration examples per task")
     return p
 
 
 def run_study(args: argparse.Namespace) -> int:
-    from featcal import studies
-    from featcal.cli import check_out
-
     cfg = _featcal_config(args)
+    for m in (args.merge, *args.mergers):
+        check_merge_method(m)
     check_out(args.out, args.force)
-    zoo = _load(args)
+    zoo = zoo_from_args(args)
     figs = _figures()
     if args.study == "sample-efficiency":
-        unknown = [m for m in (*args.mergers, args.merge) if m not in studies.MERGERS]
-        if unknown:
-            raise ValueError(f"unknown merger(s) {unknown}; choose from {sorted(studies.MERGERS)}.")
-        mergers = {m: studies.MERGERS[m] for m in dict.fromkeys((args.merge, *args.mergers))}
-        rows = studies.sample_efficiency(zoo, budgets=args.budgets, seeds=args.seeds or (0, 1, 2), mergers=mergers,
-                                         calibrate_on=(args.merge,), config=cfg, max_per_task=args.max_test,
-                                         progress=not args.quiet)
+        mergers = list(dict.fromkeys((args.merge, *args.mergers)))
+        rows = studies.sample_efficiency(zoo, budgets=args.budgets, seeds=args.seeds or (0, 1, 2),
+                                         mergers=mergers, calibrate_on=(args.merge,), config=cfg,
+                                         max_per_task=args.max_test, progress=not args.quiet)
         summary = studies.summarize(rows, by=("method", "n"))
         fig = figs.sample_efficiency_curve(rows) if figs else None
         name = "sample_efficiency"
@@ -242,36 +215,3 @@ def run_study(args: argparse.Namespace) -> int:
     print(to_markdown(summary))
     print(f"\nwrote {out}/")
     return 0
-
-
-# ------------------------------------------------------------------ wiring
-
-COMMANDS = {
-    "tune": ("choose FeatCal's (lam, rho, alpha) on the validation split", add_tune_arguments, run_tune),
-    "study": ("the paper's studies: sample efficiency, robustness to corrupted calibration data",
-              add_study_arguments, run_study),
-}
-
-
-def register(target) -> None:
-    """Add ``tune`` and ``study`` to featcal's command line. ``target`` is
-    :func:`featcal.cli.register` (``target(name, add_arguments, run, help)``) or an
-    argparse sub-parsers action (each sub-parser gets ``func=run``)."""
-    for name, (help_text, add, run) in COMMANDS.items():
-        if hasattr(target, "add_parser"):
-            p = target.add_parser(name, help=help_text, description=help_text)
-            add(p)
-            p.set_defaults(func=run)
-        else:
-            target(name, add, run, help_text)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m featcal.tune_cli ...``: featcal's own command line (same error handling)."""
-    from featcal.cli import main as featcal_main
-
-    return featcal_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,13 +19,14 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from featcal import arch
 from featcal.config import FeatCalConfig
 from featcal.engine import calibrate
+from featcal.metrics import kl_rows
 from featcal.preview import Preview
+from featcal.progress import bar
 
 Point = tuple[float, float, float]                      # (lam, rho, alpha)
 Logits = Callable[[nn.Module, str, torch.Tensor], torch.Tensor]
@@ -51,13 +52,6 @@ class HeadLogits:
         head = self.heads[task]
         x = x.to(next(model.parameters()).device)
         return head(self.features(model, x).to(device=head.weight.device, dtype=head.weight.dtype))
-
-
-def kl_rows(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """``KL(p_ref || p)`` per example in nats, float64: ``(n, C), (n, C) -> (n,)``
-    (the same quantity as ``diagnostics.output.kl_rows``; featcal does not import diagnostics)."""
-    log_pr = F.log_softmax(ref_logits.double(), dim=-1)
-    return (log_pr.exp() * (log_pr - F.log_softmax(logits.double(), dim=-1))).sum(-1)
 
 
 @torch.no_grad()
@@ -136,12 +130,6 @@ def preview_distance(preview: Preview, point: Point, exact: nn.Module) -> float:
     return math.sqrt(num / max(den, 1e-300))
 
 
-def _bar(total: int, desc: str, show: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="job", disable=not show, leave=False)
-
-
 class Local:
     """Runs jobs one after another in this process."""
 
@@ -150,10 +138,10 @@ class Local:
 
     def map(self, fn, items: Sequence, desc: str = "") -> list:
         out = []
-        with _bar(len(items), desc, self.progress) as bar:
+        with bar(total=len(items), desc=desc, unit="job", show=self.progress) as b:
             for it in items:
                 out.append(fn(self.work, it))
-                bar.update()
+                b.update()
         return out
 
     def close(self) -> None:
@@ -178,10 +166,10 @@ class RayRunner:
         remote = self._remote.setdefault(fn, self.ray.remote(num_cpus=1)(fn))
         refs = [remote.remote(self.ref, it) for it in items]
         pending = list(refs)
-        with _bar(len(refs), desc, self.progress) as bar:
+        with bar(total=len(refs), desc=desc, unit="job", show=self.progress) as b:
             while pending:
                 done, pending = self.ray.wait(pending, num_returns=1)
-                bar.update(len(done))
+                b.update(len(done))
         return self.ray.get(refs)
 
     def close(self) -> None:

@@ -90,32 +90,37 @@ def check_models(merged: nn.Module, others: list[tuple[str, nn.Module]], blocks_
     return path
 
 
-def check_tasks(experts: Mapping, calib_data: Mapping) -> list[str]:
+def check_tasks(experts: Mapping, data: Mapping, name: str = "calib_data") -> list[str]:
+    """The tasks, once ``experts`` and ``data`` (``{task: [batch, ...]}``, called ``name`` in
+    the messages) are checked to pair up: the same tasks, each with a non-empty list of batches."""
     if not experts:
         raise ValueError("experts is empty; give at least one {task: expert model}.")
-    te, td = list(experts), list(calib_data)
+    te, td = list(experts), list(data)
     if set(te) != set(td):
         only_e = sorted(set(te) - set(td))
         only_d = sorted(set(td) - set(te))
         raise ValueError(
-            "the tasks of experts and calib_data differ: "
-            f"only in experts {only_e}, only in calib_data {only_d}; give one calibration set per expert."
+            f"the tasks of experts and {name} differ: "
+            f"only in experts {only_e}, only in {name} {only_d}; give one list of batches per expert."
         )
     for t in te:
-        batches = calib_data[t]
+        batches = data[t]
         if isinstance(batches, (torch.Tensor, Mapping)):
-            raise TypeError(f"calib_data[{t!r}] must be a list of batches, got a single {type(batches).__name__}; "
+            raise TypeError(f"{name}[{t!r}] must be a list of batches, got a single {type(batches).__name__}; "
                             "wrap it in a list or split it into batches.")
-        if len(batches) == 0 or all(_batch_len(b) == 0 for b in batches):
-            raise ValueError(f"task {t!r} has no calibration examples; give at least one batch.")
+        if len(batches) == 0 or all(batch_len(b) == 0 for b in batches):
+            raise ValueError(f"task {t!r} has no examples in {name}; give at least one non-empty batch.")
     return te
 
 
-def _batch_len(batch) -> int:
+def batch_len(batch) -> int:
+    """Examples in a batch: a tensor's first axis (1 for a scalar), or a dict batch's first tensor's."""
     if torch.is_tensor(batch):
         return batch.shape[0] if batch.dim() else 1
     if isinstance(batch, Mapping):
         for v in batch.values():
             if torch.is_tensor(v):
                 return v.shape[0] if v.dim() else 1
-    return 1
+        raise ValueError(f"a dict batch must hold at least one tensor; got keys {sorted(map(str, batch))}.")
+    raise TypeError(f"a batch is a tensor (model(batch)) or a dict of tensors (model(**batch)), "
+                    f"got {type(batch).__name__}.")

@@ -1,8 +1,9 @@
-"""The featcal command line on a tiny zoo directory: outputs, clean errors, extensions."""
+"""The featcal command line on a tiny zoo directory: the table of subcommands, outputs, clean errors."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,13 +39,29 @@ def _assert_clean_error(rc, err, *needles):
         assert needle in lines[0]
 
 
+ALL = ("zoo", "merge", "calibrate", "eval", "diagnose", "tune", "study")
+
+
+def test_the_table_holds_every_subcommand_and_each_parses(capsys):
+    assert tuple(cli.COMMANDS) == ALL
+    parser = cli.build_parser()
+    for name, (add_arguments, run, help_text) in cli.COMMANDS.items():
+        assert callable(add_arguments) and callable(run) and help_text, name
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args([name, "--help"])
+        assert exc.value.code == 0, name
+        assert help_text.split()[0] in capsys.readouterr().out, name
+    args = parser.parse_args(["merge", "--out", "x"])
+    assert args.func is cli.COMMANDS["merge"][1]          # the table's run is what main calls
+
+
 def test_help_lists_commands(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for name in ("zoo", "merge", "calibrate", "eval"):
-        assert name in out
+    listed = [line.split()[0] for line in out.splitlines() if re.match(r"    \S", line)]   # "    name  help"
+    assert tuple(listed) == ALL
 
 
 def test_merge_writes_a_model_that_eval_scores(zoo_dir, tmp_path, capsys):
@@ -113,29 +130,12 @@ def test_force_replaces_output(zoo_dir, tmp_path, capsys):
     assert rc == 0 and not (out / "old.txt").exists() and (out / "model.safetensors").is_file()
 
 
-def test_register_and_extensions(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "COMMANDS", dict(cli.COMMANDS))
-    cli.register("hello", lambda p: p.add_argument("--who", default="x"),
-                 lambda a: print(f"hi {a.who}") or 0, help="say hi")
-    assert _run(capsys, "hello", "--who", "y")[:2] == (0, "hi y\n")
-
-    # A missing extension is skipped; one that exists registers itself.
-    (tmp_path / "fc_ext_ok.py").write_text(
-        "def register(reg):\n    reg('ext', lambda p: None, lambda a: print('ext ran'), help='x')\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(cli, "EXTENSIONS", ("fc_no_such_module.cli", "fc_ext_ok"))
-    cli.load_extensions()
-    assert "ext" in cli.COMMANDS
-
-    # An extension that exists but is broken inside is not hidden.
-    (tmp_path / "fc_ext_broken.py").write_text("import fc_dependency_that_is_missing\n")
-    monkeypatch.setattr(cli, "EXTENSIONS", ("fc_ext_broken",))
-    with pytest.raises(ModuleNotFoundError, match="fc_dependency_that_is_missing"):
-        cli.load_extensions()
-
-
 def test_python_dash_m(zoo_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    shown = subprocess.run([sys.executable, "-m", "featcal", "--help"], capture_output=True, text=True, env=env,
+                           cwd=tmp_path, timeout=300)
+    listed = [line.split()[0] for line in shown.stdout.splitlines() if re.match(r"    \S", line)]
+    assert shown.returncode == 0 and tuple(listed) == ALL, shown.stdout
     proc = subprocess.run([sys.executable, "-m", "featcal", "eval", "--zoo", str(tmp_path / "nope")],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert proc.returncode == 2

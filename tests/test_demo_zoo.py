@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from featcal.zoo import demo, demo_data, fashion, load_any, scores, store
+from featcal.zoo import demo, demo_data, demo_recipe, fashion, load_any, scores, store
 from featcal.zoo.core import evaluate
 
 # ------------------------------------------------------------------ data
@@ -48,7 +48,7 @@ MICRO = demo.Recipe(tasks=("colour", "position"), n_train=96, n_calib=32, n_val=
 
 
 def test_make_data_splits_are_disjoint():
-    arrays, pools = demo.make_data(MICRO, progress=False)
+    arrays, pools = demo_recipe.make_data(MICRO, progress=False)
     for task, s in arrays.items():
         calib, val, test = ({r.tobytes() for r in s[k][0]} for k in ("calib", "val", "test"))
         train = {r.tobytes() for r in s["train"][0]}
@@ -75,7 +75,7 @@ def test_interrupted_build_leaves_no_zoo(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(demo, "finetune", boom)
+    monkeypatch.setattr(demo_recipe, "finetune", boom)
     with pytest.raises(KeyboardInterrupt):
         demo.build_demo(tmp_path / "z", progress=False, recipe=MICRO)
     assert list(tmp_path.iterdir()) == []

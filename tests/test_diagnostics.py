@@ -388,14 +388,13 @@ def test_cli_writes_tables_and_summary(tmp_path, monkeypatch, which):
     from featcal.zoo.io import save_model
 
     zoo = _toy_zoo_obj()
-    monkeypatch.setattr(cli, "load_zoo", lambda spec, progress=True, device="cpu": zoo)
+    monkeypatch.setattr("featcal.cli_common.load_any", lambda spec, progress=True, device="cpu": zoo)
     if which == "DIR":
         which = str(save_model(zoo.merged("task_arithmetic"), tmp_path / "saved", fmt="torch"))
-    parser = argparse.ArgumentParser(prog="featcal")
-    cli.register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["diagnose", "--zoo", "toy", "--model", which, "--n-per-task", "4",
+    parser = cli.add_arguments(argparse.ArgumentParser(prog="featcal diagnose"))
+    args = parser.parse_args(["--zoo", "toy", "--model", which, "--n-per-task", "4",
                               "--out", str(tmp_path / "diag"), "--quiet", "--no-cka"])
-    assert args.func(args) == 0
+    assert cli.run(args) == 0
     files = sorted(p.name for p in (tmp_path / "diag").iterdir())
     assert files == ["drift.csv", "expert_cosine.csv", "output.csv", "summary.txt", "task_vector.csv"]
     drift = pd.read_csv(tmp_path / "diag" / "drift.csv")
@@ -404,11 +403,10 @@ def test_cli_writes_tables_and_summary(tmp_path, monkeypatch, which):
 
 
 def test_featcal_cli_has_diagnose(tmp_path, monkeypatch, capsys):
-    from diagnostics import cli
     from featcal import cli as featcal_cli
 
     zoo = _toy_zoo_obj()
-    monkeypatch.setattr(cli, "load_zoo", lambda spec, progress=True, device="cpu": zoo)
+    monkeypatch.setattr("featcal.cli_common.load_any", lambda spec, progress=True, device="cpu": zoo)
     argv = ["diagnose", "--zoo", "toy", "--n-per-task", "4", "--format", "parquet", "--out", str(tmp_path / "d")]
     assert featcal_cli.main(argv) == 0
     assert "KL(expert || merged)" in capsys.readouterr().out

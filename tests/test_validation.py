@@ -42,7 +42,7 @@ def test_task_names_must_match(zoo):
 
 def test_empty_task(zoo):
     base, experts, merged, data = zoo
-    with pytest.raises(ValueError, match="task 't1' has no calibration examples"):
+    with pytest.raises(ValueError, match="task 't1' has no examples in calib_data"):
         _run(zoo, calib_data={**data, "t1": []})
 
 

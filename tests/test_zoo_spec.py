@@ -136,7 +136,8 @@ def test_hf_spec_loads_merges_calibrates_and_evaluates(hf_zoo):
         assert head.bias is None
         torch.testing.assert_close(head.weight.norm(dim=-1), torch.full((head.out_features,), scale))
     x, y = zoo.split("mnist", "test")
-    assert x.shape == (20, 3, 32, 32) and x.dtype == torch.float32 and y.tolist() == [d for d in range(10) for _ in (0, 1)]
+    assert x.shape == (20, 3, 32, 32) and x.dtype == torch.float32
+    assert y.tolist() == [d for d in range(10) for _ in (0, 1)]
     feats = zoo.features(zoo.base, x[:4])
     torch.testing.assert_close(feats.norm(dim=-1), torch.ones(4))
 
@@ -270,7 +271,8 @@ def test_parquet_arrow_and_file_heads(tmp_path):
             t = table(n, 50)
             with pa.ipc.new_stream(sink, t.schema) as writer:
                 writer.write_table(t)
-        (arrow / split / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+        files = [{"filename": "data-00000-of-00001.arrow"}]
+        (arrow / split / "state.json").write_text(json.dumps({"_data_files": files}))
         (arrow / split / "dataset_info.json").write_text(json.dumps({"features": {"label": {"names": names}}}))
     (arrow / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
     gen = torch.Generator().manual_seed(0)
@@ -334,7 +336,8 @@ def test_open_clip_spec_loads(tmp_path):
 
 def test_open_clip_pretrained_tag_is_read_from_the_hf_cache_only(tmp_path):
     pytest.importorskip("open_clip")
-    from featcal.zoo.loaders import locate_model, open_clip_quick_gelu
+    from featcal.zoo.loaders import open_clip_quick_gelu
+    from featcal.zoo.locate import locate_model
 
     entry = zoo_spec.from_dict({"format": "open_clip", "arch": "ViT-B-32", "base": {"pretrained": "openai"},
                                 "experts": {"mnist": "e.pt"}, "data": {"mnist": "d"}}, root=tmp_path).base

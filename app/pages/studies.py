@@ -2,13 +2,13 @@
 
 Each study runs on its "Run" button (minutes on a CPU; cached per setting through
 :mod:`featcal.studies`), or reads the ``rows.csv`` that ``featcal study ... --out DIR``
-wrote. Both draw the same figures (:mod:`app.figures_tune`) and summary table.
+wrote. Both draw the same figures (:mod:`featcal.tune_figures`) and summary table.
 """
 import pandas as pd
 import streamlit as st
 
-from app import compute, figures_tune, state
-from featcal import studies
+from app import compute, state
+from featcal import studies, tune_figures
 from featcal.config import FeatCalConfig
 
 zoo, source = state.active_zoo(), state.active_source()
@@ -61,7 +61,7 @@ with se_tab:
     args = (source, fp, tuple(sorted(budgets)), tuple(range(int(n_seeds))), max_test)
     rows = _rows("sample-efficiency", _sample_efficiency, args) if budgets else None
     if rows is not None:
-        st.plotly_chart(figures_tune.sample_efficiency_curve(rows), key="se_curve")
+        st.plotly_chart(tune_figures.sample_efficiency_curve(rows), key="se_curve")
         st.dataframe(studies.summarize(rows, by=("method", "n")).round(2), hide_index=True, width="stretch")
 
 with rb_tab:
@@ -75,6 +75,6 @@ with rb_tab:
             tuple(range(int(n_seeds))), max_test)
     rows = _rows("robustness", _robustness, args) if corruptions and severities else None
     if rows is not None:
-        st.plotly_chart(figures_tune.robustness_bars(rows), key="rb_bars")
+        st.plotly_chart(tune_figures.robustness_bars(rows), key="rb_bars")
         st.dataframe(studies.summarize(rows, by=("method", "corruption", "severity")).round(2),
                      hide_index=True, width="stretch")

@@ -9,7 +9,8 @@ choose on the validation split; the test split only on request, after the choice
 import pandas as pd
 import streamlit as st
 
-from app import compute, figures_tune, state, ui
+from app import compute, state, ui
+from featcal import tune_figures
 from featcal.config import FeatCalConfig
 from featcal.tune import Grid, holdout_report, tune_zoo
 
@@ -82,12 +83,12 @@ m2.metric(f"val {res.score}, chosen", f"{b['score']:.3f}{unit}",
           f"{b['score'] - b['anchor_score']:+.3f} vs paper setting")
 m3.metric(f"val {res.score}, paper setting", f"{b['anchor_score']:.3f}{unit}")
 left, right = st.columns(2)
-left.plotly_chart(figures_tune.sweep_parallel(res.table, res.score), key="tune_parcoords")
+left.plotly_chart(tune_figures.sweep_parallel(res.table, res.score), key="tune_parcoords")
 lams = sorted(res.table["lam"].unique())
 lam = min(lams, key=lambda v: abs(v - b["lam"]))
 if len(lams) > 1:
     lam = right.select_slider("λ of the heatmap", lams, lam, format_func=lambda v: f"{v:.3g}", key="tune_heat_lam")
-right.plotly_chart(figures_tune.sweep_heatmap(res.table, lam=lam, score=res.score), key="tune_heatmap")
+right.plotly_chart(tune_figures.sweep_heatmap(res.table, lam=lam, score=res.score), key="tune_heatmap")
 st.subheader("Every point tried")
 st.dataframe(res.table, hide_index=True, width="stretch")
 st.download_button("table.csv", res.table.to_csv(index=False), "table.csv", "text/csv")

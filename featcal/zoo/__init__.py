@@ -5,13 +5,22 @@
     zoo = load_any("demo-fashion")       # plus two Fashion-MNIST tasks (apt: dataset-fashion-mnist)
     zoo = load_any("assets/zoos/clip-vit-b32-ta8.yaml")   # real models, from a YAML spec
     zoo = load_any("path/to/zoo-dir")    # any directory in the demo's on-disk layout
+
+:func:`load_any` is the one loader; the command line and the app call it.
+
+The modules import one way: the spec's schema (:mod:`~featcal.zoo.schema`) <- finding
+what it names (:mod:`~featcal.zoo.resolve`, :mod:`~featcal.zoo.locate`) <- loading it
+(:mod:`~featcal.zoo.loaders`, :mod:`~featcal.zoo.heads`, :mod:`~featcal.zoo.data`,
+:mod:`~featcal.zoo.spec`) <- building the demo zoos (:mod:`~featcal.zoo.demo_recipe`,
+:mod:`~featcal.zoo.fashion`, :mod:`~featcal.zoo.demo`); :mod:`~featcal.zoo.core` (the
+``Zoo``) and the on-disk layout (:mod:`~featcal.zoo.io`, :mod:`~featcal.zoo.store`) sit below.
 """
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
 
+from featcal.zoo import spec
 from featcal.zoo.core import SPLITS, TaskData, Zoo, evaluate
 from featcal.zoo.demo import DEMO_VERSION, build_demo, cache_dir, demo_path, load_demo
 from featcal.zoo.io import OutputExistsError, load_model, save_model
@@ -31,44 +40,34 @@ NAMES = {"demo": "default", "demo-fashion": "fashion"}
 
 def load_any(name_or_path: str | os.PathLike, progress: bool = True, rebuild: bool = False,
              device: str = "cpu") -> Zoo:
-    """A zoo from a name or a path:
+    """A zoo from a name or a path, its models and heads on ``device`` in eval mode:
 
     - ``demo`` / ``demo-fashion``: the embedded demo zoo (built and cached on first use);
     - a ``.yaml`` / ``.yml`` file: a spec of real models (:func:`featcal.zoo.spec.load`);
     - a directory in the demo's layout (``meta.json`` of kind ``featcal-zoo``).
 
-    ``rebuild`` applies to the demo zoos only. Raises ``FileNotFoundError`` naming
-    the accepted forms when nothing matches.
+    ``~`` and ``$VARS`` in a path are expanded. ``rebuild`` applies to the demo zoos
+    only; ``progress`` shows their build's progress bars. Raises ``FileNotFoundError``
+    naming the accepted forms when nothing matches.
     """
     key = str(name_or_path)
     if key in NAMES:
-        zoo = load_demo(rebuild=rebuild, progress=progress, variant=NAMES[key])
-        return _to(zoo, device)
-    path = Path(key).expanduser()
+        return _on(load_demo(rebuild=rebuild, progress=progress, variant=NAMES[key]), device)
+    path = Path(os.path.expandvars(key)).expanduser()
     if path.suffix.lower() in (".yaml", ".yml"):
         if not path.is_file():
             raise FileNotFoundError(f"zoo spec {key!r} does not exist.")
-        return _spec_module().load(path, device=device)
+        return _on(spec.load(path, device=device), device)
     if path.is_dir() and is_zoo_dir(path):
-        return _to(read_zoo_dir(path), device)
+        return _on(read_zoo_dir(path), device)
     what = "is a directory but not a featcal zoo (no meta.json)" if path.is_dir() else "does not exist"
     raise FileNotFoundError(
         f"zoo {key!r} {what}; give {' or '.join(repr(n) for n in NAMES)}, a .yaml spec, "
         "or a zoo directory.")
 
 
-def _spec_module():
-    try:
-        return importlib.import_module("featcal.zoo.spec")
-    except ModuleNotFoundError as err:
-        if err.name != "featcal.zoo.spec":
-            raise
-        raise FileNotFoundError("YAML zoo specs need featcal.zoo.spec, which is not installed "
-                                "in this checkout.") from None
-
-
-def _to(zoo: Zoo, device: str) -> Zoo:
-    if str(device) != "cpu":
-        for m in [zoo.base, *zoo.experts.values(), *zoo.heads.values()]:
-            m.to(device)
+def _on(zoo: Zoo, device: str) -> Zoo:
+    """The zoo's models and heads moved to ``device`` (in place) and in eval mode."""
+    for m in [zoo.base, *zoo.experts.values(), *zoo.heads.values()]:
+        m.to(device).eval()
     return zoo

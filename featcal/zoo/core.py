@@ -17,6 +17,9 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
+from featcal.merging import merge
+from featcal.streams import device_of
+
 SPLITS = ("calib", "val", "test")
 
 
@@ -102,24 +105,16 @@ class Zoo:
     def logits(self, model: nn.Module, task: str, inputs: torch.Tensor) -> torch.Tensor:
         """Class logits of ``model`` on ``task`` through the task's frozen head."""
         head = self.heads[task]
-        feats = self.features(model, inputs.to(_device_of(model)))
+        feats = self.features(model, inputs.to(device_of(model)))
         return head(feats.to(head.weight.dtype).to(head.weight.device))
 
     def merged(self, method: str = "task_arithmetic", **params) -> nn.Module:
         """A new model holding ``featcal.merge(method, base, experts, **params)``."""
-        from featcal.merging import merge
-
         sd = merge(method, self.base.state_dict(),
                    {t: m.state_dict() for t, m in self.experts.items()}, **params)
         model = copy.deepcopy(self.base)
         model.load_state_dict(sd)
         return model
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
 
 
 @torch.no_grad()

@@ -1,104 +1,28 @@
-"""Locating and reading a task's data offline, into lazily decoded splits.
+"""Reading a located dataset (:mod:`featcal.zoo.locate`) into lazily decoded splits.
 
-A data entry is found at its local ``path`` or, for an HF ``hub`` dataset, in
-the local Hugging Face cache (:func:`locate_data`), in one of four formats:
-
-- ``image_folder``: ``<split>/<class>/<image>`` folders;
-- ``arrow``: a ``datasets.save_to_disk`` directory, read memory-mapped through pyarrow;
-- ``parquet``: parquet files per split, read row group by row group;
-- ``tensors``: a ``.safetensors`` or ``.npz`` file with ``<split>_inputs`` / ``<split>_labels``.
-
-:func:`task_data` wraps a located dataset into a :class:`~featcal.zoo.core.TaskData`
+:func:`task_data` wraps a task's dataset (an image folder, an ``arrow`` or
+``parquet`` dataset, or a tensors file) into a :class:`~featcal.zoo.core.TaskData`
 whose :class:`LazySplits` decode (CLIP geometry, :func:`to_clip_input`) and
-normalise the images of a split on first access.
+normalise the images of a split on first access. ``calib`` and ``val`` are
+seeded, disjoint draws from the train split (:func:`split_indices`).
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 import torch
 
-from featcal.zoo.resolve import Missing, hf_fix, hf_snapshot
-
-if TYPE_CHECKING:  # loaders and spec import this module at run time
-    from featcal.zoo.loaders import ModelInfo
-    from featcal.zoo.spec import DataSpec, ZooSpec
+from featcal.progress import bar
+from featcal.zoo.core import TaskData
+from featcal.zoo.loaders import ModelInfo
+from featcal.zoo.locate import LocatedData, parquet_files
+from featcal.zoo.schema import DataSpec, ZooSpec
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
-
-
-# ----------------------------------------------------------------------------- locating
-
-@dataclass(frozen=True)
-class LocatedData:
-    """A task's dataset on disk: ``format`` and its ``root`` (a directory or a tensors file)."""
-
-    spec: "DataSpec"
-    format: str
-    root: Path
-
-
-def _detect_format(root: Path, spec: "DataSpec") -> tuple[str | None, str]:
-    """``(format, '')`` for a usable dataset at ``root``, else ``(None, why not)``."""
-    if root.is_file():
-        if root.suffix in (".safetensors", ".npz"):
-            return "tensors", ""
-        return None, f"a {root.suffix or 'plain'} file; tensors must be .safetensors or .npz"
-    if not root.is_dir():
-        return None, "does not exist"
-    splits = (spec.train_split, spec.test_split)
-    if (root / "dataset_dict.json").is_file() or all((root / s / "state.json").is_file() for s in splits):
-        absent = [s for s in splits if not (root / s / "state.json").is_file()]
-        return ("arrow", "") if not absent else (None, f"datasets.save_to_disk dir without split(s) {absent}")
-    if any(root.rglob("*.parquet")):
-        absent = [s for s in splits if not _parquet_files(root, s)]
-        return ("parquet", "") if not absent else (None, f"parquet files, none for split(s) {absent}")
-    if all((root / s).is_dir() for s in splits):
-        return "image_folder", ""
-    return None, (f"not a dataset: expected {spec.train_split}/ and {spec.test_split}/ class folders, a "
-                  "datasets.save_to_disk dir, parquet files, or a .safetensors/.npz file")
-
-
-def _parquet_files(root: Path, split: str) -> list[Path]:
-    """Parquet files of one split: ``<split>-*.parquet``, ``<split>.parquet`` or under a ``<split>/`` dir."""
-    out = []
-    for p in sorted(root.rglob("*.parquet")):
-        rel = p.relative_to(root).parts
-        if split in rel[:-1] or p.stem == split or p.stem.startswith(f"{split}-"):
-            out.append(p)
-    return out
-
-
-def locate_data(spec: "DataSpec") -> tuple[LocatedData | None, Missing | None]:
-    """Find one task's data: its local ``path`` first, then the HF ``hub`` dataset in the cache."""
-    looked = []
-    if spec.path is not None:
-        root = Path(spec.path)
-        fmt, why = _detect_format(root, spec)
-        if fmt is not None and spec.format not in ("auto", fmt):
-            fmt, why = None, f"found {fmt}, the spec says format {spec.format}"
-        if fmt is not None:
-            return LocatedData(spec, fmt, root), None
-        looked.append(f"local path {root} ({why})")
-    if spec.hub:
-        snap, where = hf_snapshot(spec.hub, "dataset", spec.revision)
-        if snap is not None:
-            root = snap / (spec.subset or "")
-            fmt, why = _detect_format(root, spec)
-            if fmt is not None:
-                return LocatedData(spec, fmt, root), None
-            where = f"{where} ({why})"
-        looked.append(where)
-    src = spec.hub or spec.path
-    fix = (hf_fix(spec.hub, "dataset") + "; or " if spec.hub else "") + (
-        f"put it at {spec.path} ({spec.train_split}/ and {spec.test_split}/ class folders, a save_to_disk "
-        "dir, parquet files or .safetensors/.npz)" if spec.path else "give a local `path:`")
-    return None, Missing(f"data {spec.task!r}: {src}", tuple(looked), fix)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -182,7 +106,7 @@ def _label_names(features: Mapping | None, label_column: str) -> list[str] | Non
     return list(names) if names else None
 
 
-def _arrow_split(split_dir: Path, spec: "DataSpec") -> _Split:
+def _arrow_split(split_dir: Path, spec: DataSpec) -> _Split:
     """A split written by ``datasets.save_to_disk``: Arrow stream files, read memory-mapped."""
     import pyarrow as pa
 
@@ -200,7 +124,7 @@ def _arrow_split(split_dir: Path, spec: "DataSpec") -> _Split:
     return _table_split(table, spec, _label_names(features, spec.label_column), split_dir)
 
 
-def _table_split(table, spec: "DataSpec", names: list[str] | None, where: Path) -> _Split:
+def _table_split(table, spec: DataSpec, names: list[str] | None, where: Path) -> _Split:
     for col in (spec.image_column, spec.label_column):
         if col not in table.column_names:
             raise ValueError(f"{where}: no column {col!r} (columns: {table.column_names}); set "
@@ -210,7 +134,7 @@ def _table_split(table, spec: "DataSpec", names: list[str] | None, where: Path) 
     return _Split(labels, lambda idx: images.take(list(idx)).to_pylist(), names)
 
 
-def _parquet_split(files: list[Path], spec: "DataSpec") -> _Split:
+def _parquet_split(files: list[Path], spec: DataSpec) -> _Split:
     """Parquet files of one split; images are read row group by row group, only those asked for."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -239,7 +163,7 @@ def _parquet_split(files: list[Path], spec: "DataSpec") -> _Split:
     return _Split(labels, fetch, names)
 
 
-def _tensor_splits(path: Path, spec: "DataSpec", size: int) -> dict[str, _Split]:
+def _tensor_splits(path: Path, spec: DataSpec, size: int) -> dict[str, _Split]:
     """``<split>_inputs`` / ``<split>_labels`` from a .safetensors or .npz file. uint8 inputs are
     images (NHWC, NHW or NCHW) and get CLIP preprocessing; float inputs are used as they are."""
     import numpy as np
@@ -281,7 +205,7 @@ def _open_splits(located: LocatedData, classes: list[str] | None, size: int) -> 
         return {s: _folder_split(root / s, classes) for s in names}
     if located.format == "arrow":
         return {s: _arrow_split(root / s, spec) for s in names}
-    return {s: _parquet_split(_parquet_files(root, s), spec) for s in names}
+    return {s: _parquet_split(parquet_files(root, s), spec) for s in names}
 
 
 def _decode(split: _Split, idx: list[int], size: int, interpolation: str, chunk: int = 1024,
@@ -290,19 +214,17 @@ def _decode(split: _Split, idx: list[int], size: int, interpolation: str, chunk:
     fetched and decoded ``chunk`` at a time on a few threads."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tqdm.auto import tqdm
-
     out = torch.empty(len(idx), 3, size, size, dtype=torch.uint8)
     one = lambda item: to_clip_input(_to_pil(item), size, interpolation)  # noqa: E731
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool, \
-            tqdm(total=len(idx), desc=desc, unit="img", leave=False, disable=len(idx) < 2048) as bar:
+            bar(total=len(idx), desc=desc, unit="img", show=len(idx) >= 2048) as progress:
         for lo in range(0, len(idx), chunk):
             items = split.fetch(idx[lo:lo + chunk])
             if torch.is_tensor(items):  # stored preprocessed: float, used as it is
                 return split.fetch(idx)
             for j, img in enumerate(pool.map(one, items)):
                 out[lo + j] = img
-            bar.update(len(items))
+            progress.update(len(items))
     return out
 
 
@@ -358,7 +280,7 @@ class LazySplits(Mapping):
         return list(self._cache)
 
 
-def task_data(spec: "ZooSpec", task: str, located: LocatedData, classes: list[str] | None, info: ModelInfo,
+def task_data(spec: ZooSpec, task: str, located: LocatedData, classes: list[str] | None, info: ModelInfo,
               n_classes: int | None = None):
     """The task's :class:`~featcal.zoo.core.TaskData`; its splits are decoded on first access.
 
@@ -366,8 +288,6 @@ def task_data(spec: "ZooSpec", task: str, located: LocatedData, classes: list[st
     them the dataset's own names are used, else ``"0"``, ``"1"``, ... (``n_classes``
     of them: the head's width, else one past the largest train label).
     """
-    from featcal.zoo.core import TaskData
-
     d = located.spec
     splits = _open_splits(located, classes, info.image_size)
     train, test = splits[d.train_split], splits[d.test_split]
@@ -376,7 +296,8 @@ def task_data(spec: "ZooSpec", task: str, located: LocatedData, classes: list[st
     for s, part in ((d.train_split, train), (d.test_split, test)):
         if len(part) and (int(part.labels.max()) >= len(names) or int(part.labels.min()) < 0):
             raise ValueError(f"data {task!r} ({located.root}): split {s!r} has labels in "
-                             f"[{int(part.labels.min())}, {int(part.labels.max())}], the task has {len(names)} classes.")
+                             f"[{int(part.labels.min())}, {int(part.labels.max())}], "
+                             f"the task has {len(names)} classes.")
     s = spec.splits
     idx = split_indices(len(train), len(test), s.calib, s.val, s.test, s.seed)
     size, interp = info.image_size, spec.preprocess.interpolation

@@ -5,7 +5,7 @@ files under ``/usr/share/datasets/fashion-mnist/``; ``$FEATCAL_FASHION_MNIST``
 may point elsewhere). Nothing is downloaded.
 
 Tasks added (on the default zoo's base, heads and fine-tuning as in
-:mod:`featcal.zoo.demo`):
+:mod:`featcal.zoo.demo_recipe`):
     fashion        the 10 Fashion-MNIST classes
     fashion-group  4 groups: tops, bottoms and dresses, footwear, bags
 Both draw train rows from the package's 60k train file (disjoint index sets)
@@ -19,6 +19,12 @@ import os
 from pathlib import Path
 
 import numpy as np
+import torch
+
+from featcal.progress import bar
+from featcal.zoo.core import Zoo
+from featcal.zoo.demo_recipe import Recipe, finetune, fit_head, per_class, train_minus_val
+from featcal.zoo.store import read_arrays
 
 APT_PACKAGE = "dataset-fashion-mnist"
 SEARCH_GLOBS = ("/usr/share/datasets*/**/train-images-idx3-ubyte.gz",
@@ -100,33 +106,25 @@ def make_fashion_arrays(n_train: int, n_calib: int, n_val: int, n_test: int,
     return out
 
 
-def build_fashion_parts(recipe, progress: bool = True, device="cpu") -> dict:
-    """The default demo zoo (built if needed) plus the Fashion-MNIST experts, as the
-    keyword arguments of :func:`featcal.zoo.store.write_zoo_dir`."""
-    import torch
-
-    from featcal.zoo import demo
-    from featcal.zoo.store import read_arrays
-
+def build_fashion_parts(recipe: Recipe, default: Zoo, progress: bool = True, device="cpu") -> dict:
+    """The ``default`` demo zoo plus the Fashion-MNIST experts, as the keyword arguments of
+    :func:`featcal.zoo.store.write_zoo_dir` (``default``'s base is moved to ``device`` and back)."""
     new = make_fashion_arrays(recipe.n_train, recipe.n_calib, recipe.n_val, recipe.n_test,
-                              seed=recipe.seed)  # fails early, before any training
-    zoo = demo.load_demo(progress=progress, variant="default")
-    arrays = read_arrays(zoo.meta["path"])
-    classes = {t: list(zoo.data[t].classes) for t in zoo.tasks}
-    heads, experts = dict(zoo.heads), dict(zoo.experts)
+                              seed=recipe.seed)
+    arrays = read_arrays(default.meta["path"])
+    classes = {t: list(default.data[t].classes) for t in default.tasks}
+    heads, experts = dict(default.heads), dict(default.experts)
     torch.manual_seed(recipe.seed + 7)
-    for i, task in enumerate(demo._bar(TASK_NAMES, progress, "fashion experts")):
+    for i, task in enumerate(bar(TASK_NAMES, desc="fashion experts", show=progress)):
         classes[task] = list(CLASSES if task == "fashion" else GROUPS)
-        x, y = demo.train_minus_val(new[task], device)
-        base = zoo.base.to(device)
-        heads[task] = demo.fit_head(base, *demo.per_class(x, y, recipe.head_shots),
-                                    len(classes[task])).cpu()
-        experts[task] = demo.finetune(base, heads[task].to(device), x, y, recipe,
-                                      seed=recipe.seed + 200 + i).cpu()
-        zoo.base.cpu()
+        x, y = train_minus_val(new[task], device)
+        base = default.base.to(device)
+        heads[task] = fit_head(base, *per_class(x, y, recipe.head_shots), len(classes[task])).cpu()
+        experts[task] = finetune(base, heads[task].to(device), x, y, recipe, seed=recipe.seed + 200 + i).cpu()
+        default.base.cpu()
         arrays[task] = {s: new[task][s] for s in ("calib", "val", "test")}
-    meta = {k: v for k, v in zoo.meta.items() if k in ("demo_version", "recipe", "recipe_sha256", "torch")}
+    meta = {k: v for k, v in default.meta.items() if k in ("demo_version", "recipe", "recipe_sha256", "torch")}
     meta.update(variant="fashion", sources={"fashion-mnist": str(find_fashion_mnist()),
                                             "apt": APT_PACKAGE})
-    return dict(name="demo-fashion", base=zoo.base, experts=experts, heads=heads, arrays=arrays,
+    return dict(name="demo-fashion", base=default.base, experts=experts, heads=heads, arrays=arrays,
                 classes=classes, features="pooler_output", extra_meta=meta)

@@ -15,16 +15,15 @@ encoders wrap an HF ``CLIPModel`` or an open_clip ``CLIP``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from featcal.zoo import classnames, loaders
-
-if TYPE_CHECKING:
-    from featcal.zoo.spec import ModelSpec, ZooSpec
+from featcal.zoo.locate import Found
+from featcal.zoo.schema import ModelSpec, ZooSpec
 
 TextEncoder = Callable[[list[str]], torch.Tensor]   # texts -> (n_texts, d) text embeddings
 DEFAULT_TEMPLATES = ("a photo of a {}.",)
@@ -100,7 +99,7 @@ def load_hf_text_encoder(path: Path, device: str = "cpu") -> tuple[HFTextEncoder
     return HFTextEncoder(clip, tokenizer, device), float(clip.logit_scale.detach().exp())
 
 
-def load_open_clip_text_encoder(spec: "ModelSpec", path: Path, device: str = "cpu"
+def load_open_clip_text_encoder(spec: ModelSpec, path: Path, device: str = "cpu"
                                 ) -> tuple[OpenClipTextEncoder, float]:
     """``(encoder, exp(logit_scale))`` from a full open_clip checkpoint (visual and text towers)."""
     import open_clip
@@ -113,7 +112,8 @@ def load_open_clip_text_encoder(spec: "ModelSpec", path: Path, device: str = "cp
     sd = {**{f"visual.{k}": v for k, v in visual.items()}, **rest}
     loaders.load_strict(model, sd, f"text model {path}")
     model = model.to(device).eval()
-    return OpenClipTextEncoder(model, open_clip.get_tokenizer(spec.arch), device), float(model.logit_scale.detach().exp())
+    encoder = OpenClipTextEncoder(model, open_clip.get_tokenizer(spec.arch), device)
+    return encoder, float(model.logit_scale.detach().exp())
 
 
 def load_file_heads(path: Path, tasks: Sequence[str]) -> dict[str, nn.Linear]:
@@ -129,7 +129,7 @@ def load_file_heads(path: Path, tasks: Sequence[str]) -> dict[str, nn.Linear]:
     return {t: linear_head(sd[f"{t}.weight"], sd.get(f"{t}.bias")) for t in tasks}
 
 
-def task_classes(spec: "ZooSpec", task: str) -> list[str] | None:
+def task_classes(spec: ZooSpec, task: str) -> list[str] | None:
     """The spec's class names for ``task``, else the built-in ones, else ``None``."""
     if task in spec.heads.classes:
         return list(spec.heads.classes[task])
@@ -138,7 +138,7 @@ def task_classes(spec: "ZooSpec", task: str) -> list[str] | None:
     return None
 
 
-def task_templates(spec: "ZooSpec", task: str) -> list[str]:
+def task_templates(spec: ZooSpec, task: str) -> list[str]:
     if task in spec.heads.templates:
         return list(spec.heads.templates[task])
     if classnames.canonical_task(task) in classnames.TASKS:
@@ -146,7 +146,7 @@ def task_templates(spec: "ZooSpec", task: str) -> list[str]:
     return list(DEFAULT_TEMPLATES)
 
 
-def build_heads(spec: "ZooSpec", found: "loaders.Found", device: str = "cpu"
+def build_heads(spec: ZooSpec, found: Found, device: str = "cpu"
                 ) -> tuple[dict[str, nn.Linear], dict[str, list[str] | None]]:
     """``({task: frozen head}, {task: class names or None})`` as the spec asks."""
     classes = {t: task_classes(spec, t) for t in spec.tasks}

@@ -1,19 +1,9 @@
-"""Locating and loading a spec's models offline, and the CLIP feature function.
+"""Loading a spec's models offline, and the CLIP feature function the heads read.
 
-Nothing here touches the network. A model entry is found
-
-- at its local ``path`` (an HF ``save_pretrained`` directory, or an open_clip
-  checkpoint file), or
-- for an HF ``id`` (or an open_clip ``pretrained`` tag, which names an HF repo),
-  in the local Hugging Face cache (:func:`featcal.zoo.resolve.hf_snapshot`).
-
-:func:`locate` finds every model, head file and dataset of a spec and lists
-what is missing; :func:`locate_all` raises one :class:`MissingResourcesError`
-for all of it. Weights are read only through safetensors or
-``torch.load(weights_only=True)``; models are built from their config and
-loaded strictly (a missing weight is an error, never a random init).
-
-Reading each task's data is :mod:`featcal.zoo.data`'s job.
+The models were found by :mod:`featcal.zoo.locate`. Weights are read only
+through safetensors or ``torch.load(weights_only=True)``; models are built from
+their config and loaded strictly (a missing weight is an error, never a random
+init). HF CLIP vision towers and open_clip ``VisionTransformer``s are supported.
 """
 from __future__ import annotations
 
@@ -21,143 +11,20 @@ import contextlib
 import copy
 import json
 import logging
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from featcal.zoo.data import LocatedData, locate_data
-from featcal.zoo.resolve import Missing, MissingResourcesError, hf_fix, hf_snapshot
-
-if TYPE_CHECKING:  # the spec module imports this one at run time
-    from featcal.zoo.spec import ModelSpec, ZooSpec
+from featcal.zoo.locate import HF_WEIGHTS, Found
+from featcal.zoo.schema import ModelSpec, ZooSpec
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-              "pytorch_model.bin.index.json")
-OPEN_CLIP_HUB_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-# ----------------------------------------------------------------------------- locating
-
-@dataclass
-class Found:
-    """Local paths of everything a spec needs (the output of :func:`locate_all`)."""
-
-    models: dict[str, Path] = field(default_factory=dict)   # "base", "expert:<task>", "text_model"
-    data: dict[str, LocatedData] = field(default_factory=dict)
-    heads_file: Path | None = None
-
-    def describe(self) -> dict[str, str]:
-        out = {role: str(p) for role, p in self.models.items()}
-        out.update({f"data:{t}": f"{d.format} {d.root}" for t, d in self.data.items()})
-        if self.heads_file:
-            out["heads"] = str(self.heads_file)
-        return out
-
-
-def _hf_dir_problem(path: Path) -> str | None:
-    if not path.is_dir():
-        return "not a directory" if path.exists() else "does not exist"
-    if not (path / "config.json").is_file():
-        return "no config.json"
-    if not any((path / w).is_file() for w in HF_WEIGHTS):
-        return f"no weights ({', '.join(HF_WEIGHTS)})"
-    return None
-
-
-def locate_model(spec: "ModelSpec", what: str) -> tuple[Path | None, Missing | None]:
-    """Find one model entry on this machine: ``(path, None)`` or ``(None, Missing)``."""
-    if spec.pretrained:
-        return _locate_open_clip_tag(spec, what)
-    looked = []
-    if spec.path is not None:
-        p = Path(spec.path)
-        if spec.format == "hf":
-            problem = _hf_dir_problem(p)
-        else:
-            problem = None if p.is_file() else ("a directory, expected a checkpoint file" if p.is_dir()
-                                                else "does not exist")
-        if problem is None:
-            return p, None
-        looked.append(f"local path {p} ({problem})")
-    if spec.id is not None:
-        snap, where = hf_snapshot(spec.id, "model", spec.revision)
-        problem = _hf_dir_problem(snap) if snap is not None else None
-        if snap is not None and problem is None:
-            return snap, None
-        looked.append(where if problem is None else f"{where} ({problem}: incomplete download)")
-        return None, Missing(f"{what}: HF model {spec.id}", tuple(looked), hf_fix(spec.id))
-    return None, Missing(f"{what}: {spec.format} model at {spec.path}", tuple(looked),
-                         "check the path (and the environment variables in it), or give an HF `id`.")
-
-
-def _locate_open_clip_tag(spec: "ModelSpec", what: str) -> tuple[Path | None, Missing | None]:
-    import open_clip
-
-    cfg = open_clip.get_pretrained_cfg(spec.arch, spec.pretrained)
-    label = f"{what}: open_clip {spec.arch} pretrained={spec.pretrained!r}"
-    if not cfg:
-        tags = open_clip.list_pretrained_tags_by_model(spec.arch)
-        return None, Missing(label, ("open_clip's list of pretrained weights",),
-                             f"use one of the tags open_clip knows for {spec.arch}: {tags}.")
-    hub = cfg.get("hf_hub", "").strip("/")
-    if not hub:
-        return None, Missing(label, ("open_clip's pretrained config (no HF hub copy)",),
-                             "download the checkpoint yourself and give it as `path:` with `arch:`.")
-    parts = hub.split("/")
-    repo, fname = "/".join(parts[:2]), "/".join(parts[2:]) or None
-    snap, where = hf_snapshot(repo, "model")
-    names = (fname,) if fname else OPEN_CLIP_HUB_FILES
-    if snap is not None:
-        for name in names:
-            if (snap / name).is_file():
-                return snap / name, None
-        where = f"{where} (none of {list(names)})"
-    return None, Missing(label, (where,), hf_fix(repo))
-
-
-def locate(spec: "ZooSpec") -> tuple[Found, list[Missing]]:
-    """Look for every model, head file and dataset of ``spec``; never raises for a missing one."""
-    os.environ["HF_HUB_OFFLINE"] = "1"  # any later transformers/huggingface_hub call stays offline
-    found, missing = Found(), []
-    entries = [("base", "base", spec.base)] + [(f"expert:{t}", f"expert {t!r}", m) for t, m in spec.experts.items()]
-    if spec.heads.type == "zero_shot" and spec.heads.text_model is not None:
-        entries.append(("text_model", "heads.text_model", spec.heads.text_model))
-    for role, what, m in entries:
-        path, miss = locate_model(m, what)
-        if miss:
-            missing.append(miss)
-        else:
-            found.models[role] = path
-    if spec.heads.type == "file":
-        p = Path(spec.heads.path)
-        if p.is_file():
-            found.heads_file = p
-        else:
-            missing.append(Missing(f"heads file {p}", (f"local path {p} (does not exist)",),
-                                   "check heads.path; it is a safetensors file with <task>.weight / <task>.bias."))
-    for task, d in spec.data.items():
-        loc, miss = locate_data(d)
-        if miss:
-            missing.append(miss)
-        else:
-            found.data[task] = loc
-    return found, missing
-
-
-def locate_all(spec: "ZooSpec") -> Found:
-    """:func:`locate`, raising one :class:`MissingResourcesError` when anything is missing."""
-    found, missing = locate(spec)
-    if missing:
-        raise MissingResourcesError(missing, spec.source)
-    return found
 
 
 # ----------------------------------------------------------------------------- state dicts
@@ -323,7 +190,7 @@ def split_open_clip(sd: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
     return visual, rest
 
 
-def open_clip_quick_gelu(spec: "ModelSpec") -> bool:
+def open_clip_quick_gelu(spec: ModelSpec) -> bool:
     if spec.pretrained:
         import open_clip
 
@@ -331,7 +198,7 @@ def open_clip_quick_gelu(spec: "ModelSpec") -> bool:
     return spec.quick_gelu
 
 
-def load_open_clip_visual(specs: Mapping[str, "ModelSpec"], paths: Mapping[str, Path],
+def load_open_clip_visual(specs: Mapping[str, ModelSpec], paths: Mapping[str, Path],
                           dtype: torch.dtype, device: str) -> dict[str, nn.Module]:
     """``{role: open_clip VisionTransformer}`` (``model.visual``), each loaded strictly."""
     first = specs[next(iter(specs))]
@@ -396,7 +263,7 @@ def _preprocessor_stats(path: Path) -> tuple[tuple | None, tuple | None]:
     return (tuple(mean) if mean else None), (tuple(std) if std else None)
 
 
-def load_models(spec: "ZooSpec", found: Found, device: str = "cpu"
+def load_models(spec: ZooSpec, found: Found, device: str = "cpu"
                 ) -> tuple[nn.Module, dict[str, nn.Module], ModelInfo]:
     """``(base, {task: expert}, info)``: every model on ``device`` in the spec's dtype."""
     dtype = _DTYPES[spec.dtype]

@@ -1,5 +1,9 @@
 """Plotly figures of the sweep and the studies: pure functions from DataFrames to figures.
 
+``featcal tune`` and ``featcal study`` write them as HTML; the app's Tune and Studies
+pages show them. :data:`LAYOUT` is the layout every featcal figure shares (the app's
+drift figures too). Needs plotly (``pip install 'featcal[app]'``).
+
 Inputs are :func:`featcal.tune.tune`'s table (one row per point: ``lam``, ``rho``,
 ``alpha``, ``preview``, ``exact``, ``confirmed``, ...) and the tidy study tables of
 :mod:`featcal.studies` (``method``, ``n``, ``seed``, ``corruption``, ``severity``,
@@ -14,9 +18,11 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from app.figures import LAYOUT
 from featcal.studies import summarize
 
+# No template here: in the app Streamlit's theme styles the charts; exports add plotly_white.
+LAYOUT = {"margin": {"l": 10, "r": 10, "t": 45, "b": 10}, "height": 400,
+          "legend": {"orientation": "h", "yanchor": "top", "y": -0.22, "x": 0.0, "font": {"size": 11}}}
 SCORE_LABEL = {"accuracy": "val accuracy (%)", "kl": "-KL(expert || model), val"}
 # Mergers in the app's colours where they have one, then a fixed cycle.
 METHOD_COLORS = {"task_arithmetic": "#dc2626", "average": "#9ca3af", "ties": "#a16207", "dare": "#7c3aed"}
