@@ -43,13 +43,6 @@ def load_zoo(source: str, device: str):
     return load_any(source, progress=False, device=device)
 
 
-def on_device(zoo, device: str):
-    """Move the zoo's models and heads to ``device`` (in place; the zoo is the app's own)."""
-    for m in [zoo.base, *zoo.experts.values(), *zoo.heads.values()]:
-        m.to(device).eval()
-    return zoo
-
-
 SMALL_MODEL = 20_000_000   # parameters: below this, one CPU thread is fastest
 STREAMS_BYTES = 1 << 30    # the experts' drift streams are kept up to this size
 

@@ -28,8 +28,7 @@ import streamlit as st
 import torch
 
 from app import compute, st_patch, workers
-from app.controls import current_merger  # noqa: F401 — the Tune page reads state.current_merger
-from app.settings import CAL_SIZES, HASH_FUNCS, AppCal, Merger, ModelRef  # noqa: F401 — Tune, Studies: CAL_SIZES
+from app.settings import HASH_FUNCS, AppCal, Merger, ModelRef
 from app.workers import torch_lock
 
 LIVE_TEST, DIAG_N = compute.LIVE_TEST, compute.DIAG_N

@@ -7,7 +7,7 @@ wrote. Both draw the same figures (:mod:`featcal.tune_figures`) and summary tabl
 import pandas as pd
 import streamlit as st
 
-from app import compute, state
+from app import compute, settings, state, workers
 from featcal import studies, tune_figures
 from featcal.config import FeatCalConfig
 
@@ -18,7 +18,7 @@ fp = state.fingerprint(source)
 @st.cache_data(max_entries=8, show_spinner=False)
 def _sample_efficiency(source: str, fp: str, budgets: tuple, seeds: tuple, max_test: int | None) -> pd.DataFrame:
     z = state.active_zoo()
-    with state.torch_lock():
+    with workers.torch_lock():
         return studies.sample_efficiency(z, budgets=budgets, seeds=seeds, config=FeatCalConfig.clip(),
                                          max_per_task=max_test)
 
@@ -27,7 +27,7 @@ def _sample_efficiency(source: str, fp: str, budgets: tuple, seeds: tuple, max_t
 def _robustness(source: str, fp: str, corruptions: tuple, severities: tuple, n: int, seeds: tuple,
                 max_test: int | None) -> pd.DataFrame:
     z = state.active_zoo()
-    with state.torch_lock():
+    with workers.torch_lock():
         return studies.robustness(z, corruptions=corruptions, severities=severities, n_calib=n, seeds=seeds,
                                   config=FeatCalConfig.clip(), max_per_task=max_test)
 
@@ -68,7 +68,7 @@ with rb_tab:
     c1, c2, c3, c4 = st.columns(4)
     corruptions = c1.multiselect("corruptions", list(studies.CORRUPTIONS), list(studies.CORRUPTIONS), key="rb_kinds")
     severities = c2.multiselect("severities", [1, 2, 3, 4, 5], [1, 3, 5], key="rb_sev")
-    n = c3.select_slider("calibration examples per task", [n for n in state.CAL_SIZES if n <= n_calib],
+    n = c3.select_slider("calibration examples per task", [n for n in settings.CAL_SIZES if n <= n_calib],
                          min(64, n_calib), key="rb_n")
     n_seeds = c4.number_input("seeds", 1, 5, 1, key="rb_seeds")
     args = (source, fp, tuple(corruptions), tuple(float(s) for s in sorted(severities)), int(n),

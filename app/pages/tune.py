@@ -9,7 +9,7 @@ choose on the validation split; the test split only on request, after the choice
 import pandas as pd
 import streamlit as st
 
-from app import compute, state, ui
+from app import compute, controls, settings, state, ui, workers
 from featcal import tune_figures
 from featcal.config import FeatCalConfig
 from featcal.tune import Grid, holdout_report, tune_zoo
@@ -21,14 +21,14 @@ GRIDS = {
 
 zoo, source = state.active_zoo(), state.active_source()
 fp = state.fingerprint(source)
-merger = state.current_merger()
+merger = controls.current_merger()
 
 
 @st.cache_data(max_entries=8, show_spinner=False)
-def _sweep(source: str, fp: str, merger: state.Merger, n: int, grid: Grid, search: str, n_confirm: int,
+def _sweep(source: str, fp: str, merger: settings.Merger, n: int, grid: Grid, search: str, n_confirm: int,
            val_per_task: int | None):
     z = state.active_zoo()
-    with state.torch_lock():
+    with workers.torch_lock():
         return tune_zoo(z, method=merger.method, merge_params=merger.kwargs, n_calib=n,
                         val_per_task=val_per_task, config=FeatCalConfig.clip(), grid=grid, search=search,
                         n_confirm=n_confirm)
@@ -37,7 +37,7 @@ def _sweep(source: str, fp: str, merger: state.Merger, n: int, grid: Grid, searc
 @st.cache_data(max_entries=8, show_spinner=False)
 def _test(source: str, fp: str, key: tuple, _result) -> pd.DataFrame:
     z = state.active_zoo()
-    with state.torch_lock():
+    with workers.torch_lock():
         return holdout_report(z, _result)
 
 
@@ -48,7 +48,7 @@ st.caption(f"Merged model: **{merger.label}** (change it on the Zoo page). One e
            "on the **validation** split, the best previews are re-run exactly and the best exact run wins "
            "(ties keep the paper's setting). The test split is not read unless you ask below.")
 c1, c2, c3, c4 = st.columns(4)
-sizes = [n for n in state.CAL_SIZES if n <= compute.split_size(zoo, "calib")]
+sizes = [n for n in settings.CAL_SIZES if n <= compute.split_size(zoo, "calib")]
 n = c1.select_slider("calibration examples per task", sizes, 64 if 64 in sizes else sizes[-1], key="tune_n")
 grid_name = c2.selectbox("grid", list(GRIDS), key="tune_grid")
 search = c3.selectbox("search", ["grid", "adaptive"], key="tune_search",
