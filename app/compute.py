@@ -53,8 +53,7 @@ def cpu_threads(zoo, device: str, alone: bool = False) -> int:
     (``alone``: the exact run, which nothing runs beside until the preview's deadline);
     else 1 for small models on the CPU, whose work runs in pairs (output scores beside
     the drift): their ops are too small to split, so two one-thread jobs side by side beat
-    two-thread jobs one after the other (demo zoo: 0.18 s against 0.21-0.27 s, while one
-    exact run alone takes 0.18 s on two threads against 0.25 s on one)."""
+    two-thread jobs one after the other (measured: benchmarks/README.md, 'App latency')."""
     env = os.environ.get("FEATCAL_APP_THREADS")
     if env:
         return max(1, int(env))

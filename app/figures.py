@@ -42,8 +42,8 @@ NORMS = {"drift": "|e| drift", "mismatch": "|m| mismatch", "propagation": "|p| p
 
 def per_block(df: pd.DataFrame, metrics: Iterable[str], task: str | None = None) -> pd.DataFrame:
     """Wide frame indexed by block, one column per metric (sorted by name): task ``task``'s
-    values, or the mean over tasks when ``task`` is None. In numpy, not a pandas groupby
-    (3 ms a call, eight per slider change on the Calibrate page)."""
+    values, or the mean over tasks when ``task`` is None. In numpy, not a pandas groupby: it
+    runs eight times per slider change on the Calibrate page."""
     metric, block = df.metric.to_numpy(), df.block.to_numpy()
     keep = np.isin(metric, list(metrics)) & (block >= 0)
     if task is not None:

@@ -20,9 +20,8 @@ from featcal import FeatCalConfig
 CAL_SIZES = (4, 8, 16, 32, 64, 128, 256, 512)
 DEFAULT_N = 8        # calibration examples per task (see benchmarks/app_latency.py)
 # The instant preview is scored and drawn only when the exact run has not finished this long
-# after a change: a quick exact run then has both cores to itself and is drawn once (on the
-# demo zoo, 1.0 s gave the exact result in Chromium 1.38-1.55 s after a key press, 0.5 s
-# 1.46-1.81 s: benchmarks/app_latency.py --browser, medians of 5).
+# after a change: a quick exact run then has both cores to itself and is drawn once
+# (measured: benchmarks/README.md, 'App latency').
 PREVIEW_AFTER_S = float(os.environ.get("FEATCAL_PREVIEW_AFTER_S", "1.0"))
 MERGE_METHODS = {"average": "Simple averaging", "task_arithmetic": "Task Arithmetic", "ties": "TIES"}
 # Slider (min, max, step) of every merger parameter; defaults come from featcal.merging.

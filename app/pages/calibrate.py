@@ -63,7 +63,7 @@ def show(kind: str, sc: dict, ref_summary: pd.DataFrame, note: str):
 
 def show_drift(slot, kind: str, drift: pd.DataFrame) -> None:
     """The ``kind`` model's drift per block, the merged model's drawn over it on one scale
-    (one chart: a second, unchanged one was redrawn by the browser on every change, ~0.1 s;
+    (one chart: a second, unchanged one would be redrawn by the browser on every change;
     the Drift page has both side by side)."""
     rng = figures.value_range([merged_drift, drift], figures.SQUARED, stacked=True)
     nrng = figures.value_range([merged_drift, drift], figures.NORMS)
