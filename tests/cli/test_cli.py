@@ -14,7 +14,7 @@ from featcal import cli
 from featcal.zoo import load_any
 from featcal.zoo.core import evaluate
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

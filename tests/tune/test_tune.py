@@ -131,7 +131,7 @@ def test_ray_and_single_process_give_the_same_table():
     local = tune(merged, base, experts, data, val, grid=grid, n_confirm=2)
     # The workers must import tests/tiny.py to unpickle the toy models.
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(__file__)}})
+             runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}})
     try:
         remote = tune(merged, base, experts, data, val, grid=grid, n_confirm=2, ray=True)
     finally:

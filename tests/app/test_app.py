@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
-APP = str(Path(__file__).resolve().parents[1] / "app" / "streamlit_app.py")
+APP = str(Path(__file__).resolve().parents[2] / "app" / "streamlit_app.py")
 OTHER = "other (path)…"
 TIMEOUT = 600  # the first run imports torch and transformers and may build the demo zoo
 

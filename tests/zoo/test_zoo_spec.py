@@ -17,7 +17,7 @@ from featcal.zoo.data import LazySplits, split_indices, to_clip_input
 from featcal.zoo.resolve import MissingResourcesError
 from test_zero_shot import tiny_clip
 
-PRESETS = Path(__file__).resolve().parent.parent / "assets" / "zoos"
+PRESETS = Path(__file__).resolve().parents[2] / "assets" / "zoos"
 COLORS = [(220, 30, 30), (30, 200, 40), (40, 60, 220)]
 
 

@@ -14,7 +14,7 @@ the package's ``__init__``, named ``featcal``.
 
 Run it as a command to print what it finds:
 
-    python -m tests.test_layers
+    python -m tests.unit.test_layers
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("featcal", "diagnostics", "app")
 LIBRARY = ("featcal", "diagnostics")
 CLI_TABLE = "featcal.cli"                 # the one featcal module allowed to import diagnostics
