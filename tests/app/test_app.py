@@ -18,13 +18,6 @@ OTHER = "other (path)…"
 TIMEOUT = 600  # the first run imports torch and transformers and may build the demo zoo
 
 
-@pytest.fixture(scope="session")
-def tiny_zoo(tmp_path_factory) -> str:
-    from app_zoo import write_tiny_zoo
-
-    return str(write_tiny_zoo(tmp_path_factory.mktemp("zoo") / "tiny"))
-
-
 def _app(path: str | None = None, **query) -> AppTest:
     """The app at a URL: ``path`` picks "other (path)…" with that zoo; ``query`` adds parameters."""
     at = AppTest.from_file(APP, default_timeout=TIMEOUT)
@@ -52,8 +45,8 @@ def _page(at: AppTest, page: str) -> AppTest:
 
 # ----------------------------------------------------------------------------- tiny zoo
 
-def test_every_page_runs_on_a_zoo_directory(tiny_zoo):
-    at = _ok(_app(tiny_zoo).run())
+def test_every_page_runs_on_a_zoo_directory(tiny_zoo_dir):
+    at = _ok(_app(tiny_zoo_dir).run())
     labels = [m.label for m in at.metric]
     assert "merged, mean accuracy" in labels and "experts" in labels
     for page in ("calibrate", "drift", "export"):
@@ -62,16 +55,16 @@ def test_every_page_runs_on_a_zoo_directory(tiny_zoo):
 
 
 @pytest.mark.parametrize("key,value", [("log_lam", 0.5), ("rho", 0.5), ("alpha", 0.9)])
-def test_each_calibration_slider_changes_the_numbers(tiny_zoo, key, value):
-    at = _page(_app(tiny_zoo).run(), "calibrate")
+def test_each_calibration_slider_changes_the_numbers(tiny_zoo_dir, key, value):
+    at = _page(_app(tiny_zoo_dir).run(), "calibrate")
     before = _numbers(at)
     _ok(at.slider(key=key).set_value(value).run())
     assert at.slider(key=key).value == value
     assert _numbers(at) != before
 
 
-def test_calibration_size_and_switches_change_the_numbers(tiny_zoo):
-    at = _page(_app(tiny_zoo).run(), "calibrate")
+def test_calibration_size_and_switches_change_the_numbers(tiny_zoo_dir):
+    at = _page(_app(tiny_zoo_dir).run(), "calibrate")
     seen = [_numbers(at)]
     _ok(at.select_slider(key="n_cal").set_value(16).run())
     seen.append(_numbers(at))
@@ -82,16 +75,16 @@ def test_calibration_size_and_switches_change_the_numbers(tiny_zoo):
     assert all(a != b for a, b in zip(seen, seen[1:]))
 
 
-def test_preview_then_exact_result_is_shown(tiny_zoo):
-    at = _page(_app(tiny_zoo).run(), "calibrate")
+def test_preview_then_exact_result_is_shown(tiny_zoo_dir):
+    at = _page(_app(tiny_zoo_dir).run(), "calibrate")
     _ok(at.slider(key="alpha").set_value(0.6).run())
     # The script's final state is the exact result (the preview was drawn first, then replaced).
     assert any("Exact FeatCal" in s.value for s in at.success)
     assert not any("Preview" in i.value for i in at.info)
 
 
-def test_the_table_and_residuals_are_drawn_only_when_opened(tiny_zoo):
-    at = _page(_app(tiny_zoo).run(), "calibrate")
+def test_the_table_and_residuals_are_drawn_only_when_opened(tiny_zoo_dir):
+    at = _page(_app(tiny_zoo_dir).run(), "calibrate")
     assert len(at.get("plotly_chart")) == 1 and not at.dataframe        # the drift chart only
     at.session_state["cal_residuals_open"] = True                       # what a click on them does
     at.session_state["cal_table_exact"] = True
@@ -101,7 +94,7 @@ def test_the_table_and_residuals_are_drawn_only_when_opened(tiny_zoo):
 
 
 @pytest.mark.parametrize("after,value,previewed", [(0.0, 0.65, True), (60.0, 0.7, False)])
-def test_the_preview_is_drawn_only_while_the_exact_run_is_slow(tiny_zoo, monkeypatch, after, value, previewed):
+def test_the_preview_is_drawn_only_while_the_exact_run_is_slow(tiny_zoo_dir, monkeypatch, after, value, previewed):
     from app import compute, settings
 
     real_calibrate, real_preview = compute.calibrate, compute.load_preview
@@ -109,13 +102,13 @@ def test_the_preview_is_drawn_only_while_the_exact_run_is_slow(tiny_zoo, monkeyp
     monkeypatch.setattr(settings, "PREVIEW_AFTER_S", after)
     monkeypatch.setattr(compute, "calibrate", lambda *a, **k: time.sleep(0.3) or real_calibrate(*a, **k))
     monkeypatch.setattr(compute, "load_preview", lambda *a, **k: previews.append(a[3]) or real_preview(*a, **k))
-    at = _page(_app(tiny_zoo).run(), "calibrate")
+    at = _page(_app(tiny_zoo_dir).run(), "calibrate")
     _ok(at.slider(key="alpha").set_value(value).run())
     assert any("Exact FeatCal" in s.value for s in at.success)
     assert any(config.alpha == value for config in previews) == previewed, previews
 
 
-def test_the_calibration_gets_the_config_the_url_sets(tiny_zoo, monkeypatch):
+def test_the_calibration_gets_the_config_the_url_sets(tiny_zoo_dir, monkeypatch):
     """log10 λ from the URL reaches featcal as ``config.lam`` (values no other test uses: the
     exact runs are cached for the whole process)."""
     from app import compute
@@ -123,14 +116,14 @@ def test_the_calibration_gets_the_config_the_url_sets(tiny_zoo, monkeypatch):
 
     real_calibrate, configs = compute.calibrate, []
     monkeypatch.setattr(compute, "calibrate", lambda *a, **k: configs.append(a[3]) or real_calibrate(*a, **k))
-    _page(_app(tiny_zoo, log_lam=-2.7, rho=1.35, alpha=0.45, n_cal=16, bias="false").run(), "calibrate")
+    _page(_app(tiny_zoo_dir, log_lam=-2.7, rho=1.35, alpha=0.45, n_cal=16, bias="false").run(), "calibrate")
     assert configs == [FeatCalConfig.clip(lam=10 ** -2.7, rho=1.35, alpha=0.45, bias=False, layernorm=True)]
 
 
 @pytest.mark.parametrize("method,key,value", [("task_arithmetic", "task_arithmetic_scale", 0.8),
                                               ("ties", "ties_density", 0.6), ("ties", "ties_scale", 0.5)])
-def test_each_merger_slider_changes_the_numbers(tiny_zoo, method, key, value):
-    at = _ok(_app(tiny_zoo).run())
+def test_each_merger_slider_changes_the_numbers(tiny_zoo_dir, method, key, value):
+    at = _ok(_app(tiny_zoo_dir).run())
     if method != "task_arithmetic":
         _ok(at.selectbox(key="merge").set_value(method).run())
     before = _numbers(at)
@@ -138,15 +131,15 @@ def test_each_merger_slider_changes_the_numbers(tiny_zoo, method, key, value):
     assert _numbers(at) != before
 
 
-def test_url_restores_the_settings(tiny_zoo):
-    at = _page(_app(tiny_zoo, rho=1.25, alpha=0.55, log_lam=-2.0).run(), "calibrate")
+def test_url_restores_the_settings(tiny_zoo_dir):
+    at = _page(_app(tiny_zoo_dir, rho=1.25, alpha=0.55, log_lam=-2.0).run(), "calibrate")
     assert at.slider(key="rho").value == 1.25
     assert at.slider(key="alpha").value == 0.55
     assert "λ=0.01" in " ".join(s.value for s in at.success)
 
 
-def test_settings_follow_to_the_other_pages(tiny_zoo):
-    at = _page(_app(tiny_zoo).run(), "calibrate")
+def test_settings_follow_to_the_other_pages(tiny_zoo_dir):
+    at = _page(_app(tiny_zoo_dir).run(), "calibrate")
     _ok(at.slider(key="rho").set_value(1.5).run())
     _page(at, "drift")
     assert "ρ=1.5" in " ".join(c.value for c in at.caption)
@@ -168,9 +161,9 @@ def test_a_malformed_spec_is_an_error_message(tmp_path):
     assert at.error and "bad.yaml" in at.error[0].value
 
 
-def test_export_never_overwrites_without_confirmation(tiny_zoo, tmp_path):
+def test_export_never_overwrites_without_confirmation(tiny_zoo_dir, tmp_path):
     out = tmp_path / "out"
-    at = _page(_app(tiny_zoo).run(), "export")
+    at = _page(_app(tiny_zoo_dir).run(), "export")
     at.text_input(key="export_dir").set_value(str(out)).run()
     save = next(b for b in at.button if b.label.startswith("Save"))
     _ok(save.click().run())
@@ -362,14 +355,14 @@ def test_per_block_is_the_mean_over_tasks_per_block_and_metric():
     assert wide.loc[2, "mismatch"] == 0.5 and pd.isna(wide.loc[1, "propagation"])
     assert figures.per_block(df, ["nothing"]).empty
 
-def test_png_export_without_chromium_is_a_clear_message(tiny_zoo, monkeypatch):
+def test_png_export_without_chromium_is_a_clear_message(tiny_zoo_dir, monkeypatch):
     from app import figures
 
     def no_browser(fig, scale=2.0):
         raise RuntimeError("Kaleido requires Google Chrome to be installed.")
 
     monkeypatch.setattr(figures, "to_png", no_browser)
-    at = _page(_app(tiny_zoo).run(), "export")
+    at = _page(_app(tiny_zoo_dir).run(), "export")
     at.button(key="render_png").click().run()
     assert not at.exception
     assert at.error and "Chromium" in at.error[0].value and "HTML export works" in at.error[0].value
@@ -387,11 +380,11 @@ def test_png_export_with_chromium():
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cached_expert_outputs_give_diagnostics_own_tables(tiny_zoo):
+def test_cached_expert_outputs_give_diagnostics_own_tables(tiny_zoo_dir):
     """The app's fast path (experts run once per zoo) equals diagnostics' tables."""
     from app import compute
 
-    zoo = compute.load_zoo(tiny_zoo, "cpu")
+    zoo = compute.load_zoo(tiny_zoo_dir, "cpu")
     model = zoo.merged("ties", density=0.5, scale=0.7)
     data = zoo.calib_data(8, seed=0, split="val")
     ref = compute.scores(model, zoo, data, 20)
@@ -401,10 +394,10 @@ def test_cached_expert_outputs_give_diagnostics_own_tables(tiny_zoo):
                                       check_dtype=False, atol=1e-6)
 
 
-def test_cached_expert_streams_give_the_same_drift_and_respect_the_budget(tiny_zoo):
+def test_cached_expert_streams_give_the_same_drift_and_respect_the_budget(tiny_zoo_dir):
     from app import compute
 
-    zoo = compute.load_zoo(tiny_zoo, "cpu")
+    zoo = compute.load_zoo(tiny_zoo_dir, "cpu")
     model = zoo.merged("task_arithmetic", scale=0.3)
     data = zoo.calib_data(8, seed=0, split="val")
     cache = compute.expert_streams(zoo, data)
@@ -413,11 +406,11 @@ def test_cached_expert_streams_give_the_same_drift_and_respect_the_budget(tiny_z
     assert compute.expert_streams(zoo, data, budget=cache.nbytes - 1) is None   # the estimate is exact here
 
 
-def test_streams_kept_while_scoring_cosines_give_the_same_drift(tiny_zoo):
+def test_streams_kept_while_scoring_cosines_give_the_same_drift(tiny_zoo_dir):
     """The worker's path: the cosine pass keeps the model's streams, the drift reuses them."""
     from app import compute
 
-    zoo = compute.load_zoo(tiny_zoo, "cpu")
+    zoo = compute.load_zoo(tiny_zoo_dir, "cpu")
     model = zoo.merged("ties", density=0.5, scale=0.7)
     data = zoo.calib_data(8, seed=0, split="val")
     side = compute.expert_side(zoo, data, 20)
@@ -433,10 +426,10 @@ def test_a_spec_with_missing_models_lists_them():
     assert at.error and "not on this machine" in at.error[0].value and "fix" in at.error[0].value
 
 
-def test_small_models_pair_work_on_one_thread_each_and_run_alone_on_every_core(tiny_zoo, monkeypatch):
+def test_small_models_pair_work_on_one_thread_each_and_run_alone_on_every_core(tiny_zoo_dir, monkeypatch):
     from app import compute
 
-    zoo = compute.load_zoo(tiny_zoo, "cpu")
+    zoo = compute.load_zoo(tiny_zoo_dir, "cpu")
     monkeypatch.delenv("FEATCAL_APP_THREADS", raising=False)
     monkeypatch.setattr(compute.os, "cpu_count", lambda: 6)
     assert compute.cpu_threads(zoo, "cpu") == 1

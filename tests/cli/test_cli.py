@@ -17,13 +17,6 @@ from featcal.zoo.core import evaluate
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def zoo_dir(tmp_path_factory):
-    from app_zoo import write_tiny_zoo
-
-    return str(write_tiny_zoo(tmp_path_factory.mktemp("cli") / "zoo"))
-
-
 def _run(capsys, *argv):
     rc = cli.main(list(argv))
     out, err = capsys.readouterr()
@@ -64,73 +57,73 @@ def test_help_lists_commands(capsys):
     assert tuple(listed) == ALL
 
 
-def test_merge_writes_a_model_that_eval_scores(zoo_dir, tmp_path, capsys):
+def test_merge_writes_a_model_that_eval_scores(tiny_zoo_dir, tmp_path, capsys):
     out = tmp_path / "ta"
-    rc, stdout, _ = _run(capsys, "merge", "--zoo", zoo_dir, "--method", "task_arithmetic",
+    rc, stdout, _ = _run(capsys, "merge", "--zoo", tiny_zoo_dir, "--method", "task_arithmetic",
                          "--param", "scale=0.3", "--out", str(out), "-q")
     assert rc == 0 and (out / "model.safetensors").is_file()
     assert json.loads((out / "merge.json").read_text())["params"] == {"scale": 0.3}
 
     scores = tmp_path / "scores.json"
-    rc, stdout, _ = _run(capsys, "eval", "--zoo", zoo_dir, "--model", str(out), "--json", str(scores), "-q")
+    rc, stdout, _ = _run(capsys, "eval", "--zoo", tiny_zoo_dir, "--model", str(out), "--json", str(scores), "-q")
     assert rc == 0 and "| ta |" in stdout
     doc = json.loads(scores.read_text())
-    zoo = load_any(zoo_dir)
+    zoo = load_any(tiny_zoo_dir)
     expected = evaluate(zoo.merged("task_arithmetic", scale=0.3), zoo)
     assert doc["models"]["ta"]["per_task"] == pytest.approx(expected)
     assert doc["split"] == "test" and set(doc["models"]["ta"]) >= {"average", "normalized_average"}
 
 
-def test_eval_without_model_scores_base_experts_merge(zoo_dir, capsys):
-    rc, out, _ = _run(capsys, "eval", "--zoo", zoo_dir, "--merge", "average", "--split", "val", "-q")
+def test_eval_without_model_scores_base_experts_merge(tiny_zoo_dir, capsys):
+    rc, out, _ = _run(capsys, "eval", "--zoo", tiny_zoo_dir, "--merge", "average", "--split", "val", "-q")
     assert rc == 0
     assert [line.split("|")[1].strip() for line in out.splitlines()[2:5]] == ["base", "experts", "average"]
 
 
-def test_calibrate_writes_model_and_report(zoo_dir, tmp_path, capsys):
+def test_calibrate_writes_model_and_report(tiny_zoo_dir, tmp_path, capsys):
     out = tmp_path / "fc"
-    rc, _, _ = _run(capsys, "calibrate", "--zoo", zoo_dir, "--merge", "task_arithmetic",
+    rc, _, _ = _run(capsys, "calibrate", "--zoo", tiny_zoo_dir, "--merge", "task_arithmetic",
                     "--lam", "0.1", "--n-per-task", "32", "--preset", "none", "--out", str(out), "-q")
     assert rc == 0
     report = json.loads((out / "report.json").read_text())
     assert report["report"]["config"]["lam"] == 0.1 and report["n_per_task"] == 32
-    assert report["report"]["tasks"] == load_any(zoo_dir).tasks
+    assert report["report"]["tasks"] == load_any(tiny_zoo_dir).tasks
     saved = cli.config_from_args(cli.build_parser().parse_args(
         ["calibrate", "--out", "x", "--preset", "clip", "--alpha", "0.25"]))
     assert saved.alpha == 0.25 and saved.token_weights is not None  # the clip preset, overridden
 
 
-def test_clean_errors(zoo_dir, tmp_path, capsys):
+def test_clean_errors(tiny_zoo_dir, tmp_path, capsys):
     rc, _, err = _run(capsys, "eval", "--zoo", str(tmp_path / "missing"))
     _assert_clean_error(rc, err, "does not exist")
 
     (tmp_path / "exists").mkdir()
-    rc, _, err = _run(capsys, "merge", "--zoo", zoo_dir, "--out", str(tmp_path / "exists"))
+    rc, _, err = _run(capsys, "merge", "--zoo", tiny_zoo_dir, "--out", str(tmp_path / "exists"))
     _assert_clean_error(rc, err, "--force")
 
-    rc, _, err = _run(capsys, "merge", "--zoo", zoo_dir, "--method", "magic", "--out", str(tmp_path / "m"))
+    rc, _, err = _run(capsys, "merge", "--zoo", tiny_zoo_dir, "--method", "magic", "--out", str(tmp_path / "m"))
     _assert_clean_error(rc, err, "unknown merge method 'magic'", "task_arithmetic")
 
-    rc, _, err = _run(capsys, "merge", "--zoo", zoo_dir, "--param", "sclae=0.3", "--out", str(tmp_path / "m"))
+    rc, _, err = _run(capsys, "merge", "--zoo", tiny_zoo_dir, "--param", "sclae=0.3", "--out", str(tmp_path / "m"))
     _assert_clean_error(rc, err, "sclae")
 
-    rc, _, err = _run(capsys, "calibrate", "--zoo", zoo_dir, "--lam", "-1", "--out", str(tmp_path / "c"))
+    rc, _, err = _run(capsys, "calibrate", "--zoo", tiny_zoo_dir, "--lam", "-1", "--out", str(tmp_path / "c"))
     _assert_clean_error(rc, err, "lam")
 
-    rc, _, err = _run(capsys, "eval", "--zoo", zoo_dir, "--model", str(tmp_path / "nomodel"))
+    rc, _, err = _run(capsys, "eval", "--zoo", tiny_zoo_dir, "--model", str(tmp_path / "nomodel"))
     _assert_clean_error(rc, err, "nomodel")
     assert not (tmp_path / "m").exists() and not (tmp_path / "c").exists()
 
 
-def test_force_replaces_output(zoo_dir, tmp_path, capsys):
+def test_force_replaces_output(tiny_zoo_dir, tmp_path, capsys):
     out = tmp_path / "m"
     out.mkdir()
     (out / "old.txt").write_text("old")
-    rc, _, _ = _run(capsys, "merge", "--zoo", zoo_dir, "--out", str(out), "--force", "-q")
+    rc, _, _ = _run(capsys, "merge", "--zoo", tiny_zoo_dir, "--out", str(out), "--force", "-q")
     assert rc == 0 and not (out / "old.txt").exists() and (out / "model.safetensors").is_file()
 
 
-def test_python_dash_m(zoo_dir, tmp_path):
+def test_python_dash_m(tiny_zoo_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     shown = subprocess.run([sys.executable, "-m", "featcal", "--help"], capture_output=True, text=True, env=env,
                            cwd=tmp_path, timeout=300)

@@ -82,11 +82,8 @@ def test_interrupted_build_leaves_no_zoo(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def tiny_zoo(tmp_path_factory):
-    from app_zoo import write_tiny_zoo
-
-    path = write_tiny_zoo(tmp_path_factory.mktemp("tiny") / "zoo")
-    return store.read_zoo_dir(path)
+def tiny_zoo(tiny_zoo_dir):
+    return store.read_zoo_dir(tiny_zoo_dir)
 
 
 def test_zoo_dir_round_trip(tiny_zoo, tmp_path):
