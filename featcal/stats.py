@@ -227,31 +227,33 @@ def add_rows_gram(S: torch.Tensor, Z: torch.Tensor, alpha: float, edges: tuple[i
 
 def rows_gram_norm(Z: torch.Tensor) -> torch.Tensor:
     """``||Z^T Z||_F`` from the ``rows x rows`` Gram matrix ``Z Z^T`` (the same norm; fewer
-    flops when ``rows < d``)."""
+    flops when ``rows < d``), in ``Z``'s dtype, reduced in float64 (:func:`_sum_sq`)."""
     K = torch.zeros(Z.shape[0], Z.shape[0], dtype=Z.dtype, device=Z.device)
     if not _syrk(K, Z, 1.0, rows=True):
-        return _sum_sq(Z @ Z.mT).sqrt()
-    diag = K.diagonal()                       # K: its upper triangle, zeros below
-    return (2 * _sum_sq(K) - torch.dot(diag, diag)).clamp(min=0).sqrt()
+        return _sum_sq(Z @ Z.mT).sqrt().to(Z.dtype)
+    diag = K.diagonal().double()              # K: its upper triangle, zeros below
+    return (2 * _sum_sq(K) - diag @ diag).clamp(min=0).sqrt().to(Z.dtype)
 
 
 def _sum_sq(x: torch.Tensor) -> torch.Tensor:
-    """Sum of squares of each matrix (one per matrix of a stack), by ``torch.dot`` for a
-    contiguous matrix: exact to float32 rounding, where ``vector_norm`` of a float32 matrix
-    loses about 3e-4 of it, and 6x faster on tiles (0.08 against 0.5 ms at d = 768)."""
-    if x.dim() == 2 and x.is_contiguous():
-        return torch.dot(x.view(-1), x.view(-1))
-    return (x * x).sum((-2, -1))
+    """Sum of squares of the entries of a matrix (one per matrix of a stack), in float64: each
+    row's in ``x``'s dtype (a short sum, at most ``d`` terms), the rows' in float64. One
+    float32 accumulation of all ``d^2`` terms (a BLAS dot product, ``vector_norm`` of the
+    whole matrix) loses up to 1e-4 of the sum, how much depending on the CPU's kernel: with
+    millions of positive terms, each new one is tiny next to the running sum and partly
+    rounded away."""
+    return torch.linalg.vector_norm(x, dim=-1).double().square().sum(-1)
 
 
 def gram_norm(C: torch.Tensor, edges: tuple[int, ...], finished: bool = False) -> torch.Tensor:
     """``||C||_F`` of a symmetric ``C`` from its upper block triangle (:func:`accumulate_gram`),
     whose tiles below are still zero (``finished``: mirrored, :func:`finish_gram`): the
-    diagonal tiles count once, the others twice (one norm per matrix of a stack)."""
+    diagonal tiles count once, the others twice (one norm per matrix of a stack). In ``C``'s
+    dtype, reduced in float64 (:func:`_sum_sq`)."""
     if len(edges) <= 2 or finished:
-        return _sum_sq(C).sqrt()
+        return _sum_sq(C).sqrt().to(C.dtype)
     diag = sum(_sum_sq(C[..., lo:hi, lo:hi]) for lo, hi in zip(edges[:-1], edges[1:]))
-    return (2 * _sum_sq(C) - diag).clamp(min=0).sqrt()
+    return (2 * _sum_sq(C) - diag).clamp(min=0).sqrt().to(C.dtype)
 
 
 def add_weighted(out: torch.Tensor, x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
