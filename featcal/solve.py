@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from featcal.config import FastPaths
 from featcal.stats import LinearMoments, add_gram, add_rows_gram, add_weighted, inner, one_blas_thread
 
 log = logging.getLogger(__name__)
@@ -80,9 +81,12 @@ class LinearSystem:
         which :func:`add_task` then leaves to its owner. ``alpha`` given: a system for that
         alpha only (``U`` holds ``U + alpha V``; :func:`solve_linear` refuses another).
         ``take(shape, dtype, device)``: where a new ``S`` comes from (default ``torch.zeros``)."""
-        z = lambda *shape: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
-        own = (lambda: z(d, d)) if take is None else (lambda: take((d, d), dtype, device))  # noqa: E731
-        return cls(own() if S is None else S, z(o, d).T, z(o, d).T if alpha is None else None, z(()), z(d),
+        def z(*shape) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        if S is None:
+            S_own = z(d, d) if take is None else take((d, d), dtype, device)
+        return cls(S_own if S is None else S, z(o, d).T, z(o, d).T if alpha is None else None, z(()), z(d),
                    z(o), z(o), z(o), z(()), z(()), z(()), z(0, o), z(0, d), z(()), z(()), z(()),
                    k_mm=z(()), owns_S=S is None, alpha=alpha)
 
@@ -147,20 +151,14 @@ def add_task(sys: LinearSystem, mom: LinearMoments, W_i: torch.Tensor, b_i: torc
     return sys
 
 
-LAPACK_MIN_D = 128    # from this width on, factor with LAPACK's potrf in place (see spd_factor)
-
-
 def _lapack_cholesky(A: torch.Tensor) -> torch.Tensor | None:
     """The lower Cholesky factor of ``A`` (CPU float32/float64), computed in place by LAPACK's
     ``potrf`` on the upper triangle of the row-major ``A`` (the lower one of its column-major
-    view), on one thread: OpenBLAS's worker threads spin on after a call and slow torch's
-    next operation (2 cores, d = 3072, o = 768: factor + ``torch.cholesky_solve`` 212 ms with
-    two OpenBLAS threads, 187 ms with one, 269 ms all in torch). Factor and solve on one
-    core, float32, against ``torch.linalg.cholesky_ex`` (which copies its input and zeroes
-    the other triangle): 0.45 / 0.57 ms at d = 128, 3.4 / 5.7 ms at 512, 15 / 36 ms at 1024,
-    0.24 / 0.47 s at 3072. The
-    factor's other triangle keeps leftovers that ``torch.cholesky_solve`` never reads.
-    None when ``A`` is not numerically positive definite (``A`` is then partly overwritten)."""
+    view): no copy of ``A`` and no zeroing of its other triangle, which
+    ``torch.linalg.cholesky_ex`` does; on one thread, since OpenBLAS's worker threads spin on
+    after a call and slow torch's next operation. The factor's other triangle keeps
+    leftovers that the triangular solves never read. None when ``A`` is not numerically
+    positive definite (``A`` is then partly overwritten)."""
     from scipy.linalg import lapack
 
     potrf = lapack.spotrf if A.dtype == torch.float32 else lapack.dpotrf
@@ -171,19 +169,21 @@ def _lapack_cholesky(A: torch.Tensor) -> torch.Tensor | None:
 
 def _triangular_solves(L: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     """``(L L^T)^-1 B`` by two triangular solves on the column-major ``L`` from LAPACK as it is
-    (``torch.cholesky_solve`` first copies it: d = 3072, o = 768, 98 against 115 ms)."""
+    (``torch.cholesky_solve`` would first copy it)."""
     y = torch.linalg.solve_triangular(L, B.to(L.dtype), upper=False)
     return torch.linalg.solve_triangular(L.mT, y, upper=True)
 
 
-def spd_factor(S: torch.Tensor, shift: float = 0.0, what: str = "system",
-               take: Callable | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+def spd_factor(S: torch.Tensor, shift: float = 0.0, what: str = "system", take: Callable | None = None,
+               lapack_min_d: int | None = FastPaths.lapack_min_d) -> Callable[[torch.Tensor], torch.Tensor]:
     """A solver ``B -> (S + shift I)^-1 B`` for the symmetric matrix whose upper triangle is
     ``S``'s (``S + shift I`` positive definite): Cholesky (in place by LAPACK on a copy for
-    wide CPU systems, else torch's), or LU (logged) when the factorisation fails
-    numerically. ``S`` is left as it is; ``take(shape, dtype, device)``: where that copy's
-    buffer comes from (a fresh tensor of tens of MB costs its page faults; the solver keeps it)."""
-    lapack = S.device.type == "cpu" and S.dtype in (torch.float32, torch.float64) and S.shape[0] >= LAPACK_MIN_D
+    CPU systems ``lapack_min_d`` wide or wider, else torch's), or LU (logged) when the
+    factorisation fails numerically. ``S`` is left as it is; ``take(shape, dtype, device, zero)``:
+    where that copy's buffer comes from (a fresh big tensor costs its page faults; the
+    solver keeps it)."""
+    lapack = (lapack_min_d is not None and S.shape[0] >= lapack_min_d and S.device.type == "cpu"
+              and S.dtype in (torch.float32, torch.float64))
     if lapack:
         A = S.clone() if take is None else take(S.shape, S.dtype, S.device, zero=False).copy_(S)
         A.diagonal().add_(shift)
@@ -206,6 +206,37 @@ def spd_factor(S: torch.Tensor, shift: float = 0.0, what: str = "system",
                 f"{what}: the FeatCal system is singular ({err}); raise lam or eps."
             ) from None
     return lu
+
+
+class Factors:
+    """The factorisations of one block's solves: one per distinct ``S`` and shift (modules
+    reading one input, q/k/v, share their ``S`` and so its factorisation), built by
+    :func:`spd_factor` with ``lapack_min_d``, their buffers from ``take`` (default: new
+    tensors). Live only while the systems they belong to are; :meth:`close` drops them and
+    returns the buffers taken, for the caller to reuse."""
+
+    def __init__(self, lapack_min_d: int | None = FastPaths.lapack_min_d, take: Callable | None = None):
+        self.lapack_min_d = lapack_min_d
+        self._take = take
+        self._solvers: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}
+        self._taken: list[torch.Tensor] = []
+
+    def _take_kept(self, *args, **kwargs) -> torch.Tensor:
+        self._taken.append(self._take(*args, **kwargs))
+        return self._taken[-1]
+
+    def solver(self, S: torch.Tensor, shift: float, what: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``B -> (S + shift I)^-1 B``, factored on first use."""
+        key = (id(S), shift)
+        if key not in self._solvers:
+            take = None if self._take is None else self._take_kept
+            self._solvers[key] = spd_factor(S, shift, what, take, self.lapack_min_d)
+        return self._solvers[key]
+
+    def close(self) -> list[torch.Tensor]:
+        """Drop the factorisations; the buffers they took."""
+        taken, self._taken, self._solvers = self._taken, [], {}
+        return taken
 
 
 def spd_solve(A: torch.Tensor, B: torch.Tensor, what: str = "system") -> torch.Tensor:
@@ -245,19 +276,13 @@ def linear_bias(sys: LinearSystem, W: torch.Tensor, b_mer: torch.Tensor, b_0: to
 def solve_linear(sys: LinearSystem, W_mer: torch.Tensor, b_mer: torch.Tensor | None,
                  W_0: torch.Tensor, b_0: torch.Tensor | None, *, lam: float, rho: float,
                  alpha: float, eps: float, bias: bool = True, what: str = "linear",
-                 with_swt: bool = False, factors: dict | None = None, take: Callable | None = None):
+                 with_swt: bool = False, factors: Factors | None = None):
     """The calibrated ``(W, b)`` (in the system's dtype). ``b`` is the merged bias when
     ``bias`` is off, ``None`` when the module has none. With ``with_swt``, also ``S W^T``
     (free from the normal equations: ``S W^T = R - (lam + eps) W^T``) for the residual.
-    ``factors``: a dict that keeps the factorisation of ``S + (lam + eps) I`` for the
-    other systems sharing this ``S`` (live only while those systems are); ``take``: see
-    :func:`spd_factor`."""
-    key = (id(sys.S), lam + eps)
-    solver = None if factors is None else factors.get(key)
-    if solver is None:
-        solver = spd_factor(sys.S, lam + eps, what, take)
-        if factors is not None:
-            factors[key] = solver
+    ``factors``: where the factorisation of ``S + (lam + eps) I`` comes from (and stays, for
+    the other systems sharing this ``S``); default: a new one with the default fast paths."""
+    solver = (factors or Factors()).solver(sys.S, lam + eps, what)
     R = linear_rhs(sys, W_mer, W_0, lam, rho, alpha)
     Wt = solver(R)                           # (d, o)
     W = Wt.T

@@ -47,14 +47,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-FORMS = ("P", "Q", "QQ")
-GRAM_BLOCK = 384   # column block of the triangular Gram accumulation (wider inputs are split)
+from featcal.config import FORMS, FastPaths
 
 
-def gram_blocks(d: int) -> tuple[int, ...]:
-    """Block edges ``(0, ..., d)`` of the triangular accumulation of a ``d x d`` Gram matrix:
-    ``k`` blocks cost ``(k + 1) / 2k`` of the full product (d = 3072: 8 blocks, 56%)."""
-    k = max(1, min(8, d // GRAM_BLOCK))
+def gram_blocks(d: int, block: int | None = FastPaths.gram_block) -> tuple[int, ...]:
+    """Block edges ``(0, ..., d)`` of the triangular accumulation of a ``d x d`` Gram matrix,
+    about ``block`` columns each (at most 8; ``None``: one block, the full product): ``k``
+    blocks cost ``(k + 1) / 2k`` of the full product (d = 3072: 8 blocks, 56%)."""
+    k = 1 if block is None else max(1, min(8, d // block))
     return tuple(round(i * d / k) for i in range(k + 1))
 
 
@@ -93,14 +93,19 @@ class LinearSums:
 
     @classmethod
     def zeros(cls, d: int, dtype: torch.dtype, device, cross: bool = True, lead: tuple[int, ...] = (),
-              direct: bool = False, take=None) -> "LinearSums":
+              direct: bool = False, take=None, block: int | None = FastPaths.gram_block) -> "LinearSums":
         """Empty sums (``lead``: a leading task axis ``(T,)``; ``direct``: for one batch, no
-        ``C``); ``take(shape, dtype, device)``: where the big zeroed buffers come from
-        (default ``torch.zeros``; a :class:`featcal.blockstats.Scratch` reuses them)."""
-        z = lambda *shape: torch.zeros((*lead, *shape), dtype=dtype, device=device)  # noqa: E731
-        big = z if take is None else (lambda *shape: take((*lead, *shape), dtype, device))  # noqa: E731
+        ``C``; ``block``: see :func:`gram_blocks`); ``take(shape, dtype, device)``: where the
+        big zeroed buffers come from (default ``torch.zeros``; a
+        :class:`featcal.blockstats.Scratch` reuses them)."""
+        def z(*shape) -> torch.Tensor:
+            return torch.zeros((*lead, *shape), dtype=dtype, device=device)
+
+        def big(*shape) -> torch.Tensor:
+            return z(*shape) if take is None else take((*lead, *shape), dtype, device)
+
         return cls(z(), 0, z(d), z(d), None if direct else big(d, d), big(d, d) if cross else None,
-                   gram_blocks(d))
+                   gram_blocks(d, block))
 
     def buffers(self) -> list[torch.Tensor]:
         """The big buffers (to hand back to where :meth:`zeros` took them)."""
@@ -133,7 +138,9 @@ class NormSums:
 
     @classmethod
     def zeros(cls, d: int, dtype: torch.dtype, device, lead: tuple[int, ...] = ()) -> "NormSums":
-        z = lambda *shape: torch.zeros((*lead, *shape), dtype=dtype, device=device)  # noqa: E731
+        def z(*shape) -> torch.Tensor:
+            return torch.zeros((*lead, *shape), dtype=dtype, device=device)
+
         return cls(z(), 0, z(d), z(d))
 
 
@@ -242,7 +249,8 @@ def _sum_sq(x: torch.Tensor) -> torch.Tensor:
     whole matrix) loses up to 1e-4 of the sum, how much depending on the CPU's kernel: with
     millions of positive terms, each new one is tiny next to the running sum and partly
     rounded away."""
-    return torch.linalg.vector_norm(x, dim=-1).double().square().sum(-1)
+    rows = torch.linalg.vector_norm(x, dim=-1).double()          # (..., m): each row's norm
+    return torch.linalg.vecdot(rows, rows)
 
 
 def gram_norm(C: torch.Tensor, edges: tuple[int, ...], finished: bool = False) -> torch.Tensor:
