@@ -23,11 +23,11 @@ flops for its widths and the task's row count (:func:`cheapest_form`):
 ``C`` itself is symmetric: only its upper block triangle is accumulated
 (:func:`gram_blocks`); the solve reads no more (:func:`featcal.solve.spd_factor`),
 and the rest is mirrored only where a full product needs it (:func:`finish_gram`).
-A task that is one batch of fewer rows than half its input width keeps no ``C`` at all
-(``direct`` sums): the batch's weighted rows ``Z`` (``C = Z^T Z``) are added straight into
-the system once the task's scale is known, and ``||C||_F`` comes from the
-``rows x rows`` Gram matrix ``Z Z^T`` (:func:`rows_gram_norm`): no ``d x d`` buffer to
-fill, read for its norm and add (for d = 3072 and 400 rows, 33 against 43 ms a task).
+A task that is one batch of few rows for its input width (by default fewer than half,
+:attr:`featcal.config.FastPaths.direct_rows`) keeps no ``C`` at all (``direct`` sums): the
+batch's weighted rows ``Z`` (``C = Z^T Z``) are added straight into the system once the
+task's scale is known, and ``||C||_F`` comes from the ``rows x rows`` Gram matrix
+``Z Z^T`` (:func:`rows_gram_norm`): no ``d x d`` buffer to fill, read for its norm and add.
 The per-module sums of size ``(d, o)`` are kept in the layout of a weight
 (``(o, d)`` contiguous, seen transposed), so that adding them up, solving and the
 residual's inner products with ``W^T`` never copy a transpose.
@@ -164,7 +164,7 @@ def inner(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``sum(a * b)`` for two tensors of one shape, without the elementwise product; for
     stacks of matrices ``(T, m, n)``, one sum per matrix ``(T,)``."""
     if a.dim() > 2:
-        return (a * b).sum((-2, -1))      # (bmm of 1 x n by n x 1 stacks is 10x slower)
+        return (a * b).sum((-2, -1))      # (a bmm of 1 x n by n x 1 stacks is much slower)
     if not (a.is_contiguous() and b.is_contiguous()):
         if a.mT.is_contiguous() and b.mT.is_contiguous():
             a, b = a.mT, b.mT
@@ -201,8 +201,8 @@ def one_blas_thread():
 
 @functools.cache
 def _blas_threads():
-    """One threadpoolctl controller for scipy's BLAS (finding the libraries costs 0.8 ms; a
-    limit on a kept controller 0.03 ms), made once scipy's BLAS is loaded."""
+    """One threadpoolctl controller for scipy's BLAS, made once scipy's BLAS is loaded and
+    kept (finding the libraries costs far more than setting a limit on a kept controller)."""
     from scipy.linalg import blas  # noqa: F401  (loads the BLAS the controller must see)
     from threadpoolctl import ThreadpoolController
 
@@ -225,8 +225,8 @@ def _syrk(C: torch.Tensor, Z: torch.Tensor, alpha: float, rows: bool) -> bool:
 
 def add_rows_gram(S: torch.Tensor, Z: torch.Tensor, alpha: float, edges: tuple[int, ...]) -> torch.Tensor:
     """``S += alpha Z^T Z`` on the upper triangle of ``S`` ``(d, d)`` for rows ``Z`` ``(rows, d)``:
-    :func:`_syrk` (d = 3072, 400 rows, 24 against 29 ms for the block triangle), else on the
-    upper block triangle (``edges``)."""
+    :func:`_syrk` (cheaper than the block triangle's products), else on the upper block
+    triangle (``edges``)."""
     if not _syrk(S, Z, alpha, rows=False):
         accumulate_gram(S, Z, Z, edges, alpha)
     return S
@@ -268,7 +268,7 @@ def add_weighted(out: torch.Tensor, x: torch.Tensor, f: torch.Tensor) -> torch.T
     """``out += sum_t f_t x_t`` for a stack ``x`` ``(T, ...)`` and weights ``f`` ``(T,)``, in
     place; one task is one scaled add (no temporary: wide systems are tens of MB), and so
     is each task of a strided ``x`` (a tile of a stack of Gram matrices, which a product
-    with ``f`` would first copy whole: 4 x 3072^2 in tiles, 9.9 ms against 14.6 ms)."""
+    with ``f`` would first copy whole)."""
     if len(f) == 1 or not x.is_contiguous():
         for x_t, f_t in zip(x, f.tolist()):
             out.add_(x_t, alpha=f_t)
