@@ -142,7 +142,7 @@ def _solve_block(run: _Run, block: int, blk: nn.Module, targets, systems: dict) 
             W, b, SWt = solve.solve_linear(sysm, W_mer, b_mer, W_0, b_0, lam=cfg.lam, rho=cfg.rho,
                                            alpha=cfg.alpha, eps=cfg.eps, bias=cfg.bias,
                                            what=f"block {block} {t.name}", with_swt=True, factors=factors)
-            before, after = solve.linear_residuals(sysm, cfg.alpha, (W_mer, b_mer, None, sysm.k_mm),
+            before, after = solve.linear_residuals(sysm, cfg.alpha, (W_mer, b_mer, None, sysm.res.k_mm),
                                                    (W, b, SWt, None))
             d_in, d_out, rows = W.shape[1], W.shape[0], sysm.min_rows
         else:

@@ -43,6 +43,31 @@ def anchor(mer: torch.Tensor, base: torch.Tensor, rho: float) -> torch.Tensor:
 
 
 @dataclass
+class ResidualTerms:
+    """The task sums that only the relative residual reads (:func:`linear_residuals`), beyond
+    the solve's: ``K(alpha) = sum s_i E|W_i xt|^2 = a^2 k_ee + 2a(1-a) k_se + (1-a)^2 k_ss``
+    and the bias cross terms. Shapes: ``n`` tasks, ``d`` input width, ``o`` output width."""
+
+    k_ee: torch.Tensor   # ()      sum s_i E|W_i xe|^2
+    k_se: torch.Tensor   # ()      sum s_i E[(W_i xs).(W_i xe)]
+    k_ss: torch.Tensor   # ()      sum s_i E|W_i xs|^2
+    sbs: torch.Tensor    # (n, o)  s_i b_i per task     } sum s_i b_i.W mu_s,i = sum(sbs * (mus @ W^T))
+    mus: torch.Tensor    # (n, d)  mu_s,i per task     }
+    c_s: torch.Tensor    # ()      sum s_i b_i.W_i mu_s,i
+    c_v: torch.Tensor    # ()      sum s_i b_i.W_i (mu_e,i - mu_s,i)
+    bb: torch.Tensor     # ()      sum s_i |b_i|^2
+    k_mm: torch.Tensor | None  # () sum s_i E|W_mer xs|^2 (None once a task did not see it)
+
+    @classmethod
+    def zeros(cls, d: int, o: int, dtype: torch.dtype, device) -> "ResidualTerms":
+        def z(*shape) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        return cls(k_ee=z(()), k_se=z(()), k_ss=z(()), sbs=z(0, o), mus=z(0, d), c_s=z(()), c_v=z(()), bb=z(()),
+                   k_mm=z(()))
+
+
+@dataclass
 class LinearSystem:
     """Task-summed terms of one Linear target's normal equations (no hyper-parameter in them).
 
@@ -59,16 +84,7 @@ class LinearSystem:
     sb: torch.Tensor     # (o,)    sum s_i b_i
     ub: torch.Tensor     # (o,)    sum s_i W_i mu_s,i
     vb: torch.Tensor     # (o,)    sum s_i W_i (mu_e,i - mu_s,i)
-    # Residual terms: K(alpha) = sum s_i E|W_i xt|^2 = a^2 k_ee + 2a(1-a) k_se + (1-a)^2 k_ss.
-    k_ee: torch.Tensor   # ()      sum s_i E|W_i xe|^2
-    k_se: torch.Tensor   # ()      sum s_i E[(W_i xs).(W_i xe)]
-    k_ss: torch.Tensor   # ()      sum s_i E|W_i xs|^2
-    sbs: torch.Tensor    # (n, o)  s_i b_i per task     } sum s_i b_i.W mu_s,i = sum(sbs * (mus @ W^T))
-    mus: torch.Tensor    # (n, d)  mu_s,i per task     }
-    c_s: torch.Tensor    # ()      sum s_i b_i.W_i mu_s,i
-    c_v: torch.Tensor    # ()      sum s_i b_i.W_i (mu_e,i - mu_s,i)
-    bb: torch.Tensor     # ()      sum s_i |b_i|^2
-    k_mm: torch.Tensor | None = None  # () sum s_i E|W_mer xs|^2 (None once a task did not see it)
+    res: ResidualTerms   # what the relative residual reads besides these
     n_tasks: int = 0
     min_rows: int = 0
     owns_S: bool = True  # False: S is another system's (modules reading one input share it)
@@ -84,15 +100,21 @@ class LinearSystem:
         def z(*shape) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
-        if S is None:
-            S_own = z(d, d) if take is None else take((d, d), dtype, device)
-        return cls(S_own if S is None else S, z(o, d).T, z(o, d).T if alpha is None else None, z(()), z(d),
-                   z(o), z(o), z(o), z(()), z(()), z(()), z(0, o), z(0, d), z(()), z(()), z(()),
-                   k_mm=z(()), owns_S=S is None, alpha=alpha)
+        owns_S = S is None
+        if owns_S:
+            S = z(d, d) if take is None else take((d, d), dtype, device)
+        return cls(S=S, U=z(o, d).T, V=z(o, d).T if alpha is None else None, s_sum=z(()), m_s=z(d), sb=z(o),
+                   ub=z(o), vb=z(o), res=ResidualTerms.zeros(d, o, dtype, device), owns_S=owns_S, alpha=alpha)
 
     def to(self, device) -> "LinearSystem":
-        moved = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in self.__dict__.items()}
-        return LinearSystem(**moved)
+        """The system with every tensor on ``device`` (a new object; tensors already there are shared)."""
+        return replace(_tensors_to(self, device), res=_tensors_to(self.res, device))
+
+
+def _tensors_to(obj, device):
+    """A new dataclass like ``obj`` with its tensor fields moved to ``device``."""
+    return replace(obj, **{f.name: getattr(obj, f.name).to(device) for f in fields(obj)
+                           if torch.is_tensor(getattr(obj, f.name))})
 
 
 def add_task(sys: LinearSystem, mom: LinearMoments, W_i: torch.Tensor, b_i: torch.Tensor | None,
@@ -133,19 +155,20 @@ def add_task(sys: LinearSystem, mom: LinearMoments, W_i: torch.Tensor, b_i: torc
     Wmu_s, Wmu_d = (W @ torch.stack([mu_s, mu_e - mu_s], -1)).unbind(-1)   # (T, o) each: W read once
     sys.ub.add_(s @ Wmu_s)
     sys.vb.add_(s @ Wmu_d)
-    sys.k_ee += f @ mom.k_ee.to(dt)
-    sys.k_se += f @ mom.k_se.to(dt)
-    sys.k_ss += f @ mom.k_ss.to(dt)
-    if sys.k_mm is not None:
-        sys.k_mm = None if mom.k_mm is None else sys.k_mm + f @ mom.k_mm.to(dt)
+    res = sys.res
+    res.k_ee += f @ mom.k_ee.to(dt)
+    res.k_se += f @ mom.k_se.to(dt)
+    res.k_ss += f @ mom.k_ss.to(dt)
+    if res.k_mm is not None:
+        res.k_mm = None if mom.k_mm is None else res.k_mm + f @ mom.k_mm.to(dt)
     if b_i is not None:
         b = b_i.to(dt)
         sys.sb.add_(s @ b)
-        sys.sbs = torch.cat([sys.sbs, s[:, None] * b])
-        sys.mus = torch.cat([sys.mus, mu_s])
-        sys.c_s += s @ (b * Wmu_s).sum(-1)
-        sys.c_v += s @ (b * Wmu_d).sum(-1)
-        sys.bb += s @ (b * b).sum(-1)
+        res.sbs = torch.cat([res.sbs, s[:, None] * b])
+        res.mus = torch.cat([res.mus, mu_s])
+        res.c_s += s @ (b * Wmu_s).sum(-1)
+        res.c_v += s @ (b * Wmu_d).sum(-1)
+        res.bb += s @ (b * b).sum(-1)
     sys.min_rows = mom.rows if sys.n_tasks == 0 else min(sys.min_rows, mom.rows)
     sys.n_tasks += len(w)
     return sys
@@ -300,7 +323,7 @@ def solve_linear(sys: LinearSystem, W_mer: torch.Tensor, b_mer: torch.Tensor | N
 def linear_residual(sys: LinearSystem, W: torch.Tensor, b: torch.Tensor | None, alpha: float,
                     SWt: torch.Tensor | None = None, wsw: torch.Tensor | None = None) -> float:
     """Relative residual ``sum s_i E|W xs + b - W_i xt - b_i|^2 / sum s_i E|W_i xt + b_i|^2``.
-    ``SWt`` (``S W^T``) or ``wsw`` (``tr(W S W^T)``, e.g. ``sys.k_mm`` for the merged
+    ``SWt`` (``S W^T``) or ``wsw`` (``tr(W S W^T)``, e.g. ``sys.res.k_mm`` for the merged
     weights) may be given when already known; else ``S W^T`` is computed."""
     return linear_residuals(sys, alpha, (W, b, SWt, wsw))[0]
 
@@ -311,7 +334,7 @@ def linear_residuals(sys: LinearSystem, alpha: float, *models) -> list[float]:
     back at once, and the scalar algebra in Python floats (a module's residuals are
     dozens of operations on scalars, which cost more as tensor calls than they compute).
     A NaN or Inf in any ``W`` or ``b`` makes its residual NaN or Inf (``inf * 0`` is NaN)."""
-    dt = sys.S.dtype
+    dt, res = sys.S.dtype, sys.res
     rhs = _task_rhs(sys, alpha)
     rows, with_bias = [], []
     for W, b, SWt, wsw in models:
@@ -321,12 +344,12 @@ def linear_residuals(sys: LinearSystem, alpha: float, *models) -> list[float]:
         terms = [wsw, inner(Wt, rhs)]
         if b is not None:
             b = b.to(dt)
-            terms += [b @ (Wt.T @ sys.m_s), b @ sys.ub, b @ sys.vb, (sys.sbs * (sys.mus @ Wt)).sum(),
+            terms += [b @ (Wt.T @ sys.m_s), b @ sys.ub, b @ sys.vb, (res.sbs * (res.mus @ Wt)).sum(),
                       b @ b, b @ sys.sb]
         rows.append(torch.stack(terms))
         with_bias.append(b is not None)
     k_ee, k_se, k_ss, c_s, c_v, bb, s_sum, *vals = torch.cat(
-        [torch.stack([sys.k_ee, sys.k_se, sys.k_ss, sys.c_s, sys.c_v, sys.bb, sys.s_sum]).to(dt), *rows]).tolist()
+        [torch.stack([res.k_ee, res.k_se, res.k_ss, res.c_s, res.c_v, res.bb, sys.s_sum]).to(dt), *rows]).tolist()
     a = alpha
     K = a * a * k_ee + 2 * a * (1 - a) * k_se + (1 - a) ** 2 * k_ss
     den = K + 2 * (c_s + a * c_v) + bb

@@ -42,7 +42,7 @@ def test_every_statistics_form_gives_the_same_calibration(kind):
             assert a.residual_after == pytest.approx(b.residual_after, rel=1e-3, abs=1e-6), (form, a.name)
         if report.preview_state is None:
             continue
-        seen = [e[2].k_mm is not None for e in report.preview_state.entries if e[1].kind == "linear"]
+        seen = [e[2].res.k_mm is not None for e in report.preview_state.entries if e[1].kind == "linear"]
         assert sum(seen) >= 4, "the report's residual before should come from the merged outputs seen"
         for blk, t, sysm, W_mer, b_mer, _, _ in report.preview_state.entries:
             if t.kind == "linear":

@@ -1,5 +1,6 @@
 """The closed-form solves against direct computations on small random problems."""
 import math
+from operator import attrgetter
 
 import pytest
 import torch
@@ -14,6 +15,10 @@ def _float64():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(old)
+
+
+# A system's terms that every way of building it must agree on (the residual's too).
+TERMS = ("S", "U", "V", "m_s", "sb", "ub", "vb", "res.k_ee", "res.k_se", "res.k_ss", "res.c_s", "res.c_v", "res.bb")
 
 
 def _task(gen, rows=40, d=3, o=2, shift=0.3):
@@ -100,8 +105,8 @@ def test_every_form_of_the_statistics_gives_the_same_system(form):
     gen = torch.Generator().manual_seed(5)
     tasks = [_task(gen, rows=30, d=4, o=3) for _ in range(3)]
     ref, other = _system(tasks, batches=3), _system(tasks, batches=3, form=form)
-    for name in ("S", "U", "V", "m_s", "sb", "ub", "vb", "k_ee", "k_se", "k_ss"):
-        assert torch.allclose(getattr(ref, name), getattr(other, name), atol=1e-12), name
+    for name in TERMS:
+        assert torch.allclose(attrgetter(name)(ref), attrgetter(name)(other), atol=1e-12), name
 
 
 @pytest.mark.parametrize("d", [5, 384 * 2 + 7, 384 * 9])
@@ -142,8 +147,8 @@ def test_batched_statistics_equal_one_shot():
     gen = torch.Generator().manual_seed(2)
     tasks = [_task(gen, rows=37) for _ in range(2)]
     one, many = _system(tasks, batches=1), _system(tasks, batches=5)
-    for name in ("S", "U", "V", "m_s", "sb", "ub", "vb", "k_ee", "k_se", "k_ss"):
-        assert torch.allclose(getattr(one, name), getattr(many, name), atol=1e-12), name
+    for name in TERMS:
+        assert torch.allclose(attrgetter(name)(one), attrgetter(name)(many), atol=1e-12), name
 
 
 def test_lambda_to_infinity_gives_the_anchor():
@@ -316,8 +321,8 @@ def test_direct_sums_of_one_batch_equal_the_gram_sums(threads, form):
         systems.append(sysm)
     gram, direct = systems
     assert torch.allclose(direct.S.triu(), gram.S.triu(), rtol=1e-10, atol=1e-12)
-    for name in ("U", "V", "s_sum", "m_s", "ub", "vb", "k_ee", "k_se", "k_ss"):
-        assert torch.allclose(getattr(direct, name), getattr(gram, name), rtol=1e-10, atol=1e-12), name
+    for name in ("U", "V", "s_sum", "m_s", "ub", "vb", "res.k_ee", "res.k_se", "res.k_ss", "res.c_s", "res.bb"):
+        assert torch.allclose(attrgetter(name)(direct), attrgetter(name)(gram), rtol=1e-10, atol=1e-12), name
 
 
 def test_direct_sums_take_one_batch_only():
