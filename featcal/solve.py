@@ -1,4 +1,5 @@
-"""The closed-form FeatCal solves, as pure functions over tensors.
+"""The closed-form FeatCal solves, as pure functions over tensors (docs/maths.md, 'Linear weight',
+'Linear bias' and 'LayerNorm affine').
 
 Linear (``W`` is out x in, ``y = W x + b``), with ``s_i = 1/max(||C_i||_F, eps)``
 and ``W_anc = rho W_mer + (1 - rho) W_0``::

@@ -1,4 +1,5 @@
-"""Running statistics of one module's inputs on one task, accumulated batch by batch.
+"""Running statistics of one module's inputs on one task, accumulated batch by batch
+(docs/maths.md, 'Statistics').
 
 Rows are tokens (every token of every example), each with a weight ``w``
 (default 1; 0 for padding). With ``E[.]`` the w-weighted mean over rows:
