@@ -152,16 +152,16 @@ class FastPaths:
     form: str | None = None
 
     def __post_init__(self):
-        def count(name: str, lowest: int) -> None:
+        def count(name: str, lowest: int, off: str) -> None:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lowest:
-                raise ValueError(f"FastPaths.{name} must be an integer >= {lowest}, got {v!r}.")
+                raise ValueError(f"FastPaths.{name} must be an integer >= {lowest} ({off} turns it off), got {v!r}.")
 
         for name in ("pool_rows", "stack_max", "scratch_keep"):
-            count(name, 0)
+            count(name, 0, "0")
         for name in ("lapack_min_d", "gram_block"):
             if getattr(self, name) is not None:
-                count(name, 1)
+                count(name, 1, "None")
         v = self.direct_rows
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < float("inf"):
             raise ValueError(f"FastPaths.direct_rows must be a finite number >= 0, got {v!r}.")
