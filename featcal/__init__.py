@@ -4,12 +4,13 @@
     merged_sd = merge("task_arithmetic", base.state_dict(), {t: m.state_dict() for t, m in experts.items()})
     model, report = calibrate(merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig.clip())
 """
-from featcal.config import FeatCalConfig, TokenWeights
+from featcal.config import FastPaths, FeatCalConfig, TokenWeights
 from featcal.engine import ExpertTrace, calibrate
 from featcal.merging import MERGERS, merge
 from featcal.report import CalibrationReport
 
-__all__ = ["FeatCalConfig", "TokenWeights", "calibrate", "ExpertTrace", "merge", "MERGERS", "CalibrationReport", "evaluate"]
+__all__ = ["FeatCalConfig", "FastPaths", "TokenWeights", "calibrate", "ExpertTrace", "merge", "MERGERS",
+           "CalibrationReport", "evaluate"]
 __version__ = "0.1.0"
 
 

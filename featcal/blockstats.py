@@ -8,26 +8,23 @@ target's system (:mod:`featcal.solve`) and checks them.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from featcal import arch, solve, stats
 from featcal.capture import Captured, target_site
-from featcal.config import FeatCalConfig
-
-
-DIRECT_ROWS = 0.5   # a task of one batch with at most this many rows per input column keeps direct sums
-SCRATCH_KEEP = 1 << 26  # elements (256 MB in float32) up to which a buffer is kept for the next block
+from featcal.config import FastPaths, FeatCalConfig
 
 
 class Scratch:
     """Big buffers handed from one use to the next instead of freed: a fresh CPU tensor of
-    tens of MB costs its page faults on first touch (d = 3072, float32: 21 ms to zero a new
-    one, 5 ms to zero a kept one), so the engine keeps the Gram matrices, systems and
-    factors of one block for the next one of the same widths. :meth:`take` a buffer,
-    :meth:`give` it back when done; what was given is held until the scratch is dropped or
-    :meth:`trim` lets go of it (the engine keeps buffers up to ``SCRATCH_KEEP`` elements)."""
+    tens of MB costs its page faults on first touch, a kept one does not, so the engine
+    keeps the Gram matrices, systems and factors of one block for the next one of the same
+    widths. :meth:`take` a buffer, :meth:`give` it back when done; what was given is held
+    until the scratch is dropped or :meth:`trim` lets go of it (the engine trims to
+    :attr:`FastPaths.scratch_keep` elements)."""
 
     def __init__(self) -> None:
         self._free: dict[tuple, list[torch.Tensor]] = {}
@@ -49,6 +46,19 @@ class Scratch:
         to the next they would add to the peak memory, while their page faults are small next
         to a factorisation of their size)."""
         self._free = {k: v for k, v in self._free.items() if math.prod(k[0]) <= max_numel}
+
+
+@dataclass
+class Context:
+    """What the statistics and systems of every block of one run share."""
+
+    cfg: FeatCalConfig
+    fast: FastPaths
+    n_blocks: int
+    device: torch.device
+    alpha: float | None                 # set: sums and systems for this alpha only (no preview)
+    scratch: Scratch = field(default_factory=Scratch)   # where the big buffers come from and go back to
+    warn_rows: list[str] = field(default_factory=list)  # the first "fewer rows than width" warning
 
 
 def token_weights(x: torch.Tensor, weighted: bool, other: float, mask: torch.Tensor | None,
@@ -84,34 +94,32 @@ def canonical_sites(targets: list[arch.Target], cs: Captured, ce: Captured) -> d
 
 
 class BlockStats:
-    """Running statistics of every target of one block for one task (or, with ``lead=1``,
+    """Running statistics of every target of ``block`` for one task (or, with ``lead=1``,
     for every task at once: captures, expert parameters and sums with a leading task axis).
 
     Targets that read the very same input tensors (q/k/v projections) and share a
     token weighting share one :class:`~featcal.stats.LinearSums`; each group keeps
-    its cross moment in the cheapest exact form for its widths and the task's row
-    count (:func:`featcal.stats.cheapest_form`), each module its own
-    :class:`~featcal.stats.ModuleSums`. A task of one batch (``one_batch``) with few rows
-    for an input's width (``DIRECT_ROWS``) keeps that input's rows instead of their Gram
-    matrix (direct sums, :mod:`featcal.stats`). The big buffers come from ``scratch``
-    (:meth:`release` hands them back).
+    its cross moment in one exact form (``ctx.fast.form``, by default the cheapest for its
+    widths and the task's row count, :func:`featcal.stats.cheapest_form`), each module its
+    own :class:`~featcal.stats.ModuleSums`. A task of one batch (``one_batch``) with few rows
+    for an input's width (``ctx.fast.direct_rows``) keeps that input's rows instead of their
+    Gram matrix (direct sums, :mod:`featcal.stats`). The big buffers come from
+    ``ctx.scratch`` (:meth:`release` hands them back).
     """
 
-    def __init__(self, cfg: FeatCalConfig, block_idx: int, n_blocks: int, targets: list[arch.Target],
+    def __init__(self, ctx: Context, block: int, targets: list[arch.Target],
                  expert_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
                  merged_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]], rows: int,
-                 alpha: float | None, scratch: Scratch | None = None, lead: int = 0, one_batch: bool = False):
-        self.cfg = cfg
+                 lead: int = 0, one_batch: bool = False):
+        self.ctx = ctx
         self.lead = lead
-        self.alpha = alpha              # set: sums for this alpha only (no preview)
-        self.scratch = scratch          # where the big buffers come from (and go back: release)
         self.one_batch = one_batch      # the task is one batch: direct sums where they pay
         self.targets = targets
         self.expert_params = expert_params
         self.merged_params = merged_params
         self.rows = rows
-        tw = cfg.token_weights
-        self.weighted = {t.name: tw is not None and tw.applies(block_idx, n_blocks, t.name) for t in targets}
+        tw = ctx.cfg.token_weights
+        self.weighted = {t.name: tw is not None and tw.applies(block, ctx.n_blocks, t.name) for t in targets}
         self.other = tw.other if tw is not None else 1.0
         self.groups: dict[tuple, stats.LinearSums | stats.NormSums] = {}
         self.form: dict[tuple, str] = {}
@@ -127,8 +135,19 @@ class BlockStats:
         b = params[1]
         return y if b is None else y - b.to(x.dtype).unsqueeze(-2)
 
+    def _start(self, key: tuple, ts: list[arch.Target], d: int, lead: tuple[int, ...], device) -> None:
+        """The empty sums of a group of Linear targets, in the form they will be kept."""
+        fast, alpha = self.ctx.fast, self.ctx.alpha
+        outs = [self.expert_params[t.name][0].shape[-2] for t in ts]
+        unseen = sum(t.rows is not None for t in ts)
+        self.form[key] = fast.form or stats.cheapest_form(d, outs, self.rows, unseen, fixed_alpha=alpha is not None)
+        direct = self.one_batch and not self.lead and self.rows <= fast.direct_rows * d
+        self.groups[key] = stats.LinearSums.zeros(d, self.ctx.cfg.stats_dtype, device, cross=self.form[key] == "P",
+                                                  lead=lead, direct=direct, take=self.ctx.scratch.take,
+                                                  block=fast.gram_block)
+
     def add(self, cs: Captured, ce: Captured, mask: torch.Tensor | None) -> None:
-        dt = self.cfg.stats_dtype
+        dt = self.ctx.cfg.stats_dtype
         canon = canonical_sites(self.targets, cs, ce)
         members: dict[tuple, list[arch.Target]] = {}
         for t in self.targets:
@@ -148,13 +167,7 @@ class BlockStats:
                 continue
             xe = stats.as_rows(ce.inputs[site], dt, self.lead)   # (rows, d)
             if key not in self.groups:
-                outs = [self.expert_params[t.name][0].shape[-2] for t in ts]
-                unseen = sum(t.rows is not None for t in ts)
-                self.form[key] = stats.cheapest_form(d, outs, self.rows, unseen, fixed_alpha=self.alpha is not None)
-                direct = self.one_batch and not self.lead and self.rows <= DIRECT_ROWS * d
-                self.groups[key] = stats.LinearSums.zeros(d, dt, xs.device, cross=self.form[key] == "P", lead=lead,
-                                                          direct=direct,
-                                                          take=None if self.scratch is None else self.scratch.take)
+                self._start(key, ts, d, lead, xs.device)
             stats.accumulate_linear(self.groups[key], xs, xe, w)
             for t in ts:
                 W_i = self.expert_params[t.name][0]
@@ -162,14 +175,13 @@ class BlockStats:
                 ye = xe @ W_i.to(dt).mT if ye is None else ye      # (rows, o)
                 ym = self._output(t, cs, self.merged_params[t.name], xs)
                 ms = self.module.get(t.name) or stats.ModuleSums(torch.zeros((), dtype=dt, device=xs.device))
-                self.module[t.name] = stats.accumulate_module(ms, self.form[key], xs, ye, w, W_i, ym, self.alpha)
+                self.module[t.name] = stats.accumulate_module(ms, self.form[key], xs, ye, w, W_i, ym, self.ctx.alpha)
 
     def release(self) -> None:
         """Hand the big buffers back to the scratch (the sums are done with)."""
-        if self.scratch is not None:
-            for g in self.groups.values():
-                if isinstance(g, stats.LinearSums):
-                    self.scratch.give(g.buffers())
+        for g in self.groups.values():
+            if isinstance(g, stats.LinearSums):
+                self.ctx.scratch.give(g.buffers())
         self.groups = {}
 
     def group(self, t: arch.Target):
@@ -195,42 +207,41 @@ def check_finite_system(sysm, block: int, name: str) -> None:
 
 
 class BlockSystems:
-    """Each target's system of one block, built from the tasks' statistics as they come
+    """Each target's system of ``block``, built from the tasks' statistics as they come
     (one task's, or every task's at once with a leading task axis)."""
 
-    def __init__(self, cfg: FeatCalConfig, l: int, targets, device, warn_rows: list, alpha: float | None,
-                 take=None):
-        self.cfg, self.l, self.targets, self.device = cfg, l, targets, device
-        self.warn_rows, self.alpha, self.take = warn_rows, alpha, take   # take: where new S come from
+    def __init__(self, ctx: Context, block: int, targets):
+        self.ctx, self.block, self.targets = ctx, block, targets
         self.systems: dict[str, Any] = {}
         self.norm_parts: dict[str, list] = {t.name: [] for t in targets if t.kind == arch.LAYERNORM}
         self.shared_S: dict[tuple, str] = {}     # group -> the target whose system owns its S
 
     def add(self, acc: BlockStats, expert_params: dict, task: str) -> None:
-        dt, device = self.cfg.stats_dtype, self.device
+        ctx = self.ctx
+        dt, device = ctx.cfg.stats_dtype, ctx.device
         lead = acc.lead
+        take = None if ctx.alpha is None else ctx.scratch.take   # systems kept for a preview: new S
         for t in self.targets:
             W_i, b_i = expert_params[t.name]
             if t.kind == arch.LINEAR:
                 mom = acc.linear_moments(t)
                 d = mom.s.shape[-1]
-                if mom.rows < d and not self.warn_rows:
-                    self.warn_rows.append(
-                        f"task {task!r} gives {mom.rows} token rows for {t.name!r} (block {self.l}), fewer than "
+                if mom.rows < d and not ctx.warn_rows:
+                    ctx.warn_rows.append(
+                        f"task {task!r} gives {mom.rows} token rows for {t.name!r} (block {self.block}), fewer than "
                         f"its input width {d}; the ridge (lam + eps) keeps the solve defined."
                     )
                 if t.name not in self.systems:
                     owner = self.shared_S.setdefault(acc.key_of[t.name], t.name)
                     S = self.systems[owner].S if owner != t.name else None
                     self.systems[t.name] = solve.LinearSystem.zeros(d, W_i.shape[-2], dt, device, S=S,
-                                                                    alpha=self.alpha, take=self.take)
+                                                                    alpha=ctx.alpha, take=take)
                 solve.add_task(self.systems[t.name], mom, W_i.to(device), None if b_i is None else b_i.to(device),
-                               self.cfg.eps)
+                               ctx.cfg.eps)
             else:
                 e, m = stats.norm_moments(acc.group(t))
-                one = (lambda x: x) if lead else (lambda x: x[None])   # noqa: E731  (tasks, d)
-                self.norm_parts[t.name].append((one(e), one(m), one(W_i.to(device, dt)),
-                                                None if b_i is None else one(b_i.to(device, dt))))
+                parts = (e, m, W_i.to(device, dt), None if b_i is None else b_i.to(device, dt))
+                self.norm_parts[t.name].append(tuple(x if lead or x is None else x[None] for x in parts))  # (tasks, d)
 
     def finish(self) -> dict:
         for name, parts in self.norm_parts.items():
@@ -238,5 +249,5 @@ class BlockSystems:
             self.systems[name] = solve.NormSystem(torch.cat(e), torch.cat(m), torch.cat(g),
                                                   None if bb[0] is None else torch.cat(bb))
         for t in self.targets:
-            check_finite_system(self.systems[t.name], self.l, t.name)
+            check_finite_system(self.systems[t.name], self.block, t.name)
         return self.systems

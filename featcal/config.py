@@ -1,7 +1,9 @@
 """Validated, frozen configuration of one FeatCal run.
 
-Each field carries its paper symbol; invalid values are rejected at
-construction, so a config that exists is a config that runs.
+:class:`FeatCalConfig` holds what the method is (the hyper-parameters and switches, each
+with its paper symbol); :class:`FastPaths` only how fast the engine gets there (every
+setting of it gives the same calibration up to float rounding). Invalid values are
+rejected at construction, so a config that exists is a config that runs.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ class TokenWeights:
 
 @dataclass(frozen=True)
 class FeatCalConfig:
-    """Hyper-parameters and switches of FeatCal (``../shared/FEATCAL_SPEC.md``).
+    """Hyper-parameters and switches of FeatCal (docs/maths.md, 'Linear weight' and 'Switches').
 
     Attributes:
         lam: ``lambda``, ridge strength pulling toward the anchor ``W_anc``.
@@ -120,3 +122,55 @@ class FeatCalConfig:
         d = asdict(self)
         d["stats_dtype"] = str(self.stats_dtype).removeprefix("torch.")
         return d
+
+
+FORMS = ("P", "Q", "QQ")   # the exact forms of the cross-moment statistics (featcal.stats)
+
+
+@dataclass(frozen=True)
+class FastPaths:
+    """Which of the engine's faster paths :func:`featcal.calibrate` may take. Each one is
+    exact (the calibration equals the plainest path's up to float rounding) and only pays
+    in some regime, hence its threshold; the defaults are the tuned ones,
+    :meth:`plainest` turns every one off. Timings: ``benchmarks/engine_notes.md``.
+    """
+
+    # Run every task's calibrating batches through a block as one call up to this many rows in all (0: never).
+    pool_rows: int = 4096
+    # Reduce every task's statistics as one stack up to tasks x (widest input)^2 elements (0: task by task).
+    stack_max: int = 1 << 22
+    # A one-batch task with at most this many rows per input column adds its rows straight into the
+    # systems, with no Gram matrix of its own ("direct sums"; 0: never).
+    direct_rows: float = 0.5
+    # Factor CPU systems this wide or wider by LAPACK's potrf in place (None: torch's Cholesky always).
+    lapack_min_d: int | None = 128
+    # Column block of the Gram accumulations: only their upper block triangle is summed (None: full products).
+    gram_block: int | None = 384
+    # Keep buffers up to this many elements from one block for the next one (0: none; 1 << 26 is 256 MB in float32).
+    scratch_keep: int = 1 << 26
+    # Statistics form of every Linear input, one of FORMS (None: the cheapest for its widths and rows).
+    form: str | None = None
+
+    def __post_init__(self):
+        def count(name: str, lowest: int, off: str) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lowest:
+                raise ValueError(f"FastPaths.{name} must be an integer >= {lowest} ({off} turns it off), got {v!r}.")
+
+        for name in ("pool_rows", "stack_max", "scratch_keep"):
+            count(name, 0, "0")
+        for name in ("lapack_min_d", "gram_block"):
+            if getattr(self, name) is not None:
+                count(name, 1, "None")
+        v = self.direct_rows
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < float("inf"):
+            raise ValueError(f"FastPaths.direct_rows must be a finite number >= 0, got {v!r}.")
+        if self.form is not None and self.form not in FORMS:
+            raise ValueError(f"FastPaths.form must be one of {FORMS} or None (the cheapest), got {self.form!r}.")
+
+    @classmethod
+    def plainest(cls) -> "FastPaths":
+        """Every fast path off: one call per batch, task by task, Gram matrices in full, the
+        shared cross moment ``P``, torch's Cholesky, no buffer kept from block to block."""
+        return cls(pool_rows=0, stack_max=0, direct_rows=0.0, lapack_min_d=None, gram_block=None,
+                   scratch_keep=0, form="P")

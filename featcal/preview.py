@@ -70,7 +70,8 @@ class Preview:
                 self._eig_of(i)
 
     @torch.no_grad()
-    def params(self, lam: float, rho: float, alpha: float) -> list[tuple[int, arch.Target, torch.Tensor, torch.Tensor | None]]:
+    def params(self, lam: float, rho: float,
+               alpha: float) -> list[tuple[int, arch.Target, torch.Tensor, torch.Tensor | None]]:
         """``[(block, target, W, b), ...]`` previewed for (lam, rho, alpha)."""
         out = []
         for i, (blk, t, sysm, W_mer, b_mer, W_0, b_0) in enumerate(self.entries):

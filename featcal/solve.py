@@ -1,4 +1,5 @@
-"""The closed-form FeatCal solves, as pure functions over tensors.
+"""The closed-form FeatCal solves, as pure functions over tensors (docs/maths.md, 'Linear weight',
+'Linear bias' and 'LayerNorm affine').
 
 Linear (``W`` is out x in, ``y = W x + b``), with ``s_i = 1/max(||C_i||_F, eps)``
 and ``W_anc = rho W_mer + (1 - rho) W_0``::
@@ -25,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from featcal.config import FastPaths
 from featcal.stats import LinearMoments, add_gram, add_rows_gram, add_weighted, inner, one_blas_thread
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,31 @@ def symmetric(S: torch.Tensor) -> torch.Tensor:
 def anchor(mer: torch.Tensor, base: torch.Tensor, rho: float) -> torch.Tensor:
     """``rho * mer + (1 - rho) * base``."""
     return rho * mer + (1.0 - rho) * base
+
+
+@dataclass
+class ResidualTerms:
+    """The task sums that only the relative residual reads (:func:`linear_residuals`), beyond
+    the solve's: ``K(alpha) = sum s_i E|W_i xt|^2 = a^2 k_ee + 2a(1-a) k_se + (1-a)^2 k_ss``
+    and the bias cross terms. Shapes: ``n`` tasks, ``d`` input width, ``o`` output width."""
+
+    k_ee: torch.Tensor   # ()      sum s_i E|W_i xe|^2
+    k_se: torch.Tensor   # ()      sum s_i E[(W_i xs).(W_i xe)]
+    k_ss: torch.Tensor   # ()      sum s_i E|W_i xs|^2
+    sbs: torch.Tensor    # (n, o)  s_i b_i per task     } sum s_i b_i.W mu_s,i = sum(sbs * (mus @ W^T))
+    mus: torch.Tensor    # (n, d)  mu_s,i per task     }
+    c_s: torch.Tensor    # ()      sum s_i b_i.W_i mu_s,i
+    c_v: torch.Tensor    # ()      sum s_i b_i.W_i (mu_e,i - mu_s,i)
+    bb: torch.Tensor     # ()      sum s_i |b_i|^2
+    k_mm: torch.Tensor | None  # () sum s_i E|W_mer xs|^2 (None once a task did not see it)
+
+    @classmethod
+    def zeros(cls, d: int, o: int, dtype: torch.dtype, device) -> "ResidualTerms":
+        def z(*shape) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        return cls(k_ee=z(()), k_se=z(()), k_ss=z(()), sbs=z(0, o), mus=z(0, d), c_s=z(()), c_v=z(()), bb=z(()),
+                   k_mm=z(()))
 
 
 @dataclass
@@ -58,16 +85,7 @@ class LinearSystem:
     sb: torch.Tensor     # (o,)    sum s_i b_i
     ub: torch.Tensor     # (o,)    sum s_i W_i mu_s,i
     vb: torch.Tensor     # (o,)    sum s_i W_i (mu_e,i - mu_s,i)
-    # Residual terms: K(alpha) = sum s_i E|W_i xt|^2 = a^2 k_ee + 2a(1-a) k_se + (1-a)^2 k_ss.
-    k_ee: torch.Tensor   # ()      sum s_i E|W_i xe|^2
-    k_se: torch.Tensor   # ()      sum s_i E[(W_i xs).(W_i xe)]
-    k_ss: torch.Tensor   # ()      sum s_i E|W_i xs|^2
-    sbs: torch.Tensor    # (n, o)  s_i b_i per task     } sum s_i b_i.W mu_s,i = sum(sbs * (mus @ W^T))
-    mus: torch.Tensor    # (n, d)  mu_s,i per task     }
-    c_s: torch.Tensor    # ()      sum s_i b_i.W_i mu_s,i
-    c_v: torch.Tensor    # ()      sum s_i b_i.W_i (mu_e,i - mu_s,i)
-    bb: torch.Tensor     # ()      sum s_i |b_i|^2
-    k_mm: torch.Tensor | None = None  # () sum s_i E|W_mer xs|^2 (None once a task did not see it)
+    res: ResidualTerms   # what the relative residual reads besides these
     n_tasks: int = 0
     min_rows: int = 0
     owns_S: bool = True  # False: S is another system's (modules reading one input share it)
@@ -80,15 +98,24 @@ class LinearSystem:
         which :func:`add_task` then leaves to its owner. ``alpha`` given: a system for that
         alpha only (``U`` holds ``U + alpha V``; :func:`solve_linear` refuses another).
         ``take(shape, dtype, device)``: where a new ``S`` comes from (default ``torch.zeros``)."""
-        z = lambda *shape: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
-        own = (lambda: z(d, d)) if take is None else (lambda: take((d, d), dtype, device))  # noqa: E731
-        return cls(own() if S is None else S, z(o, d).T, z(o, d).T if alpha is None else None, z(()), z(d),
-                   z(o), z(o), z(o), z(()), z(()), z(()), z(0, o), z(0, d), z(()), z(()), z(()),
-                   k_mm=z(()), owns_S=S is None, alpha=alpha)
+        def z(*shape) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        owns_S = S is None
+        if owns_S:
+            S = z(d, d) if take is None else take((d, d), dtype, device)
+        return cls(S=S, U=z(o, d).T, V=z(o, d).T if alpha is None else None, s_sum=z(()), m_s=z(d), sb=z(o),
+                   ub=z(o), vb=z(o), res=ResidualTerms.zeros(d, o, dtype, device), owns_S=owns_S, alpha=alpha)
 
     def to(self, device) -> "LinearSystem":
-        moved = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in self.__dict__.items()}
-        return LinearSystem(**moved)
+        """The system with every tensor on ``device`` (a new object; tensors already there are shared)."""
+        return replace(_tensors_to(self, device), res=_tensors_to(self.res, device))
+
+
+def _tensors_to(obj, device):
+    """A new dataclass like ``obj`` with its tensor fields moved to ``device``."""
+    return replace(obj, **{f.name: getattr(obj, f.name).to(device) for f in fields(obj)
+                           if torch.is_tensor(getattr(obj, f.name))})
 
 
 def add_task(sys: LinearSystem, mom: LinearMoments, W_i: torch.Tensor, b_i: torch.Tensor | None,
@@ -129,38 +156,33 @@ def add_task(sys: LinearSystem, mom: LinearMoments, W_i: torch.Tensor, b_i: torc
     Wmu_s, Wmu_d = (W @ torch.stack([mu_s, mu_e - mu_s], -1)).unbind(-1)   # (T, o) each: W read once
     sys.ub.add_(s @ Wmu_s)
     sys.vb.add_(s @ Wmu_d)
-    sys.k_ee += f @ mom.k_ee.to(dt)
-    sys.k_se += f @ mom.k_se.to(dt)
-    sys.k_ss += f @ mom.k_ss.to(dt)
-    if sys.k_mm is not None:
-        sys.k_mm = None if mom.k_mm is None else sys.k_mm + f @ mom.k_mm.to(dt)
+    res = sys.res
+    res.k_ee += f @ mom.k_ee.to(dt)
+    res.k_se += f @ mom.k_se.to(dt)
+    res.k_ss += f @ mom.k_ss.to(dt)
+    if res.k_mm is not None:
+        res.k_mm = None if mom.k_mm is None else res.k_mm + f @ mom.k_mm.to(dt)
     if b_i is not None:
         b = b_i.to(dt)
         sys.sb.add_(s @ b)
-        sys.sbs = torch.cat([sys.sbs, s[:, None] * b])
-        sys.mus = torch.cat([sys.mus, mu_s])
-        sys.c_s += s @ (b * Wmu_s).sum(-1)
-        sys.c_v += s @ (b * Wmu_d).sum(-1)
-        sys.bb += s @ (b * b).sum(-1)
+        res.sbs = torch.cat([res.sbs, s[:, None] * b])
+        res.mus = torch.cat([res.mus, mu_s])
+        res.c_s += s @ (b * Wmu_s).sum(-1)
+        res.c_v += s @ (b * Wmu_d).sum(-1)
+        res.bb += s @ (b * b).sum(-1)
     sys.min_rows = mom.rows if sys.n_tasks == 0 else min(sys.min_rows, mom.rows)
     sys.n_tasks += len(w)
     return sys
 
 
-LAPACK_MIN_D = 128    # from this width on, factor with LAPACK's potrf in place (see spd_factor)
-
-
 def _lapack_cholesky(A: torch.Tensor) -> torch.Tensor | None:
     """The lower Cholesky factor of ``A`` (CPU float32/float64), computed in place by LAPACK's
     ``potrf`` on the upper triangle of the row-major ``A`` (the lower one of its column-major
-    view), on one thread: OpenBLAS's worker threads spin on after a call and slow torch's
-    next operation (2 cores, d = 3072, o = 768: factor + ``torch.cholesky_solve`` 212 ms with
-    two OpenBLAS threads, 187 ms with one, 269 ms all in torch). Factor and solve on one
-    core, float32, against ``torch.linalg.cholesky_ex`` (which copies its input and zeroes
-    the other triangle): 0.45 / 0.57 ms at d = 128, 3.4 / 5.7 ms at 512, 15 / 36 ms at 1024,
-    0.24 / 0.47 s at 3072. The
-    factor's other triangle keeps leftovers that ``torch.cholesky_solve`` never reads.
-    None when ``A`` is not numerically positive definite (``A`` is then partly overwritten)."""
+    view): no copy of ``A`` and no zeroing of its other triangle, which
+    ``torch.linalg.cholesky_ex`` does; on one thread, since OpenBLAS's worker threads spin on
+    after a call and slow torch's next operation. The factor's other triangle keeps
+    leftovers that the triangular solves never read. None when ``A`` is not numerically
+    positive definite (``A`` is then partly overwritten)."""
     from scipy.linalg import lapack
 
     potrf = lapack.spotrf if A.dtype == torch.float32 else lapack.dpotrf
@@ -171,19 +193,21 @@ def _lapack_cholesky(A: torch.Tensor) -> torch.Tensor | None:
 
 def _triangular_solves(L: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     """``(L L^T)^-1 B`` by two triangular solves on the column-major ``L`` from LAPACK as it is
-    (``torch.cholesky_solve`` first copies it: d = 3072, o = 768, 98 against 115 ms)."""
+    (``torch.cholesky_solve`` would first copy it)."""
     y = torch.linalg.solve_triangular(L, B.to(L.dtype), upper=False)
     return torch.linalg.solve_triangular(L.mT, y, upper=True)
 
 
-def spd_factor(S: torch.Tensor, shift: float = 0.0, what: str = "system",
-               take: Callable | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+def spd_factor(S: torch.Tensor, shift: float = 0.0, what: str = "system", take: Callable | None = None,
+               lapack_min_d: int | None = FastPaths.lapack_min_d) -> Callable[[torch.Tensor], torch.Tensor]:
     """A solver ``B -> (S + shift I)^-1 B`` for the symmetric matrix whose upper triangle is
     ``S``'s (``S + shift I`` positive definite): Cholesky (in place by LAPACK on a copy for
-    wide CPU systems, else torch's), or LU (logged) when the factorisation fails
-    numerically. ``S`` is left as it is; ``take(shape, dtype, device)``: where that copy's
-    buffer comes from (a fresh tensor of tens of MB costs its page faults; the solver keeps it)."""
-    lapack = S.device.type == "cpu" and S.dtype in (torch.float32, torch.float64) and S.shape[0] >= LAPACK_MIN_D
+    CPU systems ``lapack_min_d`` wide or wider, else torch's), or LU (logged) when the
+    factorisation fails numerically. ``S`` is left as it is; ``take(shape, dtype, device, zero)``:
+    where that copy's buffer comes from (a fresh big tensor costs its page faults; the
+    solver keeps it)."""
+    lapack = (lapack_min_d is not None and S.shape[0] >= lapack_min_d and S.device.type == "cpu"
+              and S.dtype in (torch.float32, torch.float64))
     if lapack:
         A = S.clone() if take is None else take(S.shape, S.dtype, S.device, zero=False).copy_(S)
         A.diagonal().add_(shift)
@@ -206,6 +230,37 @@ def spd_factor(S: torch.Tensor, shift: float = 0.0, what: str = "system",
                 f"{what}: the FeatCal system is singular ({err}); raise lam or eps."
             ) from None
     return lu
+
+
+class Factors:
+    """The factorisations of one block's solves: one per distinct ``S`` and shift (modules
+    reading one input, q/k/v, share their ``S`` and so its factorisation), built by
+    :func:`spd_factor` with ``lapack_min_d``, their buffers from ``take`` (default: new
+    tensors). Live only while the systems they belong to are; :meth:`close` drops them and
+    returns the buffers taken, for the caller to reuse."""
+
+    def __init__(self, lapack_min_d: int | None = FastPaths.lapack_min_d, take: Callable | None = None):
+        self.lapack_min_d = lapack_min_d
+        self._take = take
+        self._solvers: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}
+        self._taken: list[torch.Tensor] = []
+
+    def _take_kept(self, *args, **kwargs) -> torch.Tensor:
+        self._taken.append(self._take(*args, **kwargs))
+        return self._taken[-1]
+
+    def solver(self, S: torch.Tensor, shift: float, what: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``B -> (S + shift I)^-1 B``, factored on first use."""
+        key = (id(S), shift)
+        if key not in self._solvers:
+            take = None if self._take is None else self._take_kept
+            self._solvers[key] = spd_factor(S, shift, what, take, self.lapack_min_d)
+        return self._solvers[key]
+
+    def close(self) -> list[torch.Tensor]:
+        """Drop the factorisations; the buffers they took."""
+        taken, self._taken, self._solvers = self._taken, [], {}
+        return taken
 
 
 def spd_solve(A: torch.Tensor, B: torch.Tensor, what: str = "system") -> torch.Tensor:
@@ -245,19 +300,13 @@ def linear_bias(sys: LinearSystem, W: torch.Tensor, b_mer: torch.Tensor, b_0: to
 def solve_linear(sys: LinearSystem, W_mer: torch.Tensor, b_mer: torch.Tensor | None,
                  W_0: torch.Tensor, b_0: torch.Tensor | None, *, lam: float, rho: float,
                  alpha: float, eps: float, bias: bool = True, what: str = "linear",
-                 with_swt: bool = False, factors: dict | None = None, take: Callable | None = None):
+                 with_swt: bool = False, factors: Factors | None = None):
     """The calibrated ``(W, b)`` (in the system's dtype). ``b`` is the merged bias when
     ``bias`` is off, ``None`` when the module has none. With ``with_swt``, also ``S W^T``
     (free from the normal equations: ``S W^T = R - (lam + eps) W^T``) for the residual.
-    ``factors``: a dict that keeps the factorisation of ``S + (lam + eps) I`` for the
-    other systems sharing this ``S`` (live only while those systems are); ``take``: see
-    :func:`spd_factor`."""
-    key = (id(sys.S), lam + eps)
-    solver = None if factors is None else factors.get(key)
-    if solver is None:
-        solver = spd_factor(sys.S, lam + eps, what, take)
-        if factors is not None:
-            factors[key] = solver
+    ``factors``: where the factorisation of ``S + (lam + eps) I`` comes from (and stays, for
+    the other systems sharing this ``S``); default: a new one with the default fast paths."""
+    solver = (factors or Factors()).solver(sys.S, lam + eps, what)
     R = linear_rhs(sys, W_mer, W_0, lam, rho, alpha)
     Wt = solver(R)                           # (d, o)
     W = Wt.T
@@ -275,7 +324,7 @@ def solve_linear(sys: LinearSystem, W_mer: torch.Tensor, b_mer: torch.Tensor | N
 def linear_residual(sys: LinearSystem, W: torch.Tensor, b: torch.Tensor | None, alpha: float,
                     SWt: torch.Tensor | None = None, wsw: torch.Tensor | None = None) -> float:
     """Relative residual ``sum s_i E|W xs + b - W_i xt - b_i|^2 / sum s_i E|W_i xt + b_i|^2``.
-    ``SWt`` (``S W^T``) or ``wsw`` (``tr(W S W^T)``, e.g. ``sys.k_mm`` for the merged
+    ``SWt`` (``S W^T``) or ``wsw`` (``tr(W S W^T)``, e.g. ``sys.res.k_mm`` for the merged
     weights) may be given when already known; else ``S W^T`` is computed."""
     return linear_residuals(sys, alpha, (W, b, SWt, wsw))[0]
 
@@ -286,7 +335,7 @@ def linear_residuals(sys: LinearSystem, alpha: float, *models) -> list[float]:
     back at once, and the scalar algebra in Python floats (a module's residuals are
     dozens of operations on scalars, which cost more as tensor calls than they compute).
     A NaN or Inf in any ``W`` or ``b`` makes its residual NaN or Inf (``inf * 0`` is NaN)."""
-    dt = sys.S.dtype
+    dt, res = sys.S.dtype, sys.res
     rhs = _task_rhs(sys, alpha)
     rows, with_bias = [], []
     for W, b, SWt, wsw in models:
@@ -296,12 +345,12 @@ def linear_residuals(sys: LinearSystem, alpha: float, *models) -> list[float]:
         terms = [wsw, inner(Wt, rhs)]
         if b is not None:
             b = b.to(dt)
-            terms += [b @ (Wt.T @ sys.m_s), b @ sys.ub, b @ sys.vb, (sys.sbs * (sys.mus @ Wt)).sum(),
+            terms += [b @ (Wt.T @ sys.m_s), b @ sys.ub, b @ sys.vb, (res.sbs * (res.mus @ Wt)).sum(),
                       b @ b, b @ sys.sb]
         rows.append(torch.stack(terms))
         with_bias.append(b is not None)
     k_ee, k_se, k_ss, c_s, c_v, bb, s_sum, *vals = torch.cat(
-        [torch.stack([sys.k_ee, sys.k_se, sys.k_ss, sys.c_s, sys.c_v, sys.bb, sys.s_sum]).to(dt), *rows]).tolist()
+        [torch.stack([res.k_ee, res.k_se, res.k_ss, res.c_s, res.c_v, res.bb, sys.s_sum]).to(dt), *rows]).tolist()
     a = alpha
     K = a * a * k_ee + 2 * a * (1 - a) * k_se + (1 - a) ** 2 * k_ss
     den = K + 2 * (c_s + a * c_v) + bb

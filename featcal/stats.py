@@ -1,4 +1,5 @@
-"""Running statistics of one module's inputs on one task, accumulated batch by batch.
+"""Running statistics of one module's inputs on one task, accumulated batch by batch
+(docs/maths.md, 'Statistics').
 
 Rows are tokens (every token of every example), each with a weight ``w``
 (default 1; 0 for padding). With ``E[.]`` the w-weighted mean over rows:
@@ -23,11 +24,11 @@ flops for its widths and the task's row count (:func:`cheapest_form`):
 ``C`` itself is symmetric: only its upper block triangle is accumulated
 (:func:`gram_blocks`); the solve reads no more (:func:`featcal.solve.spd_factor`),
 and the rest is mirrored only where a full product needs it (:func:`finish_gram`).
-A task that is one batch of fewer rows than half its input width keeps no ``C`` at all
-(``direct`` sums): the batch's weighted rows ``Z`` (``C = Z^T Z``) are added straight into
-the system once the task's scale is known, and ``||C||_F`` comes from the
-``rows x rows`` Gram matrix ``Z Z^T`` (:func:`rows_gram_norm`): no ``d x d`` buffer to
-fill, read for its norm and add (for d = 3072 and 400 rows, 33 against 43 ms a task).
+A task that is one batch of few rows for its input width (by default fewer than half,
+:attr:`featcal.config.FastPaths.direct_rows`) keeps no ``C`` at all (``direct`` sums): the
+batch's weighted rows ``Z`` (``C = Z^T Z``) are added straight into the system once the
+task's scale is known, and ``||C||_F`` comes from the ``rows x rows`` Gram matrix
+``Z Z^T`` (:func:`rows_gram_norm`): no ``d x d`` buffer to fill, read for its norm and add.
 The per-module sums of size ``(d, o)`` are kept in the layout of a weight
 (``(o, d)`` contiguous, seen transposed), so that adding them up, solving and the
 residual's inner products with ``W^T`` never copy a transpose.
@@ -47,14 +48,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-FORMS = ("P", "Q", "QQ")
-GRAM_BLOCK = 384   # column block of the triangular Gram accumulation (wider inputs are split)
+from featcal.config import FORMS, FastPaths
 
 
-def gram_blocks(d: int) -> tuple[int, ...]:
-    """Block edges ``(0, ..., d)`` of the triangular accumulation of a ``d x d`` Gram matrix:
-    ``k`` blocks cost ``(k + 1) / 2k`` of the full product (d = 3072: 8 blocks, 56%)."""
-    k = max(1, min(8, d // GRAM_BLOCK))
+def gram_blocks(d: int, block: int | None = FastPaths.gram_block) -> tuple[int, ...]:
+    """Block edges ``(0, ..., d)`` of the triangular accumulation of a ``d x d`` Gram matrix,
+    about ``block`` columns each (at most 8; ``None``: one block, the full product): ``k``
+    blocks cost ``(k + 1) / 2k`` of the full product (d = 3072: 8 blocks, 56%)."""
+    k = 1 if block is None else max(1, min(8, d // block))
     return tuple(round(i * d / k) for i in range(k + 1))
 
 
@@ -93,14 +94,19 @@ class LinearSums:
 
     @classmethod
     def zeros(cls, d: int, dtype: torch.dtype, device, cross: bool = True, lead: tuple[int, ...] = (),
-              direct: bool = False, take=None) -> "LinearSums":
+              direct: bool = False, take=None, block: int | None = FastPaths.gram_block) -> "LinearSums":
         """Empty sums (``lead``: a leading task axis ``(T,)``; ``direct``: for one batch, no
-        ``C``); ``take(shape, dtype, device)``: where the big zeroed buffers come from
-        (default ``torch.zeros``; a :class:`featcal.blockstats.Scratch` reuses them)."""
-        z = lambda *shape: torch.zeros((*lead, *shape), dtype=dtype, device=device)  # noqa: E731
-        big = z if take is None else (lambda *shape: take((*lead, *shape), dtype, device))  # noqa: E731
+        ``C``; ``block``: see :func:`gram_blocks`); ``take(shape, dtype, device)``: where the
+        big zeroed buffers come from (default ``torch.zeros``; a
+        :class:`featcal.blockstats.Scratch` reuses them)."""
+        def z(*shape) -> torch.Tensor:
+            return torch.zeros((*lead, *shape), dtype=dtype, device=device)
+
+        def big(*shape) -> torch.Tensor:
+            return z(*shape) if take is None else take((*lead, *shape), dtype, device)
+
         return cls(z(), 0, z(d), z(d), None if direct else big(d, d), big(d, d) if cross else None,
-                   gram_blocks(d))
+                   gram_blocks(d, block))
 
     def buffers(self) -> list[torch.Tensor]:
         """The big buffers (to hand back to where :meth:`zeros` took them)."""
@@ -133,7 +139,9 @@ class NormSums:
 
     @classmethod
     def zeros(cls, d: int, dtype: torch.dtype, device, lead: tuple[int, ...] = ()) -> "NormSums":
-        z = lambda *shape: torch.zeros((*lead, *shape), dtype=dtype, device=device)  # noqa: E731
+        def z(*shape) -> torch.Tensor:
+            return torch.zeros((*lead, *shape), dtype=dtype, device=device)
+
         return cls(z(), 0, z(d), z(d))
 
 
@@ -157,7 +165,7 @@ def inner(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``sum(a * b)`` for two tensors of one shape, without the elementwise product; for
     stacks of matrices ``(T, m, n)``, one sum per matrix ``(T,)``."""
     if a.dim() > 2:
-        return (a * b).sum((-2, -1))      # (bmm of 1 x n by n x 1 stacks is 10x slower)
+        return (a * b).sum((-2, -1))      # (a bmm of 1 x n by n x 1 stacks is much slower)
     if not (a.is_contiguous() and b.is_contiguous()):
         if a.mT.is_contiguous() and b.mT.is_contiguous():
             a, b = a.mT, b.mT
@@ -194,8 +202,8 @@ def one_blas_thread():
 
 @functools.cache
 def _blas_threads():
-    """One threadpoolctl controller for scipy's BLAS (finding the libraries costs 0.8 ms; a
-    limit on a kept controller 0.03 ms), made once scipy's BLAS is loaded."""
+    """One threadpoolctl controller for scipy's BLAS, made once scipy's BLAS is loaded and
+    kept (finding the libraries costs far more than setting a limit on a kept controller)."""
     from scipy.linalg import blas  # noqa: F401  (loads the BLAS the controller must see)
     from threadpoolctl import ThreadpoolController
 
@@ -218,8 +226,8 @@ def _syrk(C: torch.Tensor, Z: torch.Tensor, alpha: float, rows: bool) -> bool:
 
 def add_rows_gram(S: torch.Tensor, Z: torch.Tensor, alpha: float, edges: tuple[int, ...]) -> torch.Tensor:
     """``S += alpha Z^T Z`` on the upper triangle of ``S`` ``(d, d)`` for rows ``Z`` ``(rows, d)``:
-    :func:`_syrk` (d = 3072, 400 rows, 24 against 29 ms for the block triangle), else on the
-    upper block triangle (``edges``)."""
+    :func:`_syrk` (cheaper than the block triangle's products), else on the upper block
+    triangle (``edges``)."""
     if not _syrk(S, Z, alpha, rows=False):
         accumulate_gram(S, Z, Z, edges, alpha)
     return S
@@ -227,38 +235,41 @@ def add_rows_gram(S: torch.Tensor, Z: torch.Tensor, alpha: float, edges: tuple[i
 
 def rows_gram_norm(Z: torch.Tensor) -> torch.Tensor:
     """``||Z^T Z||_F`` from the ``rows x rows`` Gram matrix ``Z Z^T`` (the same norm; fewer
-    flops when ``rows < d``)."""
+    flops when ``rows < d``), in ``Z``'s dtype, reduced in float64 (:func:`_sum_sq`)."""
     K = torch.zeros(Z.shape[0], Z.shape[0], dtype=Z.dtype, device=Z.device)
     if not _syrk(K, Z, 1.0, rows=True):
-        return _sum_sq(Z @ Z.mT).sqrt()
-    diag = K.diagonal()                       # K: its upper triangle, zeros below
-    return (2 * _sum_sq(K) - torch.dot(diag, diag)).clamp(min=0).sqrt()
+        return _sum_sq(Z @ Z.mT).sqrt().to(Z.dtype)
+    diag = K.diagonal().double()              # K: its upper triangle, zeros below
+    return (2 * _sum_sq(K) - diag @ diag).clamp(min=0).sqrt().to(Z.dtype)
 
 
 def _sum_sq(x: torch.Tensor) -> torch.Tensor:
-    """Sum of squares of each matrix (one per matrix of a stack), by ``torch.dot`` for a
-    contiguous matrix: exact to float32 rounding, where ``vector_norm`` of a float32 matrix
-    loses about 3e-4 of it, and 6x faster on tiles (0.08 against 0.5 ms at d = 768)."""
-    if x.dim() == 2 and x.is_contiguous():
-        return torch.dot(x.view(-1), x.view(-1))
-    return (x * x).sum((-2, -1))
+    """Sum of squares of the entries of a matrix (one per matrix of a stack), in float64: each
+    row's in ``x``'s dtype (a short sum, at most ``d`` terms), the rows' in float64. One
+    float32 accumulation of all ``d^2`` terms (a BLAS dot product, ``vector_norm`` of the
+    whole matrix) loses up to 1e-4 of the sum, how much depending on the CPU's kernel: with
+    millions of positive terms, each new one is tiny next to the running sum and partly
+    rounded away."""
+    rows = torch.linalg.vector_norm(x, dim=-1).double()          # (..., m): each row's norm
+    return torch.linalg.vecdot(rows, rows)
 
 
 def gram_norm(C: torch.Tensor, edges: tuple[int, ...], finished: bool = False) -> torch.Tensor:
     """``||C||_F`` of a symmetric ``C`` from its upper block triangle (:func:`accumulate_gram`),
     whose tiles below are still zero (``finished``: mirrored, :func:`finish_gram`): the
-    diagonal tiles count once, the others twice (one norm per matrix of a stack)."""
+    diagonal tiles count once, the others twice (one norm per matrix of a stack). In ``C``'s
+    dtype, reduced in float64 (:func:`_sum_sq`)."""
     if len(edges) <= 2 or finished:
-        return _sum_sq(C).sqrt()
+        return _sum_sq(C).sqrt().to(C.dtype)
     diag = sum(_sum_sq(C[..., lo:hi, lo:hi]) for lo, hi in zip(edges[:-1], edges[1:]))
-    return (2 * _sum_sq(C) - diag).clamp(min=0).sqrt()
+    return (2 * _sum_sq(C) - diag).clamp(min=0).sqrt().to(C.dtype)
 
 
 def add_weighted(out: torch.Tensor, x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     """``out += sum_t f_t x_t`` for a stack ``x`` ``(T, ...)`` and weights ``f`` ``(T,)``, in
     place; one task is one scaled add (no temporary: wide systems are tens of MB), and so
     is each task of a strided ``x`` (a tile of a stack of Gram matrices, which a product
-    with ``f`` would first copy whole: 4 x 3072^2 in tiles, 9.9 ms against 14.6 ms)."""
+    with ``f`` would first copy whole)."""
     if len(f) == 1 or not x.is_contiguous():
         for x_t, f_t in zip(x, f.tolist()):
             out.add_(x_t, alpha=f_t)

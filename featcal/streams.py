@@ -15,6 +15,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from featcal.config import FastPaths
+
 
 class _Stop(Exception):
     """Raised inside the first block's pre-hook to end the stem's forward pass."""
@@ -41,9 +43,6 @@ class BlockCall:
         return BlockCall(h, self.args, self.kwargs, self.hidden_key, self.mask)
 
 
-POOL_ROWS = 4096   # rows (tokens) up to which the calibrating streams of all tasks run as one call
-
-
 def _has_array(obj: Any) -> bool:
     """Whether ``obj`` holds a tensor or any other array (something with a ``shape``)."""
     if torch.is_tensor(obj) or getattr(obj, "shape", None) is not None:
@@ -63,15 +62,14 @@ def _equal(a: Any, b: Any) -> bool:
         return False
 
 
-def pool_spans(calls: list[BlockCall], max_rows: int | None = None) -> list[tuple[int, int]] | None:
+def pool_spans(calls: list[BlockCall], max_rows: int = FastPaths.pool_rows) -> list[tuple[int, int]] | None:
     """The example ranges ``[(lo, hi), ...]`` of ``calls`` inside one pooled call, or None when
-    they cannot run as one: more than ``max_rows`` (default :data:`POOL_ROWS`) rows in all,
-    a padding mask, a tensor or other array among the other arguments (it may have a batch
-    dimension), or calls that differ in anything but the hidden state (or a single call:
-    nothing to pool)."""
+    they cannot run as one: more than ``max_rows`` rows (tokens) in all (default:
+    :attr:`FastPaths.pool_rows`), a padding mask, a tensor or other array among the other
+    arguments (it may have a batch dimension), or calls that differ in anything but the
+    hidden state (or a single call: nothing to pool)."""
     first = calls[0]
-    limit = POOL_ROWS if max_rows is None else max_rows
-    if len(calls) < 2 or sum(c.hidden.shape[:-1].numel() for c in calls) > limit:
+    if len(calls) < 2 or sum(c.hidden.shape[:-1].numel() for c in calls) > max_rows:
         return None
     for c in calls:
         if (c.mask is not None or c.hidden.dim() < 2 or c.hidden.shape[1:] != first.hidden.shape[1:]

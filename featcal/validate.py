@@ -64,9 +64,9 @@ def _finite_params(params: dict[str, torch.Tensor], role: str, blocks_path: str)
         if p.numel() < SMALL:
             groups.setdefault((p.device, p.dtype), []).append((name, p))
             continue
-        # A NaN or Inf makes the sum NaN or Inf: one streaming pass (87.5M float32 on one core:
-        # 21 ms, against 41 ms for aminmax and 450 ms for isfinite().all()); a non-finite sum
-        # of finite values (overflow) is told apart by the exact check.
+        # A NaN or Inf makes the sum NaN or Inf: one streaming pass (cheaper than aminmax, and
+        # much cheaper than isfinite().all()); a non-finite sum of finite values (overflow) is
+        # told apart by the exact check.
         total = p.sum(dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
         if not bool(torch.isfinite(total)) and not bool(torch.isfinite(p).all()):
             raise _nonfinite(name, role, blocks_path)

@@ -183,7 +183,7 @@ def test_switches_bias_and_layernorm_keep_merged_values():
     base, experts, merged, data = tiny.zoo("toy")
     out, _ = calibrate(merged, base=base, experts=experts, calib_data=data,
                        config=FeatCalConfig(bias=False, layernorm=False), progress=False)
-    for l, (bo, bm) in enumerate(zip(out.blocks, merged.blocks)):
+    for bo, bm in zip(out.blocks, merged.blocks):
         assert torch.equal(bo.ln1.weight, bm.ln1.weight) and torch.equal(bo.fc1.bias, bm.fc1.bias)
         assert not torch.equal(bo.fc1.weight, bm.fc1.weight)
 

@@ -1,19 +1,24 @@
 """The engine's faster paths give the calibration of the plain one: each statistics form,
 pooled calls of every task's batches, all tasks reduced as one stack, direct sums of one-batch
-tasks, and an expert trace reused from one run to the next (tiny seeded models)."""
+tasks, LAPACK's in-place Cholesky and triangular Gram sums, and an expert trace reused from one
+run to the next (tiny seeded models). Each path is switched by the ``FastPaths`` passed in."""
 import copy
 
 import pytest
 import torch
 
 import tiny
-from featcal import FeatCalConfig, calibrate
+from featcal import FastPaths, FeatCalConfig, calibrate
 
 ARCHS = ["toy", "hf_clip", "open_clip"]
 
 
+def _one_batch_a_task(data):
+    return {t: [torch.cat(bs)] for t, bs in data.items()}
+
+
 @pytest.mark.parametrize("kind", ["hf_clip", "open_clip"])
-def test_every_statistics_form_gives_the_same_calibration(kind, monkeypatch):
+def test_every_statistics_form_gives_the_same_calibration(kind):
     """The engine picks P, Q or QQ per module by cost, and sums for one alpha only unless
     the statistics are kept; forcing each gives the same model and the same report (the
     merged residual from the data equals the one from S)."""
@@ -22,10 +27,10 @@ def test_every_statistics_form_gives_the_same_calibration(kind, monkeypatch):
     base, experts, merged, data = tiny.zoo(kind)
     runs = {}
     for form in stats.FORMS:
-        monkeypatch.setattr(stats, "cheapest_form", lambda *a, _f=form, **k: _f)
         for keep in (True, False):
             runs[form, keep] = calibrate(merged, base=base, experts=experts, calib_data=data,
-                                         config=FeatCalConfig.clip(), keep_stats=keep, progress=False)
+                                         config=FeatCalConfig.clip(), keep_stats=keep, progress=False,
+                                         fast=FastPaths(form=form))
     ref_model, ref_report = runs["P", True]
     ref = tiny.all_target_params(ref_model)
     for form, (model, report) in runs.items():
@@ -37,7 +42,7 @@ def test_every_statistics_form_gives_the_same_calibration(kind, monkeypatch):
             assert a.residual_after == pytest.approx(b.residual_after, rel=1e-3, abs=1e-6), (form, a.name)
         if report.preview_state is None:
             continue
-        seen = [e[2].k_mm is not None for e in report.preview_state.entries if e[1].kind == "linear"]
+        seen = [e[2].res.k_mm is not None for e in report.preview_state.entries if e[1].kind == "linear"]
         assert sum(seen) >= 4, "the report's residual before should come from the merged outputs seen"
         for blk, t, sysm, W_mer, b_mer, _, _ in report.preview_state.entries:
             if t.kind == "linear":
@@ -55,16 +60,18 @@ def test_pooling_the_calibrating_streams_changes_nothing(kind, monkeypatch):
     base, experts, merged, data = tiny.zoo(kind)
     calls = {}
     real = streams.pool_spans
-    monkeypatch.setattr("featcal.engine.pool_spans", lambda c, m=None: calls.setdefault(len(c), real(c, m)))
-    pooled, rep_pooled = calibrate(merged, base=base, experts=experts, calib_data=data,
-                                   config=FeatCalConfig.clip(), progress=False)
+    monkeypatch.setattr("featcal.engine.pool_spans", lambda c, m: calls.setdefault(len(c), real(c, m)))
+
+    def run(fast):
+        return calibrate(merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig.clip(),
+                         progress=False, fast=fast)
+
+    pooled, rep_pooled = run(FastPaths())
     # The toy model's blocks get a tensor keyword argument (which might have a batch dimension): never pooled.
     assert (calls[sum(len(b) for b in data.values())] is not None) == (kind != "toy")
-    monkeypatch.setattr(streams, "POOL_ROWS", 0)
     calls.clear()
-    single, rep_single = calibrate(merged, base=base, experts=experts, calib_data=data,
-                                   config=FeatCalConfig.clip(), progress=False)
-    assert all(v is None for v in calls.values())
+    single, rep_single = run(FastPaths(pool_rows=0))
+    assert calls and all(v is None for v in calls.values())
     tiny.assert_same_calibration(pooled, rep_pooled, single, rep_single)
 
 
@@ -77,23 +84,22 @@ def test_reducing_every_task_as_one_stack_changes_nothing(kind, keep_stats, form
     the cheapest); the model, the report and the kept statistics (a preview) equal those of
     one task at a time."""
     import featcal.engine as engine
-    from featcal import stats
 
-    if form is not None:
-        monkeypatch.setattr(stats, "cheapest_form", lambda *a, _f=form, **k: _f)
     base, experts, merged, data = tiny.zoo(kind, n_tasks=3)
-    one = {t: [torch.cat(bs)] for t, bs in data.items()}
+    one = _one_batch_a_task(data)
     taken = []
     real = engine._batchable
     monkeypatch.setattr(engine, "_batchable", lambda *a: taken.append(real(*a)) or taken[-1])
     cfg = FeatCalConfig.clip(alpha=0.4)
-    run = lambda: calibrate(merged, base=base, experts=experts, calib_data=one, config=cfg,  # noqa: E731
-                            keep_stats=keep_stats, progress=False)
-    stack, rep_stack = run()
+
+    def run(fast):
+        return calibrate(merged, base=base, experts=experts, calib_data=one, config=cfg, keep_stats=keep_stats,
+                         progress=False, fast=fast)
+
+    stack, rep_stack = run(FastPaths(form=form))
     assert taken and all(taken)
-    monkeypatch.setattr(engine, "BATCH_TASKS_MAX", 0)
     taken.clear()
-    each, rep_each = run()
+    each, rep_each = run(FastPaths(form=form, stack_max=0))
     assert taken and not any(taken)
     tiny.assert_same_calibration(stack, rep_stack, each, rep_each, preview=keep_stats)
 
@@ -105,34 +111,77 @@ def test_direct_sums_of_one_batch_tasks_change_nothing(kind, keep_stats, threads
     """Tasks of one batch with few rows for their inputs' widths add their rows' Gram matrix
     straight into the systems (BLAS syrk on one thread): the model, the report and a preview
     equal those of the running Gram sums, and a second run (buffers reused) is the same."""
-    import featcal.blockstats as blockstats
-    import featcal.engine as engine
     from featcal import stats
 
     base, experts, merged, data = tiny.zoo(kind, n_tasks=3)
     one = {t: [bs[0][:1]] for t, bs in data.items()}        # 5 token rows against widths 32, 64, 96
-    monkeypatch.setattr(engine, "BATCH_TASKS_MAX", 0)       # task by task
     direct = []
     real = stats.add_rows_gram
     monkeypatch.setattr(stats, "add_rows_gram", lambda *a: direct.append(a[0].shape) or real(*a))
     monkeypatch.setattr("featcal.solve.add_rows_gram", stats.add_rows_gram)
     cfg = FeatCalConfig.clip(alpha=0.4)
+
+    def run(fast):
+        return calibrate(merged, base=base, experts=experts, calib_data=one, config=cfg, keep_stats=keep_stats,
+                         progress=False, fast=fast)
+
     old = torch.get_num_threads()
     torch.set_num_threads(threads or max(old, 2))
     try:
-        run = lambda: calibrate(merged, base=base, experts=experts, calib_data=one, config=cfg,  # noqa: E731
-                                keep_stats=keep_stats, progress=False)
-        got, rep_got = run()
+        got, rep_got = run(FastPaths(stack_max=0))           # task by task
         assert direct and (stats._blas("syrk", torch.zeros(1)) is not None) == (threads == 1)
-        again, rep_again = run()
+        again, rep_again = run(FastPaths(stack_max=0))
         tiny.assert_same_calibration(again, rep_again, got, rep_got)
-        monkeypatch.setattr(blockstats, "DIRECT_ROWS", 0.0)
         direct.clear()
-        want, rep_want = run()
+        want, rep_want = run(FastPaths(stack_max=0, direct_rows=0))
     finally:
         torch.set_num_threads(old)
     assert not direct
     tiny.assert_same_calibration(got, rep_got, want, rep_want, preview=keep_stats)
+
+
+# Every fast path taken wherever it applies, even at the tiny widths (32, 64, 96) of these models:
+# LAPACK from width 1, Gram triangles of 8-column blocks; with and without the stack (direct sums
+# need a task reduced on its own).
+EAGER = {"default": FastPaths(),
+         "eager": FastPaths(lapack_min_d=1, gram_block=8),
+         "eager, task by task": FastPaths(stack_max=0, direct_rows=100.0, lapack_min_d=1, gram_block=8)}
+
+
+@pytest.mark.parametrize("kind", ARCHS)
+@pytest.mark.parametrize("one_batch", [False, True], ids=["batches", "one batch"])
+@pytest.mark.parametrize("paths", list(EAGER))
+def test_the_plainest_path_gives_the_calibration_of_the_fast_ones(kind, one_batch, paths):
+    """``FastPaths.plainest()`` (one call per batch, task by task, full Gram sums, the shared
+    ``P``, torch's Cholesky, nothing kept) against the default and eager fast paths: the same
+    model, report and preview."""
+    base, experts, merged, data = tiny.zoo(kind, n_tasks=3)
+    data = _one_batch_a_task(data) if one_batch else data
+
+    def run(fast):
+        return calibrate(merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig.clip(alpha=0.4),
+                         keep_stats=True, progress=False, fast=fast)
+
+    fast, rep_fast = run(EAGER[paths])
+    plain, rep_plain = run(FastPaths.plainest())
+    tiny.assert_same_calibration(fast, rep_fast, plain, rep_plain, preview=True)
+
+
+@pytest.mark.parametrize("field, bad, said", [
+    ("pool_rows", -1, "integer >= 0"), ("stack_max", 2.5, "integer >= 0"), ("scratch_keep", True, "integer"),
+    ("lapack_min_d", 0, "integer >= 1"), ("gram_block", -384, "integer >= 1"),
+    ("direct_rows", -0.5, "finite number >= 0"), ("direct_rows", float("nan"), "finite number"),
+    ("direct_rows", float("inf"), "finite number"), ("form", "R", "one of"),
+])
+def test_fast_paths_reject_invalid_values_by_name(field, bad, said):
+    with pytest.raises(ValueError, match=f"FastPaths.{field} must be .*{said}"):
+        FastPaths(**{field: bad})
+
+
+def test_calibrate_rejects_fast_paths_of_another_type():
+    base, experts, merged, data = tiny.zoo("toy")
+    with pytest.raises(TypeError, match="fast must be a featcal.FastPaths"):
+        calibrate(merged, base=base, experts=experts, calib_data=data, progress=False, fast={"pool_rows": 0})
 
 
 def test_pool_spans_only_for_calls_that_can_run_as_one():
@@ -140,7 +189,7 @@ def test_pool_spans_only_for_calls_that_can_run_as_one():
 
     h = torch.zeros(4, 5, 8)
     plain = [BlockCall(h), BlockCall(h[:3])]
-    assert pool_spans(plain) == [(0, 4), (4, 7)]
+    assert pool_spans(plain) == [(0, 4), (4, 7)]                           # 35 rows: under the default
     assert pool_spans(plain[:1]) is None                                   # nothing to pool
     assert pool_spans(plain, max_rows=34) is None                          # 35 rows in all
     assert pool_spans([BlockCall(h), BlockCall(torch.zeros(4, 6, 8))]) is None       # token counts differ

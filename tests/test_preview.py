@@ -8,8 +8,8 @@ from featcal.arch import block_targets, get_params
 
 
 def _params(model):
-    return {(l, t.name): [p.clone() for p in get_params(blk, t) if p is not None]
-            for l, blk in enumerate(model.blocks) for t in block_targets(blk)}
+    return {(i, t.name): [p.clone() for p in get_params(blk, t) if p is not None]
+            for i, blk in enumerate(model.blocks) for t in block_targets(blk)}
 
 
 def test_preview_equals_exact_run_for_a_single_block():

@@ -1,10 +1,11 @@
 """The closed-form solves against direct computations on small random problems."""
 import math
+from operator import attrgetter
 
 import pytest
 import torch
 
-from featcal import solve, stats
+from featcal import FastPaths, solve, stats
 
 
 @pytest.fixture(autouse=True)
@@ -14,6 +15,10 @@ def _float64():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(old)
+
+
+# A system's terms that every way of building it must agree on (the residual's too).
+TERMS = ("S", "U", "V", "m_s", "sb", "ub", "vb", "res.k_ee", "res.k_se", "res.k_ss", "res.c_s", "res.c_v", "res.bb")
 
 
 def _task(gen, rows=40, d=3, o=2, shift=0.3):
@@ -100,8 +105,8 @@ def test_every_form_of_the_statistics_gives_the_same_system(form):
     gen = torch.Generator().manual_seed(5)
     tasks = [_task(gen, rows=30, d=4, o=3) for _ in range(3)]
     ref, other = _system(tasks, batches=3), _system(tasks, batches=3, form=form)
-    for name in ("S", "U", "V", "m_s", "sb", "ub", "vb", "k_ee", "k_se", "k_ss"):
-        assert torch.allclose(getattr(ref, name), getattr(other, name), atol=1e-12), name
+    for name in TERMS:
+        assert torch.allclose(attrgetter(name)(ref), attrgetter(name)(other), atol=1e-12), name
 
 
 @pytest.mark.parametrize("d", [5, 384 * 2 + 7, 384 * 9])
@@ -116,11 +121,20 @@ def test_triangular_gram_equals_the_full_product(d):
     assert stats.gram_norm(acc.C, acc.edges).item() == pytest.approx(norm, rel=1e-12)
     stats.finish_gram(acc)
     assert stats.gram_norm(acc.C, acc.edges, finished=True).item() == pytest.approx(norm, rel=1e-12)
-    assert len(acc.edges) == min(9, max(2, d // stats.GRAM_BLOCK + 1))
+    assert len(acc.edges) == min(9, max(2, d // FastPaths().gram_block + 1))
     assert torch.allclose(acc.C, full, atol=1e-12)
-    C32 = torch.zeros(d, d, dtype=torch.float32)                  # float32 sums keep the norm to ~1e-5
+    plain = stats.LinearSums.zeros(d, torch.float64, "cpu", cross=False, block=None)   # full products
+    stats.accumulate_linear(plain, x, x, w)
+    assert plain.edges == (0, d) and torch.allclose(plain.C, full, atol=1e-12)
+    # Float32 sums: their norm is the float64 norm of the very same float32 matrix to float32
+    # rounding (reduced in float64, whatever the CPU's BLAS kernel), and within float32
+    # accumulation of 20 rows (below 4e-6) of the float64 sums'.
+    C32 = torch.zeros(d, d, dtype=torch.float32)
     stats.accumulate_gram(C32, x.float() * w.float()[:, None], x.float(), acc.edges)
-    assert stats.gram_norm(C32, acc.edges).item() == pytest.approx(norm, rel=2e-5)
+    norm32 = torch.linalg.matrix_norm(solve.symmetric(C32).double()).item()
+    assert stats.gram_norm(C32, acc.edges).item() == pytest.approx(norm32, rel=1e-6)
+    assert norm32 == pytest.approx(norm, rel=1e-5)
+    assert stats.gram_norm(solve.symmetric(C32), acc.edges, finished=True).item() == pytest.approx(norm32, rel=1e-6)
 
 
 def test_cheapest_form_follows_rows_and_widths():
@@ -133,8 +147,8 @@ def test_batched_statistics_equal_one_shot():
     gen = torch.Generator().manual_seed(2)
     tasks = [_task(gen, rows=37) for _ in range(2)]
     one, many = _system(tasks, batches=1), _system(tasks, batches=5)
-    for name in ("S", "U", "V", "m_s", "sb", "ub", "vb", "k_ee", "k_se", "k_ss"):
-        assert torch.allclose(getattr(one, name), getattr(many, name), atol=1e-12), name
+    for name in TERMS:
+        assert torch.allclose(attrgetter(name)(one), attrgetter(name)(many), atol=1e-12), name
 
 
 def test_lambda_to_infinity_gives_the_anchor():
@@ -160,7 +174,8 @@ def test_norm_solve_minimises_its_objective_and_limits():
     gam, bet = solve.solve_norm(sysm, g_mer, b_mer, g_0, b_0, lam=lam, rho=rho, eps=1e-8)
     gv, bv = gam.clone().requires_grad_(True), bet.clone().requires_grad_(True)
     f = sum(((gv * z + bv - g[i] * z - bb[i]) ** 2).mean(0).sum() for i, z in enumerate(zs))
-    f = f + lam * (((gv - (rho * g_mer + (1 - rho) * g_0)) ** 2).sum() + ((bv - (rho * b_mer + (1 - rho) * b_0)) ** 2).sum())
+    g_anc, b_anc = rho * g_mer + (1 - rho) * g_0, rho * b_mer + (1 - rho) * b_0
+    f = f + lam * (((gv - g_anc) ** 2).sum() + ((bv - b_anc) ** 2).sum())
     grads = torch.autograd.grad(f, (gv, bv))
     assert max(x.abs().max() for x in grads) < 1e-9
     gam, bet = solve.solve_norm(sysm, g_mer, b_mer, g_0, b_0, lam=1e10, rho=rho, eps=1e-8)
@@ -183,33 +198,52 @@ def test_indefinite_system_falls_back_to_lu():
     assert torch.allclose(A @ X, torch.ones(2, 1))
 
 
-@pytest.mark.parametrize("lapack_from", [10**9, 1])   # torch's Cholesky, LAPACK's
-def test_systems_kept_on_their_upper_triangle_solve_like_full_ones(lapack_from, monkeypatch):
+@pytest.mark.parametrize("lapack_from", [None, 1], ids=["torch", "lapack"])
+def test_systems_kept_on_their_upper_triangle_solve_like_full_ones(lapack_from):
     """Wide inputs keep only the upper block triangle of ``C`` and ``S`` (the QQ form never
     mirrors it): the solve (torch's Cholesky on the mirrored system, or LAPACK's in place),
     the residual and the preview's eigenvectors read no more."""
-    monkeypatch.setattr(solve, "LAPACK_MIN_D", lapack_from)
     gen = torch.Generator().manual_seed(7)
-    d = stats.GRAM_BLOCK * 2 + 5
+    d = FastPaths().gram_block * 2 + 5
     tasks = [_task(gen, rows=30, d=d, o=3) for _ in range(2)]
     full, upper = _system(tasks, form="P"), _system(tasks, form="QQ")
     assert not torch.equal(upper.S, upper.S.T)                      # really one triangle only
     assert torch.allclose(solve.symmetric(upper.S), solve.symmetric(full.S), atol=1e-12)
     W_mer, b_mer, W_0, b_0 = _anchors(gen, o=3, d=d)
-    kw = dict(lam=0.2, rho=1.5, alpha=0.3, eps=1e-8)
-    (W1, b1), (W2, b2) = (solve.solve_linear(s, W_mer, b_mer, W_0, b_0, **kw) for s in (full, upper))
+    kw = {"lam": 0.2, "rho": 1.5, "alpha": 0.3, "eps": 1e-8}
+    (W1, b1), (W2, b2) = (solve.solve_linear(s, W_mer, b_mer, W_0, b_0, **kw, factors=solve.Factors(lapack_from))
+                          for s in (full, upper))
     assert torch.allclose(W1, W2, atol=1e-9) and torch.allclose(b1, b2, atol=1e-9)
     assert abs(solve.linear_residual(full, W1, b1, 0.3) - solve.linear_residual(upper, W1, b1, 0.3)) < 1e-10
+    by_lapack = getattr(solve.Factors(lapack_from).solver(upper.S, 0.2, "x"), "func", None) is solve._triangular_solves
+    assert by_lapack == (lapack_from is not None)
     ev1 = torch.linalg.eigvalsh(solve.symmetric(full.S))
     assert torch.allclose(torch.linalg.eigvalsh(upper.S, UPLO="U"), ev1, atol=1e-10)
 
 
-@pytest.mark.parametrize("lapack_from", [10**9, 1])   # torch's Cholesky, LAPACK's
-def test_lu_fallback_reads_the_upper_triangle(lapack_from, monkeypatch):
-    monkeypatch.setattr(solve, "LAPACK_MIN_D", lapack_from)
+@pytest.mark.parametrize("lapack_from", [None, 1], ids=["torch", "lapack"])
+def test_lu_fallback_reads_the_upper_triangle(lapack_from):
     S = torch.tensor([[1.0, 2.0], [0.0, -2.0]])        # the symmetric [[1, 2], [2, -2]]: indefinite
-    X = solve.spd_factor(S, 0.0, "indefinite")(torch.ones(2, 1))
+    X = solve.spd_factor(S, 0.0, "indefinite", lapack_min_d=lapack_from)(torch.ones(2, 1))
     assert torch.allclose(solve.symmetric(S) @ X, torch.ones(2, 1))
+
+
+def test_factors_share_one_factorisation_per_system_and_give_its_buffer_back():
+    """Systems sharing one ``S`` (q/k/v) share its factorisation; LAPACK's copy of ``S`` comes
+    from ``take`` and goes back on close."""
+    from featcal.blockstats import Scratch
+
+    gen = torch.Generator().manual_seed(7)
+    A, B = torch.randn(6, 6, generator=gen), torch.randn(6, 6, generator=gen)
+    S1, S2 = A @ A.T, B @ B.T
+    scratch = Scratch()
+    factors = solve.Factors(lapack_min_d=1, take=scratch.take)
+    one = factors.solver(S1, 0.1, "q")
+    assert factors.solver(S1, 0.1, "k") is one and factors.solver(S2, 0.1, "fc") is not one
+    X = one(torch.eye(6))
+    assert torch.allclose((S1 + 0.1 * torch.eye(6)) @ X, torch.eye(6), atol=1e-9)
+    taken = factors.close()
+    assert len(taken) == 2 and factors.solver(S1, 0.1, "q") is not one      # closed: factored anew
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -287,8 +321,8 @@ def test_direct_sums_of_one_batch_equal_the_gram_sums(threads, form):
         systems.append(sysm)
     gram, direct = systems
     assert torch.allclose(direct.S.triu(), gram.S.triu(), rtol=1e-10, atol=1e-12)
-    for name in ("U", "V", "s_sum", "m_s", "ub", "vb", "k_ee", "k_se", "k_ss"):
-        assert torch.allclose(getattr(direct, name), getattr(gram, name), rtol=1e-10, atol=1e-12), name
+    for name in ("U", "V", "s_sum", "m_s", "ub", "vb", "res.k_ee", "res.k_se", "res.k_ss", "res.c_s", "res.bb"):
+        assert torch.allclose(attrgetter(name)(direct), attrgetter(name)(gram), rtol=1e-10, atol=1e-12), name
 
 
 def test_direct_sums_take_one_batch_only():

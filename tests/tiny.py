@@ -136,10 +136,10 @@ def all_target_params(model):
     """``{(block, target): (W, b)}`` (copies) of every calibrated target of ``model``."""
     _, blks = resolve_blocks(model)
     out = {}
-    for l, blk in enumerate(blks):
+    for i, blk in enumerate(blks):
         for t in block_targets(blk):
             W, b = get_params(blk, t)
-            out[(l, t.name)] = (W.clone(), None if b is None else b.clone())
+            out[(i, t.name)] = (W.clone(), None if b is None else b.clone())
     return out
 
 

@@ -75,7 +75,7 @@ def build_demo(path: str | os.PathLike, variant: str = "default", progress: bool
     ``threads``: torch CPU threads while building (restored afterwards); by default
     every core on an idle machine and 1 on a busy one (load average above the
     core count), where extra threads of these small matrix products mostly wait
-    for each other (ten times slower per step was measured).
+    for each other (many times slower per step).
 
     If another process finished the same build first (and ``force`` is false),
     its result is kept and this one discarded.
