@@ -7,7 +7,7 @@ import pytest
 import tiny
 import torch
 
-from featcal import FeatCalConfig, calibrate, merge
+from featcal import FastPaths, FeatCalConfig, calibrate, merge
 from featcal.arch import block_targets, get_params, resolve_blocks
 from featcal.reference import (
     anchor,
@@ -143,6 +143,26 @@ def test_engine_matches_reference(kind, setting, batching):
     for block in range(len(resolve_blocks(merged)[1])):
         assert any(not torch.allclose(W, mer[key][0], rtol=1e-3, atol=1e-5)
                    for key, (W, _) in _targets(ref).items() if key[0] == block), block
+
+
+# Every fast path of the engine, forced on where the tiny models would not take it by default.
+PATHS = {
+    "plainest": FastPaths.plainest(),
+    "form_Q": FastPaths(form="Q"),
+    "form_QQ": FastPaths(form="QQ"),
+    "all_forced": FastPaths(pool_rows=1 << 20, stack_max=1 << 40, direct_rows=1e9, lapack_min_d=1, gram_block=2),
+}
+
+
+@pytest.mark.filterwarnings("ignore:task .* token rows")
+@pytest.mark.parametrize("batching", BATCHING)
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_fast_path_matches_reference(kind, path, batching):
+    base, experts, merged, data = _zoo(kind, batching)
+    got, _ = calibrate(merged, base=base, experts=experts, calib_data=data, config=SETTINGS["clip_token_weights"],
+                       fast=PATHS[path], progress=False)
+    assert_matches_reference(got, _reference(kind, "clip_token_weights", batching))
 
 
 def test_reference_drops_padding_rows():
