@@ -128,9 +128,9 @@ def expert_trace(zoo, data: dict, budget: int = STREAMS_BYTES):
 
 def _stream_size(zoo, data: dict) -> tuple[float, int, int]:
     """``(bytes of one example's hidden state, examples in data, blocks)``, from one stem run."""
-    from featcal.validate import batch_len
     from featcal.arch import resolve_blocks
     from featcal.streams import catch_block_inputs
+    from featcal.validate import batch_len
 
     task = zoo.tasks[0]
     expert = zoo.experts[task]

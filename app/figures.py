@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from featcal.tune_figures import LAYOUT   # one layout for the app's and the command line's figures
+from featcal.tune_figures import LAYOUT  # one layout for the app's and the command line's figures
 
 # One colour per quantity, the same in every figure.
 COLORS = {
@@ -116,7 +116,8 @@ def task_accuracy_table(before: pd.DataFrame, after: pd.DataFrame, name: str) ->
     the browser to draw on every slider change, where an ``st.metric`` per task is one per
     task plus their column containers)."""
     tasks = list(after.index)
-    color = lambda d: "green" if d > 0.05 else "red" if d < -0.05 else "gray"  # noqa: E731
+    def color(d):
+        return "green" if d > 0.05 else "red" if d < -0.05 else "gray"
     cells = [f"{after.accuracy[t]:.1f}% :{color(d)}[{d:+.1f}]"
              for t, d in ((t, after.accuracy[t] - before.accuracy[t]) for t in tasks)]
     return "\n".join([f"| accuracy per task | {' | '.join(tasks)} |",

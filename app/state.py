@@ -52,7 +52,7 @@ def zoo_or_error(source: str) -> tuple[object | None, str | None]:
         return None, "No zoo selected. Fix: enter the path of a zoo spec YAML (or pick the embedded demo)."
     try:
         return _zoo(source, device()), None
-    except Exception as exc:  # noqa: BLE001 — shown to the user, never as a traceback
+    except Exception as exc:  # shown to the user, never as a traceback
         return None, compute.explain_load_error(source, exc)
 
 

@@ -14,9 +14,9 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parent) not in sys.path:
     sys.path.insert(0, str(HERE.parent))  # `from app import ...` under `streamlit run`
 
-import streamlit as st  # noqa: E402
+import streamlit as st
 
-from app import controls, state  # noqa: E402
+from app import controls, state
 
 # (file, title, icon); tune and studies are other engineers' pages, listed when present.
 PAGES = [

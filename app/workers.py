@@ -37,7 +37,7 @@ def _set_threads(source: str | None, alone: bool = False) -> None:
     if source is None:
         try:
             source = st.session_state.get("_zoo_source")
-        except Exception:  # noqa: BLE001 — a worker thread has no session
+        except Exception:  # a worker thread has no session
             source = None
     threads = THREADS.get((source or "", alone)) or (min(THREADS.values()) if THREADS else None)
     if threads:

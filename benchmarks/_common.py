@@ -325,7 +325,8 @@ def cost_row(label: str, zoo: Zoo, ref: Timing, run: CalRun, *, cpu_ratio: bool 
     """A table row: the calibration time as a multiple of the forward reference, and its phases
     (wall clock; ``cpu_ratio`` adds the ratio of the process's CPU times)."""
     r = ref.wall
-    x = lambda s: f"{fmt_s(s)} ({s / r:.2f}x)"  # noqa: E731
+    def x(s):
+        return f"{fmt_s(s)} ({s / r:.2f}x)"
     row = {"model": label, "experts": len(zoo.experts), "examples/task": zoo.n_examples,
            "batch": zoo.batch}
     row.update(extra)

@@ -46,13 +46,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import _common as C
 
 C.setup_path()
 
-import torch  # noqa: E402
+import torch
 
-from featcal import FeatCalConfig  # noqa: E402
+from featcal import FeatCalConfig
 
 BIG = {"vit-b32"}   # --repeats-big timed runs each (the rest: median of --repeats)
 

@@ -27,9 +27,9 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from diagnostics import diagnose, drift_table, expert_cosine, output_drift, task_vector_cosine  # noqa: E402
-from featcal.arch import resolve_blocks  # noqa: E402
-from featcal.zoo.core import TaskData, Zoo  # noqa: E402
+from diagnostics import diagnose, drift_table, expert_cosine, output_drift, task_vector_cosine
+from featcal.arch import resolve_blocks
+from featcal.zoo.core import TaskData, Zoo
 
 SIZES = {  # name -> CLIPVisionConfig fields
     "tiny (d=32, L=2, T=5)": dict(image_size=16, patch_size=8, hidden_size=32, intermediate_size=64,

@@ -33,13 +33,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import _common as C
 
 C.setup_path()
 
-import torch  # noqa: E402
+import torch
 
-from featcal import FeatCalConfig  # noqa: E402
+from featcal import FeatCalConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 

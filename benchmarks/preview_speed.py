@@ -26,14 +26,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import _common as C
 
 C.setup_path()
 
-import torch  # noqa: E402
+import torch
 
-from featcal import FeatCalConfig  # noqa: E402
-from featcal.preview import Preview  # noqa: E402
+from featcal import FeatCalConfig
+from featcal.preview import Preview
 
 TASKS = {"tiny": 3, "demo": 7, "vit-b32": 8}   # experts per size (the demo zoo has 7 tasks)
 # Settings the timed calls cycle through (lam, rho, alpha), so nothing is reused between calls.

@@ -24,16 +24,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import _common as C
 
 C.setup_path()
 
-import torch  # noqa: E402
+import torch
 
-from featcal import FeatCalConfig, arch, calibrate  # noqa: E402
-from featcal.tune_jobs import preview_distance  # noqa: E402
-from featcal.zoo import load_any as load_zoo  # noqa: E402
-from featcal.zoo.core import evaluate  # noqa: E402
+from featcal import FeatCalConfig, arch, calibrate
+from featcal.tune_jobs import preview_distance
+from featcal.zoo import load_any as load_zoo
+from featcal.zoo.core import evaluate
 
 # (label, lam, rho, alpha): the paper's setting first, then near and far from it.
 SETTINGS = [

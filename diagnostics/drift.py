@@ -176,7 +176,8 @@ class BlockSums:
 
     @classmethod
     def zeros(cls, d: int, device, cka: bool) -> "BlockSums":
-        z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=device)  # noqa: E731
+        def z(*s):
+            return torch.zeros(*s, dtype=torch.float64, device=device)
         return cls(z(len(SUMS)), 0, z(()), 0, CKASums.zeros(d, d, device) if cka else None)
 
     def add(self, dt: DriftTokens, n: int, tokens: str, mask: torch.Tensor | None) -> None:

@@ -124,7 +124,8 @@ def output_drift(model: nn.Module, zoo, split: str = "test", max_per_task: int |
                     yb = y[j * batch_size:(j + 1) * batch_size]        # (b,)
                     right += float((lm.argmax(-1) == yb).sum())
                     right_e += float((le.argmax(-1) == yb).sum())
-            mean = (lambda total, scale=1.0: scale * total / n if n else float("nan"))  # noqa: E731
+            def mean(total, scale=1.0):
+                return scale * total / n if n else float("nan")
             rows += [(task, WHOLE, "kl", mean(kl)), (task, WHOLE, "agreement", mean(agree, 100.0))]
             if y is not None:
                 rows += [(task, WHOLE, "accuracy", mean(right, 100.0)),

@@ -76,7 +76,8 @@ class CKASums:
 
     @classmethod
     def zeros(cls, dx: int, dy: int, device=None) -> "CKASums":
-        z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=device)  # noqa: E731
+        def z(*s):
+            return torch.zeros(*s, dtype=torch.float64, device=device)
         return cls(0, z(dx), z(dy), z(dx, dx), z(dy, dy), z(dx, dy))
 
 

@@ -31,8 +31,17 @@ from typing import Callable
 
 from diagnostics import cli as diagnose_cli
 from featcal import tune_cli
-from featcal.cli_common import (UserError, add_common, add_out, add_zoo, apply_threads, check_merge_method,
-                                check_out, parse_params, zoo_from_args)
+from featcal.cli_common import (
+    UserError,
+    add_common,
+    add_out,
+    add_zoo,
+    apply_threads,
+    check_merge_method,
+    check_out,
+    parse_params,
+    zoo_from_args,
+)
 from featcal.config import FeatCalConfig
 from featcal.engine import calibrate
 from featcal.streams import device_of

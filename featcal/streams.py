@@ -58,7 +58,7 @@ def _equal(a: Any, b: Any) -> bool:
     """``a == b`` as a plain bool; False when the comparison is not one (arrays, odd objects)."""
     try:
         return bool(a == b)
-    except Exception:  # noqa: BLE001 — e.g. numpy arrays: "truth value ... is ambiguous"
+    except Exception:  # e.g. numpy arrays: "truth value ... is ambiguous"
         return False
 
 

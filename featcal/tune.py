@@ -34,8 +34,21 @@ from torch import nn
 
 from featcal.config import FeatCalConfig
 from featcal.engine import calibrate
-from featcal.tune_jobs import (HeadLogits, Logits, Point, ValData, Work, all_logits, chunks, exact_job,
-                               model_logits, preview_distance, preview_job, runner, val_scores)
+from featcal.tune_jobs import (
+    HeadLogits,
+    Logits,
+    Point,
+    ValData,
+    Work,
+    all_logits,
+    chunks,
+    exact_job,
+    model_logits,
+    preview_distance,
+    preview_job,
+    runner,
+    val_scores,
+)
 
 __all__ = ["Grid", "TuneConfig", "TuneResult", "tune", "tune_zoo", "holdout_report", "HeadLogits",
            "preview_distance"]

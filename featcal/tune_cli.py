@@ -26,8 +26,7 @@ import warnings
 from pathlib import Path
 
 from featcal import studies
-from featcal.cli_common import (add_common, add_out, add_zoo, check_merge_method, check_out, parse_params,
-                                zoo_from_args)
+from featcal.cli_common import add_common, add_out, add_zoo, check_merge_method, check_out, parse_params, zoo_from_args
 from featcal.config import FeatCalConfig
 from featcal.merging import MERGERS
 from featcal.tune import Grid, holdout_report, tune_zoo

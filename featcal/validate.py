@@ -6,7 +6,6 @@ from typing import Mapping
 import torch
 from torch import nn
 
-
 SMALL = 1 << 16   # parameters with fewer elements are checked for NaN/Inf together
 
 

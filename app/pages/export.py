@@ -77,7 +77,7 @@ if c2.button("Render PNG", key="render_png", help="Rendered by kaleido through C
     with st.spinner("Rendering PNG with kaleido…"):
         try:
             st.session_state["_png"] = (name, state.png(fig.to_json()))
-        except Exception as exc:  # noqa: BLE001 — kaleido raises its own types when no browser is found
+        except Exception as exc:  # kaleido raises its own types when no browser is found
             st.session_state.pop("_png", None)
             c2.error(f"PNG export needs Chrome or Chromium, which kaleido could not start "
                      f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "

@@ -78,7 +78,8 @@ def _folder_split(root: Path, classes: list[str] | None) -> _Split:
     """``root/<class>/<image>``. Labels: folder names matched to ``classes`` when they all
     match (case, ``_`` and ``-`` ignored), integer folder names as labels, else sorted order."""
     folders = sorted(p.name for p in root.iterdir() if p.is_dir())
-    norm = lambda s: s.lower().replace("_", " ").replace("-", " ").strip()  # noqa: E731
+    def norm(s):
+        return s.lower().replace("_", " ").replace("-", " ").strip()
     wanted = {norm(c): i for i, c in enumerate(classes or [])}
     if classes and all(norm(f) in wanted for f in folders):
         index = {f: wanted[norm(f)] for f in folders}
@@ -215,7 +216,8 @@ def _decode(split: _Split, idx: list[int], size: int, interpolation: str, chunk:
     from concurrent.futures import ThreadPoolExecutor
 
     out = torch.empty(len(idx), 3, size, size, dtype=torch.uint8)
-    one = lambda item: to_clip_input(_to_pil(item), size, interpolation)  # noqa: E731
+    def one(item):
+        return to_clip_input(_to_pil(item), size, interpolation)
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool, \
             bar(total=len(idx), desc=desc, unit="img", show=len(idx) >= 2048) as progress:
         for lo in range(0, len(idx), chunk):

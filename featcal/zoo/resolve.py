@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-
 # ----------------------------------------------------------------------------- missing things
 
 @dataclass(frozen=True)

@@ -19,11 +19,24 @@ from dataclasses import asdict
 
 import torch
 
-from featcal.zoo import data as data_mod, heads as heads_mod, loaders, locate
+from featcal.zoo import data as data_mod
+from featcal.zoo import heads as heads_mod
+from featcal.zoo import loaders, locate
 from featcal.zoo.core import Zoo
 from featcal.zoo.resolve import Missing, MissingResourcesError
-from featcal.zoo.schema import (SCHEMA, DataSpec, HeadSpec, ModelSpec, PreprocessSpec, SpecError, SplitSpec, ZooSpec,
-                                expand, from_dict, parse)
+from featcal.zoo.schema import (
+    SCHEMA,
+    DataSpec,
+    HeadSpec,
+    ModelSpec,
+    PreprocessSpec,
+    SpecError,
+    SplitSpec,
+    ZooSpec,
+    expand,
+    from_dict,
+    parse,
+)
 
 __all__ = ["load", "parse", "check", "from_dict", "expand", "ZooSpec", "ModelSpec", "HeadSpec",
            "DataSpec", "SplitSpec", "PreprocessSpec", "SpecError", "Missing", "MissingResourcesError", "SCHEMA"]

@@ -10,8 +10,18 @@ import pytest
 import torch
 from torch import nn
 
-from diagnostics import (WHOLE, diagnose, drift_table, drift_tables, drift_tokens, expert_cosine, expert_streams,
-                         kl_rows, output_drift, task_vector_cosine)
+from diagnostics import (
+    WHOLE,
+    diagnose,
+    drift_table,
+    drift_tables,
+    drift_tokens,
+    expert_cosine,
+    expert_streams,
+    kl_rows,
+    output_drift,
+    task_vector_cosine,
+)
 from diagnostics.drift import batch_first, select_rows
 from diagnostics.similarity import CKASums, accumulate_cka, linear_cka
 from featcal.arch import resolve_blocks
@@ -235,7 +245,8 @@ def test_a_models_own_streams_kept_while_reading_it_give_the_same_table(kind):
 
     model, expert, batches = _pair(kind)
     data = {"a": batches}
-    fn = lambda m, b: call_model(m, b)  # noqa: E731
+    def fn(m, b):
+        return call_model(m, b)
     results, own = streams_while(model, data, fn)
     assert len(results["a"]) == len(batches)
     with torch.no_grad():
@@ -347,7 +358,8 @@ def test_kl_rows_matches_torch():
 def test_task_vector_cosine_whole_model_matches_flat_vectors():
     base, experts, merged = toy_zoo(n_tasks=2)
     tv = task_vector_cosine(merged, base, experts)
-    flat = lambda m: torch.cat([v.double().reshape(-1) for v in m.state_dict().values()])  # noqa: E731
+    def flat(m):
+        return torch.cat([v.double().reshape(-1) for v in m.state_dict().values()])
     tau = flat(merged) - flat(base)
     for t, e in experts.items():
         tau_i = flat(e) - flat(base)
@@ -361,7 +373,8 @@ def test_task_vector_cosine_per_block_matches_the_blocks_own_vectors():
     """Block ``l`` reads only ``blocks.l.*``."""
     base, experts, merged = toy_zoo(n_tasks=3)
     tv = task_vector_cosine(merged, base, experts)
-    flat = lambda m: torch.cat([v.double().reshape(-1) for k, v in m.state_dict().items()  # noqa: E731
+    def flat(m):
+        return torch.cat([v.double().reshape(-1) for k, v in m.state_dict().items()
                                 if k.startswith("blocks.1.")])
     tau = flat(merged) - flat(base)
     for t, e in experts.items():

@@ -72,7 +72,8 @@ def test_inputs_are_left_untouched(kind):
 
 def test_training_flags_are_kept_exactly_and_calibration_runs_in_eval_mode():
     base, experts, merged, data = tiny.zoo("hf_clip")
-    flags = lambda m: [x.training for x in m.modules()]   # noqa: E731
+    def flags(m):
+        return [x.training for x in m.modules()]
     merged.train()
     resolve_blocks(merged)[1][0].eval()                       # mixed: one block in eval, the rest training
     experts["t0"].train()
@@ -192,7 +193,7 @@ def test_padding_rows_do_not_count():
     """Rows masked out by attention_mask (dict batches) must not change the solve."""
 
     class DictModel(tiny.ToyModel):
-        def forward(self, x, attention_mask=None):  # noqa: D401 - same forward, dict batch
+        def forward(self, x, attention_mask=None):  # same forward, dict batch
             return super().forward(x)
 
     torch.manual_seed(0)
@@ -215,7 +216,8 @@ def test_padding_rows_do_not_count():
 
 def test_bf16_model_keeps_its_dtype():
     base, experts, merged, data = tiny.zoo("toy")
-    to16 = lambda m: copy.deepcopy(m).to(torch.bfloat16)  # noqa: E731
+    def to16(m):
+        return copy.deepcopy(m).to(torch.bfloat16)
     out, _ = calibrate(to16(merged), base=to16(base), experts={t: to16(m) for t, m in experts.items()},
                        calib_data=data,  # float32 batches: cast to the model's dtype on the way in
                        config=FeatCalConfig(), progress=False)

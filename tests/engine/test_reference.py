@@ -4,9 +4,9 @@ import copy
 import functools
 
 import pytest
-import tiny
 import torch
 
+import tiny
 from featcal import FastPaths, FeatCalConfig, calibrate, merge
 from featcal.arch import block_targets, get_params, resolve_blocks
 from featcal.reference import (

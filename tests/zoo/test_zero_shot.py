@@ -139,8 +139,8 @@ def test_builtin_class_names_and_templates():
 
 def test_open_clip_zero_shot_rows_are_normalised_encode_text(tmp_path):
     pytest.importorskip("open_clip")
-    from featcal.zoo.heads import OpenClipTextEncoder
     import tiny
+    from featcal.zoo.heads import OpenClipTextEncoder
 
     model, _ = tiny.tiny_open_clip_clip(tmp_path, "tiny-oc-zs")
     import open_clip

@@ -10,12 +10,12 @@ import pytest
 import torch
 import yaml
 from PIL import Image
+from test_zero_shot import tiny_clip
 
 from featcal.zoo import spec as zoo_spec
 from featcal.zoo.core import evaluate
 from featcal.zoo.data import LazySplits, split_indices, to_clip_input
 from featcal.zoo.resolve import MissingResourcesError
-from test_zero_shot import tiny_clip
 
 PRESETS = Path(__file__).resolve().parents[2] / "assets" / "zoos"
 COLORS = [(220, 30, 30), (30, 200, 40), (40, 60, 220)]
@@ -122,8 +122,9 @@ def hf_zoo(tmp_path):
 
 
 def test_hf_spec_loads_merges_calibrates_and_evaluates(hf_zoo):
-    from featcal import FeatCalConfig, calibrate
     from transformers import CLIPVisionModel
+
+    from featcal import FeatCalConfig, calibrate
 
     path, clip = hf_zoo
     zoo = zoo_spec.load(path)
