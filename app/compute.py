@@ -6,6 +6,7 @@ so that :mod:`app.state` only caches and the pages only draw. Testable on its ow
 The helpers marked *belongs in ...* are small pure functions the library does not
 offer yet; they live here until it does.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,13 +21,16 @@ from torch import nn
 from featcal import FeatCalConfig
 
 REPO = Path(__file__).resolve().parents[1]
-LIVE_TEST = 50       # test examples per task scored live (the first ones of the split)
-DIAG_N = 16          # held-out examples per task the drift and cosines are measured on
-FIX_SPEC = ("Fix: pick the embedded demo, or give the path of a zoo spec YAML (examples in assets/zoos/) "
-            "or of a zoo directory (one holding meta.json).")
+LIVE_TEST = 50  # test examples per task scored live (the first ones of the split)
+DIAG_N = 16  # held-out examples per task the drift and cosines are measured on
+FIX_SPEC = (
+    "Fix: pick the embedded demo, or give the path of a zoo spec YAML (examples in assets/zoos/) "
+    "or of a zoo directory (one holding meta.json)."
+)
 
 
 # ----------------------------------------------------------------------------- zoo
+
 
 def device() -> str:
     """The GPU when there is one, else the CPU."""
@@ -39,12 +43,12 @@ def load_zoo(source: str, device: str):
     from featcal.zoo import load_any
 
     if not Path(os.path.expandvars(source)).expanduser().exists() and (REPO / source).exists():
-        source = str(REPO / source)          # the example specs, from any working directory
+        source = str(REPO / source)  # the example specs, from any working directory
     return load_any(source, progress=False, device=device)
 
 
-SMALL_MODEL = 20_000_000   # parameters: below this, one CPU thread is fastest
-STREAMS_BYTES = 1 << 30    # the experts' drift streams are kept up to this size
+SMALL_MODEL = 20_000_000  # parameters: below this, one CPU thread is fastest
+STREAMS_BYTES = 1 << 30  # the experts' drift streams are kept up to this size
 
 
 def cpu_threads(zoo, device: str, alone: bool = False) -> int:
@@ -68,8 +72,10 @@ def explain_load_error(source: str, exc: BaseException) -> str:
     if isinstance(exc, FileNotFoundError) and "fix:" in msg.lower():
         fix = "Fix: see the `fix:` lines above (the library lists every missing piece and how to get it)."
     elif isinstance(exc, ImportError):
-        fix = ("Fix: install the missing package into the app's environment "
-               "(e.g. `pip install open_clip_torch` for open_clip zoos).")
+        fix = (
+            "Fix: install the missing package into the app's environment "
+            "(e.g. `pip install open_clip_torch` for open_clip zoos)."
+        )
     else:
         fix = FIX_SPEC
     kind = "" if isinstance(exc, FileNotFoundError) else f" ({type(exc).__name__})"
@@ -100,17 +106,26 @@ def split_size(zoo, split: str) -> int:
 
 # ----------------------------------------------------------------------------- featcal
 
+
 def calibrate(merged: nn.Module, zoo, data: dict, config: FeatCalConfig, trace=None):
     """The exact forward-order FeatCal of ``merged`` under ``config``, keeping the statistics
     a preview re-solves; ``trace``: :func:`expert_trace` of ``data`` (the experts' part kept
     from run to run)."""
     from featcal import calibrate as featcal_calibrate
 
-    return featcal_calibrate(merged, base=zoo.base, experts=zoo.experts, calib_data=data, config=config,
-                             keep_stats=True, progress=False, expert_trace=trace)
+    return featcal_calibrate(
+        merged,
+        base=zoo.base,
+        experts=zoo.experts,
+        calib_data=data,
+        config=config,
+        keep_stats=True,
+        progress=False,
+        expert_trace=trace,
+    )
 
 
-TRACE_PER_HIDDEN = 20   # a ViT block's captured inputs and outputs, in hidden states (6 in, 6 out; MLP 4x)
+TRACE_PER_HIDDEN = 20  # a ViT block's captured inputs and outputs, in hidden states (6 in, 6 out; MLP 4x)
 
 
 @torch.no_grad()
@@ -153,8 +168,10 @@ def load_preview(scratch: nn.Module, calibrated: nn.Module, report, config: Feat
 
 # ----------------------------------------------------------------------------- diagnostics
 
-def scores(model: nn.Module, zoo, data: dict, max_per_task: int | None,
-           side: "ExpertSide | None" = None) -> dict[str, pd.DataFrame]:
+
+def scores(
+    model: nn.Module, zoo, data: dict, max_per_task: int | None, side: "ExpertSide | None" = None
+) -> dict[str, pd.DataFrame]:
     """Output drift on the test split's first ``max_per_task`` examples, expert cosine of the
     features the heads read on ``data``, task-vector cosine (see :mod:`diagnostics`).
 
@@ -180,7 +197,7 @@ class ExpertSide:
     """
 
     max_per_task: int | None
-    logits: dict[str, torch.Tensor]          # task -> (n, C) expert logits on the test subset
+    logits: dict[str, torch.Tensor]  # task -> (n, C) expert logits on the test subset
     features: dict[str, list[torch.Tensor]]  # task -> expert features (B, d) per batch of data
 
 
@@ -207,18 +224,24 @@ def output_scores(model: nn.Module, zoo, side: ExpertSide, batch_size: int = 256
     rows = []
     for task in zoo.tasks:
         x, y = zoo.split(task, "test")
-        x, y = x[:side.max_per_task], (None if y is None else y[:side.max_per_task])
-        lm = torch.cat([zoo.logits(model, task, xb).cpu() for xb in x.split(batch_size)])   # (n, C)
-        le = side.logits[task]                                                               # (n, C)
+        x, y = x[: side.max_per_task], (None if y is None else y[: side.max_per_task])
+        lm = torch.cat([zoo.logits(model, task, xb).cpu() for xb in x.split(batch_size)])  # (n, C)
+        le = side.logits[task]  # (n, C)
         n = len(x)
-        rows += [(task, -1, "kl", _mean(kl_rows(le, lm))),
-                 (task, -1, "agreement", _mean(top1_agreement(le, lm), 100.0))]
+        rows += [
+            (task, -1, "kl", _mean(kl_rows(le, lm))),
+            (task, -1, "agreement", _mean(top1_agreement(le, lm), 100.0)),
+        ]
         if y is not None:
-            rows += [(task, -1, "accuracy", _mean(lm.argmax(-1) == y, 100.0)),
-                     (task, -1, "expert_accuracy", _mean(le.argmax(-1) == y, 100.0))]
+            rows += [
+                (task, -1, "accuracy", _mean(lm.argmax(-1) == y, 100.0)),
+                (task, -1, "expert_accuracy", _mean(le.argmax(-1) == y, 100.0)),
+            ]
         rows.append((task, -1, "examples", float(n)))
-    return {"output": pd.DataFrame(rows, columns=["task", "block", "metric", "value"]),
-            "task_vector": task_vector_cosine(model, zoo.base, zoo.experts)}
+    return {
+        "output": pd.DataFrame(rows, columns=["task", "block", "metric", "value"]),
+        "task_vector": task_vector_cosine(model, zoo.base, zoo.experts),
+    }
 
 
 def _mean(values: torch.Tensor, scale: float = 1.0) -> float:
@@ -250,11 +273,14 @@ def _cosine_frame(features: dict[str, list[torch.Tensor]], side: ExpertSide) -> 
 
     frames = []
     for task, per_batch in features.items():
-        f_mod = torch.cat(per_batch)                                      # (n, d)
-        f_exp = torch.cat(side.features[task])                            # (n, d)
+        f_mod = torch.cat(per_batch)  # (n, d)
+        f_exp = torch.cat(side.features[task])  # (n, d)
         cos = cosine_rows(f_mod.reshape(len(f_mod), -1), f_exp.reshape(len(f_exp), -1))
-        frames.append(pd.DataFrame({"task": task, "block": -1, "example": range(len(cos)),
-                                    "metric": "expert_cosine", "value": cos.numpy()}))
+        frames.append(
+            pd.DataFrame(
+                {"task": task, "block": -1, "example": range(len(cos)), "metric": "expert_cosine", "value": cos.numpy()}
+            )
+        )
     return pd.concat(frames, ignore_index=True)
 
 
@@ -314,8 +340,15 @@ def zoo_models(zoo) -> pd.DataFrame:
     rows = []
     for role, task, m in [("base", "", zoo.base), *(("expert", t, m) for t, m in zoo.experts.items())]:
         params, nbytes = model_size(m)
-        rows.append({"role": role, "task": task, "class": type(m).__name__, "parameters": params,
-                     "MB": round(nbytes / 2**20, 2)})
+        rows.append(
+            {
+                "role": role,
+                "task": task,
+                "class": type(m).__name__,
+                "parameters": params,
+                "MB": round(nbytes / 2**20, 2),
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -330,8 +363,7 @@ def zoo_tasks(zoo) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def accuracy_frame(named: dict[str, pd.DataFrame], expert_from: str | None = None,
-                   expert_at: int = 1) -> pd.DataFrame:
+def accuracy_frame(named: dict[str, pd.DataFrame], expert_from: str | None = None, expert_at: int = 1) -> pd.DataFrame:
     """Tidy ``task, model, accuracy`` from ``{model name: output_drift table}`` (in that order);
     the experts' own accuracy, read from ``expert_from``'s table (``expert_accuracy``), comes
     in as model ``expert`` at position ``expert_at``."""

@@ -5,6 +5,7 @@ restored) and kept for the whole session (``persist_state="session"``), so a pag
 that does not draw a widget still reads its value (:func:`current_merger`,
 :func:`current_calibration`).
 """
+
 from __future__ import annotations
 
 import streamlit as st
@@ -35,35 +36,46 @@ def _bool(raw) -> bool:
 
 # ----------------------------------------------------------------------------- zoo
 
+
 def zoo_choices() -> list[str]:
     specs = sorted(str(p.relative_to(REPO)) for p in (REPO / "assets" / "zoos").glob("*.yaml"))
-    return ["demo", "demo-fashion", *specs, OTHER]   # the first is the default
+    return ["demo", "demo-fashion", *specs, OTHER]  # the first is the default
 
 
 def zoo_picker() -> str:
     """The sidebar zoo selector; returns the zoo source (``demo``, a spec path, a zoo directory)."""
     choices = zoo_choices()
-    pick = st.sidebar.selectbox("Zoo", choices, index=0, key="zoo", **BIND,
-                                help="The embedded demo builds offline on first use. A spec YAML names a base, "
-                                     "experts, heads and data found locally or in the HF cache (never downloaded).")
+    pick = st.sidebar.selectbox(
+        "Zoo",
+        choices,
+        index=0,
+        key="zoo",
+        **BIND,
+        help="The embedded demo builds offline on first use. A spec YAML names a base, "
+        "experts, heads and data found locally or in the HF cache (never downloaded).",
+    )
     if pick != OTHER:
         return pick
-    path = st.sidebar.text_input("Zoo spec (YAML) or zoo directory", key="zoo_path", **BIND,
-                                 placeholder="~/zoos/my-zoo.yaml")
+    path = st.sidebar.text_input(
+        "Zoo spec (YAML) or zoo directory", key="zoo_path", **BIND, placeholder="~/zoos/my-zoo.yaml"
+    )
     return path.strip()
 
 
 # ----------------------------------------------------------------------------- merger
 
+
 def merger_controls() -> Merger:
     """The merger's widgets (Zoo page): method and its parameters."""
     methods = list(MERGE_METHODS)
-    method = st.selectbox("Merger", methods, index=methods.index("task_arithmetic"),
-                          format_func=MERGE_METHODS.get, key="merge", **BIND)
+    method = st.selectbox(
+        "Merger", methods, index=methods.index("task_arithmetic"), format_func=MERGE_METHODS.get, key="merge", **BIND
+    )
     params = []
     for name, (lo, hi, step) in MERGE_PARAMS.get(method, {}).items():
-        v = st.slider(f"{MERGE_METHODS[method]} {name}", lo, hi, merge_default(method, name), step,
-                      key=f"{method}_{name}", **BIND)
+        v = st.slider(
+            f"{MERGE_METHODS[method]} {name}", lo, hi, merge_default(method, name), step, key=f"{method}_{name}", **BIND
+        )
         params.append((name, round(float(v), 4)))
     return Merger(method, tuple(params))
 
@@ -73,23 +85,43 @@ def current_merger() -> Merger:
     method = _setting("merge", "task_arithmetic", str)
     if method not in MERGE_METHODS:
         method = "task_arithmetic"
-    params = tuple((name, round(float(_setting(f"{method}_{name}", merge_default(method, name), float)), 4))
-                   for name in MERGE_PARAMS.get(method, {}))
+    params = tuple(
+        (name, round(float(_setting(f"{method}_{name}", merge_default(method, name), float)), 4))
+        for name in MERGE_PARAMS.get(method, {})
+    )
     return Merger(method, params)
 
 
 # ----------------------------------------------------------------------------- FeatCal
 
+
 def calibration_controls(max_n: int) -> AppCal:
     """The FeatCal widgets (Calibrate page); ``max_n``: the calibration split's size per task."""
     sizes = [n for n in CAL_SIZES if n <= max_n] or [max_n]
     c1, c2, c3 = st.columns(3)
-    log_lam = c1.slider("log₁₀ λ  (ridge strength)", -6.0, 2.0, CAL_DEFAULTS["log_lam"], 0.1, key="log_lam",
-                        help="λ pulls every calibrated weight toward the anchor W_anc.", **BIND)
-    rho = c2.slider("ρ  (anchor blend)", -1.0, 3.0, CAL_DEFAULTS["rho"], 0.05, key="rho",
-                    help="W_anc = ρ·W_mer + (1-ρ)·W_0", **BIND)
-    alpha = c3.slider("α  (target interpolation)", 0.0, 1.0, CAL_DEFAULTS["alpha"], 0.05, key="alpha",
-                      help="x_t = α·x_expert + (1-α)·x_calibrating", **BIND)
+    log_lam = c1.slider(
+        "log₁₀ λ  (ridge strength)",
+        -6.0,
+        2.0,
+        CAL_DEFAULTS["log_lam"],
+        0.1,
+        key="log_lam",
+        help="λ pulls every calibrated weight toward the anchor W_anc.",
+        **BIND,
+    )
+    rho = c2.slider(
+        "ρ  (anchor blend)", -1.0, 3.0, CAL_DEFAULTS["rho"], 0.05, key="rho", help="W_anc = ρ·W_mer + (1-ρ)·W_0", **BIND
+    )
+    alpha = c3.slider(
+        "α  (target interpolation)",
+        0.0,
+        1.0,
+        CAL_DEFAULTS["alpha"],
+        0.05,
+        key="alpha",
+        help="x_t = α·x_expert + (1-α)·x_calibrating",
+        **BIND,
+    )
     c4, c5, c6 = st.columns(3)
     default_n = CAL_DEFAULTS["n_cal"] if CAL_DEFAULTS["n_cal"] in sizes else sizes[-1]
     n = c4.select_slider("calibration examples per task", sizes, default_n, key="n_cal", **BIND)

@@ -10,6 +10,7 @@ tidy frames (``task``, ``block``, ``metric``, ``value``); accuracy tables are ti
 ``task``, ``model``, ``accuracy``. Every function returns a new ``go.Figure``, except
 :func:`task_accuracy_table`, a markdown table.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,7 +25,7 @@ from featcal.tune_figures import LAYOUT  # one layout for the app's and the comm
 # One colour per quantity, the same in every figure.
 COLORS = {
     "drift": "#111827",
-    "mismatch": "#1e3a8a",              # lines: darker than the bars they cross
+    "mismatch": "#1e3a8a",  # lines: darker than the bars they cross
     "propagation": "#9a3412",
     "drift_sq_mismatch": "#60a5fa",
     "drift_sq_propagation": "#fdba74",
@@ -39,6 +40,7 @@ NORMS = {"drift": "|e| drift", "mismatch": "|m| mismatch", "propagation": "|p| p
 
 
 # ----------------------------------------------------------------------------- shaping
+
 
 def per_block(df: pd.DataFrame, metrics: Iterable[str], task: str | None = None) -> pd.DataFrame:
     """Wide frame indexed by block, one column per metric (sorted by name): task ``task``'s
@@ -55,7 +57,7 @@ def per_block(df: pd.DataFrame, metrics: Iterable[str], task: str | None = None)
     np.add.at(total, (row, col), df.value.to_numpy(dtype=float)[keep])
     np.add.at(count, (row, col), 1.0)
     with np.errstate(invalid="ignore"):
-        mean = total / count                       # NaN where a block has no value of a metric
+        mean = total / count  # NaN where a block has no value of a metric
     return pd.DataFrame(mean, index=pd.Index(blocks, name="block"), columns=pd.Index(names, name="metric"))
 
 
@@ -66,8 +68,9 @@ def block_task_grid(df: pd.DataFrame, metric: str) -> pd.DataFrame:
     return sel.groupby(["block", "task"])["value"].mean().unstack("task")[tasks].sort_index()
 
 
-def value_range(frames: Iterable[pd.DataFrame | None], metrics: Iterable[str],
-                task: str | None = None, stacked: bool = False) -> tuple[float, float] | None:
+def value_range(
+    frames: Iterable[pd.DataFrame | None], metrics: Iterable[str], task: str | None = None, stacked: bool = False
+) -> tuple[float, float] | None:
     """A y range that fits every frame (for side-by-side charts on one scale); stacked
     bars count their positive and negative parts separately."""
     lo, hi = 0.0, 0.0
@@ -110,29 +113,43 @@ def _title(text: str) -> dict:
 
 # ----------------------------------------------------------------------------- tables
 
+
 def task_accuracy_table(before: pd.DataFrame, after: pd.DataFrame, name: str) -> str:
     """Accuracy per task (rows of ``task_summary`` frames, column ``accuracy``) of the merged
     model and of ``name``, with the change in points, as one markdown table: one element for
     the browser to draw on every slider change, where an ``st.metric`` per task is one per
     task plus their column containers)."""
     tasks = list(after.index)
+
     def color(d):
         return "green" if d > 0.05 else "red" if d < -0.05 else "gray"
-    cells = [f"{after.accuracy[t]:.1f}% :{color(d)}[{d:+.1f}]"
-             for t, d in ((t, after.accuracy[t] - before.accuracy[t]) for t in tasks)]
-    return "\n".join([f"| accuracy per task | {' | '.join(tasks)} |",
-                      "|:--|" + "--:|" * len(tasks),
-                      f"| merged | {' | '.join(f'{before.accuracy[t]:.1f}%' for t in tasks)} |",
-                      f"| {name} (Δ pp) | {' | '.join(cells)} |"])
+
+    cells = [
+        f"{after.accuracy[t]:.1f}% :{color(d)}[{d:+.1f}]"
+        for t, d in ((t, after.accuracy[t] - before.accuracy[t]) for t in tasks)
+    ]
+    return "\n".join(
+        [
+            f"| accuracy per task | {' | '.join(tasks)} |",
+            "|:--|" + "--:|" * len(tasks),
+            f"| merged | {' | '.join(f'{before.accuracy[t]:.1f}%' for t in tasks)} |",
+            f"| {name} (Δ pp) | {' | '.join(cells)} |",
+        ]
+    )
 
 
 # ----------------------------------------------------------------------------- drift
 
-def drift_decomposition(df: pd.DataFrame, title: str, task: str | None = None,
-                        sq_range: tuple[float, float] | None = None,
-                        norm_range: tuple[float, float] | None = None,
-                        selected_block: int | None = None,
-                        reference: tuple[str, pd.DataFrame] | None = None) -> go.Figure:
+
+def drift_decomposition(
+    df: pd.DataFrame,
+    title: str,
+    task: str | None = None,
+    sq_range: tuple[float, float] | None = None,
+    norm_range: tuple[float, float] | None = None,
+    selected_block: int | None = None,
+    reference: tuple[str, pd.DataFrame] | None = None,
+) -> go.Figure:
     """Per block: the squared drift split additively, ``|e|^2 = <e, m> + <e, p>``, as stacked
     bars (left axis), and the norms ``|e|``, ``|m|``, ``|p|`` as lines (right axis; norms do
     not add). Means over rows, and over tasks unless ``task`` is given. ``reference``:
@@ -144,59 +161,125 @@ def drift_decomposition(df: pd.DataFrame, title: str, task: str | None = None,
     data = []
     for metric, label in SQUARED.items():
         if metric in sq:
-            data.append({"type": "bar", "x": blocks, "y": sq[metric].tolist(), "name": label,
-                         "marker": {"color": COLORS[metric],
-                                    "opacity": [1.0 if selected_block in (None, b) else 0.35 for b in blocks]},
-                         "hovertemplate": "block %{x}<br>" + label + " %{y:.4g}<extra></extra>"})
+            data.append(
+                {
+                    "type": "bar",
+                    "x": blocks,
+                    "y": sq[metric].tolist(),
+                    "name": label,
+                    "marker": {
+                        "color": COLORS[metric],
+                        "opacity": [1.0 if selected_block in (None, b) else 0.35 for b in blocks],
+                    },
+                    "hovertemplate": "block %{x}<br>" + label + " %{y:.4g}<extra></extra>",
+                }
+            )
     for metric, label in NORMS.items():
         if metric in nm:
-            data.append({"type": "scatter", "x": [int(b) for b in nm.index], "y": nm[metric].tolist(),
-                         "name": label, "mode": "lines+markers", "yaxis": "y2",
-                         "line": {"color": COLORS[metric], "dash": "solid" if metric == "drift" else "dot"},
-                         "hovertemplate": "block %{x}<br>" + label + " %{y:.4g}<extra></extra>"})
+            data.append(
+                {
+                    "type": "scatter",
+                    "x": [int(b) for b in nm.index],
+                    "y": nm[metric].tolist(),
+                    "name": label,
+                    "mode": "lines+markers",
+                    "yaxis": "y2",
+                    "line": {"color": COLORS[metric], "dash": "solid" if metric == "drift" else "dot"},
+                    "hovertemplate": "block %{x}<br>" + label + " %{y:.4g}<extra></extra>",
+                }
+            )
     if reference is not None:
         name, ref = reference
         sq_ref, nm_ref = per_block(ref, SQUARED, task).sum(axis=1, min_count=1), per_block(ref, ["drift"], task)
-        data.append({"type": "scatter", "x": [int(b) for b in sq_ref.index], "y": sq_ref.tolist(),
-                     "name": f"{name}: |e|^2", "mode": "markers",
-                     "marker": {"symbol": "line-ew-open", "size": 28, "color": COLORS["merged"],
-                                "line": {"width": 3, "color": COLORS["merged"]}},
-                     "hovertemplate": "block %{x}<br>" + name + " |e|^2 %{y:.4g}<extra></extra>"})
+        data.append(
+            {
+                "type": "scatter",
+                "x": [int(b) for b in sq_ref.index],
+                "y": sq_ref.tolist(),
+                "name": f"{name}: |e|^2",
+                "mode": "markers",
+                "marker": {
+                    "symbol": "line-ew-open",
+                    "size": 28,
+                    "color": COLORS["merged"],
+                    "line": {"width": 3, "color": COLORS["merged"]},
+                },
+                "hovertemplate": "block %{x}<br>" + name + " |e|^2 %{y:.4g}<extra></extra>",
+            }
+        )
         if "drift" in nm_ref:
-            data.append({"type": "scatter", "x": [int(b) for b in nm_ref.index], "y": nm_ref["drift"].tolist(),
-                         "name": f"{name}: |e|", "mode": "lines", "yaxis": "y2",
-                         "line": {"color": COLORS["base"], "dash": "dash"},
-                         "hovertemplate": "block %{x}<br>" + name + " |e| %{y:.4g}<extra></extra>"})
-    return _figure(data, {
-        "title": _title(title), "barmode": "relative", "clickmode": "event+select",
-        "xaxis": {"title": {"text": "block"}, "dtick": 1},
-        "yaxis": {"title": {"text": "squared drift (mean over tokens)"}, "range": sq_range},
-        "yaxis2": {"title": {"text": "norm (mean over tokens)"}, "overlaying": "y", "side": "right",
-                   "showgrid": False, "range": norm_range, "rangemode": "tozero"},
-    })
+            data.append(
+                {
+                    "type": "scatter",
+                    "x": [int(b) for b in nm_ref.index],
+                    "y": nm_ref["drift"].tolist(),
+                    "name": f"{name}: |e|",
+                    "mode": "lines",
+                    "yaxis": "y2",
+                    "line": {"color": COLORS["base"], "dash": "dash"},
+                    "hovertemplate": "block %{x}<br>" + name + " |e| %{y:.4g}<extra></extra>",
+                }
+            )
+    return _figure(
+        data,
+        {
+            "title": _title(title),
+            "barmode": "relative",
+            "clickmode": "event+select",
+            "xaxis": {"title": {"text": "block"}, "dtick": 1},
+            "yaxis": {"title": {"text": "squared drift (mean over tokens)"}, "range": sq_range},
+            "yaxis2": {
+                "title": {"text": "norm (mean over tokens)"},
+                "overlaying": "y",
+                "side": "right",
+                "showgrid": False,
+                "range": norm_range,
+                "rangemode": "tozero",
+            },
+        },
+    )
 
 
-def drift_heatmap(df: pd.DataFrame, title: str, metric: str = "drift_rel",
-                  z_range: tuple[float, float] | None = None) -> go.Figure:
+def drift_heatmap(
+    df: pd.DataFrame, title: str, metric: str = "drift_rel", z_range: tuple[float, float] | None = None
+) -> go.Figure:
     """``block x task`` heatmap of one drift metric (default: relative drift ``|e| / |h_exp|``)."""
     grid = block_task_grid(df, metric)
-    trace = {"type": "heatmap", "z": grid.values.tolist(), "x": list(grid.columns),
-             "y": [int(b) for b in grid.index], "colorscale": "Reds",
-             "colorbar": {"title": {"text": metric, "side": "right"}, "thickness": 12},
-             "hovertemplate": "task %{x}<br>block %{y}<br>" + metric + " %{z:.4f}<extra></extra>"}
+    trace = {
+        "type": "heatmap",
+        "z": grid.values.tolist(),
+        "x": list(grid.columns),
+        "y": [int(b) for b in grid.index],
+        "colorscale": "Reds",
+        "colorbar": {"title": {"text": metric, "side": "right"}, "thickness": 12},
+        "hovertemplate": "task %{x}<br>block %{y}<br>" + metric + " %{z:.4f}<extra></extra>",
+    }
     if z_range is not None:
         trace.update(zmin=z_range[0], zmax=z_range[1])
     # Plotly reports no clicks on heatmap cells; near-invisible markers at the cell centres do.
     cells = [(t, int(b), v) for j, b in enumerate(grid.index) for t, v in zip(grid.columns, grid.values[j])]
-    points = {"type": "scatter", "mode": "markers", "x": [c[0] for c in cells], "y": [c[1] for c in cells],
-              "customdata": [c[2] for c in cells], "showlegend": False, "name": "cells",
-              "marker": {"size": 28, "symbol": "square", "opacity": 0.01, "color": "#000"},
-              "hovertemplate": "task %{x}<br>block %{y}<br>" + metric + " %{customdata:.4f}<extra></extra>"}
+    points = {
+        "type": "scatter",
+        "mode": "markers",
+        "x": [c[0] for c in cells],
+        "y": [c[1] for c in cells],
+        "customdata": [c[2] for c in cells],
+        "showlegend": False,
+        "name": "cells",
+        "marker": {"size": 28, "symbol": "square", "opacity": 0.01, "color": "#000"},
+        "hovertemplate": "task %{x}<br>block %{y}<br>" + metric + " %{customdata:.4f}<extra></extra>",
+    }
     trace["hoverinfo"] = "skip"
     trace.pop("hovertemplate")
-    return _figure([trace, points], {"title": _title(title), "clickmode": "event+select",
-                             "yaxis": {"title": {"text": "block"}, "dtick": 1, "autorange": "reversed"},
-                             "xaxis": {"title": {"text": "task"}}})
+    return _figure(
+        [trace, points],
+        {
+            "title": _title(title),
+            "clickmode": "event+select",
+            "yaxis": {"title": {"text": "block"}, "dtick": 1, "autorange": "reversed"},
+            "xaxis": {"title": {"text": "task"}},
+        },
+    )
 
 
 def block_by_task(frames: dict[str, pd.DataFrame], block: int, metric: str = "drift_rel") -> go.Figure:
@@ -204,11 +287,24 @@ def block_by_task(frames: dict[str, pd.DataFrame], block: int, metric: str = "dr
     data = []
     for name, df in frames.items():
         sel = df[(df.metric == metric) & (df.block == block)]
-        data.append({"type": "bar", "x": sel.task.tolist(), "y": sel.value.tolist(), "name": name,
-                     "marker": {"color": COLORS.get(name)},
-                     "hovertemplate": "%{x}<br>" + metric + " %{y:.4f}<extra>" + name + "</extra>"})
-    return _figure(data, {"title": _title(f"block {block}: {metric} per task"), "barmode": "group",
-                          "yaxis": {"title": {"text": metric}, "rangemode": "tozero"}})
+        data.append(
+            {
+                "type": "bar",
+                "x": sel.task.tolist(),
+                "y": sel.value.tolist(),
+                "name": name,
+                "marker": {"color": COLORS.get(name)},
+                "hovertemplate": "%{x}<br>" + metric + " %{y:.4f}<extra>" + name + "</extra>",
+            }
+        )
+    return _figure(
+        data,
+        {
+            "title": _title(f"block {block}: {metric} per task"),
+            "barmode": "group",
+            "yaxis": {"title": {"text": metric}, "rangemode": "tozero"},
+        },
+    )
 
 
 def task_by_block(frames: dict[str, pd.DataFrame], task: str, metric: str = "drift_rel") -> go.Figure:
@@ -216,41 +312,87 @@ def task_by_block(frames: dict[str, pd.DataFrame], task: str, metric: str = "dri
     data = []
     for name, df in frames.items():
         sel = df[(df.metric == metric) & (df.task == task) & (df.block >= 0)].sort_values("block")
-        data.append({"type": "scatter", "x": sel.block.tolist(), "y": sel.value.tolist(), "name": name,
-                     "mode": "lines+markers", "line": {"color": COLORS.get(name)}})
-    return _figure(data, {"title": _title(f"task {task}: {metric} per block"),
-                          "xaxis": {"title": {"text": "block"}, "dtick": 1},
-                          "yaxis": {"title": {"text": metric}, "rangemode": "tozero"}})
+        data.append(
+            {
+                "type": "scatter",
+                "x": sel.block.tolist(),
+                "y": sel.value.tolist(),
+                "name": name,
+                "mode": "lines+markers",
+                "line": {"color": COLORS.get(name)},
+            }
+        )
+    return _figure(
+        data,
+        {
+            "title": _title(f"task {task}: {metric} per block"),
+            "xaxis": {"title": {"text": "block"}, "dtick": 1},
+            "yaxis": {"title": {"text": metric}, "rangemode": "tozero"},
+        },
+    )
 
 
 # ----------------------------------------------------------------------------- accuracy
+
 
 def accuracy_bars(acc: pd.DataFrame, title: str = "accuracy per task (%)") -> go.Figure:
     """Grouped bars from a tidy ``task``, ``model``, ``accuracy`` frame (models in first-seen order)."""
     data = []
     for name in dict.fromkeys(acc.model):
         sel = acc[acc.model == name]
-        data.append({"type": "bar", "x": sel.task.tolist(), "y": sel.accuracy.tolist(), "name": name,
-                     "marker": {"color": COLORS.get(name.split(" ")[0])},
-                     "hovertemplate": "%{x}<br>%{y:.1f}%<extra>" + name + "</extra>"})
-    return _figure(data, {"title": _title(title), "barmode": "group",
-                          "yaxis": {"title": {"text": "top-1 accuracy (%)"}, "range": [0, 100]}})
+        data.append(
+            {
+                "type": "bar",
+                "x": sel.task.tolist(),
+                "y": sel.accuracy.tolist(),
+                "name": name,
+                "marker": {"color": COLORS.get(name.split(" ")[0])},
+                "hovertemplate": "%{x}<br>%{y:.1f}%<extra>" + name + "</extra>",
+            }
+        )
+    return _figure(
+        data,
+        {
+            "title": _title(title),
+            "barmode": "group",
+            "yaxis": {"title": {"text": "top-1 accuracy (%)"}, "range": [0, 100]},
+        },
+    )
 
 
 def residuals(modules: pd.DataFrame, title: str = "relative residual per module") -> go.Figure:
     """``report.to_frame()``: mean relative residual per block, before vs after calibration."""
     g = modules.groupby("block")[["residual_before", "residual_after"]].mean()
     blocks = [int(b) for b in g.index]
-    data = [{"type": "bar", "x": blocks, "y": g.residual_before.tolist(), "name": "merged",
-             "marker": {"color": COLORS["merged"]}},
-            {"type": "bar", "x": blocks, "y": g.residual_after.tolist(), "name": "calibrated",
-             "marker": {"color": COLORS["calibrated"]}}]
-    return _figure(data, {"title": _title(title), "barmode": "group",
-                          "xaxis": {"title": {"text": "block"}, "dtick": 1},
-                          "yaxis": {"title": {"text": "mean relative residual"}, "rangemode": "tozero"}})
+    data = [
+        {
+            "type": "bar",
+            "x": blocks,
+            "y": g.residual_before.tolist(),
+            "name": "merged",
+            "marker": {"color": COLORS["merged"]},
+        },
+        {
+            "type": "bar",
+            "x": blocks,
+            "y": g.residual_after.tolist(),
+            "name": "calibrated",
+            "marker": {"color": COLORS["calibrated"]},
+        },
+    ]
+    return _figure(
+        data,
+        {
+            "title": _title(title),
+            "barmode": "group",
+            "xaxis": {"title": {"text": "block"}, "dtick": 1},
+            "yaxis": {"title": {"text": "mean relative residual"}, "rangemode": "tozero"},
+        },
+    )
 
 
 # ----------------------------------------------------------------------------- export
+
 
 def for_export(fig: go.Figure) -> go.Figure:
     """A copy styled for a file (the app's theme does not travel with it)."""

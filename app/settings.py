@@ -8,6 +8,7 @@ keys) and free of Streamlit (the widgets that build them are in :mod:`app.contro
   weights) plus what only the app chooses (``n``, calibration examples per task);
 - :class:`ModelRef`: which model a score or drift table is of, with every setting that made it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,15 +19,17 @@ from dataclasses import dataclass
 from featcal import FeatCalConfig
 
 CAL_SIZES = (4, 8, 16, 32, 64, 128, 256, 512)
-DEFAULT_N = 8        # calibration examples per task (see benchmarks/app_latency.py)
+DEFAULT_N = 8  # calibration examples per task (see benchmarks/app_latency.py)
 # The instant preview is scored and drawn only when the exact run has not finished this long
 # after a change: a quick exact run then has both cores to itself and is drawn once
 # (measured: benchmarks/README.md, 'App latency').
 PREVIEW_AFTER_S = float(os.environ.get("FEATCAL_PREVIEW_AFTER_S", "1.0"))
 MERGE_METHODS = {"average": "Simple averaging", "task_arithmetic": "Task Arithmetic", "ties": "TIES"}
 # Slider (min, max, step) of every merger parameter; defaults come from featcal.merging.
-MERGE_PARAMS = {"task_arithmetic": {"scale": (0.05, 1.0, 0.05)},
-                "ties": {"density": (0.05, 1.0, 0.05), "scale": (0.05, 2.0, 0.05)}}
+MERGE_PARAMS = {
+    "task_arithmetic": {"scale": (0.05, 1.0, 0.05)},
+    "ties": {"density": (0.05, 1.0, 0.05), "scale": (0.05, 2.0, 0.05)},
+}
 CAL_DEFAULTS = dict(log_lam=-1.3, rho=2.0, alpha=0.3, n_cal=DEFAULT_N, bias=True, layernorm=True)
 
 
@@ -42,7 +45,7 @@ class Merger:
     """A merge method (a key of :data:`featcal.merging.MERGERS`) and its parameters."""
 
     method: str
-    params: tuple[tuple[str, float], ...] = ()   # (name, value) pairs, in the sliders' order
+    params: tuple[tuple[str, float], ...] = ()  # (name, value) pairs, in the sliders' order
 
     @property
     def kwargs(self) -> dict[str, float]:
@@ -60,22 +63,22 @@ class AppCal:
     """One exact FeatCal run of the app: its :class:`featcal.FeatCalConfig` and the number of
     calibration examples per task it reads (the only setting the app adds)."""
 
-    config: FeatCalConfig   # the CLIP preset (token weights) with the sliders' λ, ρ, α and switches
-    n: int                  # calibration examples per task
+    config: FeatCalConfig  # the CLIP preset (token weights) with the sliders' λ, ρ, α and switches
+    n: int  # calibration examples per task
 
     def __post_init__(self):
         if not (isinstance(self.n, int) and self.n > 0):
             raise ValueError(f"n (calibration examples per task) must be a positive int, got {self.n!r}.")
 
     @classmethod
-    def from_widgets(cls, log_lam: float, rho: float, alpha: float, n: int, bias: bool,
-                     layernorm: bool) -> "AppCal":
+    def from_widgets(cls, log_lam: float, rho: float, alpha: float, n: int, bias: bool, layernorm: bool) -> "AppCal":
         """The settings the widgets show. λ moves on a log10 slider: rounded there (a URL or a
         slider step can carry float noise, which would split the cache) and turned into
         ``config.lam`` here, once."""
         lam = 10 ** round(float(log_lam), 4)
-        config = FeatCalConfig.clip(lam=lam, rho=float(rho), alpha=float(alpha), bias=bool(bias),
-                                    layernorm=bool(layernorm))
+        config = FeatCalConfig.clip(
+            lam=lam, rho=float(rho), alpha=float(alpha), bias=bool(bias), layernorm=bool(layernorm)
+        )
         return cls(config, int(n))
 
     @property
@@ -113,22 +116,29 @@ class ModelRef:
     kind: str
     merger: Merger | None = None
     cal: AppCal | None = None
-    from_run: AppCal | None = None   # preview only: the exact run whose kept statistics it re-solves
+    from_run: AppCal | None = None  # preview only: the exact run whose kept statistics it re-solves
 
     def __post_init__(self):
         if self.kind not in MODEL_KINDS:
             raise ValueError(f"kind must be one of {MODEL_KINDS}, got {self.kind!r}.")
-        needs = {"base": (), "merged": ("merger",), "calibrated": ("merger", "cal"),
-                 "preview": ("merger", "cal", "from_run")}[self.kind]
+        needs = {
+            "base": (),
+            "merged": ("merger",),
+            "calibrated": ("merger", "cal"),
+            "preview": ("merger", "cal", "from_run"),
+        }[self.kind]
         for name in ("merger", "cal", "from_run"):
             if (getattr(self, name) is None) == (name in needs):
                 state = "needs" if name in needs else "takes no"
                 build = "base_model" if self.kind == "base" else self.kind
-                raise ValueError(f"a {self.kind!r} model reference {state} {name!r}; build it with "
-                                 f"ModelRef.{build}(...).")
+                raise ValueError(
+                    f"a {self.kind!r} model reference {state} {name!r}; build it with ModelRef.{build}(...)."
+                )
         if self.kind == "preview" and self.cal.structure != self.from_run.structure:
-            raise ValueError("a preview re-solves only λ, ρ, α: it and the run it comes from must share "
-                             "n and every other setting (AppCal.structure).")
+            raise ValueError(
+                "a preview re-solves only λ, ρ, α: it and the run it comes from must share "
+                "n and every other setting (AppCal.structure)."
+            )
 
     @classmethod
     def base_model(cls) -> "ModelRef":

@@ -6,6 +6,7 @@ reload): ``st.navigation`` switches that mode off only once the main script has 
 Such a run never passes through the main script, so it has no zoo; the app switches
 the mode off itself and reruns (:func:`app.state.active_source`).
 """
+
 from __future__ import annotations
 
 

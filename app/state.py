@@ -11,6 +11,7 @@ Cached functions resolve the resources they need *before* taking a lock
 (:mod:`app.workers`) and never call another cached function while holding it, so the
 locks and Streamlit's per-key cache locks cannot deadlock.
 """
+
 from __future__ import annotations
 
 import copy
@@ -36,6 +37,7 @@ device = compute.device
 
 
 # ============================================================================ 1. the zoo
+
 
 @st.cache_resource(max_entries=2, show_spinner="Loading the zoo (the demo builds offline on first use, ~3 min)…")
 def _zoo(source: str, dev: str):
@@ -76,6 +78,7 @@ def fingerprint(source: str) -> str:
 
 # ============================================================================ 2. models
 
+
 @st.cache_resource(max_entries=4, show_spinner=False, hash_funcs=HASH_FUNCS)
 def merged_model(source: str, fp: str, merger: Merger):
     zoo = _zoo(source, device())
@@ -100,7 +103,7 @@ def diag_data(source: str, fp: str) -> dict:
 @dataclass
 class Calibrated:
     model: torch.nn.Module
-    report: object          # featcal.CalibrationReport, with preview_state
+    report: object  # featcal.CalibrationReport, with preview_state
     seconds: float
 
 
@@ -157,7 +160,7 @@ def calibrated(source: str, fp: str, merger: Merger, cal: AppCal) -> Calibrated:
     merged = merged_model(source, fp, merger)
     data = calib_data(source, fp, cal.n)
     trace = _expert_trace(source, fp, cal.n)
-    with torch_lock(source, alone=True):      # nothing runs beside it until the preview's deadline
+    with torch_lock(source, alone=True):  # nothing runs beside it until the preview's deadline
         t0 = time.perf_counter()
         model, report = compute.calibrate(merged, zoo, data, cal.config, trace)
         run = Calibrated(model, report, time.perf_counter() - t0)
@@ -203,7 +206,7 @@ def model_of(source: str, fp: str, ref: ModelRef, hooks: bool = True) -> Iterato
     if ref.kind == "preview":
         prev = _calibrated_run(source, fp, ref.merger, ref.from_run)
         model = _scratch(source, fp)
-        with torch_lock(source, workers.scratch_lock()), (torch_lock(source) if hooks else nullcontext()):
+        with torch_lock(source, workers.scratch_lock()), torch_lock(source) if hooks else nullcontext():
             compute.load_preview(model, prev.model, prev.report, ref.cal.config)
             yield model
     elif ref.kind == "calibrated":
@@ -218,6 +221,7 @@ def model_of(source: str, fp: str, ref: ModelRef, hooks: bool = True) -> Iterato
 
 # ============================================================================ 3. results
 
+
 @st.cache_resource(max_entries=4, show_spinner=False)
 def expert_side(source: str, fp: str, max_per_task: int | None) -> compute.ExpertSide:
     """The experts' logits and features on the live subsets (they never change)."""
@@ -228,8 +232,7 @@ def expert_side(source: str, fp: str, max_per_task: int | None) -> compute.Exper
 
 
 @st.cache_data(max_entries=256, show_spinner=False, hash_funcs=HASH_FUNCS)
-def output_scores(source: str, fp: str, ref: ModelRef,
-                  max_per_task: int | None = LIVE_TEST) -> dict[str, pd.DataFrame]:
+def output_scores(source: str, fp: str, ref: ModelRef, max_per_task: int | None = LIVE_TEST) -> dict[str, pd.DataFrame]:
     """Output drift (KL, agreement, accuracy) on the test split, task-vector cosine:
     ``{"output", "task_vector"}``."""
     zoo = _zoo(source, device())
@@ -238,7 +241,7 @@ def output_scores(source: str, fp: str, ref: ModelRef,
         return compute.output_scores(model, zoo, side)
 
 
-_OWN_STREAMS: OrderedDict[tuple, object] = OrderedDict()   # (source, fp, ref) -> the model's held-out streams
+_OWN_STREAMS: OrderedDict[tuple, object] = OrderedDict()  # (source, fp, ref) -> the model's held-out streams
 _OWN_LOCK = threading.Lock()
 
 
@@ -286,7 +289,7 @@ def drift(source: str, fp: str, ref: ModelRef) -> pd.DataFrame:
     data = diag_data(source, fp)
     cache = expert_streams(source, fp)
     with _OWN_LOCK:
-        own = _OWN_STREAMS.pop((source, fp, ref), None)     # kept by cosine_scores, else none
+        own = _OWN_STREAMS.pop((source, fp, ref), None)  # kept by cosine_scores, else none
     with model_of(source, fp, ref) as model:
         return compute.drift(model, zoo, data, cache, own)
 
@@ -294,6 +297,7 @@ def drift(source: str, fp: str, ref: ModelRef) -> pd.DataFrame:
 def start_heldout(source: str, fp: str, ref: ModelRef) -> Future:
     """Measure the expert cosine, then the drift (both on the held-out subset) on the worker
     thread, while the script scores the same model's outputs: about half the work each."""
+
     def both() -> pd.DataFrame:
         cosine_scores(source, fp, ref)
         return drift(source, fp, ref)
@@ -320,8 +324,10 @@ def png(fig_json: str) -> bytes:
 
 def live_note(zoo) -> str:
     n = min(LIVE_TEST, compute.split_size(zoo, "test"))
-    return (f"Live view: accuracy, KL and agreement on the first {n} test examples per task; drift and "
-            f"cosines on {DIAG_N} held-out examples per task. Full-test-set evaluation on demand.")
+    return (
+        f"Live view: accuracy, KL and agreement on the first {n} test examples per task; drift and "
+        f"cosines on {DIAG_N} held-out examples per task. Full-test-set evaluation on demand."
+    )
 
 
 def short_hash(*parts) -> str:

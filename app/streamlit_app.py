@@ -5,6 +5,7 @@
 3. the open page runs. Pages read the settings through :mod:`app.controls`, the zoo, models
    and tables through :mod:`app.state`.
 """
+
 from __future__ import annotations
 
 import sys
@@ -36,8 +37,11 @@ source = controls.zoo_picker()
 zoo, error = state.zoo_or_error(source)
 
 # 2. The pages.
-pages = [st.Page(HERE / "pages" / f, title=title, icon=icon, default=(f == "zoo.py"))
-         for f, title, icon in PAGES if (HERE / "pages" / f).is_file()]
+pages = [
+    st.Page(HERE / "pages" / f, title=title, icon=icon, default=(f == "zoo.py"))
+    for f, title, icon in PAGES
+    if (HERE / "pages" / f).is_file()
+]
 page = st.navigation(pages)
 
 # 3. The open page, once the zoo is there.
@@ -45,6 +49,8 @@ if error is not None:
     st.error(error)
     st.stop()
 st.session_state["_zoo_source"] = source
-st.sidebar.caption(f"**{zoo.name}**: {len(zoo.tasks)} tasks, {zoo.fmt} format, on {state.device()}. "
-                   "Post-merging feature calibration, arXiv 2605.13030.")
+st.sidebar.caption(
+    f"**{zoo.name}**: {len(zoo.tasks)} tasks, {zoo.fmt} format, on {state.device()}. "
+    "Post-merging feature calibration, arXiv 2605.13030."
+)
 page.run()

@@ -5,6 +5,7 @@ running, so that quick updates reach the browser in order; the Calibrate page op
 per slider change, 0.2 s of its 1 s budget. Here a status is one caption in a slot,
 replaced in place (each replacement is one delta to the same element: nothing to reorder).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -12,8 +13,7 @@ from typing import Iterator
 
 import streamlit as st
 
-ICONS = {"running": ":material/hourglass_top:", "complete": ":material/check_circle:",
-         "error": ":material/error:"}
+ICONS = {"running": ":material/hourglass_top:", "complete": ":material/check_circle:", "error": ":material/error:"}
 
 
 class StatusLine:

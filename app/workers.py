@@ -6,6 +6,7 @@ lock of their own. The work a slider change triggers runs in pairs on two cores:
 exact calibration or the held-out diagnostics on the worker thread (:func:`submit`),
 the scores on the script's thread. :mod:`app.state` decides what runs where.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,7 +51,7 @@ def torch_lock(source: str | None = None, lock=None, alone: bool = False) -> Ite
     :func:`model_lock`; a ``nullcontext`` for none), without autograd, with the zoo's CPU
     thread count (set on every call: it is per thread; ``alone``: for work that has the
     machine to itself, :func:`app.compute.cpu_threads`)."""
-    with (lock or model_lock()), torch.no_grad():
+    with lock or model_lock(), torch.no_grad():
         _set_threads(source, alone)
         yield
 

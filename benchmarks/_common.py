@@ -5,6 +5,7 @@ Imports only torch and transformers (and featcal), so the scripts also run on a
 machine that has those but not this repository's virtual environment. Every
 script puts the repository root on ``sys.path`` itself (see :func:`setup_path`).
 """
+
 from __future__ import annotations
 
 import copy
@@ -29,14 +30,22 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # HF ``CLIPVisionConfig`` fields of each model size the benchmarks use.
 SIZES: dict[str, dict] = {
     # ViT-B/32 at 224 px: 12 blocks of width 768, 50 tokens per image, 88M parameters.
-    "vit-b32": dict(image_size=224, patch_size=32, hidden_size=768, intermediate_size=3072,
-                    num_hidden_layers=12, num_attention_heads=12),
+    "vit-b32": dict(
+        image_size=224,
+        patch_size=32,
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+    ),
     # The embedded demo zoo's model (featcal.zoo.demo.Recipe.vision): 17 tokens per image.
-    "demo": dict(image_size=32, patch_size=8, hidden_size=128, intermediate_size=512,
-                 num_hidden_layers=4, num_attention_heads=4),
+    "demo": dict(
+        image_size=32, patch_size=8, hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4
+    ),
     # The tests' tiny HF CLIP (tests/tiny.py): 5 tokens per image.
-    "tiny": dict(image_size=16, patch_size=8, hidden_size=32, intermediate_size=64,
-                 num_hidden_layers=2, num_attention_heads=4),
+    "tiny": dict(
+        image_size=16, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
+    ),
 }
 
 
@@ -54,6 +63,7 @@ def tokens_per_example(size: str) -> int:
 
 # --------------------------------------------------------------------------- zoo
 
+
 @dataclass
 class Zoo:
     """A random CLIP-format zoo: base, perturbed experts, their Task Arithmetic merge, data."""
@@ -62,7 +72,7 @@ class Zoo:
     base: nn.Module
     experts: dict[str, nn.Module]
     merged: nn.Module
-    data: dict[str, list[torch.Tensor]]   # {task: [(B, 3, H, W), ...]}
+    data: dict[str, list[torch.Tensor]]  # {task: [(B, 3, H, W), ...]}
     n_examples: int
     batch: int
 
@@ -93,9 +103,18 @@ def _perturbed(model: nn.Module, rel_std: float, seed: int) -> nn.Module:
 
 
 @torch.no_grad()
-def build_zoo(size: str, n_experts: int, n_examples: int, batch: int, *, device: str | torch.device = "cpu",
-              dtype: torch.dtype = torch.float32, rel_std: float = 0.05, seed: int = 0, layers: int | None = None
-              ) -> Zoo:
+def build_zoo(
+    size: str,
+    n_experts: int,
+    n_examples: int,
+    batch: int,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    rel_std: float = 0.05,
+    seed: int = 0,
+    layers: int | None = None,
+) -> Zoo:
     """Random HF ``CLIPVisionModel`` of ``SIZES[size]`` (``layers`` overrides the depth), experts as
     seeded perturbations of it, Task Arithmetic (scale 0.3) as the merge, N(0, 1) pixels as data."""
     from transformers import CLIPVisionConfig, CLIPVisionModel
@@ -113,12 +132,15 @@ def build_zoo(size: str, n_experts: int, n_examples: int, batch: int, *, device:
     merged.load_state_dict(sd)
     gen = torch.Generator(device=device).manual_seed(seed + 1000)
     hw = fields["image_size"]
-    data = {t: list(torch.randn(n_examples, 3, hw, hw, generator=gen, device=device).to(dtype).split(batch))
-            for t in experts}
+    data = {
+        t: list(torch.randn(n_examples, 3, hw, hw, generator=gen, device=device).to(dtype).split(batch))
+        for t in experts
+    }
     return Zoo(size, base, experts, merged, data, n_examples, batch)
 
 
 # ------------------------------------------------------------------- timing
+
 
 def sync(device: torch.device | str) -> None:
     if torch.device(device).type == "cuda":
@@ -169,12 +191,12 @@ def forward_reference(zoo: Zoo) -> Timing:
 class CalRun:
     """One timed ``calibrate`` call and its report's per-phase totals (seconds)."""
 
-    seconds: float          # wall clock of the whole call (validation, model copy, stems included)
-    cpu_seconds: float      # the process's CPU time over the call (all threads)
+    seconds: float  # wall clock of the whole call (validation, model copy, stems included)
+    cpu_seconds: float  # the process's CPU time over the call (all threads)
     stats: float
     solve: float
     advance: float
-    peak_mem: float | None = None   # bytes above the start (see the memory probe used)
+    peak_mem: float | None = None  # bytes above the start (see the memory probe used)
 
     @property
     def other(self) -> float:
@@ -191,12 +213,25 @@ def calibrate_once(zoo: Zoo, config, *, keep_stats: bool = False, mem_probe: "Me
     with warnings.catch_warnings():  # few rows per input width is expected with few examples
         warnings.filterwarnings("ignore", message=".*fewer than its input width")
         with _Timer(device_of(zoo)) as t:
-            model, report = calibrate(zoo.merged, base=zoo.base, experts=zoo.experts, calib_data=zoo.data,
-                                      config=config, keep_stats=keep_stats, progress=False)
+            model, report = calibrate(
+                zoo.merged,
+                base=zoo.base,
+                experts=zoo.experts,
+                calib_data=zoo.data,
+                config=config,
+                keep_stats=keep_stats,
+                progress=False,
+            )
     peak = mem_probe.stop() if mem_probe is not None else None
     b = report.blocks
-    run = CalRun(t.timing.wall, t.timing.cpu, sum(r.stats_seconds for r in b),
-                 sum(r.solve_seconds for r in b), sum(r.advance_seconds for r in b), peak)
+    run = CalRun(
+        t.timing.wall,
+        t.timing.cpu,
+        sum(r.stats_seconds for r in b),
+        sum(r.solve_seconds for r in b),
+        sum(r.advance_seconds for r in b),
+        peak,
+    )
     return run, model, report
 
 
@@ -205,11 +240,11 @@ def median_run(runs: list[CalRun]) -> CalRun:
     ordered = sorted(runs, key=lambda r: r.seconds)
     mid = ordered[(len(ordered) - 1) // 2]
     peaks = [r.peak_mem for r in runs if r.peak_mem is not None]
-    return CalRun(mid.seconds, mid.cpu_seconds, mid.stats, mid.solve, mid.advance,
-                  max(peaks) if peaks else None)
+    return CalRun(mid.seconds, mid.cpu_seconds, mid.stats, mid.solve, mid.advance, max(peaks) if peaks else None)
 
 
 # ------------------------------------------------------------------- memory
+
 
 def _rss_bytes() -> int | None:
     try:
@@ -276,6 +311,7 @@ class MemProbe:
 
 # ------------------------------------------------------------------ output
 
+
 def environment(device: torch.device | str = "cpu") -> str:
     """One paragraph: date, Python, torch, transformers, threads, CPU and device names."""
     import transformers
@@ -289,12 +325,18 @@ def environment(device: torch.device | str = "cpu") -> str:
     dev = torch.device(device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({cpu})"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    busy = (f"\nWARNING: load average {load:.1f} exceeds the {os.cpu_count()} CPUs: other processes share "
-            "them, so CPU timings are noisy." if load > (os.cpu_count() or 1) else "")
-    return (f"{_dt.datetime.now().isoformat(timespec='minutes')}; Python {platform.python_version()}, "
-            f"torch {torch.__version__}, transformers {transformers.__version__}; "
-            f"device {name}; {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
-            f"load average {load:.1f}{busy}")
+    busy = (
+        f"\nWARNING: load average {load:.1f} exceeds the {os.cpu_count()} CPUs: other processes share "
+        "them, so CPU timings are noisy."
+        if load > (os.cpu_count() or 1)
+        else ""
+    )
+    return (
+        f"{_dt.datetime.now().isoformat(timespec='minutes')}; Python {platform.python_version()}, "
+        f"torch {torch.__version__}, transformers {transformers.__version__}; "
+        f"device {name}; {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
+        f"load average {load:.1f}{busy}"
+    )
 
 
 def markdown_table(rows: list[Mapping[str, object]]) -> str:
@@ -320,26 +362,35 @@ def fmt_bytes(n: float | None) -> str:
     return f"{n / 2**20:.0f} MiB" if abs(n) >= 2**20 else f"{n / 2**10:.0f} KiB"
 
 
-def cost_row(label: str, zoo: Zoo, ref: Timing, run: CalRun, *, cpu_ratio: bool = True,
-             **extra) -> dict[str, object]:
+def cost_row(label: str, zoo: Zoo, ref: Timing, run: CalRun, *, cpu_ratio: bool = True, **extra) -> dict[str, object]:
     """A table row: the calibration time as a multiple of the forward reference, and its phases
     (wall clock; ``cpu_ratio`` adds the ratio of the process's CPU times)."""
     r = ref.wall
+
     def x(s):
         return f"{fmt_s(s)} ({s / r:.2f}x)"
-    row = {"model": label, "experts": len(zoo.experts), "examples/task": zoo.n_examples,
-           "batch": zoo.batch}
+
+    row = {"model": label, "experts": len(zoo.experts), "examples/task": zoo.n_examples, "batch": zoo.batch}
     row.update(extra)
-    row.update({"reference fwd": fmt_s(r), "calibrate": fmt_s(run.seconds),
-                "calibrate / fwd": f"**{run.seconds / r:.2f}x**"})
+    row.update(
+        {"reference fwd": fmt_s(r), "calibrate": fmt_s(run.seconds), "calibrate / fwd": f"**{run.seconds / r:.2f}x**"}
+    )
     if cpu_ratio:
         row["same, CPU time"] = f"{run.cpu_seconds / ref.cpu:.2f}x"
-    row.update({"stats": x(run.stats), "solve": x(run.solve), "advance": x(run.advance),
-                "other": x(run.other), "peak mem": fmt_bytes(run.peak_mem)})
+    row.update(
+        {
+            "stats": x(run.stats),
+            "solve": x(run.solve),
+            "advance": x(run.advance),
+            "other": x(run.other),
+            "peak mem": fmt_bytes(run.peak_mem),
+        }
+    )
     return row
 
 
 # ---------------------------------------------------------------- profiling
+
 
 def profile_ops(fn: Callable[[], object], device="cpu", rows: int = 15) -> str:
     """The top torch ops of one call by self time (``torch.profiler``; CUDA time on a GPU)."""

@@ -30,6 +30,7 @@ every one runs the exact forward-order FeatCal (nothing served from the cache):
     python benchmarks/app_latency.py --browser       # + the real browser
     python benchmarks/app_latency.py --zoo path/to/zoo --n 16 --repeats 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,11 +55,16 @@ TARGET_S = 1.0
 
 
 def _stats(xs: list[float]) -> dict[str, str]:
-    return {"median": f"{statistics.median(xs):.3f} s", "max": f"{max(xs):.3f} s",
-            "n": str(len(xs)), f"<= {TARGET_S:g} s": f"{sum(x <= TARGET_S for x in xs)}/{len(xs)}"}
+    return {
+        "median": f"{statistics.median(xs):.3f} s",
+        "max": f"{max(xs):.3f} s",
+        "n": str(len(xs)),
+        f"<= {TARGET_S:g} s": f"{sum(x <= TARGET_S for x in xs)}/{len(xs)}",
+    }
 
 
 # ----------------------------------------------------------------------------- 1. parts
+
 
 def bench_parts(source: str, n: int, repeats: int) -> list[dict]:
     """The app's work for one slider change, piece by piece, as :mod:`app.state` runs it:
@@ -74,19 +80,25 @@ def bench_parts(source: str, n: int, repeats: int) -> list[dict]:
 
     dev = compute.device()
     zoo = compute.load_zoo(source, dev)
-    torch.set_num_threads(compute.cpu_threads(zoo, dev))   # as the app does
+    torch.set_num_threads(compute.cpu_threads(zoo, dev))  # as the app does
     merged = zoo.merged("task_arithmetic", scale=0.3)
     data = zoo.calib_data(n, seed=42)
     diag = zoo.calib_data(min(compute.DIAG_N, compute.split_size(zoo, "val")), seed=0, split="val")
-    side = compute.expert_side(zoo, diag, compute.LIVE_TEST)   # once per zoo in the app
-    streams = compute.expert_streams(zoo, diag)                 # likewise
+    side = compute.expert_side(zoo, diag, compute.LIVE_TEST)  # once per zoo in the app
+    streams = compute.expert_streams(zoo, diag)  # likewise
     compute.scores(merged, zoo, diag, compute.LIVE_TEST, side)  # warm-up (allocator, first-call costs)
-    trace = compute.expert_trace(zoo, data)                     # once per zoo and size, as the app keeps it
+    trace = compute.expert_trace(zoo, data)  # once per zoo and size, as the app keeps it
     _, rep0 = compute.calibrate(merged, zoo, data, FeatCalConfig.clip(), trace)
-    scratch = compute.load_preview(zoo.merged("task_arithmetic", scale=0.3), rep0.preview_state.template,
-                                   rep0, FeatCalConfig.clip())
-    pieces = ("preview: load_into", "preview: scores", "exact: calibrate", "exact: output scores",
-              "exact: cosines + drift")
+    scratch = compute.load_preview(
+        zoo.merged("task_arithmetic", scale=0.3), rep0.preview_state.template, rep0, FeatCalConfig.clip()
+    )
+    pieces = (
+        "preview: load_into",
+        "preview: scores",
+        "exact: calibrate",
+        "exact: output scores",
+        "exact: cosines + drift",
+    )
     wall: dict[str, list[float]] = {k: [] for k in (*pieces, "preview shown", "exact shown")}
     cpu: dict[str, list[float]] = {k: [] for k in (*pieces, "preview shown", "exact shown")}
 
@@ -96,11 +108,11 @@ def bench_parts(source: str, n: int, repeats: int) -> list[dict]:
         return time.perf_counter(), time.thread_time()
 
     threads = torch.get_num_threads()
-    solo = compute.cpu_threads(zoo, dev, alone=True)        # the exact run's, as the app's
+    solo = compute.cpu_threads(zoo, dev, alone=True)  # the exact run's, as the app's
     pool = ThreadPoolExecutor(max_workers=1)
 
     def exact(rho: float):
-        torch.set_num_threads(solo)         # per thread, as app.workers.torch_lock does
+        torch.set_num_threads(solo)  # per thread, as app.workers.torch_lock does
         with torch.no_grad():
             a = clock()
             model, _ = compute.calibrate(merged, zoo, data, FeatCalConfig.clip(rho=rho), trace)
@@ -111,21 +123,21 @@ def bench_parts(source: str, n: int, repeats: int) -> list[dict]:
         torch.set_num_threads(threads)
         with torch.no_grad():
             a = clock()
-            _, own = compute.cosine_scores_and_streams(copy.deepcopy(model), zoo, diag, side)   # hooks: a copy
+            _, own = compute.cosine_scores_and_streams(copy.deepcopy(model), zoo, diag, side)  # hooks: a copy
             compute.drift(copy.deepcopy(model), zoo, diag, streams, own)
             b = clock()
             return b[0] - a[0], b[1] - a[1]
 
     for i in range(repeats):
         rho = 1.5 + 0.1 * i
-        c0 = clock()                         # the preview, scored only when the exact run is slow
+        c0 = clock()  # the preview, scored only when the exact run is slow
         compute.load_preview(scratch, rep0.preview_state.template, rep0, FeatCalConfig.clip(rho=rho))
         c1 = clock()
         compute.scores(scratch, zoo, diag, compute.LIVE_TEST, side)
         c2 = clock()
-        model, cal = pool.submit(exact, rho).result()   # alone: the app's usual path
+        model, cal = pool.submit(exact, rho).result()  # alone: the app's usual path
         c3 = clock()
-        heldout_job = pool.submit(heldout, model)    # beside the output scores
+        heldout_job = pool.submit(heldout, model)  # beside the output scores
         compute.output_scores(model, zoo, side)
         c4 = clock()
         dr = heldout_job.result()
@@ -141,12 +153,18 @@ def bench_parts(source: str, n: int, repeats: int) -> list[dict]:
     pool.shutdown()
     rows = []
     for name in wall:
-        rows.append({"measure": f"parts: {name}", **_stats(wall[name]),
-                     "CPU s (median)": f"{statistics.median(cpu[name]):.3f} s"})
+        rows.append(
+            {
+                "measure": f"parts: {name}",
+                **_stats(wall[name]),
+                "CPU s (median)": f"{statistics.median(cpu[name]):.3f} s",
+            }
+        )
     return rows
 
 
 # ----------------------------------------------------------------------------- 2. apptest
+
 
 def bench_apptest(source: str, n: int, repeats: int) -> list[dict]:
     from streamlit.testing.v1 import AppTest
@@ -160,9 +178,11 @@ def bench_apptest(source: str, n: int, repeats: int) -> list[dict]:
     if at.exception or at.error:
         raise RuntimeError(f"the app failed: {[e.value for e in [*at.exception, *at.error]]}")
     rows = []
-    moves = {"log_lam": [-1.0 - 0.1 * i for i in range(repeats)],
-             "rho": [1.5 + 0.05 * i for i in range(repeats)],
-             "alpha": [0.5 + 0.05 * i for i in range(repeats)]}
+    moves = {
+        "log_lam": [-1.0 - 0.1 * i for i in range(repeats)],
+        "rho": [1.5 + 0.05 * i for i in range(repeats)],
+        "alpha": [0.5 + 0.05 * i for i in range(repeats)],
+    }
     for key, values in moves.items():
         xs = []
         for v in values:
@@ -177,6 +197,7 @@ def bench_apptest(source: str, n: int, repeats: int) -> list[dict]:
 
 # ----------------------------------------------------------------------------- 3. browser
 
+
 def bench_browser(source: str, n: int, repeats: int) -> list[dict]:
     chromium = shutil.which("chromium")
     if chromium is None:
@@ -186,10 +207,25 @@ def bench_browser(source: str, n: int, repeats: int) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(APP), "--server.port", str(port),
-                             "--server.address", "127.0.0.1", "--server.headless", "true"],
-                            cwd=_common.REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "streamlit",
+            "run",
+            str(APP),
+            "--server.port",
+            str(port),
+            "--server.address",
+            "127.0.0.1",
+            "--server.headless",
+            "true",
+        ],
+        cwd=_common.REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ},
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(240):
@@ -201,17 +237,29 @@ def bench_browser(source: str, n: int, repeats: int) -> list[dict]:
         query = {"n_cal": n} if source == "demo" else {"zoo": "other (path)…", "zoo_path": source, "n_cal": n}
         rows = []
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=chromium, args=[
-                "--no-sandbox", "--disable-gpu", "--disable-quic", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync", "--no-first-run"])
+            browser = p.chromium.launch(
+                executable_path=chromium,
+                args=[
+                    "--no-sandbox",
+                    "--disable-gpu",
+                    "--disable-quic",
+                    "--disable-background-networking",
+                    "--disable-component-update",
+                    "--disable-sync",
+                    "--no-first-run",
+                ],
+            )
             page = browser.new_page(viewport={"width": 1500, "height": 1200})
             page.goto(f"{url}/calibrate?{urllib.parse.urlencode(query)}")
             page.wait_for_selector('[data-testid="stMetricValue"]', timeout=900_000)
-            for label, key in (("ridge strength", "log_lam"), ("anchor blend", "rho"),
-                               ("target interpolation", "alpha")):
+            for label, key in (
+                ("ridge strength", "log_lam"),
+                ("anchor blend", "rho"),
+                ("target interpolation", "alpha"),
+            ):
                 for how, what in (("mouse", "mouse release"), ("key", "arrow key")):
                     xs, first = [], []
-                    for _ in range(repeats):         # one way: every value is new (no cache hit)
+                    for _ in range(repeats):  # one way: every value is new (no cache hit)
                         total, shown = _browser_move(page, label, +1, how)
                         xs.append(total)
                         first.append(shown)
@@ -267,10 +315,17 @@ def _browser_move(page, label: str, direction: int, how: str = "mouse") -> tuple
     page.wait_for_function(
         """([sel, before]) => { const now = [...document.querySelectorAll(sel)].map(e => e.innerText);
              return now.length > 0 && JSON.stringify(now) !== JSON.stringify(before); }""",
-        arg=[sel, before], timeout=300_000, polling=10)
+        arg=[sel, before],
+        timeout=300_000,
+        polling=10,
+    )
     shown = time.perf_counter() - t0
-    page.wait_for_function(f"([before]) => {{ const now = ({DONE_LINE})(); return now !== '' && now !== before; }}",
-                           arg=[done_before], timeout=300_000, polling=10)
+    page.wait_for_function(
+        f"([before]) => {{ const now = ({DONE_LINE})(); return now !== '' && now !== before; }}",
+        arg=[done_before],
+        timeout=300_000,
+        polling=10,
+    )
     page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
     return time.perf_counter() - t0, shown
 
@@ -289,7 +344,7 @@ def main() -> None:
 
     compute.LIVE_TEST = args.live or compute.LIVE_TEST
     compute.DIAG_N = args.diag or compute.DIAG_N
-    n = args.n or 8    # app.settings.DEFAULT_N (not imported: it needs streamlit)
+    n = args.n or 8  # app.settings.DEFAULT_N (not imported: it needs streamlit)
     rows = []
     for name, bench in (("parts", bench_parts), ("apptest", bench_apptest), ("browser", bench_browser)):
         if name in args.skip or (name == "browser" and not args.browser):
@@ -297,8 +352,10 @@ def main() -> None:
         t0 = time.perf_counter()
         rows += bench(args.zoo, n, args.repeats)
         print(f"[{name}: {time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
-    print(f"\napp latency on zoo {args.zoo!r}, {n} calibration examples per task, "
-          f"live subset {compute.LIVE_TEST} test / {compute.DIAG_N} held-out examples per task")
+    print(
+        f"\napp latency on zoo {args.zoo!r}, {n} calibration examples per task, "
+        f"live subset {compute.LIVE_TEST} test / {compute.DIAG_N} held-out examples per task"
+    )
     print(_common.environment(compute.device()))
     print(_common.markdown_table(rows))
 

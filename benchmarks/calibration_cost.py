@@ -37,6 +37,7 @@ are a fixed cost per block and task, so the ratio falls as examples grow;
     python benchmarks/calibration_cost.py --models vit-b32 --repeats-big 3   # medians on a noisy machine
     python benchmarks/calibration_cost.py --models vit-b32 --examples 32 --experts 4 --threads 2 --profile
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,23 +55,27 @@ import torch
 
 from featcal import FeatCalConfig
 
-BIG = {"vit-b32"}   # --repeats-big timed runs each (the rest: median of --repeats)
+BIG = {"vit-b32"}  # --repeats-big timed runs each (the rest: median of --repeats)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="vit-b32,demo,tiny",
-                   help=f"comma-separated sizes out of {sorted(C.SIZES)}")
+    p.add_argument("--models", default="vit-b32,demo,tiny", help=f"comma-separated sizes out of {sorted(C.SIZES)}")
     p.add_argument("--examples", default="8,32", help="examples per task, comma-separated")
     p.add_argument("--experts", type=int, default=4, help="number of experts (tasks)")
     p.add_argument("--batch", type=int, default=16, help="examples per batch")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--repeats", type=int, default=5, help="timed runs of the small sizes (median)")
-    p.add_argument("--repeats-big", type=int, default=1,
-                   help="timed runs of ViT-B/32 (median; default 1: one run, minutes each on a CPU)")
-    p.add_argument("--profile", action="store_true",
-                   help="also print the top torch ops and featcal functions of one run per size")
+    p.add_argument(
+        "--repeats-big",
+        type=int,
+        default=1,
+        help="timed runs of ViT-B/32 (median; default 1: one run, minutes each on a CPU)",
+    )
+    p.add_argument(
+        "--profile", action="store_true", help="also print the top torch ops and featcal functions of one run per size"
+    )
     return p.parse_args(argv)
 
 
@@ -119,8 +124,12 @@ def main(argv=None) -> None:
             repeats = args.repeats_big if size in BIG else args.repeats
             ref, run = _measure(zoo, cfg, repeats, args.device)
             rows.append(C.cost_row(label, zoo, ref, run, cpu_ratio=args.device == "cpu", repeats=repeats))
-            print(f"  {size}, {n} examples/task: calibrate {run.seconds:.2f} s = "
-                  f"{run.seconds / ref.wall:.2f}x fwd {ref.wall:.2f} s", file=sys.stderr, flush=True)
+            print(
+                f"  {size}, {n} examples/task: calibrate {run.seconds:.2f} s = "
+                f"{run.seconds / ref.wall:.2f}x fwd {ref.wall:.2f} s",
+                file=sys.stderr,
+                flush=True,
+            )
         if args.profile:
             zoo = full.with_examples(max(examples))
             print(f"\n### {size}, {zoo.n_examples} examples/task: top torch ops\n")

@@ -11,6 +11,7 @@ one pass of each task's drift data through the model and through its expert;
 
     .venv/bin/python benchmarks/diagnostics_cost.py [--device cuda] [--tasks 3] [--n 32]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,10 +33,12 @@ from featcal.arch import resolve_blocks
 from featcal.zoo.core import TaskData, Zoo
 
 SIZES = {  # name -> CLIPVisionConfig fields
-    "tiny (d=32, L=2, T=5)": dict(image_size=16, patch_size=8, hidden_size=32, intermediate_size=64,
-                                  num_hidden_layers=2, num_attention_heads=4),
-    "mid (d=256, L=6, T=65)": dict(image_size=64, patch_size=8, hidden_size=256, intermediate_size=1024,
-                                   num_hidden_layers=6, num_attention_heads=8),
+    "tiny (d=32, L=2, T=5)": dict(
+        image_size=16, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
+    ),
+    "mid (d=256, L=6, T=65)": dict(
+        image_size=64, patch_size=8, hidden_size=256, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=8
+    ),
 }
 
 
@@ -106,14 +109,20 @@ def synthetic_zoo(cfg: dict, n_tasks: int, n: int, device: torch.device) -> Zoo:
             for p in experts[t].parameters():
                 p.add_(0.02 * torch.randn(p.shape, generator=gen).to(device))
         heads[t] = nn.Linear(cfg["hidden_size"], 10).requires_grad_(False).to(device)
-        data[t] = TaskData(t, [str(c) for c in range(10)],
-                           {s: (torch.randn(n, 3, size, size, generator=gen), torch.randint(0, 10, (n,), generator=gen))
-                            for s in ("calib", "test")})
+        data[t] = TaskData(
+            t,
+            [str(c) for c in range(10)],
+            {
+                s: (torch.randn(n, 3, size, size, generator=gen), torch.randint(0, 10, (n,), generator=gen))
+                for s in ("calib", "test")
+            },
+        )
     return Zoo("bench", base, experts, heads, data, features=lambda m, x: m(pixel_values=x).pooler_output)
 
 
-def measure(fn: Callable[[], object], models: list[nn.Module], device: torch.device,
-            repeat: int) -> tuple[float, int, float]:
+def measure(
+    fn: Callable[[], object], models: list[nn.Module], device: torch.device, repeat: int
+) -> tuple[float, int, float]:
     """``(fastest seconds, block calls per run, largest peak MB)`` over ``repeat`` runs."""
     best, calls_per_run, peak = float("inf"), 0, 0.0
     for _ in range(repeat):
@@ -127,8 +136,7 @@ def measure(fn: Callable[[], object], models: list[nn.Module], device: torch.dev
     return best, calls_per_run, peak
 
 
-def bench(name: str, cfg: dict, n_tasks: int, n: int, batch: int, device: torch.device,
-          repeat: int) -> list[tuple]:
+def bench(name: str, cfg: dict, n_tasks: int, n: int, batch: int, device: torch.device, repeat: int) -> list[tuple]:
     zoo = synthetic_zoo(cfg, n_tasks, n, device)
     model = zoo.merged("task_arithmetic")
     data = zoo.calib_data(n, batch_size=batch)
@@ -142,13 +150,15 @@ def bench(name: str, cfg: dict, n_tasks: int, n: int, batch: int, device: torch.
                 zoo.experts[t](pixel_values=b.to(device))
 
     forward()  # warm-up (allocator, kernels)
-    runs = [("forward (model + expert)", forward),
-            ("drift_table (+cka)", lambda: drift_table(model, zoo.experts, data)),
-            ("drift_table (no cka)", lambda: drift_table(model, zoo.experts, data, cka=False)),
-            ("expert_cosine", lambda: expert_cosine(model, zoo.experts, data, features_fn=zoo.features)),
-            ("task_vector_cosine", lambda: task_vector_cosine(model, zoo.base, zoo.experts)),
-            ("output_drift (test split)", lambda: output_drift(model, zoo, batch_size=batch)),
-            ("diagnose (all of the above)", lambda: diagnose(model, zoo, n_per_task=n, batch_size=batch))]
+    runs = [
+        ("forward (model + expert)", forward),
+        ("drift_table (+cka)", lambda: drift_table(model, zoo.experts, data)),
+        ("drift_table (no cka)", lambda: drift_table(model, zoo.experts, data, cka=False)),
+        ("expert_cosine", lambda: expert_cosine(model, zoo.experts, data, features_fn=zoo.features)),
+        ("task_vector_cosine", lambda: task_vector_cosine(model, zoo.base, zoo.experts)),
+        ("output_drift (test split)", lambda: output_drift(model, zoo, batch_size=batch)),
+        ("diagnose (all of the above)", lambda: diagnose(model, zoo, n_per_task=n, batch_size=batch)),
+    ]
     rows, ref = [], None
     for label, fn in runs:
         s, calls, mb = measure(fn, models, device, repeat)
@@ -168,8 +178,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    print(f"device {device}, {args.tasks} tasks, {args.n} examples per task, batch {args.batch}, "
-          f"torch threads {args.threads}, fastest of {args.repeat} runs")
+    print(
+        f"device {device}, {args.tasks} tasks, {args.n} examples per task, batch {args.batch}, "
+        f"torch threads {args.threads}, fastest of {args.repeat} runs"
+    )
     header = f"{'model':<24} {'what':<28} {'seconds':>8} {'x fwd':>6} {'block calls':>11} {'peak MB':>8}"
     print(header)
     print("-" * len(header))

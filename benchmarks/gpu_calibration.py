@@ -24,6 +24,7 @@ transformers (no install of featcal needed)::
 and the solve stay in ``--stats-dtype`` (float32 by default). ``--tf32`` lets
 float32 matrix products use TF32 tensor cores (off by default: the exact run).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,18 +52,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--examples", type=int, default=256, help="calibration examples per task")
     p.add_argument("--batch", default="16", help="examples per batch; comma-separated for several rows")
     p.add_argument("--dtype", default="fp32", help="model dtype, fp32 or bf16; comma-separated for several rows")
-    p.add_argument("--stats-dtype", default="fp32", choices=["fp32", "fp64"],
-                   help="dtype of the statistics and the solve")
-    p.add_argument("--offload-streams", default="off", choices=["off", "on", "both"],
-                   help="keep the hidden-state streams on the CPU between blocks")
+    p.add_argument(
+        "--stats-dtype", default="fp32", choices=["fp32", "fp64"], help="dtype of the statistics and the solve"
+    )
+    p.add_argument(
+        "--offload-streams",
+        default="off",
+        choices=["off", "on", "both"],
+        help="keep the hidden-state streams on the CPU between blocks",
+    )
     p.add_argument("--tf32", action="store_true", help="allow TF32 for float32 matrix products")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per row (median)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
-    p.add_argument("--profile", action="store_true",
-                   help="print the top CUDA ops (torch.profiler) and featcal functions (cProfile) of the first setting")
-    p.add_argument("--tiny", action="store_true",
-                   help="smoke test: tiny model, 3 experts, 16 examples, batch 8 (runs on a CPU)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="print the top CUDA ops (torch.profiler) and featcal functions (cProfile) of the first setting",
+    )
+    p.add_argument(
+        "--tiny", action="store_true", help="smoke test: tiny model, 3 experts, 16 examples, batch 8 (runs on a CPU)"
+    )
     args = p.parse_args(argv)
     if args.tiny:
         args.size, args.experts, args.examples, args.batch = "tiny", 3, 16, "8"
@@ -80,8 +90,12 @@ def _setting(zoo: C.Zoo, cfg: FeatCalConfig, args, label: dict) -> dict:
         run, model, _ = C.calibrate_once(zoo, cfg, mem_probe=C.MemProbe(args.device))
         del model
         runs.append(run)
-        print(f"    run: {run.seconds:.2f} s (stats {run.stats:.2f}, solve {run.solve:.2f}, advance "
-              f"{run.advance:.2f}); reference {refs[-1]:.2f} s", file=sys.stderr, flush=True)
+        print(
+            f"    run: {run.seconds:.2f} s (stats {run.stats:.2f}, solve {run.solve:.2f}, advance "
+            f"{run.advance:.2f}); reference {refs[-1]:.2f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     run = C.median_run(runs)
     ref = C.Timing(statistics.median(refs), float("nan"))
     row = C.cost_row(f"{zoo.size}", zoo, ref, run, cpu_ratio=False, **label)
@@ -89,8 +103,11 @@ def _setting(zoo: C.Zoo, cfg: FeatCalConfig, args, label: dict) -> dict:
     if torch.device(args.device).type == "cuda":
         row["peak mem"] += f" ({C.fmt_bytes(torch.cuda.max_memory_allocated())} total)"
     row["runs"] = ", ".join(f"{r.seconds:.2f}" for r in runs)
-    print(f"  {label}: calibrate {run.seconds:.2f} s = {run.seconds / ref.wall:.2f}x fwd {ref.wall:.2f} s",
-          file=sys.stderr, flush=True)
+    print(
+        f"  {label}: calibrate {run.seconds:.2f} s = {run.seconds / ref.wall:.2f}x fwd {ref.wall:.2f} s",
+        file=sys.stderr,
+        flush=True,
+    )
     return row
 
 
@@ -110,20 +127,29 @@ def main(argv=None) -> None:
     torch.backends.cudnn.allow_tf32 = args.tf32
     print(C.environment(args.device), flush=True)
     print(f"TF32 {'on' if args.tf32 else 'off'}", flush=True)
-    print(f"{args.size}: {args.experts} experts, {args.examples} examples per task, "
-          f"{C.tokens_per_example(args.size)} tokens per example", flush=True)
+    print(
+        f"{args.size}: {args.experts} experts, {args.examples} examples per task, "
+        f"{C.tokens_per_example(args.size)} tokens per example",
+        flush=True,
+    )
     offloads = {"off": [False], "on": [True], "both": [False, True]}[args.offload_streams]
     batches = [int(b) for b in args.batch.split(",")]
     rows: list[dict] = []
     profiled: list[str] = []
     for dname in args.dtype.split(","):
-        base_zoo = C.build_zoo(args.size, args.experts, args.examples, batches[0], device=args.device,
-                               dtype=DTYPES[dname.strip()])
-        models_bytes = sum(p.numel() * p.element_size() for m in [base_zoo.base, base_zoo.merged,
-                                                                 *base_zoo.experts.values()]
-                           for p in m.parameters())
-        print(f"  {dname}: {args.experts + 2} models, {C.fmt_bytes(models_bytes)} of parameters",
-              file=sys.stderr, flush=True)
+        base_zoo = C.build_zoo(
+            args.size, args.experts, args.examples, batches[0], device=args.device, dtype=DTYPES[dname.strip()]
+        )
+        models_bytes = sum(
+            p.numel() * p.element_size()
+            for m in [base_zoo.base, base_zoo.merged, *base_zoo.experts.values()]
+            for p in m.parameters()
+        )
+        print(
+            f"  {dname}: {args.experts + 2} models, {C.fmt_bytes(models_bytes)} of parameters",
+            file=sys.stderr,
+            flush=True,
+        )
         for batch, offload in itertools.product(batches, offloads):
             zoo = base_zoo.with_examples(args.examples, batch)
             cfg = FeatCalConfig.clip(stats_dtype=DTYPES[args.stats_dtype], offload_streams=offload)

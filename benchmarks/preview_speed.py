@@ -14,6 +14,7 @@ Target: ``params`` under 50 ms on a 2-core CPU for the demo-zoo-sized model.
     python benchmarks/preview_speed.py                      # tiny and demo sizes
     python benchmarks/preview_speed.py --models demo,vit-b32 --threads 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,7 @@ import torch
 from featcal import FeatCalConfig
 from featcal.preview import Preview
 
-TASKS = {"tiny": 3, "demo": 7, "vit-b32": 8}   # experts per size (the demo zoo has 7 tasks)
+TASKS = {"tiny": 3, "demo": 7, "vit-b32": 8}  # experts per size (the demo zoo has 7 tasks)
 # Settings the timed calls cycle through (lam, rho, alpha), so nothing is reused between calls.
 GRID = list(itertools.product([1e-3, 0.05, 1.0], [0.5, 2.0], [0.0, 0.3, 0.6]))
 
@@ -69,18 +70,21 @@ def measure(size: str, args) -> dict:
         t0 = time.perf_counter()
         fresh.prepare()
         prep.append(time.perf_counter() - t0)
-    fresh.params(0.05, 2.0, 0.3)   # warm-up call
+    fresh.params(0.05, 2.0, 0.3)  # warm-up call
     params = _times(fresh.params, args.calls)
     target = copy.deepcopy(st.template)
     load = _times(lambda lam, rho, alpha: fresh.load_into(target, lam, rho, alpha), args.calls)
     n_lin = sum(e[1].kind == "linear" for e in st.entries)
-    return {"model": f"{size} ({zoo.n_params / 1e6:.2f}M params)", "tasks": TASKS[size],
-            "modules": f"{len(st.entries)} ({n_lin} linear)",
-            "prepare (one-off)": C.fmt_s(statistics.median(prep)),
-            "params() median": f"**{C.fmt_s(statistics.median(params))}**",
-            "params() max": C.fmt_s(max(params)),
-            "load_into() median": C.fmt_s(statistics.median(load)),
-            "under 50 ms": "yes" if statistics.median(params) < 0.05 else "no"}
+    return {
+        "model": f"{size} ({zoo.n_params / 1e6:.2f}M params)",
+        "tasks": TASKS[size],
+        "modules": f"{len(st.entries)} ({n_lin} linear)",
+        "prepare (one-off)": C.fmt_s(statistics.median(prep)),
+        "params() median": f"**{C.fmt_s(statistics.median(params))}**",
+        "params() max": C.fmt_s(max(params)),
+        "load_into() median": C.fmt_s(statistics.median(load)),
+        "under 50 ms": "yes" if statistics.median(params) < 0.05 else "no",
+    }
 
 
 def main(argv=None) -> None:

@@ -14,6 +14,7 @@ statistics, features of the anchor run) and an exact forward-order run; compared
     python benchmarks/preview_vs_exact.py --n-calib 256 --split val
     python benchmarks/preview_vs_exact.py --settings "0.05,2,0.3;1,0.5,0"
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,8 +84,9 @@ def main() -> None:
     data = zoo.calib_data(args.n_calib, seed=42)
     anchor_cfg = FeatCalConfig.clip()
     t0 = time.perf_counter()
-    anchor, report = calibrate(merged, base=zoo.base, experts=zoo.experts, calib_data=data, config=anchor_cfg,
-                               keep_stats=True, progress=False)
+    anchor, report = calibrate(
+        merged, base=zoo.base, experts=zoo.experts, calib_data=data, config=anchor_cfg, keep_stats=True, progress=False
+    )
     anchor_s = time.perf_counter() - t0
     pv = report.preview_state
     t0 = time.perf_counter()
@@ -101,27 +103,51 @@ def main() -> None:
         pv.load_into(scratch, *point)
         preview_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        exact, _ = calibrate(merged, base=zoo.base, experts=zoo.experts, calib_data=data,
-                             config=anchor_cfg.with_(lam=lam, rho=rho, alpha=alpha), progress=False)
+        exact, _ = calibrate(
+            merged,
+            base=zoo.base,
+            experts=zoo.experts,
+            calib_data=data,
+            config=anchor_cfg.with_(lam=lam, rho=rho, alpha=alpha),
+            progress=False,
+        )
         exact_s = time.perf_counter() - t0
         acc_p, acc_e = evaluate(scratch, zoo, split=args.split), evaluate(exact, zoo, split=args.split)
         avg_p, avg_e = (sum(a.values()) / len(a) for a in (acc_p, acc_e))
-        summary.append({
-            "setting": label, "λ": f"{lam:g}", "ρ": f"{rho:g}", "α": f"{alpha:g}",
-            "rel. dist": f"{preview_distance(pv, point, exact):.4f}",
-            "per block": " / ".join(f"{d:.3f}" for d in block_distances(pv, point, exact)),
-            "avg acc preview": f"{avg_p:.2f}", "avg acc exact": f"{avg_e:.2f}", "Δ (pp)": f"{avg_p - avg_e:+.2f}",
-            "preview": C.fmt_s(preview_s), "exact": C.fmt_s(exact_s)})
-        per_task.append({"setting": label, **{t: f"{acc_p[t]:.1f} / {acc_e[t]:.1f}" for t in zoo.tasks},
-                         "avg": f"{avg_p:.2f} / {avg_e:.2f}"})
+        summary.append(
+            {
+                "setting": label,
+                "λ": f"{lam:g}",
+                "ρ": f"{rho:g}",
+                "α": f"{alpha:g}",
+                "rel. dist": f"{preview_distance(pv, point, exact):.4f}",
+                "per block": " / ".join(f"{d:.3f}" for d in block_distances(pv, point, exact)),
+                "avg acc preview": f"{avg_p:.2f}",
+                "avg acc exact": f"{avg_e:.2f}",
+                "Δ (pp)": f"{avg_p - avg_e:+.2f}",
+                "preview": C.fmt_s(preview_s),
+                "exact": C.fmt_s(exact_s),
+            }
+        )
+        per_task.append(
+            {
+                "setting": label,
+                **{t: f"{acc_p[t]:.1f} / {acc_e[t]:.1f}" for t in zoo.tasks},
+                "avg": f"{avg_p:.2f} / {avg_e:.2f}",
+            }
+        )
         print(f"{label}: preview {avg_p:.2f} / exact {avg_e:.2f} ({exact_s:.1f} s)", file=sys.stderr, flush=True)
 
-    print(f"## Preview vs exact FeatCal: {zoo.name} zoo, {len(zoo.tasks)} tasks, Task Arithmetic (0.3), "
-          f"n={args.n_calib} per task, accuracy on `{args.split}`\n")
+    print(
+        f"## Preview vs exact FeatCal: {zoo.name} zoo, {len(zoo.tasks)} tasks, Task Arithmetic (0.3), "
+        f"n={args.n_calib} per task, accuracy on `{args.split}`\n"
+    )
     print(C.environment(args.device))
     print(f"\nZoo content sha256 {str(zoo.meta.get('content_sha256', '?'))[:16]}.")
-    print(f"\nAnchor exact run (statistics kept) {C.fmt_s(anchor_s)}, eigendecompositions {C.fmt_s(prepare_s)}. "
-          f"Merged model: avg {sum(acc_merged.values()) / len(acc_merged):.2f}%.\n")
+    print(
+        f"\nAnchor exact run (statistics kept) {C.fmt_s(anchor_s)}, eigendecompositions {C.fmt_s(prepare_s)}. "
+        f"Merged model: avg {sum(acc_merged.values()) / len(acc_merged):.2f}%.\n"
+    )
     print(C.markdown_table(summary))
     print("\nPer task, preview / exact accuracy (%):\n")
     print(C.markdown_table(per_task))

@@ -8,6 +8,7 @@ Arithmetic 0.3, TIES, TA + FeatCal with the CLIP preset and with the best
 setting found for the demo) with the average and the expert-normalised
 average, then the zoo's build time, size and the timings of this run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n-per-task", type=int, default=256)
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--split", default="test")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch CPU threads (default 1: fastest for this small model on a shared machine)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: fastest for this small model on a shared machine)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -52,19 +57,19 @@ def main(argv: list[str] | None = None) -> None:
     rows["TA (0.3)"] = evaluate(ta, zoo, split=args.split)
     rows["TIES (0.2, 0.3)"] = evaluate(zoo.merged("ties", density=0.2, scale=0.3), zoo, split=args.split)
     best = "TA + FeatCal (tuned on val: " + ", ".join(f"{k}={v:g}" for k, v in BEST.items()) + ")"
-    for name, cfg in (("TA + FeatCal (CLIP preset)", FeatCalConfig.clip()),
-                      (best, FeatCalConfig.clip(**BEST))):
+    for name, cfg in (("TA + FeatCal (CLIP preset)", FeatCalConfig.clip()), (best, FeatCalConfig.clip(**BEST))):
         t0 = time.perf_counter()
-        model, _ = calibrate(ta, base=zoo.base, experts=zoo.experts, calib_data=data, config=cfg,
-                             progress=False)
+        model, _ = calibrate(ta, base=zoo.base, experts=zoo.experts, calib_data=data, config=cfg, progress=False)
         timings[f"calibrate {name}"] = time.perf_counter() - t0
         rows[name] = evaluate(model, zoo, split=args.split)
 
     print(_table(rows, rows["experts"]))
     print()
     meta = zoo.meta
-    facts = [f"zoo {zoo.name}: {len(zoo.tasks)} tasks, {args.split} split, "
-             f"FeatCal on {args.n_per_task} calibration examples per task (seed {args.seed})"]
+    facts = [
+        f"zoo {zoo.name}: {len(zoo.tasks)} tasks, {args.split} split, "
+        f"FeatCal on {args.n_per_task} calibration examples per task (seed {args.seed})"
+    ]
     if "build_seconds" in meta:
         facts.append(f"build time {meta['build_seconds']:.0f} s, disk {meta['disk_bytes'] / 1e6:.1f} MB")
     facts.append(f"load from cache {t_load:.1f} s; {args.threads} torch thread(s)")
@@ -74,12 +79,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def _table(rows: dict, experts: dict) -> str:
     tasks = list(experts)
-    lines = ["| model | " + " | ".join(tasks) + " | avg | norm. avg |",
-             "|---|" + "---:|" * (len(tasks) + 2)]
+    lines = ["| model | " + " | ".join(tasks) + " | avg | norm. avg |", "|---|" + "---:|" * (len(tasks) + 2)]
     for name, accs in rows.items():
         cells = " | ".join(f"{accs[t]:.1f}" for t in tasks)
-        lines.append(f"| {name} | {cells} | {average(accs):.1f} | "
-                     f"{average(normalized(accs, experts)):.1f} |")
+        lines.append(f"| {name} | {cells} | {average(accs):.1f} | {average(normalized(accs, experts)):.1f} |")
     return "\n".join(lines)
 
 

@@ -14,6 +14,7 @@ Tables and their ``block`` column (``-1`` = the whole model):
   whole model and per block;
 - ``output`` (:func:`output_drift`): KL(expert || model), top-1 agreement, accuracy.
 """
+
 from __future__ import annotations
 
 import pandas as pd
@@ -33,15 +34,41 @@ from diagnostics.output import default_features, expert_cosine, output_drift
 from diagnostics.similarity import WHOLE, linear_cka, task_vector_cosine
 from featcal.metrics import kl_rows
 
-__all__ = ["diagnose", "summarize", "drift_table", "drift_tables", "drift_tokens", "drift_metrics",
-           "DriftTokens", "ExpertStreams", "expert_streams", "streams_while", "expert_cosine", "default_features",
-           "task_vector_cosine", "output_drift", "kl_rows", "linear_cka", "WHOLE"]
+__all__ = [
+    "diagnose",
+    "summarize",
+    "drift_table",
+    "drift_tables",
+    "drift_tokens",
+    "drift_metrics",
+    "DriftTokens",
+    "ExpertStreams",
+    "expert_streams",
+    "streams_while",
+    "expert_cosine",
+    "default_features",
+    "task_vector_cosine",
+    "output_drift",
+    "kl_rows",
+    "linear_cka",
+    "WHOLE",
+]
 
 
-def diagnose(model: nn.Module, zoo, n_per_task: int = 32, seed: int = 42, batch_size: int = 16,
-             split: str = "test", max_per_task: int | None = None, blocks: str | None = None,
-             tokens: str = "all", cka: bool = True, progress: bool = False,
-             name: str = "model") -> tuple[dict[str, pd.DataFrame], str]:
+def diagnose(
+    model: nn.Module,
+    zoo,
+    n_per_task: int = 32,
+    seed: int = 42,
+    batch_size: int = 16,
+    split: str = "test",
+    max_per_task: int | None = None,
+    blocks: str | None = None,
+    tokens: str = "all",
+    cka: bool = True,
+    progress: bool = False,
+    name: str = "model",
+) -> tuple[dict[str, pd.DataFrame], str]:
     """Every diagnostic of ``model`` against the experts of ``zoo``.
 
     Steps:
@@ -81,22 +108,27 @@ def summarize(tables: dict[str, pd.DataFrame], name: str = "model") -> str:
         kl, agree = _per_task(out, "kl"), _per_task(out, "agreement")
         line = f"outputs: KL(expert || {name}) {kl.mean():.4f} nats, top-1 agreement {agree.mean():.1f}%"
         if (out.metric == "accuracy").any():
-            line += (f", accuracy {_per_task(out, 'accuracy').mean():.1f}%"
-                     f" (experts {_per_task(out, 'expert_accuracy').mean():.1f}%)")
+            line += (
+                f", accuracy {_per_task(out, 'accuracy').mean():.1f}%"
+                f" (experts {_per_task(out, 'expert_accuracy').mean():.1f}%)"
+            )
         lines.append(line)
     cos = tables.get("expert_cosine")
     if cos is not None and len(cos):
         per = _per_task(cos, "expert_cosine")
-        lines.append(f"final-feature cosine to the expert: mean {per.mean():.4f} "
-                     f"(lowest: task {per.idxmin()!r} {per.min():.4f})")
+        lines.append(
+            f"final-feature cosine to the expert: mean {per.mean():.4f} (lowest: task {per.idxmin()!r} {per.min():.4f})"
+        )
     drift = tables.get("drift")
     if drift is not None and len(drift):
         first, last = int(drift.block.min()), int(drift.block.max())
         rel0, rel = _per_task(drift, "drift_rel", first).mean(), _per_task(drift, "drift_rel", last).mean()
         share = _per_task(drift, "drift_sq_mismatch_share", last).mean()
         lines.append(f"relative drift |e|/|h_exp|: {rel0:.4f} after block {first}, {rel:.4f} after block {last}")
-        lines.append(f"block {last}: {100 * share:.0f}% of the squared drift is local mismatch, "
-                     f"{100 * (1 - share):.0f}% upstream propagation")
+        lines.append(
+            f"block {last}: {100 * share:.0f}% of the squared drift is local mismatch, "
+            f"{100 * (1 - share):.0f}% upstream propagation"
+        )
     tv = tables.get("task_vector")
     if tv is not None and len(tv):
         cos_tv = _per_task(tv, "task_vector_cosine", WHOLE).mean()

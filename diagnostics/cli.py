@@ -11,6 +11,7 @@ both are a row of :data:`featcal.cli.COMMANDS`. Bad input raises ``ValueError`` 
 ``FileNotFoundError`` (or :class:`featcal.cli_common.UserError` for an existing output),
 which ``featcal`` reports as one ``featcal: error:`` line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,41 +34,68 @@ HELP = "feature-drift diagnostics of a merged, calibrated or saved model against
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Declare the ``diagnose`` options on ``parser``."""
     add_zoo(parser)
-    parser.add_argument("--model", default="merged",
-                        help="'merged', 'calibrated' (merged, then FeatCal on the zoo's calibration split), "
-                             "or a directory holding a saved model")
-    parser.add_argument("--merge", default="task_arithmetic", choices=sorted(MERGERS),
-                        help="merge method for --model merged|calibrated")
-    parser.add_argument("--scale", type=float, default=None,
-                        help="the merge's scale (Task Arithmetic lambda; default: the method's own)")
-    parser.add_argument("--n-per-task", type=int, default=32,
-                        help="examples per task in D_i (calibration split) for the drift tables and for FeatCal")
-    parser.add_argument("--max-test", type=int, default=None,
-                        help="test examples per task for the output drift (default: the whole test split)")
-    parser.add_argument("--tokens", choices=TOKENS, default="all",
-                        help="rows of the drift statistics: every token, or the class token only")
+    parser.add_argument(
+        "--model",
+        default="merged",
+        help="'merged', 'calibrated' (merged, then FeatCal on the zoo's calibration split), "
+        "or a directory holding a saved model",
+    )
+    parser.add_argument(
+        "--merge", default="task_arithmetic", choices=sorted(MERGERS), help="merge method for --model merged|calibrated"
+    )
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=None,
+        help="the merge's scale (Task Arithmetic lambda; default: the method's own)",
+    )
+    parser.add_argument(
+        "--n-per-task",
+        type=int,
+        default=32,
+        help="examples per task in D_i (calibration split) for the drift tables and for FeatCal",
+    )
+    parser.add_argument(
+        "--max-test",
+        type=int,
+        default=None,
+        help="test examples per task for the output drift (default: the whole test split)",
+    )
+    parser.add_argument(
+        "--tokens",
+        choices=TOKENS,
+        default="all",
+        help="rows of the drift statistics: every token, or the class token only",
+    )
     parser.add_argument("--no-cka", action="store_true", help="skip linear CKA per block")
     parser.add_argument("--seed", type=int, default=42, help="seed drawing D_i from the calibration split")
     parser.add_argument("--format", choices=FORMATS, default="csv", help="table file format")
     add_out(parser)
-    add_common(parser)                 # --device, --threads, --quiet (also: no summary on stdout)
+    add_common(parser)  # --device, --threads, --quiet (also: no summary on stdout)
     return parser
 
 
-def build_model(zoo, which: str, merge: str, scale: float | None, n_per_task: int, seed: int,
-                progress: bool):
+def build_model(zoo, which: str, merge: str, scale: float | None, n_per_task: int, seed: int, progress: bool):
     """The model to diagnose: ``merged``, ``calibrated`` or a saved model directory."""
     if which not in MODEL_CHOICES:
         if not Path(which).expanduser().is_dir():
-            raise FileNotFoundError(f"--model {which!r}: choose {' or '.join(MODEL_CHOICES)}, "
-                                    "or give a saved model directory.")
+            raise FileNotFoundError(
+                f"--model {which!r}: choose {' or '.join(MODEL_CHOICES)}, or give a saved model directory."
+            )
         return load_model(which, like=zoo.base).to(device_of(zoo.base)).eval()
     merged = zoo.merged(merge) if scale is None else zoo.merged(merge, scale=scale)
     if which == "merged":
         return merged
     cfg = FeatCalConfig.clip() if zoo.fmt in ("hf", "open_clip") else FeatCalConfig()
-    model, _ = calibrate(merged, base=zoo.base, experts=zoo.experts, inplace=True, progress=progress,
-                         calib_data=zoo.calib_data(n_per_task, seed=seed), config=cfg)
+    model, _ = calibrate(
+        merged,
+        base=zoo.base,
+        experts=zoo.experts,
+        inplace=True,
+        progress=progress,
+        calib_data=zoo.calib_data(n_per_task, seed=seed),
+        config=cfg,
+    )
     return model
 
 
@@ -89,15 +117,21 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--n-per-task must be at least 1, got {args.n_per_task}.")
     check_out(args.out, args.force)
     zoo = zoo_from_args(args)
-    model = build_model(zoo, args.model, args.merge, args.scale, args.n_per_task, args.seed,
-                        progress=not args.quiet)
+    model = build_model(zoo, args.model, args.merge, args.scale, args.n_per_task, args.seed, progress=not args.quiet)
     name = args.model if args.model in MODEL_CHOICES else Path(args.model).name
-    tables, summary = diagnose(model, zoo, n_per_task=args.n_per_task, seed=args.seed,
-                               max_per_task=args.max_test, tokens=args.tokens, cka=not args.no_cka,
-                               progress=not args.quiet, name=name)
+    tables, summary = diagnose(
+        model,
+        zoo,
+        n_per_task=args.n_per_task,
+        seed=args.seed,
+        max_per_task=args.max_test,
+        tokens=args.tokens,
+        cka=not args.no_cka,
+        progress=not args.quiet,
+        name=name,
+    )
     out = write_tables(tables, summary, args.out, args.format, args.force)
     if not args.quiet:
         print(summary)
         print(f"tables written to {out}")
     return 0
-

@@ -27,6 +27,7 @@ A block output without a token axis (``(B, d)``) gives one row per example.
 Block outputs are taken as batch-first ``(B, T, d)``; a ``(T, B, d)`` output is
 recognised by its second axis matching the batch size (when ``T != B``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,11 +47,20 @@ from featcal.validate import batch_len, check_same_params, check_tasks
 COLUMNS = ["task", "block", "metric", "value"]
 
 # Running sums over rows r, in this order (one float64 vector per block and task).
-SUMS = ("drift", "mismatch", "propagation", "drift_sq", "drift_sq_mismatch", "drift_sq_propagation",
-        "expert_norm", "expert_sq")
+SUMS = (
+    "drift",
+    "mismatch",
+    "propagation",
+    "drift_sq",
+    "drift_sq_mismatch",
+    "drift_sq_propagation",
+    "expert_norm",
+    "expert_sq",
+)
 
 
 # ----------------------------------------------------------------------------- one block, one batch
+
 
 @dataclass
 class DriftTokens:
@@ -60,17 +70,23 @@ class DriftTokens:
     holds to float64 rounding whatever the model's dtype (float16 and bfloat16 too).
     """
 
-    e: torch.Tensor        # h_mod,l - h_exp,l                         float64
-    m: torch.Tensor        # f_mod,l(h_exp,l-1) - f_exp,l(h_exp,l-1)    float64
-    p: torch.Tensor        # f_mod,l(h_mod,l-1) - f_mod,l(h_exp,l-1)    float64
-    h_mod: torch.Tensor    # h_mod,l, the model stream's next input (model dtype)
-    h_exp: torch.Tensor    # h_exp,l, the expert stream's next input (model dtype)
+    e: torch.Tensor  # h_mod,l - h_exp,l                         float64
+    m: torch.Tensor  # f_mod,l(h_exp,l-1) - f_exp,l(h_exp,l-1)    float64
+    p: torch.Tensor  # f_mod,l(h_mod,l-1) - f_mod,l(h_exp,l-1)    float64
+    h_mod: torch.Tensor  # h_mod,l, the model stream's next input (model dtype)
+    h_exp: torch.Tensor  # h_exp,l, the expert stream's next input (model dtype)
 
 
 @torch.no_grad()
-def drift_tokens(block_mod: nn.Module, block_exp: nn.Module | None, call_mod: BlockCall, call_exp: BlockCall,
-                 device: torch.device | None = None, h_exp: torch.Tensor | None = None,
-                 h_mod: torch.Tensor | None = None) -> DriftTokens:
+def drift_tokens(
+    block_mod: nn.Module,
+    block_exp: nn.Module | None,
+    call_mod: BlockCall,
+    call_exp: BlockCall,
+    device: torch.device | None = None,
+    h_exp: torch.Tensor | None = None,
+    h_mod: torch.Tensor | None = None,
+) -> DriftTokens:
     """Run block l of the model and of the expert on their own streams, plus the one
     extra call ``f_mod,l(h_exp,l-1)`` (the model's block, with the model's other block
     arguments, on the expert's stream), and return ``e``, ``m``, ``p`` per token.
@@ -80,18 +96,19 @@ def drift_tokens(block_mod: nn.Module, block_exp: nn.Module | None, call_mod: Bl
     from :func:`streams_while`).
     """
     if h_mod is None:
-        h_mod = run_block(block_mod, call_mod, device)                              # f_mod,l(h_mod,l-1)
+        h_mod = run_block(block_mod, call_mod, device)  # f_mod,l(h_mod,l-1)
     elif device is not None:
         h_mod = h_mod.to(device)
     if h_exp is None:
-        h_exp = run_block(block_exp, call_exp, device)                              # f_exp,l(h_exp,l-1)
+        h_exp = run_block(block_exp, call_exp, device)  # f_exp,l(h_exp,l-1)
     h_exp = h_exp.to(h_mod.device)
-    cross = run_block(block_mod, call_mod.with_hidden(call_exp.hidden), device)     # f_mod,l(h_exp,l-1)
+    cross = run_block(block_mod, call_mod.with_hidden(call_exp.hidden), device)  # f_mod,l(h_exp,l-1)
     a, b, c = h_mod.double(), h_exp.double(), cross.double()
     return DriftTokens(e=a - b, m=c - b, p=a - c, h_mod=h_mod, h_exp=h_exp)
 
 
 # ----------------------------------------------------------------------------- pure reductions
+
 
 def batch_first(h: torch.Tensor, n: int) -> torch.Tensor:
     """``(T, B, d)`` -> ``(B, T, d)`` when the first axis is not the batch and the second is."""
@@ -111,28 +128,37 @@ def select_rows(h: torch.Tensor, tokens: str, mask: torch.Tensor | None = None) 
     if h.dim() != 3:
         raise ValueError(f"block outputs must be (B, T, d) or (B, d); got shape {tuple(h.shape)}.")
     if mask is not None and tuple(mask.shape) != tuple(h.shape[:2]):
-        raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but the block output is "
-                         f"{tuple(h.shape)}; the mask must be (B, T).")
+        raise ValueError(
+            f"attention_mask has shape {tuple(mask.shape)} but the block output is "
+            f"{tuple(h.shape)}; the mask must be (B, T)."
+        )
     if tokens == "cls":
-        keep = None if mask is None else mask[:, 0].to(h.device) != 0        # (B,)
-        h = h[:, 0]                                                          # (B, d)
+        keep = None if mask is None else mask[:, 0].to(h.device) != 0  # (B,)
+        h = h[:, 0]  # (B, d)
     else:
         keep = None if mask is None else mask.reshape(-1).to(h.device) != 0  # (B*T,)
-        h = h.reshape(-1, h.shape[-1])                                       # (B*T, d)
+        h = h.reshape(-1, h.shape[-1])  # (B*T, d)
     return h if keep is None else h[keep]
 
 
 def row_sums(e: torch.Tensor, m: torch.Tensor, p: torch.Tensor, h_exp: torch.Tensor) -> torch.Tensor:
     """Sums over rows of ``(rows, d)`` tensors, in the order of :data:`SUMS` -> ``(8,)`` float64:
     ``|e|, |m|, |p|, |e|^2, <e, m>, <e, p>, |h_exp|, |h_exp|^2``."""
-    e, m, p, h = e.double(), m.double(), p.double(), h_exp.double()       # no copy when float64 already
-    e_sq = (e * e).sum(-1)                                                   # (rows,)
+    e, m, p, h = e.double(), m.double(), p.double(), h_exp.double()  # no copy when float64 already
+    e_sq = (e * e).sum(-1)  # (rows,)
     h_sq = (h * h).sum(-1)
-    return torch.stack([
-        e_sq.sqrt().sum(), m.norm(dim=-1).sum(), p.norm(dim=-1).sum(),
-        e_sq.sum(), (e * m).sum(), (e * p).sum(),
-        h_sq.sqrt().sum(), h_sq.sum(),
-    ])
+    return torch.stack(
+        [
+            e_sq.sqrt().sum(),
+            m.norm(dim=-1).sum(),
+            p.norm(dim=-1).sum(),
+            e_sq.sum(),
+            (e * m).sum(),
+            (e * p).sum(),
+            h_sq.sqrt().sum(),
+            h_sq.sum(),
+        ]
+    )
 
 
 def _ratio(a: float, b: float) -> float:
@@ -168,24 +194,25 @@ def drift_metrics(sums: torch.Tensor, rows: int) -> dict[str, float]:
 class BlockSums:
     """Everything one block keeps for one task while the batches pass."""
 
-    sums: torch.Tensor            # (8,) float64, see SUMS
+    sums: torch.Tensor  # (8,) float64, see SUMS
     rows: int
-    cos_sum: torch.Tensor         # ()   sum over examples of cos(pool(h_mod), pool(h_exp))
+    cos_sum: torch.Tensor  # ()   sum over examples of cos(pool(h_mod), pool(h_exp))
     examples: int
-    cka: CKASums | None           # Gram sums of pooled (model, expert) features
+    cka: CKASums | None  # Gram sums of pooled (model, expert) features
 
     @classmethod
     def zeros(cls, d: int, device, cka: bool) -> "BlockSums":
         def z(*s):
             return torch.zeros(*s, dtype=torch.float64, device=device)
+
         return cls(z(len(SUMS)), 0, z(()), 0, CKASums.zeros(d, d, device) if cka else None)
 
     def add(self, dt: DriftTokens, n: int, tokens: str, mask: torch.Tensor | None) -> None:
         e, m, p, h_mod, h_exp = (batch_first(t, n) for t in (dt.e, dt.m, dt.p, dt.h_mod, dt.h_exp))
-        rows = [select_rows(t, tokens, mask) for t in (e, m, p, h_exp)]        # each (rows, d)
+        rows = [select_rows(t, tokens, mask) for t in (e, m, p, h_exp)]  # each (rows, d)
         self.sums += row_sums(*rows)
         self.rows += rows[0].shape[0]
-        pm, pe = pool_examples(h_mod, tokens, mask), pool_examples(h_exp, tokens, mask)   # (B, d)
+        pm, pe = pool_examples(h_mod, tokens, mask), pool_examples(h_exp, tokens, mask)  # (B, d)
         self.cos_sum += cosine_rows(pm, pe).sum()
         self.examples += pm.shape[0]
         if self.cka is not None:
@@ -204,6 +231,7 @@ class BlockSums:
 
 # ----------------------------------------------------------------------------- the pass
 
+
 def _keeper(offload: bool):
     """What a stream keeps of a hidden state between blocks: a CPU copy when ``offload``."""
     return (lambda h: h.cpu()) if offload else (lambda h: h)
@@ -214,10 +242,20 @@ def _expert_calls(expert: nn.Module, eblks: nn.ModuleList, batches: list, keep) 
     return [c.with_hidden(keep(c.hidden)) for c in (catch_block_inputs(expert, eblks[0], b) for b in batches)]
 
 
-def _task_rows(task: str, model: nn.Module, expert: nn.Module, blks: nn.ModuleList, eblks: nn.ModuleList,
-               batches: list, tokens: str, cka: bool, offload: bool, bar,
-               cached: list[list[BlockCall]] | None = None,
-               own: list[list[BlockCall]] | None = None) -> list[tuple]:
+def _task_rows(
+    task: str,
+    model: nn.Module,
+    expert: nn.Module,
+    blks: nn.ModuleList,
+    eblks: nn.ModuleList,
+    batches: list,
+    tokens: str,
+    cka: bool,
+    offload: bool,
+    bar,
+    cached: list[list[BlockCall]] | None = None,
+    own: list[list[BlockCall]] | None = None,
+) -> list[tuple]:
     """Steps 1-3 for one task: catch both streams at block 0, then per block reduce every
     batch's drift and advance both streams (the expert's from ``cached``, the model's from
     ``own``, when given: :attr:`ExpertStreams.calls` of this task)."""
@@ -225,16 +263,26 @@ def _task_rows(task: str, model: nn.Module, expert: nn.Module, blks: nn.ModuleLi
     keep = _keeper(offload)
     sizes = [batch_len(b) for b in batches]
     # 1. Both stems, once per batch.
-    mod = list(own[0]) if own is not None else \
-        [c.with_hidden(keep(c.hidden)) for c in (catch_block_inputs(model, blks[0], b) for b in batches)]
+    mod = (
+        list(own[0])
+        if own is not None
+        else [c.with_hidden(keep(c.hidden)) for c in (catch_block_inputs(model, blks[0], b) for b in batches)]
+    )
     exp = cached[0] if cached is not None else _expert_calls(expert, eblks, batches, keep)
     rows: list[tuple] = []
     for l, (blk, eblk) in enumerate(zip(blks, eblks)):
         acc: BlockSums | None = None
         for j, (cm, ce) in enumerate(zip(mod, exp)):
             # 2. Three block calls (two with cached expert streams), reduced at once.
-            dt = drift_tokens(blk, eblk, cm, ce, device, None if cached is None else cached[l + 1][j].hidden,
-                              None if own is None else own[l + 1][j].hidden)
+            dt = drift_tokens(
+                blk,
+                eblk,
+                cm,
+                ce,
+                device,
+                None if cached is None else cached[l + 1][j].hidden,
+                None if own is None else own[l + 1][j].hidden,
+            )
             if acc is None:
                 acc = BlockSums.zeros(dt.e.shape[-1], dt.e.device, cka)
             acc.add(dt, sizes[j], tokens, cm.mask)
@@ -257,17 +305,22 @@ class ExpertStreams:
     :func:`streams_while` keeps one model's streams on every task's data the same way."""
 
     blocks: str
-    calls: dict[str, list[list[BlockCall]]]   # task -> [l = 0..L] -> batch -> expert i's block-l input
+    calls: dict[str, list[list[BlockCall]]]  # task -> [l = 0..L] -> batch -> expert i's block-l input
 
     @property
     def nbytes(self) -> int:
-        return sum(c.hidden.numel() * c.hidden.element_size()
-                   for per_task in self.calls.values() for per_block in per_task for c in per_block)
+        return sum(
+            c.hidden.numel() * c.hidden.element_size()
+            for per_task in self.calls.values()
+            for per_block in per_task
+            for c in per_block
+        )
 
 
 @torch.no_grad()
-def expert_streams(experts: Mapping[str, nn.Module], data: Mapping[str, list], blocks: str | None = None,
-                   offload: bool = False) -> ExpertStreams:
+def expert_streams(
+    experts: Mapping[str, nn.Module], data: Mapping[str, list], blocks: str | None = None, offload: bool = False
+) -> ExpertStreams:
     """Run each expert once over its data, one block at a time, keeping every block's
     input (for :func:`drift_table`'s ``expert_cache``: diagnosing several models against
     the same experts then runs no expert block again)."""
@@ -280,15 +333,17 @@ def expert_streams(experts: Mapping[str, nn.Module], data: Mapping[str, list], b
             path, eblks = resolve_blocks(experts[t], blocks if path is None else path)
             per_block = [_expert_calls(experts[t], eblks, data[t], keep)]
             for eblk in eblks:
-                per_block.append([c.with_hidden(keep(run_block(eblk, c, device_of(experts[t]))))
-                                  for c in per_block[-1]])
+                per_block.append(
+                    [c.with_hidden(keep(run_block(eblk, c, device_of(experts[t])))) for c in per_block[-1]]
+                )
             calls[t] = per_block
     return ExpertStreams(path, calls)
 
 
 @torch.no_grad()
-def streams_while(model: nn.Module, data: Mapping[str, list], fn, blocks: str | None = None,
-                  offload: bool = False) -> tuple[dict[str, list], ExpertStreams]:
+def streams_while(
+    model: nn.Module, data: Mapping[str, list], fn, blocks: str | None = None, offload: bool = False
+) -> tuple[dict[str, list], ExpertStreams]:
     """Call ``fn(model, batch)`` on every batch of ``data`` (reading its features, say) and
     keep the model's stream at every block on the way: ``({task: [fn's result per batch]},
     streams)``, the streams as :func:`expert_streams` keeps an expert's. Given to
@@ -298,7 +353,7 @@ def streams_while(model: nn.Module, data: Mapping[str, list], fn, blocks: str | 
     keep = _keeper(offload)
     results: dict[str, list] = {}
     calls: dict[str, list[list[BlockCall]]] = {}
-    seen: dict = {}                  # one batch's block-0 call and block outputs, from the hooks
+    seen: dict = {}  # one batch's block-0 call and block outputs, from the hooks
 
     def first(_mod, args, kwargs):
         seen.setdefault("call", (args, kwargs))
@@ -306,6 +361,7 @@ def streams_while(model: nn.Module, data: Mapping[str, list], fn, blocks: str | 
     def after(l: int):
         def hook(_mod, _args, out):
             seen[l] = keep(out[0] if isinstance(out, (tuple, list)) else out)
+
         return hook
 
     handles = [blks[0].register_forward_pre_hook(first, with_kwargs=True)]
@@ -318,8 +374,10 @@ def streams_while(model: nn.Module, data: Mapping[str, list], fn, blocks: str | 
                     seen.clear()
                     outs.append(fn(model, batch))
                     if "call" not in seen or any(l not in seen for l in range(len(blks))):
-                        raise RuntimeError(f"fn(model, batch) did not run every block of {path!r}; "
-                                           "streams_while needs a function that runs the whole model.")
+                        raise RuntimeError(
+                            f"fn(model, batch) did not run every block of {path!r}; "
+                            "streams_while needs a function that runs the whole model."
+                        )
                     call = block_call(*seen["call"], batch)
                     per_block[0].append(call.with_hidden(keep(call.hidden)))
                     for l in range(len(blks)):
@@ -332,11 +390,19 @@ def streams_while(model: nn.Module, data: Mapping[str, list], fn, blocks: str | 
 
 
 @torch.no_grad()
-def drift_table(model: nn.Module, experts: Mapping[str, nn.Module], data: Mapping[str, list],
-                blocks: str | None = None, tokens: str = "all", progress: bool = False, cka: bool = True,
-                offload: bool = False, model_name: str | None = None,
-                expert_cache: ExpertStreams | None = None, model_cache: ExpertStreams | None = None
-                ) -> pd.DataFrame:
+def drift_table(
+    model: nn.Module,
+    experts: Mapping[str, nn.Module],
+    data: Mapping[str, list],
+    blocks: str | None = None,
+    tokens: str = "all",
+    progress: bool = False,
+    cka: bool = True,
+    offload: bool = False,
+    model_name: str | None = None,
+    expert_cache: ExpertStreams | None = None,
+    model_cache: ExpertStreams | None = None,
+) -> pd.DataFrame:
     """Per task and block, the drift of ``model`` from expert i and its split into local
     mismatch and upstream propagation, plus the cosine and CKA of block outputs.
 
@@ -370,42 +436,85 @@ def drift_table(model: nn.Module, experts: Mapping[str, nn.Module], data: Mappin
         check_same_params(model, experts[t], f"expert {t!r}")
     path, blks = resolve_blocks(model, blocks)
     eblks = {t: resolve_blocks(experts[t], path)[1] for t in tasks}
-    for cache, name, fix in ((expert_cache, "expert_cache", "expert_streams(experts, data)"),
-                             (model_cache, "model_cache", "streams_while(model, data, fn)")):
+    for cache, name, fix in (
+        (expert_cache, "expert_cache", "expert_streams(experts, data)"),
+        (model_cache, "model_cache", "streams_while(model, data, fn)"),
+    ):
         if cache is not None:
             _check_cached(cache, path, data, len(blks), name, fix)
     rows: list[tuple] = []
-    with eval_mode(model, *experts.values()), \
-            progress_bar(total=len(tasks) * len(blks), desc="drift", unit="block", show=progress) as bar:
+    with (
+        eval_mode(model, *experts.values()),
+        progress_bar(total=len(tasks) * len(blks), desc="drift", unit="block", show=progress) as bar,
+    ):
         for t in tasks:
-            rows += _task_rows(t, model, experts[t], blks, eblks[t], data[t], tokens, cka, offload, bar,
-                               None if expert_cache is None else expert_cache.calls[t],
-                               None if model_cache is None else model_cache.calls[t])
+            rows += _task_rows(
+                t,
+                model,
+                experts[t],
+                blks,
+                eblks[t],
+                data[t],
+                tokens,
+                cka,
+                offload,
+                bar,
+                None if expert_cache is None else expert_cache.calls[t],
+                None if model_cache is None else model_cache.calls[t],
+            )
     df = pd.DataFrame(rows, columns=COLUMNS)
     if model_name is not None:
         df.insert(0, "model", model_name)
     return df
 
 
-def _check_cached(cached: ExpertStreams, path: str, data: Mapping[str, list], n_blocks: int,
-                  name: str = "expert_cache", how: str = "expert_streams(experts, data)") -> None:
+def _check_cached(
+    cached: ExpertStreams,
+    path: str,
+    data: Mapping[str, list],
+    n_blocks: int,
+    name: str = "expert_cache",
+    how: str = "expert_streams(experts, data)",
+) -> None:
     """``cached`` must be of these blocks, tasks and batches (else its streams would be wrong)."""
     fix = f"compute {how} for this data and these blocks."
     if cached.blocks != path or set(cached.calls) != set(data):
-        raise ValueError(f"{name} holds blocks {cached.blocks!r} and tasks {sorted(cached.calls)}, "
-                         f"not {path!r} and {sorted(data)}; {fix}")
+        raise ValueError(
+            f"{name} holds blocks {cached.blocks!r} and tasks {sorted(cached.calls)}, "
+            f"not {path!r} and {sorted(data)}; {fix}"
+        )
     for t, batches in data.items():
         per_block = cached.calls[t]
         if len(per_block) != n_blocks + 1 or len(per_block[0]) != len(batches):
-            raise ValueError(f"{name} does not match task {t!r}'s batches or the model's {n_blocks} "
-                             f"blocks; {fix}")
+            raise ValueError(f"{name} does not match task {t!r}'s batches or the model's {n_blocks} blocks; {fix}")
 
 
-def drift_tables(models: Mapping[str, nn.Module], experts: Mapping[str, nn.Module], data: Mapping[str, list],
-                 blocks: str | None = None, tokens: str = "all", progress: bool = False, cka: bool = True,
-                 offload: bool = False) -> pd.DataFrame:
+def drift_tables(
+    models: Mapping[str, nn.Module],
+    experts: Mapping[str, nn.Module],
+    data: Mapping[str, list],
+    blocks: str | None = None,
+    tokens: str = "all",
+    progress: bool = False,
+    cka: bool = True,
+    offload: bool = False,
+) -> pd.DataFrame:
     """:func:`drift_table` of several models (``{"merged": m1, "calibrated": m2}``),
     concatenated with a leading ``model`` column."""
-    return pd.concat([drift_table(m, experts, data, blocks=blocks, tokens=tokens, progress=progress, cka=cka,
-                                  offload=offload, model_name=name) for name, m in models.items()],
-                     ignore_index=True)
+    return pd.concat(
+        [
+            drift_table(
+                m,
+                experts,
+                data,
+                blocks=blocks,
+                tokens=tokens,
+                progress=progress,
+                cka=cka,
+                offload=offload,
+                model_name=name,
+            )
+            for name, m in models.items()
+        ],
+        ignore_index=True,
+    )

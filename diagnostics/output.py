@@ -10,6 +10,7 @@ predictions are from each expert's (paper section 3).
 Both cost one full forward of the model and of the expert per batch. Tables
 are tidy with ``block = -1`` (:data:`~diagnostics.similarity.WHOLE`, the whole model).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping
@@ -29,12 +30,14 @@ FeaturesFn = Callable[[nn.Module, Any], torch.Tensor]
 
 # ----------------------------------------------------------------------------- pure maths
 
+
 def top1_agreement(logits_exp: torch.Tensor, logits_mod: torch.Tensor) -> torch.Tensor:
     """``(n,)`` bool: the model's top-1 class equals the expert's."""
     return logits_exp.argmax(-1) == logits_mod.argmax(-1)
 
 
 # ----------------------------------------------------------------------------- final features
+
 
 def default_features(model: nn.Module, batch: Any) -> torch.Tensor:
     """The model's final feature per example, ``(B, d)``.
@@ -61,8 +64,9 @@ def default_features(model: nn.Module, batch: Any) -> torch.Tensor:
 
 
 @torch.no_grad()
-def expert_cosine(model: nn.Module, experts: Mapping[str, nn.Module], data: Mapping[str, list],
-                  features_fn: FeaturesFn | None = None) -> pd.DataFrame:
+def expert_cosine(
+    model: nn.Module, experts: Mapping[str, nn.Module], data: Mapping[str, list], features_fn: FeaturesFn | None = None
+) -> pd.DataFrame:
     """Per example, the cosine of the model's and expert i's final features on task i's data.
 
     ``value = cos(phi(M)(x), phi(M_i)(x))`` with ``phi = features_fn(model, batch) -> (B, d)``
@@ -78,12 +82,20 @@ def expert_cosine(model: nn.Module, experts: Mapping[str, nn.Module], data: Mapp
         for task, batches in data.items():
             start = 0
             for batch in batches:
-                f_mod = feats(model, batch)                      # (B, d)
-                f_exp = feats(experts[task], batch)              # (B, d)
+                f_mod = feats(model, batch)  # (B, d)
+                f_exp = feats(experts[task], batch)  # (B, d)
                 cos = cosine_rows(f_mod.reshape(len(f_mod), -1), f_exp.reshape(len(f_exp), -1)).cpu()
-                frames.append(pd.DataFrame({"task": task, "block": WHOLE,
-                                            "example": range(start, start + len(cos)),
-                                            "metric": "expert_cosine", "value": cos.numpy()}))
+                frames.append(
+                    pd.DataFrame(
+                        {
+                            "task": task,
+                            "block": WHOLE,
+                            "example": range(start, start + len(cos)),
+                            "metric": "expert_cosine",
+                            "value": cos.numpy(),
+                        }
+                    )
+                )
                 start += len(cos)
     if not frames:
         return pd.DataFrame(columns=["task", "block", "example", "metric", "value"])
@@ -92,9 +104,16 @@ def expert_cosine(model: nn.Module, experts: Mapping[str, nn.Module], data: Mapp
 
 # ----------------------------------------------------------------------------- class outputs
 
+
 @torch.no_grad()
-def output_drift(model: nn.Module, zoo, split: str = "test", max_per_task: int | None = None,
-                 batch_size: int = 256, tasks: list[str] | None = None) -> pd.DataFrame:
+def output_drift(
+    model: nn.Module,
+    zoo,
+    split: str = "test",
+    max_per_task: int | None = None,
+    batch_size: int = 256,
+    tasks: list[str] | None = None,
+) -> pd.DataFrame:
     """Output drift of ``model`` from each expert of ``zoo`` on a split, through the zoo's
     frozen heads (``zoo.logits``).
 
@@ -112,23 +131,27 @@ def output_drift(model: nn.Module, zoo, split: str = "test", max_per_task: int |
     with eval_mode(model, *zoo.experts.values()):
         for task in tasks or zoo.tasks:
             x, y = zoo.split(task, split)
-            x, y = x[:max_per_task], (None if y is None else y[:max_per_task])   # [:None] keeps all
+            x, y = x[:max_per_task], (None if y is None else y[:max_per_task])  # [:None] keeps all
             n = len(x)
             kl = agree = right = right_e = 0.0
             for j, xb in enumerate(x.split(batch_size)):
-                lm = zoo.logits(model, task, xb).cpu()                 # (b, C)
-                le = zoo.logits(zoo.experts[task], task, xb).cpu()     # (b, C)
+                lm = zoo.logits(model, task, xb).cpu()  # (b, C)
+                le = zoo.logits(zoo.experts[task], task, xb).cpu()  # (b, C)
                 kl += float(kl_rows(le, lm).sum())
                 agree += float(top1_agreement(le, lm).sum())
                 if y is not None:
-                    yb = y[j * batch_size:(j + 1) * batch_size]        # (b,)
+                    yb = y[j * batch_size : (j + 1) * batch_size]  # (b,)
                     right += float((lm.argmax(-1) == yb).sum())
                     right_e += float((le.argmax(-1) == yb).sum())
+
             def mean(total, scale=1.0):
                 return scale * total / n if n else float("nan")
+
             rows += [(task, WHOLE, "kl", mean(kl)), (task, WHOLE, "agreement", mean(agree, 100.0))]
             if y is not None:
-                rows += [(task, WHOLE, "accuracy", mean(right, 100.0)),
-                         (task, WHOLE, "expert_accuracy", mean(right_e, 100.0))]
+                rows += [
+                    (task, WHOLE, "accuracy", mean(right, 100.0)),
+                    (task, WHOLE, "expert_accuracy", mean(right_e, 100.0)),
+                ]
             rows.append((task, WHOLE, "examples", float(n)))
     return pd.DataFrame(rows, columns=COLUMNS)

@@ -10,6 +10,7 @@ cosine and CKA of block outputs in :mod:`diagnostics.drift`.
 Tables are tidy (one row per measurement). ``block = -1`` (:data:`WHOLE`) means
 the whole model: every parameter, the final features, the outputs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ def pool_examples(h: torch.Tensor, tokens: str, mask: torch.Tensor | None = None
         return h[:, 0]
     if mask is None:
         return h.mean(1)
-    w = mask.to(h.device, h.dtype).unsqueeze(-1)        # (B, T, 1)
+    w = mask.to(h.device, h.dtype).unsqueeze(-1)  # (B, T, 1)
     return (h * w).sum(1) / w.sum(1).clamp_min(1.0)
 
 
@@ -68,16 +69,17 @@ class CKASums:
     """
 
     n: int
-    sx: torch.Tensor   # (dx,)      sum x
-    sy: torch.Tensor   # (dy,)      sum y
-    xx: torch.Tensor   # (dx, dx)   sum x x^T
-    yy: torch.Tensor   # (dy, dy)   sum y y^T
-    xy: torch.Tensor   # (dx, dy)   sum x y^T
+    sx: torch.Tensor  # (dx,)      sum x
+    sy: torch.Tensor  # (dy,)      sum y
+    xx: torch.Tensor  # (dx, dx)   sum x x^T
+    yy: torch.Tensor  # (dy, dy)   sum y y^T
+    xy: torch.Tensor  # (dx, dy)   sum x y^T
 
     @classmethod
     def zeros(cls, dx: int, dy: int, device=None) -> "CKASums":
         def z(*s):
             return torch.zeros(*s, dtype=torch.float64, device=device)
+
         return cls(0, z(dx), z(dy), z(dx, dx), z(dy, dy), z(dx, dy))
 
 
@@ -99,9 +101,9 @@ def linear_cka(acc: CKASums, eps: float = EPS) -> float:
     with fewer than two rows."""
     if acc.n < 2:
         return float("nan")
-    cxy = acc.xy - torch.outer(acc.sx, acc.sy) / acc.n   # (dx, dy) = Xc^T Yc
-    cxx = acc.xx - torch.outer(acc.sx, acc.sx) / acc.n   # (dx, dx)
-    cyy = acc.yy - torch.outer(acc.sy, acc.sy) / acc.n   # (dy, dy)
+    cxy = acc.xy - torch.outer(acc.sx, acc.sy) / acc.n  # (dx, dy) = Xc^T Yc
+    cxx = acc.xx - torch.outer(acc.sx, acc.sx) / acc.n  # (dx, dx)
+    cyy = acc.yy - torch.outer(acc.sy, acc.sy) / acc.n  # (dy, dy)
     den = (cxx.norm() * cyy.norm()).clamp_min(eps)
     return float(cxy.pow(2).sum() / den)
 
@@ -127,18 +129,20 @@ class DotSums:
 
 # ----------------------------------------------------------------------------- task vectors
 
+
 def block_of(name: str, blocks_path: str) -> int | None:
     """The block index of parameter ``name`` (``<blocks_path>.<i>.``...), else ``None``."""
     prefix = blocks_path + "."
     if not name.startswith(prefix):
         return None
-    head = name[len(prefix):].split(".", 1)[0]
+    head = name[len(prefix) :].split(".", 1)[0]
     return int(head) if head.isdigit() else None
 
 
 @torch.no_grad()
-def task_vector_cosine(model: nn.Module, base: nn.Module, experts: Mapping[str, nn.Module],
-                       blocks: str | None = None) -> pd.DataFrame:
+def task_vector_cosine(
+    model: nn.Module, base: nn.Module, experts: Mapping[str, nn.Module], blocks: str | None = None
+) -> pd.DataFrame:
     """Cosine of the model's task vector with each expert's, whole model and per block.
 
     With ``tau = theta - theta_0`` (the diagnosed model, merged or calibrated) and
@@ -159,13 +163,15 @@ def task_vector_cosine(model: nn.Module, base: nn.Module, experts: Mapping[str, 
     thetas = {task: expert.state_dict() for task, expert in experts.items()}
     whole = {task: DotSums() for task in thetas}
     per_block = {task: [DotSums() for _ in blks] for task in thetas}
-    for name, w in theta.items():               # parameters outside, tasks inside: tau once
+    for name, w in theta.items():  # parameters outside, tasks inside: tau once
         if not torch.is_floating_point(w):
             continue
         missing = next((t for t, th in [("", theta0), *thetas.items()] if name not in th), None)
         if missing is not None:
-            raise ValueError(f"parameter {name!r} of the model is missing from the base or expert {missing!r}; "
-                             "they must share one architecture.")
+            raise ValueError(
+                f"parameter {name!r} of the model is missing from the base or expert {missing!r}; "
+                "they must share one architecture."
+            )
         w0 = theta0[name].to(w.device, torch.float64)
         tau = (w.double() - w0).reshape(-1)
         aa = float(tau @ tau)
@@ -179,7 +185,9 @@ def task_vector_cosine(model: nn.Module, base: nn.Module, experts: Mapping[str, 
     rows = []
     for task in thetas:
         for l, s in [(WHOLE, whole[task]), *enumerate(per_block[task])]:
-            rows += [(task, l, "task_vector_cosine", s.cosine()),
-                     (task, l, "task_vector_norm", s.aa ** 0.5),
-                     (task, l, "expert_task_vector_norm", s.bb ** 0.5)]
+            rows += [
+                (task, l, "task_vector_cosine", s.cosine()),
+                (task, l, "task_vector_norm", s.aa**0.5),
+                (task, l, "expert_task_vector_norm", s.bb**0.5),
+            ]
     return pd.DataFrame(rows, columns=["task", "block", "metric", "value"])

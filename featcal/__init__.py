@@ -1,16 +1,28 @@
 """featcal: post-merging feature calibration (FeatCal) and feature-drift diagnostics.
 
+Usage::
+
     from featcal import FeatCalConfig, calibrate, merge
     merged_sd = merge("task_arithmetic", base.state_dict(), {t: m.state_dict() for t, m in experts.items()})
     model, report = calibrate(merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig.clip())
 """
+
 from featcal.config import FastPaths, FeatCalConfig, TokenWeights
 from featcal.engine import ExpertTrace, calibrate
 from featcal.merging import MERGERS, merge
 from featcal.report import CalibrationReport
 
-__all__ = ["FeatCalConfig", "FastPaths", "TokenWeights", "calibrate", "ExpertTrace", "merge", "MERGERS",
-           "CalibrationReport", "evaluate"]
+__all__ = [
+    "FeatCalConfig",
+    "FastPaths",
+    "TokenWeights",
+    "calibrate",
+    "ExpertTrace",
+    "merge",
+    "MERGERS",
+    "CalibrationReport",
+    "evaluate",
+]
 __version__ = "0.1.0"
 
 

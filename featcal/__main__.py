@@ -1,4 +1,5 @@
 """``python -m featcal``: the same as the ``featcal`` command (:mod:`featcal.cli`)."""
+
 import sys
 
 from featcal.cli import main

@@ -7,6 +7,7 @@ packed attention input projection (``nn.MultiheadAttention.in_proj_weight``,
 treated as a Linear over the attention input), or a LayerNorm affine
 (``gamma``, ``beta``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,11 +18,11 @@ from torch import nn
 
 # Tried in order when ``blocks`` is not given.
 KNOWN_BLOCK_PATHS = (
-    "vision_model.encoder.layers",   # HF CLIPVisionModel (transformers 4.x), CLIPVisionModelWithProjection
-    "encoder.layers",                # HF CLIPVisionModel (transformers 5.x, flat)
+    "vision_model.encoder.layers",  # HF CLIPVisionModel (transformers 4.x), CLIPVisionModelWithProjection
+    "encoder.layers",  # HF CLIPVisionModel (transformers 5.x, flat)
     "visual.transformer.resblocks",  # open_clip CLIP
-    "transformer.resblocks",         # open_clip VisionTransformer
-    "model.layers",                  # Llama-family causal LMs
+    "transformer.resblocks",  # open_clip VisionTransformer
+    "model.layers",  # Llama-family causal LMs
     "layers",
     "blocks",
 )
@@ -90,8 +91,9 @@ def _selected(name: str, only: tuple[str, ...] | None) -> bool:
     return only is None or name.endswith(only) or name in only
 
 
-def block_targets(block: nn.Module, *, linear: bool = True, layernorm: bool = True,
-                  only: tuple[str, ...] | None = None) -> list[Target]:
+def block_targets(
+    block: nn.Module, *, linear: bool = True, layernorm: bool = True, only: tuple[str, ...] | None = None
+) -> list[Target]:
     """Every calibrated parameter set of one block, in module order."""
     out: list[Target] = []
     packed_outs: set[str] = set()

@@ -5,6 +5,7 @@ calibrating stream, expert i's block on its own) into running sums, per task or 
 task at once (a leading task axis); :class:`BlockSystems` adds each task's terms into every
 target's system (:mod:`featcal.solve`) and checks them.
 """
+
 from __future__ import annotations
 
 import math
@@ -56,17 +57,18 @@ class Context:
     fast: FastPaths
     n_blocks: int
     device: torch.device
-    alpha: float | None                 # set: sums and systems for this alpha only (no preview)
-    scratch: Scratch = field(default_factory=Scratch)   # where the big buffers come from and go back to
+    alpha: float | None  # set: sums and systems for this alpha only (no preview)
+    scratch: Scratch = field(default_factory=Scratch)  # where the big buffers come from and go back to
     warn_rows: list[str] = field(default_factory=list)  # the first "fewer rows than width" warning
 
 
-def token_weights(x: torch.Tensor, weighted: bool, other: float, mask: torch.Tensor | None,
-                  dtype: torch.dtype, lead: int = 0) -> torch.Tensor | None:
+def token_weights(
+    x: torch.Tensor, weighted: bool, other: float, mask: torch.Tensor | None, dtype: torch.dtype, lead: int = 0
+) -> torch.Tensor | None:
     """Per-row weights ``(rows,)`` for an input ``(B, T, d)``/``(B, d)`` (``lead`` leading
     task axes kept); ``None`` = all ones."""
     has_tokens = x.dim() - lead == 3
-    use_mask = mask is not None and has_tokens and tuple(mask.shape) == tuple(x.shape[lead:lead + 2])
+    use_mask = mask is not None and has_tokens and tuple(mask.shape) == tuple(x.shape[lead : lead + 2])
     if not (weighted and has_tokens) and not use_mask:
         return None
     w = torch.ones(x.shape[:-1], dtype=dtype, device=x.device)  # (B, T)
@@ -107,13 +109,20 @@ class BlockStats:
     ``ctx.scratch`` (:meth:`release` hands them back).
     """
 
-    def __init__(self, ctx: Context, block: int, targets: list[arch.Target],
-                 expert_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
-                 merged_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]], rows: int,
-                 lead: int = 0, one_batch: bool = False):
+    def __init__(
+        self,
+        ctx: Context,
+        block: int,
+        targets: list[arch.Target],
+        expert_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+        merged_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+        rows: int,
+        lead: int = 0,
+        one_batch: bool = False,
+    ):
         self.ctx = ctx
         self.lead = lead
-        self.one_batch = one_batch      # the task is one batch: direct sums where they pay
+        self.one_batch = one_batch  # the task is one batch: direct sums where they pay
         self.targets = targets
         self.expert_params = expert_params
         self.merged_params = merged_params
@@ -142,9 +151,16 @@ class BlockStats:
         unseen = sum(t.rows is not None for t in ts)
         self.form[key] = fast.form or stats.cheapest_form(d, outs, self.rows, unseen, fixed_alpha=alpha is not None)
         direct = self.one_batch and not self.lead and self.rows <= fast.direct_rows * d
-        self.groups[key] = stats.LinearSums.zeros(d, self.ctx.cfg.stats_dtype, device, cross=self.form[key] == "P",
-                                                  lead=lead, direct=direct, take=self.ctx.scratch.take,
-                                                  block=fast.gram_block)
+        self.groups[key] = stats.LinearSums.zeros(
+            d,
+            self.ctx.cfg.stats_dtype,
+            device,
+            cross=self.form[key] == "P",
+            lead=lead,
+            direct=direct,
+            take=self.ctx.scratch.take,
+            block=fast.gram_block,
+        )
 
     def add(self, cs: Captured, ce: Captured, mask: torch.Tensor | None) -> None:
         dt = self.ctx.cfg.stats_dtype
@@ -157,22 +173,22 @@ class BlockStats:
         for key, ts in members.items():
             site, weighted, kind, ln_eps = key
             xs_raw = cs.inputs[site]
-            lead = xs_raw.shape[:self.lead]
+            lead = xs_raw.shape[: self.lead]
             w = token_weights(xs_raw, weighted, self.other, mask, dt, self.lead)
-            xs = stats.as_rows(xs_raw, dt, self.lead)           # (rows, d)
+            xs = stats.as_rows(xs_raw, dt, self.lead)  # (rows, d)
             d = xs.shape[-1]
             if kind == arch.LAYERNORM:
                 acc = self.groups.get(key) or stats.NormSums.zeros(d, dt, xs.device, lead)
                 self.groups[key] = stats.accumulate_norm(acc, xs, w, ln_eps)
                 continue
-            xe = stats.as_rows(ce.inputs[site], dt, self.lead)   # (rows, d)
+            xe = stats.as_rows(ce.inputs[site], dt, self.lead)  # (rows, d)
             if key not in self.groups:
                 self._start(key, ts, d, lead, xs.device)
             stats.accumulate_linear(self.groups[key], xs, xe, w)
             for t in ts:
                 W_i = self.expert_params[t.name][0]
                 ye = self._output(t, ce, self.expert_params[t.name], xe)
-                ye = xe @ W_i.to(dt).mT if ye is None else ye      # (rows, o)
+                ye = xe @ W_i.to(dt).mT if ye is None else ye  # (rows, o)
                 ym = self._output(t, cs, self.merged_params[t.name], xs)
                 ms = self.module.get(t.name) or stats.ModuleSums(torch.zeros((), dtype=dt, device=xs.device))
                 self.module[t.name] = stats.accumulate_module(ms, self.form[key], xs, ye, w, W_i, ym, self.ctx.alpha)
@@ -214,13 +230,13 @@ class BlockSystems:
         self.ctx, self.block, self.targets = ctx, block, targets
         self.systems: dict[str, Any] = {}
         self.norm_parts: dict[str, list] = {t.name: [] for t in targets if t.kind == arch.LAYERNORM}
-        self.shared_S: dict[tuple, str] = {}     # group -> the target whose system owns its S
+        self.shared_S: dict[tuple, str] = {}  # group -> the target whose system owns its S
 
     def add(self, acc: BlockStats, expert_params: dict, task: str) -> None:
         ctx = self.ctx
         dt, device = ctx.cfg.stats_dtype, ctx.device
         lead = acc.lead
-        take = None if ctx.alpha is None else ctx.scratch.take   # systems kept for a preview: new S
+        take = None if ctx.alpha is None else ctx.scratch.take  # systems kept for a preview: new S
         for t in self.targets:
             W_i, b_i = expert_params[t.name]
             if t.kind == arch.LINEAR:
@@ -234,10 +250,12 @@ class BlockSystems:
                 if t.name not in self.systems:
                     owner = self.shared_S.setdefault(acc.key_of[t.name], t.name)
                     S = self.systems[owner].S if owner != t.name else None
-                    self.systems[t.name] = solve.LinearSystem.zeros(d, W_i.shape[-2], dt, device, S=S,
-                                                                    alpha=ctx.alpha, take=take)
-                solve.add_task(self.systems[t.name], mom, W_i.to(device), None if b_i is None else b_i.to(device),
-                               ctx.cfg.eps)
+                    self.systems[t.name] = solve.LinearSystem.zeros(
+                        d, W_i.shape[-2], dt, device, S=S, alpha=ctx.alpha, take=take
+                    )
+                solve.add_task(
+                    self.systems[t.name], mom, W_i.to(device), None if b_i is None else b_i.to(device), ctx.cfg.eps
+                )
             else:
                 e, m = stats.norm_moments(acc.group(t))
                 parts = (e, m, W_i.to(device, dt), None if b_i is None else b_i.to(device, dt))
@@ -246,8 +264,9 @@ class BlockSystems:
     def finish(self) -> dict:
         for name, parts in self.norm_parts.items():
             e, m, g, bb = zip(*parts)
-            self.systems[name] = solve.NormSystem(torch.cat(e), torch.cat(m), torch.cat(g),
-                                                  None if bb[0] is None else torch.cat(bb))
+            self.systems[name] = solve.NormSystem(
+                torch.cat(e), torch.cat(m), torch.cat(g), None if bb[0] is None else torch.cat(bb)
+            )
         for t in self.targets:
             check_finite_system(self.systems[t.name], self.block, t.name)
         return self.systems

@@ -6,6 +6,7 @@ so an exception never leaves a hook behind. Nothing is stored on the modules.
 Captured tensors are batch-first: ``(B, T, d)`` for token sequences, ``(B, d)``
 otherwise.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -37,8 +38,11 @@ def _mapped(caps: list[Captured], fn) -> Captured:
         if key not in done:
             done[key] = fn(xs)
         return done[key]
-    return Captured({k: one([c.inputs[k] for c in caps]) for k in caps[0].inputs},
-                    {k: one([c.outputs[k] for c in caps]) for k in caps[0].outputs})
+
+    return Captured(
+        {k: one([c.inputs[k] for c in caps]) for k in caps[0].inputs},
+        {k: one([c.outputs[k] for c in caps]) for k in caps[0].outputs},
+    )
 
 
 def sliced(cap: Captured, lo: int, hi: int) -> Captured:
@@ -70,10 +74,24 @@ def _mha_context(mod: nn.MultiheadAttention, q, k, v, call: dict) -> torch.Tenso
     d = mod.embed_dim
     eye = torch.eye(d, dtype=q.dtype, device=q.device)
     ctx, _ = F.multi_head_attention_forward(
-        q, k, v, d, mod.num_heads, mod.in_proj_weight, mod.in_proj_bias,
-        mod.bias_k, mod.bias_v, mod.add_zero_attn, 0.0, eye, None,
-        training=False, key_padding_mask=call.get("key_padding_mask"), need_weights=False,
-        attn_mask=call.get("attn_mask"), is_causal=call.get("is_causal", False),
+        q,
+        k,
+        v,
+        d,
+        mod.num_heads,
+        mod.in_proj_weight,
+        mod.in_proj_bias,
+        mod.bias_k,
+        mod.bias_v,
+        mod.add_zero_attn,
+        0.0,
+        eye,
+        None,
+        training=False,
+        key_padding_mask=call.get("key_padding_mask"),
+        need_weights=False,
+        attn_mask=call.get("attn_mask"),
+        is_causal=call.get("is_causal", False),
     )
     return ctx
 
@@ -94,6 +112,7 @@ def _mha_hook(site: str, store: Captured, want_context: bool, want_output: bool)
         if want_output:
             out = output[0] if isinstance(output, tuple) else output
             store.outputs[f"{site}.out_proj"] = out if bf or out.dim() != 3 else out.transpose(0, 1)
+
     return hook
 
 
@@ -102,6 +121,7 @@ def _plain_hook(site: str, store: Captured, want_output: bool):
         store.inputs[site] = args[0]
         if want_output:
             store.outputs[site] = output
+
     return hook
 
 
@@ -128,8 +148,7 @@ def capture(block: nn.Module, targets: list[Target], outputs: bool = True) -> It
                 mha_sites[owner] = mha_sites.get(owner, False) or t.site.endswith("#context")
         for owner, want_ctx in mha_sites.items():
             mod = get_submodule(block, owner)
-            handles.append(mod.register_forward_hook(_mha_hook(owner, store, want_ctx, outputs),
-                                                     with_kwargs=True))
+            handles.append(mod.register_forward_hook(_mha_hook(owner, store, want_ctx, outputs), with_kwargs=True))
         for t in targets:
             if t.rows is None and not t.site.endswith("#context"):
                 mod = get_submodule(block, t.site)

@@ -20,6 +20,7 @@ unknown merge method, an invalid hyper-parameter) ends with one
 ``featcal: error: ...`` line and exit status 2; ``--traceback`` shows the
 traceback instead.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,15 +50,25 @@ from featcal.zoo import evaluate, load_any, load_demo
 from featcal.zoo.io import load_model, save_model
 from featcal.zoo.scores import average, expert_accuracies, markdown_table, normalized, write_scores
 
-__all__ = ["COMMANDS", "build_parser", "main", "config_from_args",
-           # shared with the other subcommands; defined in featcal.cli_common
-           "UserError", "add_common", "apply_threads", "check_out", "parse_params"]
+__all__ = [
+    "COMMANDS",
+    "build_parser",
+    "main",
+    "config_from_args",
+    # shared with the other subcommands; defined in featcal.cli_common
+    "UserError",
+    "add_common",
+    "apply_threads",
+    "check_out",
+    "parse_params",
+]
 
 AddArguments = Callable[[argparse.ArgumentParser], object]
 Run = Callable[[argparse.Namespace], "int | None"]
 
 
 # ------------------------------------------------------------------ zoo
+
 
 def add_zoo_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="zoo_command", required=True, metavar="{build-demo,info}")
@@ -99,11 +110,13 @@ def _print_zoo_info(zoo, seconds: float) -> None:
 
 # ------------------------------------------------------------------ merge
 
+
 def add_merge_arguments(p: argparse.ArgumentParser) -> None:
     add_zoo(p)
     p.add_argument("--method", default="task_arithmetic", help="merge method (default: task_arithmetic)")
-    p.add_argument("--param", action="append", metavar="NAME=VALUE",
-                   help="a parameter of the method, e.g. scale=0.3 (repeatable)")
+    p.add_argument(
+        "--param", action="append", metavar="NAME=VALUE", help="a parameter of the method, e.g. scale=0.3 (repeatable)"
+    )
     add_out(p)
     p.add_argument("--eval", action="store_true", help="also print the test accuracy")
     add_common(p)
@@ -130,14 +143,23 @@ def _write(args, zoo, model, json_name: str, doc: dict, scored: dict) -> Path:
 
 # ------------------------------------------------------------------ calibrate
 
+
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     add_zoo(p)
     p.add_argument("--merge", default="task_arithmetic", help="merge method (default: task_arithmetic)")
-    p.add_argument("--merge-param", action="append", metavar="NAME=VALUE",
-                   help="a parameter of the merge method (repeatable; default: its own defaults)")
-    p.add_argument("--preset", default="clip", choices=("clip", "none"),
-                   help="clip: the paper's CLIP setting with the reference run's token weights; "
-                        "none: plain FeatCalConfig (default: clip)")
+    p.add_argument(
+        "--merge-param",
+        action="append",
+        metavar="NAME=VALUE",
+        help="a parameter of the merge method (repeatable; default: its own defaults)",
+    )
+    p.add_argument(
+        "--preset",
+        default="clip",
+        choices=("clip", "none"),
+        help="clip: the paper's CLIP setting with the reference run's token weights; "
+        "none: plain FeatCalConfig (default: clip)",
+    )
     p.add_argument("--lam", type=float, help="lambda, ridge strength toward the anchor")
     p.add_argument("--rho", type=float, help="rho, anchor blend rho*W_mer + (1-rho)*W_0")
     p.add_argument("--alpha", type=float, help="alpha, target interpolation alpha*x_e + (1-alpha)*x_s")
@@ -170,11 +192,18 @@ def run_calibrate(args) -> int:
     zoo = zoo_from_args(args)
     merged = zoo.merged(args.merge, **params)
     data = zoo.calib_data(args.n_per_task, seed=args.seed, batch_size=args.batch_size)
-    model, report = calibrate(merged, base=zoo.base, experts=zoo.experts, calib_data=data,
-                              config=cfg, progress=not args.quiet)
-    doc = {"zoo": args.zoo, "merge": {"method": args.merge, "params": params},
-           "n_per_task": args.n_per_task, "seed": args.seed, "batch_size": args.batch_size,
-           "preset": args.preset, "report": report.to_dict()}
+    model, report = calibrate(
+        merged, base=zoo.base, experts=zoo.experts, calib_data=data, config=cfg, progress=not args.quiet
+    )
+    doc = {
+        "zoo": args.zoo,
+        "merge": {"method": args.merge, "params": params},
+        "n_per_task": args.n_per_task,
+        "seed": args.seed,
+        "batch_size": args.batch_size,
+        "preset": args.preset,
+        "report": report.to_dict(),
+    }
     out = _write(args, zoo, model, "report.json", doc, scored={args.merge: merged, "featcal": model})
     print(f"calibrated in {report.seconds:.1f} s; wrote {out}")
     return 0
@@ -182,13 +211,22 @@ def run_calibrate(args) -> int:
 
 # ------------------------------------------------------------------ eval
 
+
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     add_zoo(p)
-    p.add_argument("--model", action="append", metavar="DIR",
-                   help="a saved model to evaluate (repeatable); without it: base, experts, merges")
-    p.add_argument("--merge", action="append", metavar="METHOD",
-                   help="merges to evaluate with their default parameters when no --model is given "
-                        "(repeatable; default: task_arithmetic)")
+    p.add_argument(
+        "--model",
+        action="append",
+        metavar="DIR",
+        help="a saved model to evaluate (repeatable); without it: base, experts, merges",
+    )
+    p.add_argument(
+        "--merge",
+        action="append",
+        metavar="METHOD",
+        help="merges to evaluate with their default parameters when no --model is given "
+        "(repeatable; default: task_arithmetic)",
+    )
     p.add_argument("--split", default="test", help="split to score (calib, val, test; default test)")
     p.add_argument("--max-per-task", type=int, help="score only the first N examples of each task")
     p.add_argument("--json", metavar="PATH", help="also write the scores as JSON")
@@ -234,8 +272,7 @@ def _print_table(scores: dict, experts: dict) -> None:
     print(markdown_table(scores))
     for name, accs in scores.items():
         if name != "experts":
-            print(f"{name}: average {average(accs):.2f}, "
-                  f"expert-normalised {average(normalized(accs, experts)):.2f}")
+            print(f"{name}: average {average(accs):.2f}, expert-normalised {average(normalized(accs, experts)):.2f}")
 
 
 # ------------------------------------------------------------------ the table
@@ -243,8 +280,11 @@ def _print_table(scores: dict, experts: dict) -> None:
 COMMANDS: dict[str, tuple[AddArguments, Run, str]] = {
     "zoo": (add_zoo_arguments, run_zoo, "build or inspect zoos"),
     "merge": (add_merge_arguments, run_merge, "merge the experts of a zoo and save the model"),
-    "calibrate": (add_calibrate_arguments, run_calibrate,
-                  "merge, then calibrate with FeatCal; save the model and report.json"),
+    "calibrate": (
+        add_calibrate_arguments,
+        run_calibrate,
+        "merge, then calibrate with FeatCal; save the model and report.json",
+    ),
     "eval": (add_eval_arguments, run_eval, "per-task accuracy of the zoo's models or a saved one"),
     "diagnose": (diagnose_cli.add_arguments, diagnose_cli.run, diagnose_cli.HELP),
     "tune": (tune_cli.add_tune_arguments, tune_cli.run_tune, tune_cli.TUNE_HELP),

@@ -7,6 +7,7 @@ imports this module, and :mod:`featcal.cli` imports them all into one table.
 Bad input raises :class:`UserError` (or ``ValueError`` / ``FileNotFoundError``), which
 ``featcal`` reports as one ``featcal: error: ...`` line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,10 +26,12 @@ class UserError(Exception):
 
 # ------------------------------------------------------------------ options
 
+
 def add_zoo(p: argparse.ArgumentParser) -> None:
     """``--zoo``: a zoo by name or path (:func:`featcal.zoo.load_any`)."""
-    p.add_argument("--zoo", default="demo",
-                   help="'demo', 'demo-fashion', a YAML spec or a zoo directory (default: demo)")
+    p.add_argument(
+        "--zoo", default="demo", help="'demo', 'demo-fashion', a YAML spec or a zoo directory (default: demo)"
+    )
 
 
 def add_out(p: argparse.ArgumentParser) -> None:
@@ -40,13 +43,17 @@ def add_out(p: argparse.ArgumentParser) -> None:
 def add_common(p: argparse.ArgumentParser) -> None:
     """``--device``, ``--threads`` and ``--quiet``, shared by every subcommand that loads a zoo."""
     p.add_argument("--device", default="cpu", help="torch device for the models (default: cpu)")
-    p.add_argument("--threads", type=int, metavar="N",
-                   help="torch CPU threads (default: torch's; 1 is fastest for the demo "
-                        "zoo on a busy machine)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="torch CPU threads (default: torch's; 1 is fastest for the demo zoo on a busy machine)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
 
 # ------------------------------------------------------------------ checks
+
 
 def check_merge_method(method: str) -> None:
     """``method`` must be in :data:`featcal.merging.MERGERS`."""
@@ -89,6 +96,7 @@ def check_out(out: str, force: bool) -> None:
 
 
 # ------------------------------------------------------------------ the zoo
+
 
 def apply_threads(args: argparse.Namespace) -> None:
     """Honour ``--threads`` (see :func:`add_common`)."""

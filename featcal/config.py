@@ -5,6 +5,7 @@ with its paper symbol); :class:`FastPaths` only how fast the engine gets there (
 setting of it gives the same calibration up to float rounding). Invalid values are
 rejected at construction, so a config that exists is a config that runs.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
@@ -26,8 +27,8 @@ class TokenWeights:
     module except those whose name ends with one of ``exclude``.
     """
 
-    other: float = 0.01                      # weight of every non-class token
-    last_block_only: bool = True             # apply in the last block only
+    other: float = 0.01  # weight of every non-class token
+    last_block_only: bool = True  # apply in the last block only
     exclude: tuple[str, ...] = KEY_VALUE_SUFFIXES  # modules left at weight 1
 
     def __post_init__(self):
@@ -92,8 +93,7 @@ class FeatCalConfig:
         """The paper's CLIP setting (lam 0.05, rho 2.0, alpha 0.3, bias, LayerNorm) with
         the reference run's token weights (last block: non-class tokens at 0.01, except
         key/value projections). Any field can be overridden by keyword."""
-        base = dict(lam=0.05, rho=2.0, alpha=0.3, bias=True, layernorm=True,
-                    token_weights=TokenWeights())
+        base = dict(lam=0.05, rho=2.0, alpha=0.3, bias=True, layernorm=True, token_weights=TokenWeights())
         base.update(overrides)
         return cls(**base)
 
@@ -124,7 +124,7 @@ class FeatCalConfig:
         return d
 
 
-FORMS = ("P", "Q", "QQ")   # the exact forms of the cross-moment statistics (featcal.stats)
+FORMS = ("P", "Q", "QQ")  # the exact forms of the cross-moment statistics (featcal.stats)
 
 
 @dataclass(frozen=True)
@@ -172,5 +172,6 @@ class FastPaths:
     def plainest(cls) -> "FastPaths":
         """Every fast path off: one call per batch, task by task, Gram matrices in full, the
         shared cross moment ``P``, torch's Cholesky, no buffer kept from block to block."""
-        return cls(pool_rows=0, stack_max=0, direct_rows=0.0, lapack_min_d=None, gram_block=None,
-                   scratch_keep=0, form="P")
+        return cls(
+            pool_rows=0, stack_max=0, direct_rows=0.0, lapack_min_d=None, gram_block=None, scratch_keep=0, form="P"
+        )

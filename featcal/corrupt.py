@@ -10,6 +10,7 @@ normalised as ``(x - mean) / std`` (the zoo's pixel transform).
 The parameter tables are ours, set for small (32 px) images: at severity 5 a
 demo image is still recognisable to a person.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -18,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 # Parameter at severities 0..5 (0 = the identity).
-NOISE_STD = (0.0, 0.04, 0.08, 0.12, 0.18, 0.26)   # Gaussian noise: std in pixel units
-BLUR_SIGMA = (0.0, 0.4, 0.6, 0.8, 1.1, 1.5)       # Gaussian blur: sigma in pixels
-FOG_AMOUNT = (0.0, 0.2, 0.4, 0.6, 0.85, 1.2)      # fog: strength of the haze layer
+NOISE_STD = (0.0, 0.04, 0.08, 0.12, 0.18, 0.26)  # Gaussian noise: std in pixel units
+BLUR_SIGMA = (0.0, 0.4, 0.6, 0.8, 1.1, 1.5)  # Gaussian blur: sigma in pixels
+FOG_AMOUNT = (0.0, 0.2, 0.4, 0.6, 0.85, 1.2)  # fog: strength of the haze layer
 
 
 def _level(table: tuple[float, ...], severity: float) -> float:
@@ -59,9 +60,9 @@ def _separable_blur(x: torch.Tensor, sigma: float) -> torch.Tensor:
     c = x.shape[1]
     mode = "reflect" if min(x.shape[-2:]) > r else "replicate"
     out = F.pad(x, (r, r, 0, 0), mode=mode)
-    out = F.conv2d(out, k.view(1, 1, 1, -1).expand(c, 1, 1, -1), groups=c)      # along W
+    out = F.conv2d(out, k.view(1, 1, 1, -1).expand(c, 1, 1, -1), groups=c)  # along W
     out = F.pad(out, (0, 0, r, r), mode=mode)
-    return F.conv2d(out, k.view(1, 1, -1, 1).expand(c, 1, -1, 1), groups=c)    # along H
+    return F.conv2d(out, k.view(1, 1, -1, 1).expand(c, 1, -1, 1), groups=c)  # along H
 
 
 def blur(x: torch.Tensor, severity: float, seed: int = 0) -> torch.Tensor:
@@ -72,8 +73,9 @@ def blur(x: torch.Tensor, severity: float, seed: int = 0) -> torch.Tensor:
     return _separable_blur(x, sigma).clamp(0.0, 1.0)
 
 
-def _haze(n: int, h: int, w: int, seed: int, dtype: torch.dtype, device: torch.device,
-          octaves: int = 4) -> torch.Tensor:
+def _haze(
+    n: int, h: int, w: int, seed: int, dtype: torch.dtype, device: torch.device, octaves: int = 4
+) -> torch.Tensor:
     """A smooth random field ``(n, 1, h, w)`` in [0, 1]: coarse-to-fine octaves of uniform
     noise, each upsampled bilinearly, amplitude halving per octave."""
     gen = _generator(seed, device)
@@ -97,7 +99,7 @@ def fog(x: torch.Tensor, severity: float, seed: int = 0) -> torch.Tensor:
     if a == 0.0:
         return x.clone()
     n, _, h, w = x.shape
-    haze = _haze(n, h, w, seed, x.dtype, x.device)                        # (n, 1, H, W)
+    haze = _haze(n, h, w, seed, x.dtype, x.device)  # (n, 1, H, W)
     peak = x.amax(dim=(1, 2, 3), keepdim=True)
     return ((x + a * haze) * peak / (peak + a)).clamp(0.0, 1.0)
 
@@ -109,8 +111,9 @@ CORRUPTIONS: dict[str, Callable[[torch.Tensor, float, int], torch.Tensor]] = {
 }
 
 
-def corrupt(x: torch.Tensor, kind: str, severity: float, seed: int = 0,
-            mean: float = 0.5, std: float = 0.5) -> torch.Tensor:
+def corrupt(
+    x: torch.Tensor, kind: str, severity: float, seed: int = 0, mean: float = 0.5, std: float = 0.5
+) -> torch.Tensor:
     """Corrupt normalised images ``x = (pixels - mean) / std``: undo the normalisation,
     apply ``CORRUPTIONS[kind]`` in [0, 1], normalise again."""
     if kind not in CORRUPTIONS:

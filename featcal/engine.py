@@ -19,6 +19,7 @@ task is one batch of one shape, every task's statistics are reduced as one stack
 (:func:`_batchable`; the statistics themselves: :mod:`featcal.blockstats`). These and the
 other fast paths are switched by the :class:`~featcal.config.FastPaths` passed in.
 """
+
 from __future__ import annotations
 
 import copy
@@ -62,12 +63,13 @@ class ExpertTrace:
         self._key: tuple | None = None
         self._refs: list = []
         self.stems: dict[str, list[BlockCall]] = {}
-        self.steps: dict[tuple, tuple[Captured, torch.Tensor]] = {}   # (block, task, batch) -> (captures, output)
+        self.steps: dict[tuple, tuple[Captured, torch.Tensor]] = {}  # (block, task, batch) -> (captures, output)
         # block -> (stacked captures, stacked params, each task's output): all tasks reduced as one stack
         self.stacked: dict[int, tuple[Captured, dict, list[torch.Tensor]]] = {}
 
-    def bind(self, experts: Mapping[str, nn.Module], calib_data: Mapping[str, list], tasks: list[str],
-             key: tuple) -> "ExpertTrace":
+    def bind(
+        self, experts: Mapping[str, nn.Module], calib_data: Mapping[str, list], tasks: list[str], key: tuple
+    ) -> "ExpertTrace":
         """Clear the trace unless it was made with these experts, batches and ``key`` (the
         blocks' path and what decides the captured modules)."""
         objs = [experts[t] for t in tasks] + [b for t in tasks for b in calib_data[t]]
@@ -92,18 +94,24 @@ class _Stream:
 class _Run:
     """What the steps of every block of one :func:`calibrate` call share."""
 
-    ctx: Context                            # config, fast paths, scratch, warnings (featcal.blockstats)
+    ctx: Context  # config, fast paths, scratch, warnings (featcal.blockstats)
     base_blocks: nn.ModuleList
     expert_blocks: Mapping[str, nn.ModuleList]
     streams: dict[str, _Stream]
     report: CalibrationReport
-    keep: list | None                       # each solved module's system and parameters, for a preview
+    keep: list | None  # each solved module's system and parameters, for a preview
     trace: ExpertTrace | None
 
 
-def _prepare_streams(model: nn.Module, blocks: nn.ModuleList, experts: Mapping[str, nn.Module],
-                     expert_blocks: Mapping[str, nn.ModuleList], calib_data: Mapping[str, list],
-                     offload: bool, trace: ExpertTrace | None = None) -> dict[str, _Stream]:
+def _prepare_streams(
+    model: nn.Module,
+    blocks: nn.ModuleList,
+    experts: Mapping[str, nn.Module],
+    expert_blocks: Mapping[str, nn.ModuleList],
+    calib_data: Mapping[str, list],
+    offload: bool,
+    trace: ExpertTrace | None = None,
+) -> dict[str, _Stream]:
     """Run every stem once per batch: the calibrating model's and expert i's on D_i (the
     latter from ``trace`` when it has them)."""
     streams = {}
@@ -129,7 +137,7 @@ def _solve_block(run: _Run, block: int, blk: nn.Module, targets, systems: dict) 
     the systems' ``S`` unless ``run.keep`` holds on to them."""
     cfg, scratch, keep = run.ctx.cfg, run.ctx.scratch, run.keep
     new_params = []
-    factors = solve.Factors(run.ctx.fast.lapack_min_d, take=scratch.take)   # one per shared S (q/k/v)
+    factors = solve.Factors(run.ctx.fast.lapack_min_d, take=scratch.take)  # one per shared S (q/k/v)
     for t in targets:
         t0 = time.perf_counter()
         W_mer, b_mer = arch.get_params(blk, t)
@@ -140,11 +148,24 @@ def _solve_block(run: _Run, block: int, blk: nn.Module, targets, systems: dict) 
         b_0 = None if b_0 is None else b_0.to(W_mer.device)
         sysm = systems[t.name]
         if t.kind == arch.LINEAR:
-            W, b, SWt = solve.solve_linear(sysm, W_mer, b_mer, W_0, b_0, lam=cfg.lam, rho=cfg.rho,
-                                           alpha=cfg.alpha, eps=cfg.eps, bias=cfg.bias,
-                                           what=f"block {block} {t.name}", with_swt=True, factors=factors)
-            before, after = solve.linear_residuals(sysm, cfg.alpha, (W_mer, b_mer, None, sysm.res.k_mm),
-                                                   (W, b, SWt, None))
+            W, b, SWt = solve.solve_linear(
+                sysm,
+                W_mer,
+                b_mer,
+                W_0,
+                b_0,
+                lam=cfg.lam,
+                rho=cfg.rho,
+                alpha=cfg.alpha,
+                eps=cfg.eps,
+                bias=cfg.bias,
+                what=f"block {block} {t.name}",
+                with_swt=True,
+                factors=factors,
+            )
+            before, after = solve.linear_residuals(
+                sysm, cfg.alpha, (W_mer, b_mer, None, sysm.res.k_mm), (W, b, SWt, None)
+            )
             d_in, d_out, rows = W.shape[1], W.shape[0], sysm.min_rows
         else:
             W, b = solve.solve_norm(sysm, W_mer, b_mer, W_0, b_0, lam=cfg.lam, rho=cfg.rho, eps=cfg.eps)
@@ -157,8 +178,9 @@ def _solve_block(run: _Run, block: int, blk: nn.Module, targets, systems: dict) 
         if not math.isfinite(after):
             raise FloatingPointError(f"block {block}, module {t.name!r}: the solve gave NaN/Inf; raise lam or eps.")
         new_params.append((t, W, b))
-        run.report.modules.append(ModuleRecord(block, t.name, t.kind, d_in, d_out, rows, before, after,
-                                               time.perf_counter() - t0))
+        run.report.modules.append(
+            ModuleRecord(block, t.name, t.kind, d_in, d_out, rows, before, after, time.perf_counter() - t0)
+        )
         if keep is not None:
             keep.append((block, t, sysm, W_mer, b_mer, W_0, b_0))
     for t, W, b in new_params:
@@ -225,9 +247,11 @@ def _advance(run: _Run, block: int, blk: nn.Module, pool) -> None:
                 outs[task, b] = h.cpu() if offload else h
     for task, st in run.streams.items():
         hs = [outs[task, b] for b in range(len(st.cal))]
-        if not bool(torch.stack([torch.isfinite(x).all() for x in hs]).all()):   # one sync per task
-            raise FloatingPointError(f"block {block}: the calibrated block's output on task {task!r} "
-                                     "holds NaN or Inf; raise lam or check the data.")
+        if not bool(torch.stack([torch.isfinite(x).all() for x in hs]).all()):  # one sync per task
+            raise FloatingPointError(
+                f"block {block}: the calibrated block's output on task {task!r} "
+                "holds NaN or Inf; raise lam or check the data."
+            )
         st.cal = [cc.with_hidden(x) for cc, x in zip(st.cal, hs)]
 
 
@@ -248,8 +272,7 @@ def _expert_step(run: _Run, eblk: nn.Module, targets, st: _Stream, b: int, key: 
     return hit[0]
 
 
-def _add_stacked(run: _Run, block: int, targets, merged_params: dict, merged_cap: Captured,
-                 into: BlockSystems) -> None:
+def _add_stacked(run: _Run, block: int, targets, merged_params: dict, merged_cap: Captured, into: BlockSystems) -> None:
     """Step 1 with every task reduced as one stack (:func:`_batchable`): the expert blocks'
     captures and parameters stacked on a leading task axis (or from the trace), the pooled
     merged captures seen with one."""
@@ -273,13 +296,20 @@ def _add_stacked(run: _Run, block: int, targets, merged_params: dict, merged_cap
     acc.release()
 
 
-def _add_each_task(run: _Run, block: int, blk: nn.Module, targets, merged_params: dict,
-                   merged_cap: Captured | None, pool, into: BlockSystems) -> None:
+def _add_each_task(
+    run: _Run,
+    block: int,
+    blk: nn.Module,
+    targets,
+    merged_params: dict,
+    merged_cap: Captured | None,
+    pool,
+    into: BlockSystems,
+) -> None:
     """Step 1 task by task, batch by batch: the still-merged block's captures cut from the
     pooled call (``merged_cap``) or from a call of their own, the expert's from its block."""
     device = run.ctx.device
-    caps = None if merged_cap is None else {key: sliced(merged_cap, lo, hi)
-                                            for key, (lo, hi) in zip(pool[0], pool[2])}
+    caps = None if merged_cap is None else {key: sliced(merged_cap, lo, hi) for key, (lo, hi) in zip(pool[0], pool[2])}
     for task, st in run.streams.items():
         eblk = run.expert_blocks[task][block]
         expert_params = {t.name: arch.get_params(eblk, t) for t in targets}
@@ -315,11 +345,20 @@ def _block_systems(run: _Run, block: int, blk: nn.Module, targets, pool) -> dict
 
 
 @torch.no_grad()
-def calibrate(merged: nn.Module, *, base: nn.Module, experts: Mapping[str, nn.Module],
-              calib_data: Mapping[str, list], config: FeatCalConfig | None = None,
-              blocks: str | None = None, inplace: bool = False, keep_stats: bool = False,
-              progress: bool = True, expert_trace: ExpertTrace | None = None,
-              fast: FastPaths | None = None) -> tuple[nn.Module, CalibrationReport]:
+def calibrate(
+    merged: nn.Module,
+    *,
+    base: nn.Module,
+    experts: Mapping[str, nn.Module],
+    calib_data: Mapping[str, list],
+    config: FeatCalConfig | None = None,
+    blocks: str | None = None,
+    inplace: bool = False,
+    keep_stats: bool = False,
+    progress: bool = True,
+    expert_trace: ExpertTrace | None = None,
+    fast: FastPaths | None = None,
+) -> tuple[nn.Module, CalibrationReport]:
     """Calibrate a merged model toward its experts with FeatCal.
 
     Args:
@@ -350,8 +389,11 @@ def calibrate(merged: nn.Module, *, base: nn.Module, experts: Mapping[str, nn.Mo
     t_start = time.perf_counter()
     # 1. Validate before touching anything.
     tasks = validate.check_tasks(experts, calib_data)
-    path = validate.check_models(merged, [("base", base)] + [(f"expert {t!r}", experts[t]) for t in tasks],
-                                 lambda m: arch.resolve_blocks(m, blocks)[0])
+    path = validate.check_models(
+        merged,
+        [("base", base)] + [(f"expert {t!r}", experts[t]) for t in tasks],
+        lambda m: arch.resolve_blocks(m, blocks)[0],
+    )
 
     # 2. The model to calibrate, and every model's blocks.
     model = merged if inplace else copy.deepcopy(merged)
@@ -359,7 +401,7 @@ def calibrate(merged: nn.Module, *, base: nn.Module, experts: Mapping[str, nn.Mo
     _, base_blks = arch.resolve_blocks(base, path)
     exp_blks = {t: arch.resolve_blocks(experts[t], path)[1] for t in tasks}
     device = device_of(model)
-    restore_modes = to_eval(model, base, *experts.values())   # each submodule's flag comes back exactly
+    restore_modes = to_eval(model, base, *experts.values())  # each submodule's flag comes back exactly
     report = CalibrationReport(cfg, path, tasks)
     trace = None
     if expert_trace is not None:
@@ -368,8 +410,9 @@ def calibrate(merged: nn.Module, *, base: nn.Module, experts: Mapping[str, nn.Mo
     ctx = Context(cfg, fast, len(blks), device, alpha=None if keep_stats else cfg.alpha)
     try:
         # 3. The streams at the input of block 0.
-        streams = _prepare_streams(model, blks, experts, exp_blks, {t: calib_data[t] for t in tasks},
-                                   cfg.offload_streams, trace)
+        streams = _prepare_streams(
+            model, blks, experts, exp_blks, {t: calib_data[t] for t in tasks}, cfg.offload_streams, trace
+        )
         run = _Run(ctx, base_blks, exp_blks, streams, report, [] if keep_stats else None, trace)
         bar = progress_bar(range(len(blks)), desc="FeatCal", unit="block", show=progress)
         for block in bar:
@@ -377,13 +420,13 @@ def calibrate(merged: nn.Module, *, base: nn.Module, experts: Mapping[str, nn.Mo
             targets = arch.block_targets(blk, linear=cfg.linear, layernorm=cfg.layernorm, only=cfg.modules)
             # 3a. Snapshot statistics of the still-merged block (and advance the experts).
             t0 = time.perf_counter()
-            pool = _pool(streams, fast.pool_rows)   # the calibrating batches as one call, for steps 1 and 3
+            pool = _pool(streams, fast.pool_rows)  # the calibrating batches as one call, for steps 1 and 3
             systems = _block_systems(run, block, blk, targets, pool)
-            ctx.scratch.trim(fast.scratch_keep)     # big Gram buffers go before the solve (kept, they add to its peak)
+            ctx.scratch.trim(fast.scratch_keep)  # big Gram buffers go before the solve (kept, they add to its peak)
             t1 = time.perf_counter()
             # 3b. Solve all modules of the block, then load them together.
             _solve_block(run, block, blk, targets, systems)
-            ctx.scratch.trim(fast.scratch_keep)     # and big systems and factors before the advance
+            ctx.scratch.trim(fast.scratch_keep)  # and big systems and factors before the advance
             t2 = time.perf_counter()
             # 3c. Advance the calibrating streams through the calibrated block.
             _advance(run, block, blk, pool)

@@ -9,6 +9,7 @@ are not floating point are copied from the base.
 Registry: ``MERGERS`` maps a method name to its function, and
 :func:`merge` dispatches on it.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Mapping
@@ -49,8 +50,9 @@ def _task_vectors(base: StateDict, experts: Mapping[str, StateDict], key: str) -
     return torch.stack([sd[key].to(b.dtype) - b for sd in experts.values()])
 
 
-def _merge_each(base: StateDict, experts: Mapping[str, StateDict],
-                combine: Callable[[str, torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+def _merge_each(
+    base: StateDict, experts: Mapping[str, StateDict], combine: Callable[[str, torch.Tensor], torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """Apply ``theta = theta_0 + combine(key, taus)`` to every floating entry."""
     _check_compatible(base, experts)
     out: dict[str, torch.Tensor] = {}
@@ -69,8 +71,7 @@ def average(base: StateDict, experts: Mapping[str, StateDict]) -> dict[str, torc
     return _merge_each(base, experts, lambda _k, taus: taus.mean(0))
 
 
-def task_arithmetic(base: StateDict, experts: Mapping[str, StateDict],
-                    scale: float = 0.3) -> dict[str, torch.Tensor]:
+def task_arithmetic(base: StateDict, experts: Mapping[str, StateDict], scale: float = 0.3) -> dict[str, torch.Tensor]:
     """Task Arithmetic: ``theta = theta_0 + scale * sum_i (theta_i - theta_0)``."""
     return _merge_each(base, experts, lambda _k, taus: scale * taus.sum(0))
 
@@ -86,8 +87,9 @@ def _trim_top(taus: torch.Tensor, density: float) -> torch.Tensor:
     return (flat * mask).reshape(taus.shape)
 
 
-def ties(base: StateDict, experts: Mapping[str, StateDict], density: float = 0.2,
-         scale: float = 0.3, disjoint: str = "mean") -> dict[str, torch.Tensor]:
+def ties(
+    base: StateDict, experts: Mapping[str, StateDict], density: float = 0.2, scale: float = 0.3, disjoint: str = "mean"
+) -> dict[str, torch.Tensor]:
     """TIES merging (Yadav et al. 2023).
 
     1. trim: keep the top ``density`` fraction of each task vector by magnitude
@@ -115,8 +117,9 @@ def ties(base: StateDict, experts: Mapping[str, StateDict], density: float = 0.2
     return _merge_each(base, experts, combine)
 
 
-def dare(base: StateDict, experts: Mapping[str, StateDict], drop: float = 0.9,
-         scale: float = 0.3, seed: int = 0) -> dict[str, torch.Tensor]:
+def dare(
+    base: StateDict, experts: Mapping[str, StateDict], drop: float = 0.9, scale: float = 0.3, seed: int = 0
+) -> dict[str, torch.Tensor]:
     """DARE (Yu et al. 2024) on top of Task Arithmetic: drop each task-vector entry
     with probability ``drop``, rescale the rest by ``1 / (1 - drop)``, then
     ``theta = theta_0 + scale * sum_i tau_i``. Seeded: the same seed gives the same merge."""
@@ -139,8 +142,9 @@ MERGERS: dict[str, Callable[..., dict[str, torch.Tensor]]] = {
 }
 
 
-def merge(method: str, base_sd: StateDict, expert_sds: Mapping[str, StateDict] | list,
-          **params) -> dict[str, torch.Tensor]:
+def merge(
+    method: str, base_sd: StateDict, expert_sds: Mapping[str, StateDict] | list, **params
+) -> dict[str, torch.Tensor]:
     """Merge expert state dicts into a new one with a registered method.
 
     ``expert_sds`` is a mapping ``{task: state_dict}`` (a list is accepted and

@@ -5,6 +5,7 @@ with mixed flags (one block frozen in eval mode, the rest training) would come b
 all training. :func:`eval_mode` records the submodules that were training and gives
 exactly those their flag back.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -11,6 +11,7 @@ This ignores how earlier blocks' changes move later features (the exact run
 does not): it is a *preview*, exact only when the features do not depend on
 the hyper-parameters (a single calibrated block).
 """
+
 from __future__ import annotations
 
 import copy
@@ -24,21 +25,25 @@ from featcal import arch, solve
 
 @dataclass
 class _EigLinear:
-    Q: torch.Tensor      # (d, d)
-    ev: torch.Tensor     # (d,)
-    QU: torch.Tensor     # (d, o)
-    QV: torch.Tensor     # (d, o)
-    QWm: torch.Tensor    # (d, o)  Q^T W_mer^T
-    QW0: torch.Tensor    # (d, o)  Q^T W_0^T
+    Q: torch.Tensor  # (d, d)
+    ev: torch.Tensor  # (d,)
+    QU: torch.Tensor  # (d, o)
+    QV: torch.Tensor  # (d, o)
+    QWm: torch.Tensor  # (d, o)  Q^T W_mer^T
+    QW0: torch.Tensor  # (d, o)  Q^T W_0^T
 
     def solve(self, lam: float, rho: float, alpha: float, eps: float) -> torch.Tensor:
         rhs = self.QU + alpha * self.QV + lam * (rho * self.QWm + (1.0 - rho) * self.QW0)
         return (self.Q @ (rhs / (self.ev + lam + eps)[:, None])).T  # W (o, d)
 
 
-def _eig_linear(sysm: solve.LinearSystem, W_mer: torch.Tensor, W_0: torch.Tensor,
-                eigh: tuple[torch.Tensor, torch.Tensor] | None = None) -> _EigLinear:
-    ev, Q = torch.linalg.eigh(sysm.S, UPLO="U") if eigh is None else eigh   # S: upper triangle
+def _eig_linear(
+    sysm: solve.LinearSystem,
+    W_mer: torch.Tensor,
+    W_0: torch.Tensor,
+    eigh: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> _EigLinear:
+    ev, Q = torch.linalg.eigh(sysm.S, UPLO="U") if eigh is None else eigh  # S: upper triangle
     dt = sysm.S.dtype
     Qt = Q.T
     return _EigLinear(Q, ev, Qt @ sysm.U, Qt @ sysm.V, Qt @ W_mer.to(dt).T, Qt @ W_0.to(dt).T)
@@ -50,7 +55,7 @@ class Preview:
     def __init__(self, template: nn.Module, blocks_path: str, entries: list, eps: float, bias: bool):
         self.template = template
         self.blocks_path = blocks_path
-        self.entries = entries        # (block, target, system, W_mer, b_mer, W_0, b_0)
+        self.entries = entries  # (block, target, system, W_mer, b_mer, W_0, b_0)
         self.eps = eps
         self.bias = bias
         self._eig: dict[int, _EigLinear] = {}
@@ -59,7 +64,7 @@ class Preview:
         if i not in self._eig:
             _, _, sysm, W_mer, _, W_0, _ = self.entries[i]
             shared = next((e for j, e in self._eig.items() if self.entries[j][2].S is sysm.S), None)
-            eigh = None if shared is None else (shared.ev, shared.Q)   # q/k/v share one S
+            eigh = None if shared is None else (shared.ev, shared.Q)  # q/k/v share one S
             self._eig[i] = _eig_linear(sysm, W_mer, W_0, eigh)
         return self._eig[i]
 
@@ -70,8 +75,9 @@ class Preview:
                 self._eig_of(i)
 
     @torch.no_grad()
-    def params(self, lam: float, rho: float,
-               alpha: float) -> list[tuple[int, arch.Target, torch.Tensor, torch.Tensor | None]]:
+    def params(
+        self, lam: float, rho: float, alpha: float
+    ) -> list[tuple[int, arch.Target, torch.Tensor, torch.Tensor | None]]:
         """``[(block, target, W, b), ...]`` previewed for (lam, rho, alpha)."""
         out = []
         for i, (blk, t, sysm, W_mer, b_mer, W_0, b_0) in enumerate(self.entries):

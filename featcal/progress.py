@@ -1,10 +1,13 @@
 """Progress bars: the one place featcal and diagnostics make one (tqdm underneath).
 
+Usage::
+
     for task in bar(tasks, desc="experts", show=progress):
         ...
     with bar(total=len(jobs), desc="preview", unit="job", show=progress) as b:
         b.update()
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -12,8 +15,9 @@ from typing import Iterable
 from tqdm.auto import tqdm
 
 
-def bar(iterable: Iterable | None = None, *, total: int | None = None, desc: str = "", unit: str = "it",
-        show: bool = True) -> tqdm:
+def bar(
+    iterable: Iterable | None = None, *, total: int | None = None, desc: str = "", unit: str = "it", show: bool = True
+) -> tqdm:
     """A tqdm bar over ``iterable`` (or counting to ``total``, advanced with ``update``) that
     disappears when done; with ``show=False`` it draws nothing and only passes the items on."""
     return tqdm(iterable, total=total, desc=desc, unit=unit, disable=not show, leave=False)

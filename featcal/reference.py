@@ -11,6 +11,7 @@ Only plumbing comes from the library: where the blocks are and which parameters 
 (:mod:`featcal.arch`), the input hooks (:mod:`featcal.capture`) and the block-by-block
 streams (:mod:`featcal.streams`).
 """
+
 from __future__ import annotations
 
 import copy
@@ -36,10 +37,10 @@ def anchor(mer: torch.Tensor, base: torch.Tensor, rho: float) -> torch.Tensor:
 def task_statistics(xs: torch.Tensor, xe: torch.Tensor, w: torch.Tensor, alpha: float):
     """``(C_i, X_i, mu_s, mu_t)`` of one module on task i ('Statistics'): w-weighted means
     over the rows ``xs``, ``xe`` ``(rows, d)`` (calibrating model, expert i), ``w`` ``(rows,)``."""
-    p = w / w.sum()                            # (rows,)  E[f] = sum_r p_r f_r
-    xt = alpha * xe + (1.0 - alpha) * xs       # (rows, d)  the interpolated target input
-    xs_p = p[:, None] * xs                     # (rows, d)
-    return xs_p.T @ xs, xs_p.T @ xt, p @ xs, p @ xt   # (d, d), (d, d), (d,), (d,)
+    p = w / w.sum()  # (rows,)  E[f] = sum_r p_r f_r
+    xt = alpha * xe + (1.0 - alpha) * xs  # (rows, d)  the interpolated target input
+    xs_p = p[:, None] * xs  # (rows, d)
+    return xs_p.T @ xs, xs_p.T @ xt, p @ xs, p @ xt  # (d, d), (d, d), (d,), (d,)
 
 
 def task_scale(C: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,19 +55,22 @@ def linear_weight(Cs, Xs, scales, W_experts, W_anc: torch.Tensor, lam: float, ep
         W^T = (sum_i s_i C_i + (lam + eps) I)^-1 (sum_i s_i X_i W_i^T + lam W_anc^T)
     """
     eye = torch.eye(W_anc.shape[1], dtype=W_anc.dtype, device=W_anc.device)
-    A = sum(s * C for s, C in zip(scales, Cs)) + (lam + eps) * eye                        # (d, d)
-    B = sum(s * X @ W_i.T for s, X, W_i in zip(scales, Xs, W_experts)) + lam * W_anc.T    # (d, o)
-    return torch.cholesky_solve(B, torch.linalg.cholesky(A)).T                            # (o, d)
+    A = sum(s * C for s, C in zip(scales, Cs)) + (lam + eps) * eye  # (d, d)
+    B = sum(s * X @ W_i.T for s, X, W_i in zip(scales, Xs, W_experts)) + lam * W_anc.T  # (d, o)
+    return torch.cholesky_solve(B, torch.linalg.cholesky(A)).T  # (o, d)
 
 
-def linear_bias(W: torch.Tensor, mus_s, mus_t, scales, W_experts, b_experts, b_anc: torch.Tensor,
-                lam: float) -> torch.Tensor:
-    """The best bias for the new ``W`` ('Linear bias')::
+def linear_bias(
+    W: torch.Tensor, mus_s, mus_t, scales, W_experts, b_experts, b_anc: torch.Tensor, lam: float
+) -> torch.Tensor:
+    """The best bias for the new ``W`` ('Linear bias'), each task weighted by its scale
+    ``s_i``, pulled toward the anchor's bias by ``lam``::
 
         b = [sum_i s_i (b_i + W_i mu_t,i - W mu_s,i) + lam b_anc] / (sum_i s_i + lam)
     """
-    num = sum(s * (b_i + W_i @ mu_t - W @ mu_s)
-              for s, mu_s, mu_t, W_i, b_i in zip(scales, mus_s, mus_t, W_experts, b_experts))
+    num = sum(
+        s * (b_i + W_i @ mu_t - W @ mu_s) for s, mu_s, mu_t, W_i, b_i in zip(scales, mus_s, mus_t, W_experts, b_experts)
+    )
     return (num + lam * b_anc) / (sum(scales) + lam)
 
 
@@ -74,16 +78,17 @@ def layernorm_moments(x: torch.Tensor, w: torch.Tensor, ln_eps: float) -> tuple[
     """``(e_i, m_i) = (E[z*z], E[z])`` per channel, ``z`` the LayerNorm of the rows ``x``
     ``(rows, d)`` without its affine ('LayerNorm affine')."""
     p = w / w.sum()
-    z = F.layer_norm(x, x.shape[-1:], eps=ln_eps)     # (rows, d)
+    z = F.layer_norm(x, x.shape[-1:], eps=ln_eps)  # (rows, d)
     return p @ (z * z), p @ z
 
 
-def layernorm_affine(es, ms, gammas, betas, g_anc: torch.Tensor, b_anc: torch.Tensor | None, lam: float,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+def layernorm_affine(
+    es, ms, gammas, betas, g_anc: torch.Tensor, b_anc: torch.Tensor | None, lam: float, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(gamma, beta)`` per channel from the 2x2 system of 'LayerNorm affine' (tasks
     unweighted, determinant clamped below at ``eps``); ``gamma`` alone when ``betas`` is None."""
     E, M, n = sum(es), sum(ms), len(es)
-    if betas is None:     # no beta: the 1x1 system (sum e + lam) gamma = sum e gamma_i + lam gamma_anc
+    if betas is None:  # no beta: the 1x1 system (sum e + lam) gamma = sum e gamma_i + lam gamma_anc
         return (sum(e * g for e, g in zip(es, gammas)) + lam * g_anc) / (E + lam).clamp(min=eps), None
     r1 = sum(e * g + m * b for e, m, g, b in zip(es, ms, gammas, betas)) + lam * g_anc
     r2 = sum(m * g + b for m, g, b in zip(ms, gammas, betas)) + lam * b_anc
@@ -99,7 +104,7 @@ def _rows(x: torch.Tensor, call: BlockCall, weighted: bool, other: float) -> tup
     """One captured input ``(B, T, d)`` or ``(B, d)`` as float64 rows ``(rows, d)`` and their
     token weights ``(rows,)``: ``other`` for every token but the first where ``weighted``;
     padding (``attention_mask == 0``) dropped."""
-    w = torch.ones(x.shape[:-1], dtype=torch.float64, device=x.device)   # (B, T) or (B,)
+    w = torch.ones(x.shape[:-1], dtype=torch.float64, device=x.device)  # (B, T) or (B,)
     if weighted and x.dim() == 3:
         w[:, 1:] = other
     keep = torch.ones_like(w, dtype=torch.bool)
@@ -108,8 +113,15 @@ def _rows(x: torch.Tensor, call: BlockCall, weighted: bool, other: float) -> tup
     return x[keep].double(), w[keep]
 
 
-def _snapshot(blk: nn.Module, eblk: nn.Module, targets: list[Target], cal: list[BlockCall],
-              exp: list[BlockCall], weighted: dict[str, bool], other: float) -> dict[str, tuple]:
+def _snapshot(
+    blk: nn.Module,
+    eblk: nn.Module,
+    targets: list[Target],
+    cal: list[BlockCall],
+    exp: list[BlockCall],
+    weighted: dict[str, bool],
+    other: float,
+) -> dict[str, tuple]:
     """Step 1 for one task: ``{target: (xs, xe, w)}``, the rows every target of the still-merged
     block reads on the calibrating stream and of expert i's block on its own. Moves the
     expert stream ``exp`` on to the expert block's outputs (step 3 for it)."""
@@ -139,8 +151,16 @@ def _solve(t: Target, snaps: list[tuple], blk, base_blk, expert_blks, cfg: FeatC
     b_anc = None if b_mer is None else anchor(b_mer, b_0, cfg.rho)
     if t.kind != LINEAR:
         es, ms = zip(*(layernorm_moments(xs, w, t.ln_eps) for xs, _, w in snaps))
-        return layernorm_affine(es, ms, W_experts, None if b_mer is None else b_experts,
-                                anchor(W_mer, W_0, cfg.rho), b_anc, cfg.lam, cfg.eps)
+        return layernorm_affine(
+            es,
+            ms,
+            W_experts,
+            None if b_mer is None else b_experts,
+            anchor(W_mer, W_0, cfg.rho),
+            b_anc,
+            cfg.lam,
+            cfg.eps,
+        )
     Cs, Xs, mus_s, mus_t = zip(*(task_statistics(xs, xe, w, cfg.alpha) for xs, xe, w in snaps))
     scales = [task_scale(C, cfg.eps) for C in Cs]
     W = linear_weight(Cs, Xs, scales, W_experts, anchor(W_mer, W_0, cfg.rho), cfg.lam, cfg.eps)
@@ -150,9 +170,15 @@ def _solve(t: Target, snaps: list[tuple], blk, base_blk, expert_blks, cfg: FeatC
 
 
 @torch.no_grad()
-def calibrate_reference(merged: nn.Module, *, base: nn.Module, experts: Mapping[str, nn.Module],
-                        calib_data: Mapping[str, list], config: FeatCalConfig,
-                        blocks: str | None = None) -> nn.Module:
+def calibrate_reference(
+    merged: nn.Module,
+    *,
+    base: nn.Module,
+    experts: Mapping[str, nn.Module],
+    calib_data: Mapping[str, list],
+    config: FeatCalConfig,
+    blocks: str | None = None,
+) -> nn.Module:
     """FeatCal of ``merged`` toward ``experts`` as docs/maths.md states it, every sum in float64.
 
     Same arguments as :func:`featcal.calibrate` (``config.stats_dtype`` and
@@ -162,7 +188,7 @@ def calibrate_reference(merged: nn.Module, *, base: nn.Module, experts: Mapping[
     """
     cfg, tasks = config, list(calib_data)
     model = copy.deepcopy(merged).eval()
-    experts = {t: copy.deepcopy(experts[t]).eval() for t in tasks}     # eval mode without touching the caller's
+    experts = {t: copy.deepcopy(experts[t]).eval() for t in tasks}  # eval mode without touching the caller's
     path, blks = resolve_blocks(model, blocks)
     base_blks = resolve_blocks(base, path)[1]
     exp_blks = {t: resolve_blocks(experts[t], path)[1] for t in tasks}
@@ -174,11 +200,27 @@ def calibrate_reference(merged: nn.Module, *, base: nn.Module, experts: Mapping[
         targets = block_targets(blk, linear=cfg.linear, layernorm=cfg.layernorm, only=cfg.modules)
         weighted = {t.name: tw is not None and tw.applies(idx, len(blks), t.name) for t in targets}
         # 1. Snapshot: every target's input rows, before any of them changes.
-        snaps = {task: _snapshot(blk, exp_blks[task][idx], targets, cal[task], exp[task], weighted,
-                                 1.0 if tw is None else tw.other) for task in tasks}
+        snaps = {
+            task: _snapshot(
+                blk, exp_blks[task][idx], targets, cal[task], exp[task], weighted, 1.0 if tw is None else tw.other
+            )
+            for task in tasks
+        }
         # 2. Solve every target from the snapshot, then load them together.
-        new = [(t, *_solve(t, [snaps[task][t.name] for task in tasks], blk, base_blks[idx],
-                           [exp_blks[task][idx] for task in tasks], cfg)) for t in targets]
+        new = [
+            (
+                t,
+                *_solve(
+                    t,
+                    [snaps[task][t.name] for task in tasks],
+                    blk,
+                    base_blks[idx],
+                    [exp_blks[task][idx] for task in tasks],
+                    cfg,
+                ),
+            )
+            for t in targets
+        ]
         for t, W, b in new:
             set_params(blk, t, W, b)
         # 3. Advance the calibrating streams through the new block (the experts' moved in step 1).

@@ -17,6 +17,7 @@ solved for any setting.
 LayerNorm affine, per channel (tasks unweighted), a 2x2 system
 ``[sum e + lam, sum m; sum m, N + lam] [gamma; beta] = [...]``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -49,14 +50,14 @@ class ResidualTerms:
     the solve's: ``K(alpha) = sum s_i E|W_i xt|^2 = a^2 k_ee + 2a(1-a) k_se + (1-a)^2 k_ss``
     and the bias cross terms. Shapes: ``n`` tasks, ``d`` input width, ``o`` output width."""
 
-    k_ee: torch.Tensor   # ()      sum s_i E|W_i xe|^2
-    k_se: torch.Tensor   # ()      sum s_i E[(W_i xs).(W_i xe)]
-    k_ss: torch.Tensor   # ()      sum s_i E|W_i xs|^2
-    sbs: torch.Tensor    # (n, o)  s_i b_i per task     } sum s_i b_i.W mu_s,i = sum(sbs * (mus @ W^T))
-    mus: torch.Tensor    # (n, d)  mu_s,i per task     }
-    c_s: torch.Tensor    # ()      sum s_i b_i.W_i mu_s,i
-    c_v: torch.Tensor    # ()      sum s_i b_i.W_i (mu_e,i - mu_s,i)
-    bb: torch.Tensor     # ()      sum s_i |b_i|^2
+    k_ee: torch.Tensor  # ()      sum s_i E|W_i xe|^2
+    k_se: torch.Tensor  # ()      sum s_i E[(W_i xs).(W_i xe)]
+    k_ss: torch.Tensor  # ()      sum s_i E|W_i xs|^2
+    sbs: torch.Tensor  # (n, o)  s_i b_i per task     } sum s_i b_i.W mu_s,i = sum(sbs * (mus @ W^T))
+    mus: torch.Tensor  # (n, d)  mu_s,i per task     }
+    c_s: torch.Tensor  # ()      sum s_i b_i.W_i mu_s,i
+    c_v: torch.Tensor  # ()      sum s_i b_i.W_i (mu_e,i - mu_s,i)
+    bb: torch.Tensor  # ()      sum s_i |b_i|^2
     k_mm: torch.Tensor | None  # () sum s_i E|W_mer xs|^2 (None once a task did not see it)
 
     @classmethod
@@ -64,8 +65,9 @@ class ResidualTerms:
         def z(*shape) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
-        return cls(k_ee=z(()), k_se=z(()), k_ss=z(()), sbs=z(0, o), mus=z(0, d), c_s=z(()), c_v=z(()), bb=z(()),
-                   k_mm=z(()))
+        return cls(
+            k_ee=z(()), k_se=z(()), k_ss=z(()), sbs=z(0, o), mus=z(0, d), c_s=z(()), c_v=z(()), bb=z(()), k_mm=z(())
+        )
 
 
 @dataclass
@@ -77,35 +79,55 @@ class LinearSystem:
     layout (their transposes are contiguous).
     """
 
-    S: torch.Tensor      # (d, d)  sum s_i C_i (upper triangle)
-    U: torch.Tensor      # (d, o)  sum s_i C_i W_i^T
+    S: torch.Tensor  # (d, d)  sum s_i C_i (upper triangle)
+    U: torch.Tensor  # (d, o)  sum s_i C_i W_i^T
     V: torch.Tensor | None  # (d, o)  sum s_i (P_i - C_i) W_i^T (None in a one-alpha system)
     s_sum: torch.Tensor  # ()      sum s_i
-    m_s: torch.Tensor    # (d,)    sum s_i mu_s,i
-    sb: torch.Tensor     # (o,)    sum s_i b_i
-    ub: torch.Tensor     # (o,)    sum s_i W_i mu_s,i
-    vb: torch.Tensor     # (o,)    sum s_i W_i (mu_e,i - mu_s,i)
-    res: ResidualTerms   # what the relative residual reads besides these
+    m_s: torch.Tensor  # (d,)    sum s_i mu_s,i
+    sb: torch.Tensor  # (o,)    sum s_i b_i
+    ub: torch.Tensor  # (o,)    sum s_i W_i mu_s,i
+    vb: torch.Tensor  # (o,)    sum s_i W_i (mu_e,i - mu_s,i)
+    res: ResidualTerms  # what the relative residual reads besides these
     n_tasks: int = 0
     min_rows: int = 0
     owns_S: bool = True  # False: S is another system's (modules reading one input share it)
     alpha: float | None = None  # set: U holds U + alpha V for this alpha alone, V is unused
 
     @classmethod
-    def zeros(cls, d: int, o: int, dtype: torch.dtype, device, S: torch.Tensor | None = None,
-              alpha: float | None = None, take: Callable | None = None) -> "LinearSystem":
+    def zeros(
+        cls,
+        d: int,
+        o: int,
+        dtype: torch.dtype,
+        device,
+        S: torch.Tensor | None = None,
+        alpha: float | None = None,
+        take: Callable | None = None,
+    ) -> "LinearSystem":
         """Empty sums; ``S`` given: share that system's ``S`` (same input, so same ``S``),
         which :func:`add_task` then leaves to its owner. ``alpha`` given: a system for that
         alpha only (``U`` holds ``U + alpha V``; :func:`solve_linear` refuses another).
         ``take(shape, dtype, device)``: where a new ``S`` comes from (default ``torch.zeros``)."""
+
         def z(*shape) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
         owns_S = S is None
         if owns_S:
             S = z(d, d) if take is None else take((d, d), dtype, device)
-        return cls(S=S, U=z(o, d).T, V=z(o, d).T if alpha is None else None, s_sum=z(()), m_s=z(d), sb=z(o),
-                   ub=z(o), vb=z(o), res=ResidualTerms.zeros(d, o, dtype, device), owns_S=owns_S, alpha=alpha)
+        return cls(
+            S=S,
+            U=z(o, d).T,
+            V=z(o, d).T if alpha is None else None,
+            s_sum=z(()),
+            m_s=z(d),
+            sb=z(o),
+            ub=z(o),
+            vb=z(o),
+            res=ResidualTerms.zeros(d, o, dtype, device),
+            owns_S=owns_S,
+            alpha=alpha,
+        )
 
     def to(self, device) -> "LinearSystem":
         """The system with every tensor on ``device`` (a new object; tensors already there are shared)."""
@@ -114,12 +136,14 @@ class LinearSystem:
 
 def _tensors_to(obj, device):
     """A new dataclass like ``obj`` with its tensor fields moved to ``device``."""
-    return replace(obj, **{f.name: getattr(obj, f.name).to(device) for f in fields(obj)
-                           if torch.is_tensor(getattr(obj, f.name))})
+    return replace(
+        obj, **{f.name: getattr(obj, f.name).to(device) for f in fields(obj) if torch.is_tensor(getattr(obj, f.name))}
+    )
 
 
-def add_task(sys: LinearSystem, mom: LinearMoments, W_i: torch.Tensor, b_i: torch.Tensor | None,
-             eps: float) -> LinearSystem:
+def add_task(
+    sys: LinearSystem, mom: LinearMoments, W_i: torch.Tensor, b_i: torch.Tensor | None, eps: float
+) -> LinearSystem:
     """Add task i's terms (in place; returns ``sys``).
 
     ``mom``: the task's sums (:func:`featcal.stats.linear_moments`); ``W_i`` ``(o, d)``,
@@ -128,19 +152,20 @@ def add_task(sys: LinearSystem, mom: LinearMoments, W_i: torch.Tensor, b_i: torc
     (each sum over the tasks one operation); one task is a stack of one.
     """
     if not mom.w.dim():
-        mom = replace(mom, **{f.name: getattr(mom, f.name)[None] for f in fields(mom)
-                              if torch.is_tensor(getattr(mom, f.name))})
+        mom = replace(
+            mom, **{f.name: getattr(mom, f.name)[None] for f in fields(mom) if torch.is_tensor(getattr(mom, f.name))}
+        )
         W_i, b_i = W_i[None], None if b_i is None else b_i[None]
     dt = sys.S.dtype
     W = W_i.to(dt)
-    w = mom.w.to(dt)                                              # (T,)
+    w = mom.w.to(dt)  # (T,)
     s = w / torch.maximum(mom.c_norm.to(dt), eps * w)  # s_i = 1 / max(||C_i / w||_F, eps): C holds sums
-    f = s / w                                          # sums -> s_i times means
-    U, V = sys.U.T, None if sys.V is None else sys.V.T             # (o, d) contiguous
-    CW, PW = (None if x is None else x.mT for x in (mom.CW, mom.PW))   # (T, o, d) contiguous
+    f = s / w  # sums -> s_i times means
+    U, V = sys.U.T, None if sys.V is None else sys.V.T  # (o, d) contiguous
+    CW, PW = (None if x is None else x.mT for x in (mom.CW, mom.PW))  # (T, o, d) contiguous
     if sys.owns_S and mom.C is not None:
         add_gram(sys.S, mom.C, f, mom.edges)
-    elif sys.owns_S:                                   # direct sums: C = Z^T Z, one task at a time
+    elif sys.owns_S:  # direct sums: C = Z^T Z, one task at a time
         for Z, f_t in zip(mom.Z, f.tolist()):
             add_rows_gram(sys.S, Z.to(dt), f_t, mom.edges)
     if sys.alpha is None:
@@ -151,9 +176,9 @@ def add_task(sys: LinearSystem, mom: LinearMoments, W_i: torch.Tensor, b_i: torc
     else:
         add_weighted(add_weighted(U, CW, f * (1.0 - sys.alpha)), PW, f * sys.alpha)
     sys.s_sum += s.sum()
-    mu_s, mu_e = mom.mu_s.to(dt), mom.mu_e.to(dt)                 # (T, d)
+    mu_s, mu_e = mom.mu_s.to(dt), mom.mu_e.to(dt)  # (T, d)
     sys.m_s.add_(s @ mu_s)
-    Wmu_s, Wmu_d = (W @ torch.stack([mu_s, mu_e - mu_s], -1)).unbind(-1)   # (T, o) each: W read once
+    Wmu_s, Wmu_d = (W @ torch.stack([mu_s, mu_e - mu_s], -1)).unbind(-1)  # (T, o) each: W read once
     sys.ub.add_(s @ Wmu_s)
     sys.vb.add_(s @ Wmu_d)
     res = sys.res
@@ -198,16 +223,25 @@ def _triangular_solves(L: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve_triangular(L.mT, y, upper=True)
 
 
-def spd_factor(S: torch.Tensor, shift: float = 0.0, what: str = "system", take: Callable | None = None,
-               lapack_min_d: int | None = FastPaths.lapack_min_d) -> Callable[[torch.Tensor], torch.Tensor]:
+def spd_factor(
+    S: torch.Tensor,
+    shift: float = 0.0,
+    what: str = "system",
+    take: Callable | None = None,
+    lapack_min_d: int | None = FastPaths.lapack_min_d,
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """A solver ``B -> (S + shift I)^-1 B`` for the symmetric matrix whose upper triangle is
     ``S``'s (``S + shift I`` positive definite): Cholesky (in place by LAPACK on a copy for
     CPU systems ``lapack_min_d`` wide or wider, else torch's), or LU (logged) when the
     factorisation fails numerically. ``S`` is left as it is; ``take(shape, dtype, device, zero)``:
     where that copy's buffer comes from (a fresh big tensor costs its page faults; the
     solver keeps it)."""
-    lapack = (lapack_min_d is not None and S.shape[0] >= lapack_min_d and S.device.type == "cpu"
-              and S.dtype in (torch.float32, torch.float64))
+    lapack = (
+        lapack_min_d is not None
+        and S.shape[0] >= lapack_min_d
+        and S.device.type == "cpu"
+        and S.dtype in (torch.float32, torch.float64)
+    )
     if lapack:
         A = S.clone() if take is None else take(S.shape, S.dtype, S.device, zero=False).copy_(S)
         A.diagonal().add_(shift)
@@ -226,9 +260,8 @@ def spd_factor(S: torch.Tensor, shift: float = 0.0, what: str = "system", take: 
         try:
             return torch.linalg.solve(A, B)
         except RuntimeError as err:  # singular
-            raise FloatingPointError(
-                f"{what}: the FeatCal system is singular ({err}); raise lam or eps."
-            ) from None
+            raise FloatingPointError(f"{what}: the FeatCal system is singular ({err}); raise lam or eps.") from None
+
     return lu
 
 
@@ -268,11 +301,12 @@ def spd_solve(A: torch.Tensor, B: torch.Tensor, what: str = "system") -> torch.T
     return spd_factor(A, 0.0, what)(B)
 
 
-def linear_rhs(sys: LinearSystem, W_mer: torch.Tensor, W_0: torch.Tensor,
-               lam: float, rho: float, alpha: float) -> torch.Tensor:
+def linear_rhs(
+    sys: LinearSystem, W_mer: torch.Tensor, W_0: torch.Tensor, lam: float, rho: float, alpha: float
+) -> torch.Tensor:
     """``U + alpha V + lam W_anc^T`` ``(d, o)``, a new tensor in the weight layout."""
     U = sys.U if sys.alpha is None else _task_rhs(sys, alpha)
-    Rt = torch.add(U.T, W_mer, alpha=lam * rho).add_(W_0, alpha=lam * (1.0 - rho))   # (o, d)
+    Rt = torch.add(U.T, W_mer, alpha=lam * rho).add_(W_0, alpha=lam * (1.0 - rho))  # (o, d)
     if sys.alpha is None:
         Rt.add_(sys.V.T, alpha=alpha)
     return Rt.T
@@ -283,13 +317,16 @@ def _task_rhs(sys: LinearSystem, alpha: float) -> torch.Tensor:
     if sys.alpha is None:
         return sys.U + alpha * sys.V
     if alpha != sys.alpha:
-        raise ValueError(f"this system was built for alpha={sys.alpha} only, not {alpha}; "
-                         "calibrate with keep_stats=True to solve other settings.")
+        raise ValueError(
+            f"this system was built for alpha={sys.alpha} only, not {alpha}; "
+            "calibrate with keep_stats=True to solve other settings."
+        )
     return sys.U
 
 
-def linear_bias(sys: LinearSystem, W: torch.Tensor, b_mer: torch.Tensor, b_0: torch.Tensor,
-                lam: float, rho: float, alpha: float) -> torch.Tensor:
+def linear_bias(
+    sys: LinearSystem, W: torch.Tensor, b_mer: torch.Tensor, b_0: torch.Tensor, lam: float, rho: float, alpha: float
+) -> torch.Tensor:
     """The spec's bias for the new ``W``: ``[sum s_i (b_i + W_i mu_t - W mu_s) + lam b_anc] / (sum s_i + lam)``."""
     dt = sys.S.dtype
     b_anc = anchor(b_mer.to(dt), b_0.to(dt), rho)
@@ -297,10 +334,22 @@ def linear_bias(sys: LinearSystem, W: torch.Tensor, b_mer: torch.Tensor, b_0: to
     return num / (sys.s_sum + lam)
 
 
-def solve_linear(sys: LinearSystem, W_mer: torch.Tensor, b_mer: torch.Tensor | None,
-                 W_0: torch.Tensor, b_0: torch.Tensor | None, *, lam: float, rho: float,
-                 alpha: float, eps: float, bias: bool = True, what: str = "linear",
-                 with_swt: bool = False, factors: Factors | None = None):
+def solve_linear(
+    sys: LinearSystem,
+    W_mer: torch.Tensor,
+    b_mer: torch.Tensor | None,
+    W_0: torch.Tensor,
+    b_0: torch.Tensor | None,
+    *,
+    lam: float,
+    rho: float,
+    alpha: float,
+    eps: float,
+    bias: bool = True,
+    what: str = "linear",
+    with_swt: bool = False,
+    factors: Factors | None = None,
+):
     """The calibrated ``(W, b)`` (in the system's dtype). ``b`` is the merged bias when
     ``bias`` is off, ``None`` when the module has none. With ``with_swt``, also ``S W^T``
     (free from the normal equations: ``S W^T = R - (lam + eps) W^T``) for the residual.
@@ -308,7 +357,7 @@ def solve_linear(sys: LinearSystem, W_mer: torch.Tensor, b_mer: torch.Tensor | N
     the other systems sharing this ``S``); default: a new one with the default fast paths."""
     solver = (factors or Factors()).solver(sys.S, lam + eps, what)
     R = linear_rhs(sys, W_mer, W_0, lam, rho, alpha)
-    Wt = solver(R)                           # (d, o)
+    Wt = solver(R)  # (d, o)
     W = Wt.T
     if b_mer is None:
         b = None
@@ -321,8 +370,14 @@ def solve_linear(sys: LinearSystem, W_mer: torch.Tensor, b_mer: torch.Tensor | N
     return W, b
 
 
-def linear_residual(sys: LinearSystem, W: torch.Tensor, b: torch.Tensor | None, alpha: float,
-                    SWt: torch.Tensor | None = None, wsw: torch.Tensor | None = None) -> float:
+def linear_residual(
+    sys: LinearSystem,
+    W: torch.Tensor,
+    b: torch.Tensor | None,
+    alpha: float,
+    SWt: torch.Tensor | None = None,
+    wsw: torch.Tensor | None = None,
+) -> float:
     """Relative residual ``sum s_i E|W xs + b - W_i xt - b_i|^2 / sum s_i E|W_i xt + b_i|^2``.
     ``SWt`` (``S W^T``) or ``wsw`` (``tr(W S W^T)``, e.g. ``sys.res.k_mm`` for the merged
     weights) may be given when already known; else ``S W^T`` is computed."""
@@ -339,22 +394,22 @@ def linear_residuals(sys: LinearSystem, alpha: float, *models) -> list[float]:
     rhs = _task_rhs(sys, alpha)
     rows, with_bias = [], []
     for W, b, SWt, wsw in models:
-        Wt = W.to(dt).T                          # (d, o), weight layout
+        Wt = W.to(dt).T  # (d, o), weight layout
         if wsw is None:
             wsw = inner(Wt, symmetric(sys.S) @ Wt if SWt is None else SWt)
         terms = [wsw, inner(Wt, rhs)]
         if b is not None:
             b = b.to(dt)
-            terms += [b @ (Wt.T @ sys.m_s), b @ sys.ub, b @ sys.vb, (res.sbs * (res.mus @ Wt)).sum(),
-                      b @ b, b @ sys.sb]
+            terms += [b @ (Wt.T @ sys.m_s), b @ sys.ub, b @ sys.vb, (res.sbs * (res.mus @ Wt)).sum(), b @ b, b @ sys.sb]
         rows.append(torch.stack(terms))
         with_bias.append(b is not None)
     k_ee, k_se, k_ss, c_s, c_v, bb, s_sum, *vals = torch.cat(
-        [torch.stack([res.k_ee, res.k_se, res.k_ss, res.c_s, res.c_v, res.bb, sys.s_sum]).to(dt), *rows]).tolist()
+        [torch.stack([res.k_ee, res.k_se, res.k_ss, res.c_s, res.c_v, res.bb, sys.s_sum]).to(dt), *rows]
+    ).tolist()
     a = alpha
     K = a * a * k_ee + 2 * a * (1 - a) * k_se + (1 - a) ** 2 * k_ss
     den = K + 2 * (c_s + a * c_v) + bb
-    den = den if not den < 1e-30 else 1e-30          # (a NaN passes through both clamps)
+    den = den if not den < 1e-30 else 1e-30  # (a NaN passes through both clamps)
     out = []
     for has_b in with_bias:
         wsw, w_rhs, *vals = vals
@@ -370,19 +425,28 @@ def linear_residuals(sys: LinearSystem, alpha: float, *models) -> list[float]:
 class NormSystem:
     """Per-task LayerNorm moments and expert affines, stacked over tasks ``(N, d)``."""
 
-    e: torch.Tensor          # E[z*z] per task and channel
-    m: torch.Tensor          # E[z]
-    g: torch.Tensor          # gamma_i
-    b: torch.Tensor | None   # beta_i (None: the LayerNorm has no bias)
+    e: torch.Tensor  # E[z*z] per task and channel
+    m: torch.Tensor  # E[z]
+    g: torch.Tensor  # gamma_i
+    b: torch.Tensor | None  # beta_i (None: the LayerNorm has no bias)
 
     def to(self, device) -> "NormSystem":
-        return NormSystem(self.e.to(device), self.m.to(device), self.g.to(device),
-                          None if self.b is None else self.b.to(device))
+        return NormSystem(
+            self.e.to(device), self.m.to(device), self.g.to(device), None if self.b is None else self.b.to(device)
+        )
 
 
-def solve_norm(sys: NormSystem, g_mer: torch.Tensor, b_mer: torch.Tensor | None, g_0: torch.Tensor,
-               b_0: torch.Tensor | None, *, lam: float, rho: float, eps: float
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def solve_norm(
+    sys: NormSystem,
+    g_mer: torch.Tensor,
+    b_mer: torch.Tensor | None,
+    g_0: torch.Tensor,
+    b_0: torch.Tensor | None,
+    *,
+    lam: float,
+    rho: float,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The calibrated ``(gamma, beta)`` per channel (the spec's 2x2 system, determinant
     clamped below at ``eps``); ``gamma`` alone when the LayerNorm has no bias."""
     dt = sys.e.dtype

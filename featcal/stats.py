@@ -40,6 +40,7 @@ the sums they are given, and return them). Every one also takes a leading task a
 (rows ``(T, rows, d)``, sums ``(T, ...)``, expert weights ``(T, o, d)``): small models then
 reduce all tasks in one call per operation instead of one per task.
 """
+
 from __future__ import annotations
 
 import functools
@@ -59,17 +60,18 @@ def gram_blocks(d: int, block: int | None = FastPaths.gram_block) -> tuple[int, 
     return tuple(round(i * d / k) for i in range(k + 1))
 
 
-def cheapest_form(d: int, outs: list[int], rows: int, computed_outputs: int = 0,
-                  fixed_alpha: bool = False) -> str:
+def cheapest_form(d: int, outs: list[int], rows: int, computed_outputs: int = 0, fixed_alpha: bool = False) -> str:
     """The form (:data:`FORMS`) with the fewest multiply-adds for a group of modules reading
     one input of width ``d``: outputs ``outs``, ``rows`` rows per task; ``computed_outputs``
     of the modules have no captured output, so ``W_i xe`` costs ``rows d o`` more for them;
     ``fixed_alpha``: only one alpha is wanted (``"QQ"`` then needs two products, not three)."""
     o = sum(outs)
     extra = rows * d * computed_outputs * (o / max(len(outs), 1))
-    cost = {"P": rows * d * d + 2 * d * d * o,
-            "Q": rows * d * o + d * d * o + extra,
-            "QQ": (2 if fixed_alpha else 3) * rows * d * o + extra}
+    cost = {
+        "P": rows * d * d + 2 * d * d * o,
+        "Q": rows * d * o + d * d * o + extra,
+        "QQ": (2 if fixed_alpha else 3) * rows * d * o + extra,
+    }
     return min(FORMS, key=lambda f: cost[f])
 
 
@@ -82,31 +84,42 @@ class LinearSums:
     ``P`` is kept only in the ``"P"`` form.
     """
 
-    w: torch.Tensor          # ()        sum of row weights
-    rows: int                # number of rows with positive weight
-    s: torch.Tensor          # (d,)      sum w xs
-    e: torch.Tensor          # (d,)      sum w xe
-    C: torch.Tensor | None   # (d, d)    sum w xs xs^T (None for direct sums)
-    P: torch.Tensor | None   # (d, d)    sum w xs xe^T (None unless the "P" form)
+    w: torch.Tensor  # ()        sum of row weights
+    rows: int  # number of rows with positive weight
+    s: torch.Tensor  # (d,)      sum w xs
+    e: torch.Tensor  # (d,)      sum w xe
+    C: torch.Tensor | None  # (d, d)    sum w xs xs^T (None for direct sums)
+    P: torch.Tensor | None  # (d, d)    sum w xs xe^T (None unless the "P" form)
     edges: tuple[int, ...] = ()
     finished: bool = False
-    Z: torch.Tensor | None = None   # (rows, d)  sqrt(w) xs of the one batch of direct sums
+    Z: torch.Tensor | None = None  # (rows, d)  sqrt(w) xs of the one batch of direct sums
 
     @classmethod
-    def zeros(cls, d: int, dtype: torch.dtype, device, cross: bool = True, lead: tuple[int, ...] = (),
-              direct: bool = False, take=None, block: int | None = FastPaths.gram_block) -> "LinearSums":
+    def zeros(
+        cls,
+        d: int,
+        dtype: torch.dtype,
+        device,
+        cross: bool = True,
+        lead: tuple[int, ...] = (),
+        direct: bool = False,
+        take=None,
+        block: int | None = FastPaths.gram_block,
+    ) -> "LinearSums":
         """Empty sums (``lead``: a leading task axis ``(T,)``; ``direct``: for one batch, no
         ``C``; ``block``: see :func:`gram_blocks`); ``take(shape, dtype, device)``: where the
         big zeroed buffers come from (default ``torch.zeros``; a
         :class:`featcal.blockstats.Scratch` reuses them)."""
+
         def z(*shape) -> torch.Tensor:
             return torch.zeros((*lead, *shape), dtype=dtype, device=device)
 
         def big(*shape) -> torch.Tensor:
             return z(*shape) if take is None else take((*lead, *shape), dtype, device)
 
-        return cls(z(), 0, z(d), z(d), None if direct else big(d, d), big(d, d) if cross else None,
-                   gram_blocks(d, block))
+        return cls(
+            z(), 0, z(d), z(d), None if direct else big(d, d), big(d, d) if cross else None, gram_blocks(d, block)
+        )
 
     def buffers(self) -> list[torch.Tensor]:
         """The big buffers (to hand back to where :meth:`zeros` took them)."""
@@ -118,24 +131,24 @@ class ModuleSums:
     """Per-module weighted sums of one task (``ys = W_i xs``, ``ye = W_i xe``: expert i's
     module, bias left out, on the calibrating and on the expert's input)."""
 
-    ee: torch.Tensor                 # ()      sum w |ye|^2
-    Q: torch.Tensor | None = None    # (d, o)  sum w xs ye^T            ("Q", "QQ")
-    CW: torch.Tensor | None = None   # (d, o)  sum w xs ys^T            ("QQ")
-    T: torch.Tensor | None = None    # (d, o)  sum w xs ((1-a) ys + a ye)^T  ("QQ" at a fixed alpha a)
-    ss: torch.Tensor | None = None   # ()      sum w |ys|^2             ("QQ")
-    se: torch.Tensor | None = None   # ()      sum w ys.ye              ("QQ")
-    tt: torch.Tensor | None = None   # ()      sum w |(1-a) ys + a ye|^2  ("QQ" at a fixed alpha a)
-    mm: torch.Tensor | None = None   # ()      sum w |W_mer xs|^2 (when the merged output was seen)
+    ee: torch.Tensor  # ()      sum w |ye|^2
+    Q: torch.Tensor | None = None  # (d, o)  sum w xs ye^T            ("Q", "QQ")
+    CW: torch.Tensor | None = None  # (d, o)  sum w xs ys^T            ("QQ")
+    T: torch.Tensor | None = None  # (d, o)  sum w xs ((1-a) ys + a ye)^T  ("QQ" at a fixed alpha a)
+    ss: torch.Tensor | None = None  # ()      sum w |ys|^2             ("QQ")
+    se: torch.Tensor | None = None  # ()      sum w ys.ye              ("QQ")
+    tt: torch.Tensor | None = None  # ()      sum w |(1-a) ys + a ye|^2  ("QQ" at a fixed alpha a)
+    mm: torch.Tensor | None = None  # ()      sum w |W_mer xs|^2 (when the merged output was seen)
 
 
 @dataclass
 class NormSums:
     """Weighted sums over rows of the normalised input ``z`` of a LayerNorm."""
 
-    w: torch.Tensor          # ()
+    w: torch.Tensor  # ()
     rows: int
-    z: torch.Tensor          # (d,)  sum w z
-    zz: torch.Tensor         # (d,)  sum w z*z
+    z: torch.Tensor  # (d,)  sum w z
+    zz: torch.Tensor  # (d,)  sum w z*z
 
     @classmethod
     def zeros(cls, d: int, dtype: torch.dtype, device, lead: tuple[int, ...] = ()) -> "NormSums":
@@ -165,7 +178,7 @@ def inner(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``sum(a * b)`` for two tensors of one shape, without the elementwise product; for
     stacks of matrices ``(T, m, n)``, one sum per matrix ``(T,)``."""
     if a.dim() > 2:
-        return (a * b).sum((-2, -1))      # (a bmm of 1 x n by n x 1 stacks is much slower)
+        return (a * b).sum((-2, -1))  # (a bmm of 1 x n by n x 1 stacks is much slower)
     if not (a.is_contiguous() and b.is_contiguous()):
         if a.mT.is_contiguous() and b.mT.is_contiguous():
             a, b = a.mT, b.mT
@@ -174,8 +187,9 @@ def inner(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.dot(a.reshape(-1), b.reshape(-1))
 
 
-def accumulate_gram(C: torch.Tensor, xw: torch.Tensor, x: torch.Tensor, edges: tuple[int, ...],
-                    alpha: float = 1.0) -> torch.Tensor:
+def accumulate_gram(
+    C: torch.Tensor, xw: torch.Tensor, x: torch.Tensor, edges: tuple[int, ...], alpha: float = 1.0
+) -> torch.Tensor:
     """``C += alpha xw^T x`` on the upper block triangle only (``C`` symmetric once finished)."""
     if len(edges) <= 2:
         return _acc(C, xw.mT, x, alpha)
@@ -217,9 +231,9 @@ def _syrk(C: torch.Tensor, Z: torch.Tensor, alpha: float, rows: bool) -> bool:
     syrk = _blas("syrk", C) if C.is_contiguous() and Z.is_contiguous() and C.dtype == Z.dtype else None
     if syrk is None:
         return False
-    with one_blas_thread():   # row-major C and Z are column-major C^T (= C) and Z^T
+    with one_blas_thread():  # row-major C and Z are column-major C^T (= C) and Z^T
         out = syrk(alpha, Z.numpy().T, beta=1.0, c=C.numpy().T, trans=int(rows), lower=1, overwrite_c=1)
-    if out.ctypes.data != C.data_ptr():     # pragma: no cover  (scipy copied: keep the result)
+    if out.ctypes.data != C.data_ptr():  # pragma: no cover  (scipy copied: keep the result)
         C.copy_(torch.from_numpy(out.T))
     return True
 
@@ -239,7 +253,7 @@ def rows_gram_norm(Z: torch.Tensor) -> torch.Tensor:
     K = torch.zeros(Z.shape[0], Z.shape[0], dtype=Z.dtype, device=Z.device)
     if not _syrk(K, Z, 1.0, rows=True):
         return _sum_sq(Z @ Z.mT).sqrt().to(Z.dtype)
-    diag = K.diagonal().double()              # K: its upper triangle, zeros below
+    diag = K.diagonal().double()  # K: its upper triangle, zeros below
     return (2 * _sum_sq(K) - diag @ diag).clamp(min=0).sqrt().to(Z.dtype)
 
 
@@ -250,7 +264,7 @@ def _sum_sq(x: torch.Tensor) -> torch.Tensor:
     whole matrix) loses up to 1e-4 of the sum, how much depending on the CPU's kernel: with
     millions of positive terms, each new one is tiny next to the running sum and partly
     rounded away."""
-    rows = torch.linalg.vector_norm(x, dim=-1).double()          # (..., m): each row's norm
+    rows = torch.linalg.vector_norm(x, dim=-1).double()  # (..., m): each row's norm
     return torch.linalg.vecdot(rows, rows)
 
 
@@ -291,15 +305,14 @@ def finish_gram(acc: LinearSums) -> LinearSums:
     """Mirror the upper block triangle of ``C`` into the lower one (once)."""
     if not acc.finished:
         e = acc.edges
-        for i in range(len(e) - 1):             # tile by tile: a cache-friendly transpose
+        for i in range(len(e) - 1):  # tile by tile: a cache-friendly transpose
             for j in range(i + 1, len(e) - 1):
-                acc.C[..., e[j]:e[j + 1], e[i]:e[i + 1]] = acc.C[..., e[i]:e[i + 1], e[j]:e[j + 1]].mT
+                acc.C[..., e[j] : e[j + 1], e[i] : e[i + 1]] = acc.C[..., e[i] : e[i + 1], e[j] : e[j + 1]].mT
         acc.finished = True
     return acc
 
 
-def accumulate_linear(acc: LinearSums, xs: torch.Tensor, xe: torch.Tensor,
-                      w: torch.Tensor | None) -> LinearSums:
+def accumulate_linear(acc: LinearSums, xs: torch.Tensor, xe: torch.Tensor, w: torch.Tensor | None) -> LinearSums:
     """Add one batch: ``xs``, ``xe`` ``(rows, d)``, ``w`` ``(rows,)`` or ``None`` (all 1)
     (or each with a leading task axis; ``rows`` then counts the task with fewest)."""
     xsw = weighted(xs, w)
@@ -338,8 +351,16 @@ def _wdot(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor | None) -> torch.Ten
     return w @ (a * b).sum(1) if a.dim() == 2 else (w * (a * b).sum(-1)).sum(-1)
 
 
-def accumulate_module(ms: ModuleSums, form: str, xs: torch.Tensor, ye: torch.Tensor, w: torch.Tensor | None,
-                      W_i: torch.Tensor, ym: torch.Tensor | None = None, alpha: float | None = None) -> ModuleSums:
+def accumulate_module(
+    ms: ModuleSums,
+    form: str,
+    xs: torch.Tensor,
+    ye: torch.Tensor,
+    w: torch.Tensor | None,
+    W_i: torch.Tensor,
+    ym: torch.Tensor | None = None,
+    alpha: float | None = None,
+) -> ModuleSums:
     """Add one batch to a module's sums in ``form``: ``xs`` ``(rows, d)``, ``ye = W_i xe``
     ``(rows, o)``; ``ym = W_mer xs`` ``(rows, o)`` when the merged module's output was seen.
     ``alpha`` given: the ``"QQ"`` form keeps only the sums for that alpha (``T``, ``tt``), one
@@ -350,7 +371,7 @@ def accumulate_module(ms: ModuleSums, form: str, xs: torch.Tensor, ye: torch.Ten
     if form == "QQ" and alpha is not None:
         W = W_i.to(xs.dtype).mT
         mm = torch.addmm if xs.dim() == 2 else torch.baddbmm
-        yt = mm(ye, xs, W, beta=alpha, alpha=1.0 - alpha)         # W_i xt = (1-a) W_i xs + a ye
+        yt = mm(ye, xs, W, beta=alpha, alpha=1.0 - alpha)  # W_i xt = (1-a) W_i xs + a ye
         ms.tt = _add(ms.tt, _wdot(yt, yt, w))
         ms.T = _addmm(ms.T, weighted(xs, w).mT, yt)
         return ms
@@ -361,7 +382,7 @@ def accumulate_module(ms: ModuleSums, form: str, xs: torch.Tensor, ye: torch.Ten
     if form == "Q":
         ms.Q = _addmm(ms.Q, xswT, ye)
         return ms
-    ys = xs @ W_i.to(xs.dtype).mT                                       # (rows, o)
+    ys = xs @ W_i.to(xs.dtype).mT  # (rows, o)
     ms.ss = _add(ms.ss, _wdot(ys, ys, w))
     ms.se = _add(ms.se, _wdot(ys, ye, w))
     ms.Q = _addmm(ms.Q, xswT, ye)
@@ -424,16 +445,17 @@ def linear_moments(acc: LinearSums, W_i: torch.Tensor, ms: ModuleSums) -> Linear
         raise ValueError("no calibration rows with positive weight for this module (empty task?).")
     edges = acc.edges or (0, acc.s.shape[-1])
     head = (acc.C, edges, rows_gram_norm(acc.Z) if acc.C is None else gram_norm(acc.C, edges, acc.finished))
-    if ms.T is not None:    # K(a) = a^2 k_ee + 2a(1-a) k_se + (1-a)^2 k_ss is tt when all three are tt
-        return LinearMoments(*head, None, None, ms.tt, ms.tt, ms.tt, ms.mm, acc.s, acc.e, acc.w, acc.rows, ms.T,
-                             Z=acc.Z)
-    W = W_i.to(acc.s.dtype)                                        # (o, d)
+    if ms.T is not None:  # K(a) = a^2 k_ee + 2a(1-a) k_se + (1-a)^2 k_ss is tt when all three are tt
+        return LinearMoments(
+            *head, None, None, ms.tt, ms.tt, ms.tt, ms.mm, acc.s, acc.e, acc.w, acc.rows, ms.T, Z=acc.Z
+        )
+    W = W_i.to(acc.s.dtype)  # (o, d)
     if ms.CW is not None:
         CW = ms.CW
     elif acc.C is None:
-        CW = ((W @ acc.Z.mT) @ acc.Z).mT                           # C W^T = (W Z^T Z)^T
+        CW = ((W @ acc.Z.mT) @ acc.Z).mT  # C W^T = (W Z^T Z)^T
     else:
-        CW = (W @ finish_gram(acc).C).mT                           # C W^T = (W C)^T: C symmetric
+        CW = (W @ finish_gram(acc).C).mT  # C W^T = (W C)^T: C symmetric
     PW = ms.Q if ms.Q is not None else (W @ acc.P.mT).mT
     k_ss = ms.ss if ms.ss is not None else inner(W.mT, CW)
     k_se = ms.se if ms.se is not None else inner(W.mT, PW)

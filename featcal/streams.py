@@ -7,6 +7,7 @@ embeddings, ...). :func:`run_block` then calls any block of the same model on a
 hidden state with those same extra arguments, so a stream advances block by
 block without re-running its prefix.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -72,10 +73,17 @@ def pool_spans(calls: list[BlockCall], max_rows: int = FastPaths.pool_rows) -> l
     if len(calls) < 2 or sum(c.hidden.shape[:-1].numel() for c in calls) > max_rows:
         return None
     for c in calls:
-        if (c.mask is not None or c.hidden.dim() < 2 or c.hidden.shape[1:] != first.hidden.shape[1:]
-                or c.hidden.dtype != first.hidden.dtype or c.hidden_key != first.hidden_key
-                or _has_array(c.args) or _has_array(c.kwargs) or not _equal(c.args, first.args)
-                or not _equal(c.kwargs, first.kwargs)):
+        if (
+            c.mask is not None
+            or c.hidden.dim() < 2
+            or c.hidden.shape[1:] != first.hidden.shape[1:]
+            or c.hidden.dtype != first.hidden.dtype
+            or c.hidden_key != first.hidden_key
+            or _has_array(c.args)
+            or _has_array(c.kwargs)
+            or not _equal(c.args, first.args)
+            or not _equal(c.kwargs, first.kwargs)
+        ):
             return None
     edges = [0]
     for c in calls:

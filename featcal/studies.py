@@ -16,6 +16,7 @@ cell of the design has a row for every method.
 Mergers are named as in :data:`featcal.merging.MERGERS` and run with their own
 default parameters unless given others (``{"ties": {"density": 0.1}}``).
 """
+
 from __future__ import annotations
 
 from typing import Mapping, Sequence
@@ -30,8 +31,8 @@ from featcal.progress import bar
 from featcal.zoo.core import Zoo, evaluate
 
 BUDGETS = (4, 8, 16, 32, 64, 128, 256)
-BASELINES = ("task_arithmetic", "average", "ties")   # the mergers sample_efficiency compares by default
-CORRUPTIONS = tuple(corrupt.CORRUPTIONS)             # robustness studies every corruption by default
+BASELINES = ("task_arithmetic", "average", "ties")  # the mergers sample_efficiency compares by default
+CORRUPTIONS = tuple(corrupt.CORRUPTIONS)  # robustness studies every corruption by default
 COLUMNS = ["method", "merger", "featcal", "n", "seed", "corruption", "severity", "task", "accuracy"]
 
 
@@ -65,11 +66,19 @@ def _baselines(zoo: Zoo, mergers: Mapping[str, dict], split: str, max_per_task: 
     return out
 
 
-def sample_efficiency(zoo: Zoo, *, budgets: Sequence[int] = BUDGETS, seeds: Sequence[int] = (0, 1, 2),
-                      mergers: Mapping[str, dict] | Sequence[str] | None = None,
-                      calibrate_on: Sequence[str] = ("task_arithmetic",), config: FeatCalConfig | None = None,
-                      calib_batch: int = 16, split: str = "test", max_per_task: int | None = None,
-                      progress: bool = False) -> pd.DataFrame:
+def sample_efficiency(
+    zoo: Zoo,
+    *,
+    budgets: Sequence[int] = BUDGETS,
+    seeds: Sequence[int] = (0, 1, 2),
+    mergers: Mapping[str, dict] | Sequence[str] | None = None,
+    calibrate_on: Sequence[str] = ("task_arithmetic",),
+    config: FeatCalConfig | None = None,
+    calib_batch: int = 16,
+    split: str = "test",
+    max_per_task: int | None = None,
+    progress: bool = False,
+) -> pd.DataFrame:
     """Test accuracy against the calibration budget.
 
     For every merger in ``calibrate_on`` (each must be in ``mergers``: names, or
@@ -92,17 +101,29 @@ def sample_efficiency(zoo: Zoo, *, budgets: Sequence[int] = BUDGETS, seeds: Sequ
         for name, (merged, acc) in base.items():
             rows += _rows(acc, method=name, merger=name, featcal=False, **common)
         for name in calibrate_on:
-            model, _ = calibrate(base[name][0], base=zoo.base, experts=zoo.experts, calib_data=data, config=cfg,
-                                 progress=False)
+            model, _ = calibrate(
+                base[name][0], base=zoo.base, experts=zoo.experts, calib_data=data, config=cfg, progress=False
+            )
             acc = evaluate(model, zoo, split=split, max_per_task=max_per_task)
             rows += _rows(acc, method=featcal_name(name), merger=name, featcal=True, **common)
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
-def robustness(zoo: Zoo, *, corruptions: Sequence[str] = CORRUPTIONS, severities: Sequence[float] = (1, 3, 5),
-               n_calib: int = 256, seeds: Sequence[int] = (0,), merger: str = "task_arithmetic",
-               merge_params: Mapping | None = None, config: FeatCalConfig | None = None, calib_batch: int = 16,
-               split: str = "test", max_per_task: int | None = None, progress: bool = False) -> pd.DataFrame:
+def robustness(
+    zoo: Zoo,
+    *,
+    corruptions: Sequence[str] = CORRUPTIONS,
+    severities: Sequence[float] = (1, 3, 5),
+    n_calib: int = 256,
+    seeds: Sequence[int] = (0,),
+    merger: str = "task_arithmetic",
+    merge_params: Mapping | None = None,
+    config: FeatCalConfig | None = None,
+    calib_batch: int = 16,
+    split: str = "test",
+    max_per_task: int | None = None,
+    progress: bool = False,
+) -> pd.DataFrame:
     """FeatCal with corrupted calibration images, evaluated on the clean ``split``.
 
     Both the calibrating model and the experts see the same corrupted images (the
@@ -123,12 +144,22 @@ def robustness(zoo: Zoo, *, corruptions: Sequence[str] = CORRUPTIONS, severities
         for kind, sev in bar(cells, desc=f"robustness (seed {seed})", show=progress):
             cell = dict(n=n_calib, seed=seed, corruption=kind, severity=sev)
             rows += _rows(plain, method=merger, merger=merger, featcal=False, **cell)
-            data = clean if kind == "none" else {
-                t: [corrupt.corrupt(b, kind, sev, seed=seed * 100_000 + 1000 * k + i, mean=pix["mean"], std=pix["std"])
-                    for i, b in enumerate(batches)]
-                for k, (t, batches) in enumerate(clean.items())}
-            model, _ = calibrate(merged, base=zoo.base, experts=zoo.experts, calib_data=data, config=cfg,
-                                 progress=False)
+            data = (
+                clean
+                if kind == "none"
+                else {
+                    t: [
+                        corrupt.corrupt(
+                            b, kind, sev, seed=seed * 100_000 + 1000 * k + i, mean=pix["mean"], std=pix["std"]
+                        )
+                        for i, b in enumerate(batches)
+                    ]
+                    for k, (t, batches) in enumerate(clean.items())
+                }
+            )
+            model, _ = calibrate(
+                merged, base=zoo.base, experts=zoo.experts, calib_data=data, config=cfg, progress=False
+            )
             acc = evaluate(model, zoo, split=split, max_per_task=max_per_task)
             rows += _rows(acc, method=featcal_name(merger), merger=merger, featcal=True, **cell)
     return pd.DataFrame(rows, columns=COLUMNS)

@@ -10,6 +10,7 @@ Inputs are :func:`featcal.tune.tune`'s table (one row per point: ``lam``, ``rho`
 ``task``, ``accuracy``). No Streamlit and no model here; every function returns a
 new ``go.Figure``.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,8 +22,11 @@ import plotly.graph_objects as go
 from featcal.studies import summarize
 
 # No template here: in the app Streamlit's theme styles the charts; exports add plotly_white.
-LAYOUT = {"margin": {"l": 10, "r": 10, "t": 45, "b": 10}, "height": 400,
-          "legend": {"orientation": "h", "yanchor": "top", "y": -0.22, "x": 0.0, "font": {"size": 11}}}
+LAYOUT = {
+    "margin": {"l": 10, "r": 10, "t": 45, "b": 10},
+    "height": 400,
+    "legend": {"orientation": "h", "yanchor": "top", "y": -0.22, "x": 0.0, "font": {"size": 11}},
+}
 SCORE_LABEL = {"accuracy": "val accuracy (%)", "kl": "-KL(expert || model), val"}
 # Mergers in the app's colours where they have one, then a fixed cycle.
 METHOD_COLORS = {"task_arithmetic": "#dc2626", "average": "#9ca3af", "ties": "#a16207", "dare": "#7c3aed"}
@@ -35,21 +39,24 @@ def _color(method: str, i: int) -> str:
 
 
 def _rgba(hex_color: str, alpha: float) -> str:
-    r, g, b = (int(hex_color[i:i + 2], 16) for i in (1, 3, 5))
+    r, g, b = (int(hex_color[i : i + 2], 16) for i in (1, 3, 5))
     return f"rgba({r},{g},{b},{alpha})"
 
 
 def _reference_line(fig: go.Figure, y: float, label: str, color: str, dash: str) -> None:
     """A full-width horizontal line named in the legend (labels on the plot would collide)."""
     fig.add_hline(y=y, line=dict(color=color, dash=dash, width=1.5))
-    fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=label,
-                             line=dict(color=color, dash=dash, width=1.5)))
+    fig.add_trace(
+        go.Scatter(x=[None], y=[None], mode="lines", name=label, line=dict(color=color, dash=dash, width=1.5))
+    )
 
 
 # ----------------------------------------------------------------------------- the sweep
 
-def sweep_parallel(table: pd.DataFrame, score: str = "accuracy", title: str = "sweep: every point previewed"
-                   ) -> go.Figure:
+
+def sweep_parallel(
+    table: pd.DataFrame, score: str = "accuracy", title: str = "sweep: every point previewed"
+) -> go.Figure:
     """Parallel coordinates: log10 lambda, rho, alpha and the preview score, coloured by the
     score; a last axis marks the points re-run exactly."""
     t = table.sort_values("point")
@@ -60,10 +67,17 @@ def sweep_parallel(table: pd.DataFrame, score: str = "accuracy", title: str = "s
         dict(label="preview score", values=t["preview"]),
         dict(label="exact run", values=t["confirmed"].astype(int), tickvals=[0, 1], ticktext=["no", "yes"]),
     ]
-    fig = go.Figure(go.Parcoords(
-        line=dict(color=t["preview"], colorscale="Viridis", showscale=True,
-                  colorbar=dict(title=dict(text=SCORE_LABEL.get(score, score), side="right"))),
-        dimensions=dims))
+    fig = go.Figure(
+        go.Parcoords(
+            line=dict(
+                color=t["preview"],
+                colorscale="Viridis",
+                showscale=True,
+                colorbar=dict(title=dict(text=SCORE_LABEL.get(score, score), side="right")),
+            ),
+            dimensions=dims,
+        )
+    )
     fig.update_layout(**{**LAYOUT, "margin": dict(l=60, r=40, t=100, b=30)}, title=title)
     return fig
 
@@ -74,27 +88,49 @@ def best_lam(table: pd.DataFrame) -> float:
     return float(table.loc[table[col].idxmax(), "lam"])
 
 
-def sweep_heatmap(table: pd.DataFrame, lam: float | None = None, value: str = "preview",
-                  score: str = "accuracy") -> go.Figure:
+def sweep_heatmap(
+    table: pd.DataFrame, lam: float | None = None, value: str = "preview", score: str = "accuracy"
+) -> go.Figure:
     """The ``value`` score over (rho, alpha) at one lambda (default :func:`best_lam`);
     exactly confirmed points are circled, the best one starred."""
     lam = best_lam(table) if lam is None else lam
     at = table[np.isclose(table["lam"].astype(float), lam, rtol=1e-6)]
     grid = at.pivot_table(index="rho", columns="alpha", values=value, aggfunc="mean").sort_index()
-    fig = go.Figure(go.Heatmap(
-        z=grid.values, x=[f"{a:g}" for a in grid.columns], y=[f"{r:g}" for r in grid.index],
-        colorscale="Viridis", colorbar=dict(title=dict(text=SCORE_LABEL.get(score, score), side="right")),
-        hovertemplate="ρ=%{y}, α=%{x}<br>" + value + " %{z:.4g}<extra></extra>"))
+    fig = go.Figure(
+        go.Heatmap(
+            z=grid.values,
+            x=[f"{a:g}" for a in grid.columns],
+            y=[f"{r:g}" for r in grid.index],
+            colorscale="Viridis",
+            colorbar=dict(title=dict(text=SCORE_LABEL.get(score, score), side="right")),
+            hovertemplate="ρ=%{y}, α=%{x}<br>" + value + " %{z:.4g}<extra></extra>",
+        )
+    )
     conf = at[at["confirmed"]]
     if len(conf):
-        fig.add_trace(go.Scatter(x=[f"{a:g}" for a in conf["alpha"]], y=[f"{r:g}" for r in conf["rho"]],
-                                 mode="markers", name="exact run", showlegend=False,
-                                 marker=dict(symbol="circle-open", size=16, color="white", line=dict(width=2)),
-                                 text=[f"exact {e:.4g}" for e in conf["exact"]], hoverinfo="text"))
+        fig.add_trace(
+            go.Scatter(
+                x=[f"{a:g}" for a in conf["alpha"]],
+                y=[f"{r:g}" for r in conf["rho"]],
+                mode="markers",
+                name="exact run",
+                showlegend=False,
+                marker=dict(symbol="circle-open", size=16, color="white", line=dict(width=2)),
+                text=[f"exact {e:.4g}" for e in conf["exact"]],
+                hoverinfo="text",
+            )
+        )
         top = conf.loc[conf["exact"].idxmax()]
-        fig.add_trace(go.Scatter(x=[f"{top['alpha']:g}"], y=[f"{top['rho']:g}"], mode="markers",
-                                 name="best exact", showlegend=False,
-                                 marker=dict(symbol="star", size=14, color="#f97316")))
+        fig.add_trace(
+            go.Scatter(
+                x=[f"{top['alpha']:g}"],
+                y=[f"{top['rho']:g}"],
+                mode="markers",
+                name="best exact",
+                showlegend=False,
+                marker=dict(symbol="star", size=14, color="#f97316"),
+            )
+        )
     marks = " (○ exact runs, ★ best)" if len(conf) else ""
     fig.update_layout(**LAYOUT, title=f"{value} score over (ρ, α) at λ = {lam:.3g}{marks}")
     fig.update_xaxes(title="α (target interpolation)", type="category")
@@ -104,8 +140,10 @@ def sweep_heatmap(table: pd.DataFrame, lam: float | None = None, value: str = "p
 
 # ----------------------------------------------------------------------------- studies
 
-def sample_efficiency_curve(df: pd.DataFrame, title: str = "test accuracy vs calibration examples per task"
-                            ) -> go.Figure:
+
+def sample_efficiency_curve(
+    df: pd.DataFrame, title: str = "test accuracy vs calibration examples per task"
+) -> go.Figure:
     """Mean +- std over seeds of the task-average accuracy against n (log x) for every
     calibrated method; the plain mergers as horizontal lines."""
     s = summarize(df, by=("method", "featcal", "n"))
@@ -115,13 +153,31 @@ def sample_efficiency_curve(df: pd.DataFrame, title: str = "test accuracy vs cal
         c = _color(method, i)
         x = list(g["n"]) + list(g["n"])[::-1]
         band = list(g["mean"] + g["std"]) + list(g["mean"] - g["std"])[::-1]
-        fig.add_trace(go.Scatter(x=x, y=band, mode="lines", fill="toself", fillcolor=_rgba(c, 0.18), line=dict(width=0),
-                                 hoverinfo="skip", showlegend=False, name=f"{method} ± std"))
-        fig.add_trace(go.Scatter(x=g["n"], y=g["mean"], mode="lines+markers", name=method,
-                                 line=dict(color=c, width=2),
-                                 error_y=dict(type="data", array=g["std"], visible=False),
-                                 hovertemplate="n=%{x}<br>%{y:.2f}% ± %{customdata:.2f}<extra>" + method + "</extra>",
-                                 customdata=g["std"]))
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=band,
+                mode="lines",
+                fill="toself",
+                fillcolor=_rgba(c, 0.18),
+                line=dict(width=0),
+                hoverinfo="skip",
+                showlegend=False,
+                name=f"{method} ± std",
+            )
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=g["n"],
+                y=g["mean"],
+                mode="lines+markers",
+                name=method,
+                line=dict(color=c, width=2),
+                error_y=dict(type="data", array=g["std"], visible=False),
+                hovertemplate="n=%{x}<br>%{y:.2f}% ± %{customdata:.2f}<extra>" + method + "</extra>",
+                customdata=g["std"],
+            )
+        )
     base = s[~s["featcal"]].groupby("method", sort=False)["mean"].mean()
     for i, (method, acc) in enumerate(base.items()):
         _reference_line(fig, acc, f"{method} (no calibration data) {acc:.1f}%", _color(method, i), "dash")
@@ -131,14 +187,14 @@ def sample_efficiency_curve(df: pd.DataFrame, title: str = "test accuracy vs cal
     pad = 0.05 * ((max(ys) - min(ys)) or 1.0)
     fig.update_layout(**{**LAYOUT, "margin": dict(l=10, r=10, t=90, b=10)}, title=title)
     fig.update_yaxes(range=[min(ys) - pad, max(ys) + pad])
-    fig.update_xaxes(type="log", title="calibration examples per task (n)", tickvals=ns,
-                     ticktext=[str(int(n)) for n in ns])
+    fig.update_xaxes(
+        type="log", title="calibration examples per task (n)", tickvals=ns, ticktext=[str(int(n)) for n in ns]
+    )
     fig.update_yaxes(title="test accuracy, task average (%)")
     return fig
 
 
-def robustness_bars(df: pd.DataFrame, title: str = "FeatCal with corrupted calibration data (clean test)"
-                    ) -> go.Figure:
+def robustness_bars(df: pd.DataFrame, title: str = "FeatCal with corrupted calibration data (clean test)") -> go.Figure:
     """Task-average test accuracy (mean +- std over seeds) per corruption, one bar per
     severity; FeatCal on clean data and the plain merger as horizontal lines."""
     s = summarize(df, by=("method", "featcal", "corruption", "severity"))
@@ -147,15 +203,19 @@ def robustness_bars(df: pd.DataFrame, title: str = "FeatCal with corrupted calib
     sevs = sorted(cal["severity"].unique())
     for i, sev in enumerate(sevs):
         g = cal[cal["severity"] == sev]
-        fig.add_trace(go.Bar(x=g["corruption"], y=g["mean"], name=f"severity {sev:g}",
-                             marker_color=SEVERITY_COLORS[round(i * (len(SEVERITY_COLORS) - 1)
-                                                                / max(1, len(sevs) - 1))],
-                             error_y=dict(type="data", array=g["std"], visible=bool((g["std"] > 0).any()))))
+        fig.add_trace(
+            go.Bar(
+                x=g["corruption"],
+                y=g["mean"],
+                name=f"severity {sev:g}",
+                marker_color=SEVERITY_COLORS[round(i * (len(SEVERITY_COLORS) - 1) / max(1, len(sevs) - 1))],
+                error_y=dict(type="data", array=g["std"], visible=bool((g["std"] > 0).any())),
+            )
+        )
     clean = s[s["featcal"] & (s["corruption"] == "none")]["mean"]
     plain = s[~s["featcal"]].groupby("method", sort=False)["mean"].mean()
     if len(clean):
-        _reference_line(fig, float(clean.mean()), f"FeatCal, clean data {float(clean.mean()):.1f}%", "#16a34a",
-                        "dash")
+        _reference_line(fig, float(clean.mean()), f"FeatCal, clean data {float(clean.mean()):.1f}%", "#16a34a", "dash")
     for i, (method, acc) in enumerate(plain.items()):
         _reference_line(fig, acc, f"{method} {acc:.1f}%", _color(method, i), "dot")
     lo = min([float(cal["mean"].min()) if len(cal) else 100.0, *plain.tolist()])

@@ -9,6 +9,7 @@
   ``ray.put``; results gathered in submission order). The same job functions on
   the same inputs in the same order give the same results on both.
 """
+
 from __future__ import annotations
 
 import copy
@@ -28,12 +29,13 @@ from featcal.metrics import kl_rows
 from featcal.preview import Preview
 from featcal.progress import bar
 
-Point = tuple[float, float, float]                      # (lam, rho, alpha)
+Point = tuple[float, float, float]  # (lam, rho, alpha)
 Logits = Callable[[nn.Module, str, torch.Tensor], torch.Tensor]
 ValData = Mapping[str, tuple[torch.Tensor, torch.Tensor | None]]
 
 
 # ------------------------------------------------------------------ scoring
+
 
 def model_logits(model: nn.Module, task: str, x: torch.Tensor) -> torch.Tensor:
     """Default ``logits``: the model's own output (one head for every task)."""
@@ -60,8 +62,14 @@ def all_logits(model: nn.Module, logits: Logits, task: str, x: torch.Tensor, bat
     return torch.cat([logits(model, task, xb).cpu() for xb in x.split(batch_size)])  # (n, classes)
 
 
-def val_scores(model: nn.Module, val: ValData, logits: Logits, kind: str, ref: Mapping[str, torch.Tensor] | None,
-               batch_size: int = 256) -> dict[str, float]:
+def val_scores(
+    model: nn.Module,
+    val: ValData,
+    logits: Logits,
+    kind: str,
+    ref: Mapping[str, torch.Tensor] | None,
+    batch_size: int = 256,
+) -> dict[str, float]:
     """Per-task score (higher is better): accuracy in percent, or ``-KL(expert || model)``."""
     out = {}
     for task, (x, y) in val.items():
@@ -74,6 +82,7 @@ def val_scores(model: nn.Module, val: ValData, logits: Logits, kind: str, ref: M
 
 
 # ------------------------------------------------------------------ jobs (run here or as Ray tasks)
+
 
 @dataclass
 class Work:
@@ -106,15 +115,23 @@ def exact_job(work: Work, point: Point) -> dict:
     lam, rho, alpha = point
     t0 = time.perf_counter()
     try:
-        model, _ = calibrate(work.merged, base=work.base, experts=work.experts, calib_data=work.calib_data,
-                             config=work.config.with_(lam=lam, rho=rho, alpha=alpha), progress=False)
+        model, _ = calibrate(
+            work.merged,
+            base=work.base,
+            experts=work.experts,
+            calib_data=work.calib_data,
+            config=work.config.with_(lam=lam, rho=rho, alpha=alpha),
+            progress=False,
+        )
     except FloatingPointError as err:
         warnings.warn(f"exact run at lam={lam:g}, rho={rho:g}, alpha={alpha:g} failed: {err}", stacklevel=2)
-        return {"scores": {t: math.nan for t in work.val}, "rel_dist": math.nan,
-                "seconds": time.perf_counter() - t0}
+        return {"scores": {t: math.nan for t in work.val}, "rel_dist": math.nan, "seconds": time.perf_counter() - t0}
     seconds = time.perf_counter() - t0
-    return {"scores": val_scores(model, work.val, work.logits, work.kind, work.ref, work.batch_size),
-            "rel_dist": preview_distance(work.preview, point, model), "seconds": seconds}
+    return {
+        "scores": val_scores(model, work.val, work.logits, work.kind, work.ref, work.batch_size),
+        "rel_dist": preview_distance(work.preview, point, model),
+        "seconds": seconds,
+    }
 
 
 @torch.no_grad()
@@ -183,8 +200,9 @@ def runner(work: Work, use_ray: bool, num_cpus: int | None, progress: bool = Fal
         try:
             return RayRunner(work, num_cpus, progress)
         except ImportError:
-            warnings.warn("ray=True but Ray is not installed (pip install 'featcal[tune]'); running in one process.",
-                          stacklevel=3)
+            warnings.warn(
+                "ray=True but Ray is not installed (pip install 'featcal[tune]'); running in one process.", stacklevel=3
+            )
     return Local(work, progress)
 
 
@@ -192,4 +210,4 @@ def chunks(points: Sequence[Point], n: int) -> list[list[Point]]:
     """Contiguous, order-keeping chunks (one per worker)."""
     n = max(1, min(n, len(points)))
     size = math.ceil(len(points) / n) if points else 1
-    return [list(points[i:i + size]) for i in range(0, len(points), size)]
+    return [list(points[i : i + size]) for i in range(0, len(points), size)]

@@ -1,4 +1,5 @@
 """Checks of ``calibrate``'s inputs; each error names the problem and the fix."""
+
 from __future__ import annotations
 
 from typing import Mapping
@@ -6,7 +7,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-SMALL = 1 << 16   # parameters with fewer elements are checked for NaN/Inf together
+SMALL = 1 << 16  # parameters with fewer elements are checked for NaN/Inf together
 
 
 def _params(model: nn.Module, role: str) -> dict[str, torch.Tensor]:
@@ -48,7 +49,7 @@ def check_same_params(reference: nn.Module, other: nn.Module, role: str) -> None
 def _nonfinite(name: str, role: str, blocks_path: str) -> FloatingPointError:
     where = ""
     if name.startswith(blocks_path + "."):
-        idx, _, rest = name[len(blocks_path) + 1:].partition(".")
+        idx, _, rest = name[len(blocks_path) + 1 :].partition(".")
         where = f" (block {idx}, module {rest.rsplit('.', 1)[0]})"
     return FloatingPointError(f"{role}: parameter {name!r}{where} holds NaN or Inf values.")
 
@@ -105,8 +106,10 @@ def check_tasks(experts: Mapping, data: Mapping, name: str = "calib_data") -> li
     for t in te:
         batches = data[t]
         if isinstance(batches, (torch.Tensor, Mapping)):
-            raise TypeError(f"{name}[{t!r}] must be a list of batches, got a single {type(batches).__name__}; "
-                            "wrap it in a list or split it into batches.")
+            raise TypeError(
+                f"{name}[{t!r}] must be a list of batches, got a single {type(batches).__name__}; "
+                "wrap it in a list or split it into batches."
+            )
         if len(batches) == 0 or all(batch_len(b) == 0 for b in batches):
             raise ValueError(f"task {t!r} has no examples in {name}; give at least one non-empty batch.")
     return te
@@ -121,5 +124,6 @@ def batch_len(batch) -> int:
             if torch.is_tensor(v):
                 return v.shape[0] if v.dim() else 1
         raise ValueError(f"a dict batch must hold at least one tensor; got keys {sorted(map(str, batch))}.")
-    raise TypeError(f"a batch is a tensor (model(batch)) or a dict of tensors (model(**batch)), "
-                    f"got {type(batch).__name__}.")
+    raise TypeError(
+        f"a batch is a tensor (model(batch)) or a dict of tensors (model(**batch)), got {type(batch).__name__}."
+    )

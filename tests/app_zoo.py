@@ -1,6 +1,7 @@
 """A tiny zoo directory for the app tests: HF CLIPVisionModels (2 blocks, width 32),
 three tasks of random 16x16 images, seeded. Written with featcal.zoo.store, so the
 app loads it through the same path as any zoo directory (milliseconds to build)."""
+
 from __future__ import annotations
 
 import copy
@@ -19,8 +20,9 @@ def write_tiny_zoo(path: str | Path, seed: int = 0) -> Path:
     from featcal.zoo.store import write_zoo_dir
 
     torch.manual_seed(seed)
-    cfg = CLIPVisionConfig(image_size=16, patch_size=8, hidden_size=32, intermediate_size=64,
-                           num_hidden_layers=2, num_attention_heads=4)
+    cfg = CLIPVisionConfig(
+        image_size=16, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
+    )
     base = CLIPVisionModel(cfg).eval()
     experts, heads, arrays, classes = {}, {}, {}, {}
     rng = np.random.default_rng(seed)
@@ -34,10 +36,20 @@ def write_tiny_zoo(path: str | Path, seed: int = 0) -> Path:
         head = nn.Linear(32, 4)
         heads[task] = head.requires_grad_(False).eval()
         classes[task] = [f"{task}{k}" for k in range(4)]
-        arrays[task] = {s: (rng.integers(0, 256, (n, 16, 16, 3), dtype=np.uint8), rng.integers(0, 4, n))
-                        for s, n in (("calib", 64), ("val", 32), ("test", 48))}
-    return write_zoo_dir(path, name="tiny", base=base, experts=experts, heads=heads, arrays=arrays,
-                         classes=classes, features="pooler_output")
+        arrays[task] = {
+            s: (rng.integers(0, 256, (n, 16, 16, 3), dtype=np.uint8), rng.integers(0, 4, n))
+            for s, n in (("calib", 64), ("val", 32), ("test", 48))
+        }
+    return write_zoo_dir(
+        path,
+        name="tiny",
+        base=base,
+        experts=experts,
+        heads=heads,
+        arrays=arrays,
+        classes=classes,
+        features="pooler_output",
+    )
 
 
 def app_page_on_tiny_zoo(tmp_path: Path, page: str):

@@ -1,5 +1,6 @@
 """Shared fixtures. The tiny seeded models live in tests/tiny.py and the tiny zoo directory
 writer in tests/app_zoo.py; both are importable from every test folder."""
+
 import os
 import sys
 

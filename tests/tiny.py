@@ -1,4 +1,5 @@
 """Tiny seeded random models shared by the tests (each builds in milliseconds)."""
+
 from __future__ import annotations
 
 import copy
@@ -78,8 +79,15 @@ def tiny_hf_clip(seed: int = 0, layers: int = 2, with_projection: bool = False):
     from transformers import CLIPVisionConfig, CLIPVisionModel, CLIPVisionModelWithProjection
 
     torch.manual_seed(seed)
-    cfg = CLIPVisionConfig(image_size=16, patch_size=8, hidden_size=32, intermediate_size=64,
-                           num_hidden_layers=layers, num_attention_heads=4, projection_dim=16)
+    cfg = CLIPVisionConfig(
+        image_size=16,
+        patch_size=8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        projection_dim=16,
+    )
     cls = CLIPVisionModelWithProjection if with_projection else CLIPVisionModel
     return cls(cfg).eval()
 
@@ -88,8 +96,9 @@ def tiny_open_clip_vit(seed: int = 0, layers: int = 2):
     from open_clip.transformer import VisionTransformer
 
     torch.manual_seed(seed)
-    return VisionTransformer(image_size=16, patch_size=8, width=32, layers=layers, heads=4,
-                             mlp_ratio=2.0, output_dim=16).eval()
+    return VisionTransformer(
+        image_size=16, patch_size=8, width=32, layers=layers, heads=4, mlp_ratio=2.0, output_dim=16
+    ).eval()
 
 
 def state_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -103,9 +112,11 @@ def tiny_open_clip_clip(tmp_path, name: str, seed: int = 0):
 
     from featcal.zoo.loaders import open_clip_model
 
-    cfg = {"embed_dim": 16, "vision_cfg": {"image_size": 32, "layers": 2, "width": 32, "patch_size": 8,
-                                           "head_width": 16},
-           "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2}}
+    cfg = {
+        "embed_dim": 16,
+        "vision_cfg": {"image_size": 32, "layers": 2, "width": 32, "patch_size": 8, "head_width": 16},
+        "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2},
+    }
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(cfg))
     torch.manual_seed(seed)
@@ -125,8 +136,9 @@ def zoo(kind, n_tasks=2, std=0.05, n=12):
     from featcal import merge
 
     merged = copy.deepcopy(base)
-    merged.load_state_dict(merge("task_arithmetic", base.state_dict(),
-                                 {t: m.state_dict() for t, m in experts.items()}, scale=0.3))
+    merged.load_state_dict(
+        merge("task_arithmetic", base.state_dict(), {t: m.state_dict() for t, m in experts.items()}, scale=0.3)
+    )
     gen = torch.Generator().manual_seed(5)
     data = {t: list(torch.randn(n, 3, 16, 16, generator=gen).split(4)) for t in experts}
     return base, experts, merged, data

@@ -6,6 +6,7 @@ statistics of the last exact run with the same calibration data and switches is 
 shown meanwhile, labelled as such. A newer widget change stops this script and starts the
 next one (Streamlit reruns), so the newest setting always wins.
 """
+
 import pandas as pd
 import streamlit as st
 
@@ -17,12 +18,17 @@ fp = state.fingerprint(source)
 merger = controls.current_merger()
 
 st.title("Calibrate")
-st.caption(f"Merged model: **{merger.label}** (change it on the Zoo page). "
-           "FeatCal re-solves every Linear and LayerNorm of every block in forward order, in closed form.")
+st.caption(
+    f"Merged model: **{merger.label}** (change it on the Zoo page). "
+    "FeatCal re-solves every Linear and LayerNorm of every block in forward order, in closed form."
+)
 cal = controls.calibration_controls(compute.split_size(zoo, "calib"))
 note, full = st.columns([4, 1])
-full = full.toggle("full test split", key="cal_full_eval",
-                   help="Score the exact result on every test example (slower; the preview stays live).")
+full = full.toggle(
+    "full test split",
+    key="cal_full_eval",
+    help="Score the exact result on every test example (slower; the preview stays live).",
+)
 note.caption(state.live_note(zoo) if not full else "Exact result scored on the full test split of every task.")
 limit = None if full else state.LIVE_TEST
 
@@ -41,20 +47,37 @@ def show(kind: str, sc: dict, ref_summary: pd.DataFrame, note: str):
         else:
             st.success(f"**Exact FeatCal** · {note}", icon=":material/check_circle:")
         cols = st.columns(5)
-        cols[0].metric("mean accuracy", f"{after.accuracy.mean():.2f}%",
-                       f"{after.accuracy.mean() - before.accuracy.mean():+.2f} pp vs merged")
-        cols[1].metric("expert cosine", f"{after.expert_cosine.mean():.4f}",
-                       f"{after.expert_cosine.mean() - before.expert_cosine.mean():+.4f}")
-        cols[2].metric("task-vector cosine", f"{after.task_vector_cosine.mean():.4f}",
-                       f"{after.task_vector_cosine.mean() - before.task_vector_cosine.mean():+.4f}")
-        cols[3].metric("KL(expert ‖ model)", f"{after.kl.mean():.4f}",
-                       f"{after.kl.mean() - before.kl.mean():+.4f}", delta_color="inverse")
-        cols[4].metric("top-1 agreement", f"{after.agreement.mean():.2f}%",
-                       f"{after.agreement.mean() - before.agreement.mean():+.2f} pp")
+        cols[0].metric(
+            "mean accuracy",
+            f"{after.accuracy.mean():.2f}%",
+            f"{after.accuracy.mean() - before.accuracy.mean():+.2f} pp vs merged",
+        )
+        cols[1].metric(
+            "expert cosine",
+            f"{after.expert_cosine.mean():.4f}",
+            f"{after.expert_cosine.mean() - before.expert_cosine.mean():+.4f}",
+        )
+        cols[2].metric(
+            "task-vector cosine",
+            f"{after.task_vector_cosine.mean():.4f}",
+            f"{after.task_vector_cosine.mean() - before.task_vector_cosine.mean():+.4f}",
+        )
+        cols[3].metric(
+            "KL(expert ‖ model)",
+            f"{after.kl.mean():.4f}",
+            f"{after.kl.mean() - before.kl.mean():+.4f}",
+            delta_color="inverse",
+        )
+        cols[4].metric(
+            "top-1 agreement",
+            f"{after.agreement.mean():.2f}%",
+            f"{after.agreement.mean() - before.agreement.mean():+.2f} pp",
+        )
         st.markdown(figures.task_accuracy_table(before, after, "preview" if kind == "preview" else "calibrated"))
-        box = st.expander("per-task table (accuracy, KL, agreement, cosines)", key=f"cal_table_{kind}",
-                          on_change="rerun")
-        if box.open:                     # drawn only when open: the browser's rendering is part of the 1 s
+        box = st.expander(
+            "per-task table (accuracy, KL, agreement, cosines)", key=f"cal_table_{kind}", on_change="rerun"
+        )
+        if box.open:  # drawn only when open: the browser's rendering is part of the 1 s
             table = pd.concat({"merged": before, kind: after}, axis=1).swaplevel(axis=1).sort_index(axis=1, level=0)
             table.columns = [f"{metric} ({model})" for metric, model in table.columns]
             box.dataframe(table.round(4), width="stretch")
@@ -67,9 +90,16 @@ def show_drift(slot, kind: str, drift: pd.DataFrame) -> None:
     the Drift page has both side by side)."""
     rng = figures.value_range([merged_drift, drift], figures.SQUARED, stacked=True)
     nrng = figures.value_range([merged_drift, drift], figures.NORMS)
-    slot.plotly_chart(figures.drift_decomposition(drift, f"calibrated ({kind}) vs merged: drift per block",
-                                                  sq_range=rng, norm_range=nrng,
-                                                  reference=("merged", merged_drift)), key=f"cal_drift_{kind}")
+    slot.plotly_chart(
+        figures.drift_decomposition(
+            drift,
+            f"calibrated ({kind}) vs merged: drift per block",
+            sq_range=rng,
+            norm_range=nrng,
+            reference=("merged", merged_drift),
+        ),
+        key=f"cal_drift_{kind}",
+    )
 
 
 # 1. The merged model's numbers (cached across every setting).
@@ -90,15 +120,23 @@ if from_run is not None:
         quick = workers.done_within(exact_job, settings.PREVIEW_AFTER_S)
 if not quick:
     ref = ModelRef.preview(merger, from_run, cal)
-    with ui.status(f"Preview of {cal.label} from the exact run at {from_run.point_label}; the exact run follows…",
-                   status_slot):
+    with ui.status(
+        f"Preview of {cal.label} from the exact run at {from_run.point_label}; the exact run follows…", status_slot
+    ):
         pv_scores = state.scores(source, fp, ref)
-        live_merged = merged_summary if limit == state.LIVE_TEST else compute.task_summary(
-            state.scores(source, fp, ModelRef.merged(merger)))
-    show("preview", pv_scores, live_merged,
-         f"{cal.label}, re-solved from the kept statistics of the last exact run "
-         f"({from_run.point_label}); it ignores how earlier blocks' changes move "
-         "later features. Exact run in progress…")
+        live_merged = (
+            merged_summary
+            if limit == state.LIVE_TEST
+            else compute.task_summary(state.scores(source, fp, ModelRef.merged(merger)))
+        )
+    show(
+        "preview",
+        pv_scores,
+        live_merged,
+        f"{cal.label}, re-solved from the kept statistics of the last exact run "
+        f"({from_run.point_label}); it ignores how earlier blocks' changes move "
+        "later features. Exact run in progress…",
+    )
 
 # 3. The exact forward-order run, then its output scores (here) beside its cosines and drift (worker,
 #    in that order): the numbers are drawn as soon as both scores are in, the drift chart after.
@@ -110,8 +148,11 @@ with ui.status(f"Running exact forward-order FeatCal: {cal.label}…", status_sl
     charts = show("exact", cal_scores, merged_summary, f"{cal.label} · {run.report.summary()}")
     show_drift(charts, "exact", heldout_job.result())
     # Written after the drift chart: benchmarks/app_latency.py stops its clock on "Exact FeatCal done".
-    s.update(label=f"Exact FeatCal done: {cal.label} · {len(run.report.modules)} modules in "
-                   f"{len(run.report.blocks)} blocks, {run.seconds:.2f} s", state="complete")
+    s.update(
+        label=f"Exact FeatCal done: {cal.label} · {len(run.report.modules)} modules in "
+        f"{len(run.report.blocks)} blocks, {run.seconds:.2f} s",
+        state="complete",
+    )
 
 box = st.expander("relative residual per module (before → after)", key="cal_residuals_open", on_change="rerun")
 if box.open:

@@ -4,6 +4,7 @@ how much of it the calibrated model removes (paper section 3).
 Click a bar (a block) or a heatmap cell (a block and a task) to drill down; the
 selectboxes below the charts do the same.
 """
+
 import streamlit as st
 
 from app import compute, controls, figures, state, ui
@@ -14,16 +15,21 @@ fp = state.fingerprint(source)
 merger = controls.current_merger()
 cal = controls.current_calibration(compute.split_size(zoo, "calib"))
 ALL = "mean over tasks"
-METRICS = {"drift_rel": "relative drift |e| / |h_exp|", "drift": "drift |e|",
-           "drift_sq_mismatch_share": "share of |e|² from local mismatch",
-           "mismatch_rel": "relative local mismatch |m| / |h_exp|",
-           "propagation_rel": "relative propagation |p| / |h_exp|"}
+METRICS = {
+    "drift_rel": "relative drift |e| / |h_exp|",
+    "drift": "drift |e|",
+    "drift_sq_mismatch_share": "share of |e|² from local mismatch",
+    "mismatch_rel": "relative local mismatch |m| / |h_exp|",
+    "propagation_rel": "relative propagation |p| / |h_exp|",
+}
 
 st.title("Feature drift")
-st.caption(f"Merged: **{merger.label}** (Zoo page) · calibrated: exact FeatCal, **{cal.label}** (Calibrate page). "
-           f"Measured on {state.DIAG_N} held-out examples per task, every token. "
-           "e = m + p per token: drift = local mismatch + upstream propagation; "
-           "|e|² = ⟨e, m⟩ + ⟨e, p⟩ splits the squared drift exactly (bars), the norms do not add (lines).")
+st.caption(
+    f"Merged: **{merger.label}** (Zoo page) · calibrated: exact FeatCal, **{cal.label}** (Calibrate page). "
+    f"Measured on {state.DIAG_N} held-out examples per task, every token. "
+    "e = m + p per token: drift = local mismatch + upstream propagation; "
+    "|e|² = ⟨e, m⟩ + ⟨e, p⟩ splits the squared drift exactly (bars), the norms do not add (lines)."
+)
 
 with ui.status(f"Measuring the drift of the merged model ({merger.label})…") as s:
     d_mer = state.drift(source, fp, ModelRef.merged(merger))
@@ -75,11 +81,20 @@ drill_block = st.session_state.get("drill_block")
 cols = st.columns(2)
 for col, (name, df) in zip(cols, frames.items()):
     with col:
-        st.plotly_chart(figures.drift_decomposition(df, f"{name}: drift per block ({task})", one, sq, nm,
-                                                    selected_block=drill_block),
-                        key=f"drift_dec_{name}", on_select="rerun", selection_mode="points")
-        st.plotly_chart(figures.drift_heatmap(df, f"{name}: {METRICS[metric]}", metric, zr),
-                        key=f"drift_hm_{name}", on_select="rerun", selection_mode="points")
+        st.plotly_chart(
+            figures.drift_decomposition(
+                df, f"{name}: drift per block ({task})", one, sq, nm, selected_block=drill_block
+            ),
+            key=f"drift_dec_{name}",
+            on_select="rerun",
+            selection_mode="points",
+        )
+        st.plotly_chart(
+            figures.drift_heatmap(df, f"{name}: {METRICS[metric]}", metric, zr),
+            key=f"drift_hm_{name}",
+            on_select="rerun",
+            selection_mode="points",
+        )
 
 st.subheader("Drill down")
 st.caption("Click a bar (block) or a heatmap cell (task and block) above, or pick here.")

@@ -1,6 +1,7 @@
 """Export page: the calibrated model (in the format the zoo was loaded in), its report,
 and the figures as PNG or HTML. An existing directory is replaced only after an
 explicit confirmation."""
+
 import json
 from pathlib import Path
 
@@ -15,13 +16,17 @@ merger = controls.current_merger()
 cal = controls.current_calibration(compute.split_size(zoo, "calib"))
 
 st.title("Export")
-st.caption(f"The calibrated model: **{merger.label}** + exact FeatCal **{cal.label}** "
-           "(change them on the Zoo and Calibrate pages).")
+st.caption(
+    f"The calibrated model: **{merger.label}** + exact FeatCal **{cal.label}** "
+    "(change them on the Zoo and Calibrate pages)."
+)
 with ui.status(f"Running exact FeatCal: {cal.label}…") as s:
     run = state.calibrated(source, fp, merger, cal)
     s.update(label=f"Calibrated model ready ({run.report.summary()})", state="complete")
-report = run.report.to_dict() | {"zoo": {"name": zoo.name, "source": source, "fingerprint": fp},
-                                 "merger": {"method": merger.method, **merger.kwargs}}
+report = run.report.to_dict() | {
+    "zoo": {"name": zoo.name, "source": source, "fingerprint": fp},
+    "merger": {"method": merger.method, **merger.kwargs},
+}
 
 # 1. The model and its report, written atomically by featcal.zoo.io.save_model.
 st.subheader("Model")
@@ -32,24 +37,38 @@ exists = target.exists()
 replace = False
 if exists:
     st.warning(f"`{target}` already exists.", icon=":material/warning:")
-    replace = st.checkbox("Replace the existing directory (the old one is removed once the new one is written)",
-                          key="export_replace")
-if st.button(f"Save the calibrated model ({zoo.fmt} format) and report.json", type="primary",
-             disabled=not out_dir.strip() or (exists and not replace)):
+    replace = st.checkbox(
+        "Replace the existing directory (the old one is removed once the new one is written)", key="export_replace"
+    )
+if st.button(
+    f"Save the calibrated model ({zoo.fmt} format) and report.json",
+    type="primary",
+    disabled=not out_dir.strip() or (exists and not replace),
+):
     from featcal.zoo.io import OutputExistsError, save_model
 
     try:
         with workers.torch_lock():
-            path = save_model(run.model, target, fmt=zoo.fmt, force=replace,
-                              extra_files={"report.json": report},
-                              config=None if zoo.fmt == "hf" else {"zoo": zoo.name, "source": source})
+            path = save_model(
+                run.model,
+                target,
+                fmt=zoo.fmt,
+                force=replace,
+                extra_files={"report.json": report},
+                config=None if zoo.fmt == "hf" else {"zoo": zoo.name, "source": source},
+            )
         st.success(f"Saved to `{path}`.")
     except OutputExistsError as exc:
         st.error(f"{exc} Tick the confirmation box to replace it.")
     except (OSError, ValueError) as exc:
         st.error(f"Could not save: {exc}")
-st.download_button("Download report.json", json.dumps(report, indent=2, default=str), "report.json",
-                   "application/json", key="dl_report")
+st.download_button(
+    "Download report.json",
+    json.dumps(report, indent=2, default=str),
+    "report.json",
+    "application/json",
+    key="dl_report",
+)
 
 # 2. Figures.
 st.subheader("Figures")
@@ -60,12 +79,16 @@ sq = figures.value_range([d_mer, d_cal], figures.SQUARED, stacked=True)
 nm = figures.value_range([d_mer, d_cal], figures.NORMS)
 FIGS = {
     "drift-merged": lambda: figures.drift_decomposition(d_mer, "merged: drift per block", sq_range=sq, norm_range=nm),
-    "drift-calibrated": lambda: figures.drift_decomposition(d_cal, "calibrated: drift per block", sq_range=sq,
-                                                            norm_range=nm),
+    "drift-calibrated": lambda: figures.drift_decomposition(
+        d_cal, "calibrated: drift per block", sq_range=sq, norm_range=nm
+    ),
     "heatmap-merged": lambda: figures.drift_heatmap(d_mer, "merged: relative drift"),
     "heatmap-calibrated": lambda: figures.drift_heatmap(d_cal, "calibrated: relative drift"),
-    "accuracy": lambda: figures.accuracy_bars(compute.accuracy_frame(
-        {"merged": mer_scores["output"], "calibrated": cal_scores["output"]}, expert_from="merged")),
+    "accuracy": lambda: figures.accuracy_bars(
+        compute.accuracy_frame(
+            {"merged": mer_scores["output"], "calibrated": cal_scores["output"]}, expert_from="merged"
+        )
+    ),
     "residuals": lambda: figures.residuals(run.report.to_frame()),
 }
 name = st.selectbox("figure", list(FIGS), key="export_fig")
@@ -79,10 +102,12 @@ if c2.button("Render PNG", key="render_png", help="Rendered by kaleido through C
             st.session_state["_png"] = (name, state.png(fig.to_json()))
         except Exception as exc:  # kaleido raises its own types when no browser is found
             st.session_state.pop("_png", None)
-            c2.error(f"PNG export needs Chrome or Chromium, which kaleido could not start "
-                     f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
-                     "Fix: `sudo apt-get install chromium` (Debian/Ubuntu) or `plotly_get_chrome`; "
-                     "HTML export works without it.")
+            c2.error(
+                f"PNG export needs Chrome or Chromium, which kaleido could not start "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
+                "Fix: `sudo apt-get install chromium` (Debian/Ubuntu) or `plotly_get_chrome`; "
+                "HTML export works without it."
+            )
 png = st.session_state.get("_png")
 if png is not None and png[0] == name:
     c2.download_button("Download PNG", png[1], f"{name}.png", "image/png", key="dl_png")

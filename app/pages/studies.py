@@ -4,6 +4,7 @@ Each study runs on its "Run" button (minutes on a CPU; cached per setting throug
 :mod:`featcal.studies`), or reads the ``rows.csv`` that ``featcal study ... --out DIR``
 wrote. Both draw the same figures (:mod:`featcal.tune_figures`) and summary table.
 """
+
 import pandas as pd
 import streamlit as st
 
@@ -19,17 +20,26 @@ fp = state.fingerprint(source)
 def _sample_efficiency(source: str, fp: str, budgets: tuple, seeds: tuple, max_test: int | None) -> pd.DataFrame:
     z = state.active_zoo()
     with workers.torch_lock():
-        return studies.sample_efficiency(z, budgets=budgets, seeds=seeds, config=FeatCalConfig.clip(),
-                                         max_per_task=max_test)
+        return studies.sample_efficiency(
+            z, budgets=budgets, seeds=seeds, config=FeatCalConfig.clip(), max_per_task=max_test
+        )
 
 
 @st.cache_data(max_entries=8, show_spinner=False)
-def _robustness(source: str, fp: str, corruptions: tuple, severities: tuple, n: int, seeds: tuple,
-                max_test: int | None) -> pd.DataFrame:
+def _robustness(
+    source: str, fp: str, corruptions: tuple, severities: tuple, n: int, seeds: tuple, max_test: int | None
+) -> pd.DataFrame:
     z = state.active_zoo()
     with workers.torch_lock():
-        return studies.robustness(z, corruptions=corruptions, severities=severities, n_calib=n, seeds=seeds,
-                                  config=FeatCalConfig.clip(), max_per_task=max_test)
+        return studies.robustness(
+            z,
+            corruptions=corruptions,
+            severities=severities,
+            n_calib=n,
+            seeds=seeds,
+            config=FeatCalConfig.clip(),
+            max_per_task=max_test,
+        )
 
 
 def _rows(kind: str, run, args: tuple) -> pd.DataFrame | None:
@@ -46,8 +56,10 @@ def _rows(kind: str, run, args: tuple) -> pd.DataFrame | None:
 
 
 st.title("Studies")
-st.caption("FeatCal at the paper's CLIP setting (λ=0.05, ρ=2, α=0.3) on Task Arithmetic (scale 0.3); "
-           "accuracies on the test split, task average, mean ± std over the seeds of the calibration draw.")
+st.caption(
+    "FeatCal at the paper's CLIP setting (λ=0.05, ρ=2, α=0.3) on Task Arithmetic (scale 0.3); "
+    "accuracies on the test split, task average, mean ± std over the seeds of the calibration draw."
+)
 n_calib = compute.split_size(zoo, "calib")
 max_test = st.sidebar.select_slider("test examples per task", [50, 100, 200, "all"], 100, key="study_test")
 max_test = None if max_test == "all" else int(max_test)
@@ -55,8 +67,12 @@ se_tab, rb_tab = st.tabs(["Sample efficiency", "Robustness"])
 
 with se_tab:
     c1, c2 = st.columns([3, 1])
-    budgets = c1.multiselect("examples per task", [n for n in studies.BUDGETS if n <= n_calib],
-                             [n for n in (4, 16, 64, 256) if n <= n_calib], key="se_budgets")
+    budgets = c1.multiselect(
+        "examples per task",
+        [n for n in studies.BUDGETS if n <= n_calib],
+        [n for n in (4, 16, 64, 256) if n <= n_calib],
+        key="se_budgets",
+    )
     n_seeds = c2.number_input("seeds", 1, 5, 3, key="se_seeds")
     args = (source, fp, tuple(sorted(budgets)), tuple(range(int(n_seeds))), max_test)
     rows = _rows("sample-efficiency", _sample_efficiency, args) if budgets else None
@@ -68,13 +84,22 @@ with rb_tab:
     c1, c2, c3, c4 = st.columns(4)
     corruptions = c1.multiselect("corruptions", list(studies.CORRUPTIONS), list(studies.CORRUPTIONS), key="rb_kinds")
     severities = c2.multiselect("severities", [1, 2, 3, 4, 5], [1, 3, 5], key="rb_sev")
-    n = c3.select_slider("calibration examples per task", [n for n in settings.CAL_SIZES if n <= n_calib],
-                         min(64, n_calib), key="rb_n")
+    n = c3.select_slider(
+        "calibration examples per task", [n for n in settings.CAL_SIZES if n <= n_calib], min(64, n_calib), key="rb_n"
+    )
     n_seeds = c4.number_input("seeds", 1, 5, 1, key="rb_seeds")
-    args = (source, fp, tuple(corruptions), tuple(float(s) for s in sorted(severities)), int(n),
-            tuple(range(int(n_seeds))), max_test)
+    args = (
+        source,
+        fp,
+        tuple(corruptions),
+        tuple(float(s) for s in sorted(severities)),
+        int(n),
+        tuple(range(int(n_seeds))),
+        max_test,
+    )
     rows = _rows("robustness", _robustness, args) if corruptions and severities else None
     if rows is not None:
         st.plotly_chart(tune_figures.robustness_bars(rows), key="rb_bars")
-        st.dataframe(studies.summarize(rows, by=("method", "corruption", "severity")).round(2),
-                     hide_index=True, width="stretch")
+        st.dataframe(
+            studies.summarize(rows, by=("method", "corruption", "severity")).round(2), hide_index=True, width="stretch"
+        )

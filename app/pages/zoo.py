@@ -1,4 +1,5 @@
 """Zoo page: the models, the tasks, the merger and per-task accuracy of base, experts, merged."""
+
 import streamlit as st
 
 from app import compute, controls, figures, state, ui
@@ -28,8 +29,11 @@ st.subheader("Merger")
 left, right = st.columns([1, 2])
 with left:
     merger = controls.merger_controls()
-    full = st.toggle("score on the full test split", key="zoo_full_eval",
-                     help="Off: the first test examples of each task (the live subset).")
+    full = st.toggle(
+        "score on the full test split",
+        key="zoo_full_eval",
+        help="Off: the first test examples of each task (the live subset).",
+    )
 right.caption(state.live_note(zoo) if not full else "Full test split of every task.")
 
 limit = None if full else state.LIVE_TEST
@@ -46,8 +50,11 @@ with right:
     a, b, c = st.columns(3)
     a.metric("base, mean accuracy", f"{wide.base.mean():.1f}%")
     b.metric("experts, mean accuracy", f"{wide.expert.mean():.1f}%")
-    c.metric("merged, mean accuracy", f"{wide.merged.mean():.2f}%",
-             f"{wide.merged.mean() - wide.expert.mean():+.2f} pp vs experts")
+    c.metric(
+        "merged, mean accuracy",
+        f"{wide.merged.mean():.2f}%",
+        f"{wide.merged.mean() - wide.expert.mean():+.2f} pp vs experts",
+    )
     a, b, c = st.columns(3)
     a.metric("merged, KL(expert ‖ merged)", f"{summary.kl.mean():.4f}")
     b.metric("merged, top-1 agreement", f"{summary.agreement.mean():.2f}%")

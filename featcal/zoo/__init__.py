@@ -15,6 +15,7 @@ what it names (:mod:`~featcal.zoo.resolve`, :mod:`~featcal.zoo.locate`) <- loadi
 :mod:`~featcal.zoo.fashion`, :mod:`~featcal.zoo.demo`); :mod:`~featcal.zoo.core` (the
 ``Zoo``) and the on-disk layout (:mod:`~featcal.zoo.io`, :mod:`~featcal.zoo.store`) sit below.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,18 +29,34 @@ from featcal.zoo.scores import average, expert_accuracies, normalized, summary, 
 from featcal.zoo.store import is_zoo_dir, read_zoo_dir
 
 __all__ = [
-    "SPLITS", "TaskData", "Zoo", "evaluate", "DEMO_VERSION", "build_demo", "cache_dir",
-    "demo_path", "load_demo", "load_any", "NAMES", "OutputExistsError", "load_model",
-    "save_model", "average", "expert_accuracies", "normalized", "summary", "write_scores",
-    "is_zoo_dir", "read_zoo_dir",
+    "SPLITS",
+    "TaskData",
+    "Zoo",
+    "evaluate",
+    "DEMO_VERSION",
+    "build_demo",
+    "cache_dir",
+    "demo_path",
+    "load_demo",
+    "load_any",
+    "NAMES",
+    "OutputExistsError",
+    "load_model",
+    "save_model",
+    "average",
+    "expert_accuracies",
+    "normalized",
+    "summary",
+    "write_scores",
+    "is_zoo_dir",
+    "read_zoo_dir",
 ]
 
 # Built-in zoo names and the ``load_demo`` variant each stands for.
 NAMES = {"demo": "default", "demo-fashion": "fashion"}
 
 
-def load_any(name_or_path: str | os.PathLike, progress: bool = True, rebuild: bool = False,
-             device: str = "cpu") -> Zoo:
+def load_any(name_or_path: str | os.PathLike, progress: bool = True, rebuild: bool = False, device: str = "cpu") -> Zoo:
     """A zoo from a name or a path, its models and heads on ``device`` in eval mode:
 
     - ``demo`` / ``demo-fashion``: the embedded demo zoo (built and cached on first use);
@@ -62,8 +79,8 @@ def load_any(name_or_path: str | os.PathLike, progress: bool = True, rebuild: bo
         return _on(read_zoo_dir(path), device)
     what = "is a directory but not a featcal zoo (no meta.json)" if path.is_dir() else "does not exist"
     raise FileNotFoundError(
-        f"zoo {key!r} {what}; give {' or '.join(repr(n) for n in NAMES)}, a .yaml spec, "
-        "or a zoo directory.")
+        f"zoo {key!r} {what}; give {' or '.join(repr(n) for n in NAMES)}, a .yaml spec, or a zoo directory."
+    )
 
 
 def _on(zoo: Zoo, device: str) -> Zoo:

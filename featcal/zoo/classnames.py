@@ -10,6 +10,7 @@ Registry: ``TASKS`` maps a task name to ``(classes, templates)``;
 :func:`classes_and_templates` looks one up (aliases such as ``stanford_cars``
 or ``tanganke/sun397`` are accepted).
 """
+
 from __future__ import annotations
 
 

@@ -8,6 +8,7 @@ exactly the head its experts were trained against.
 Data flows one way: a zoo builder (the embedded demo, a YAML spec) makes a
 ``Zoo``; merging, calibration, evaluation and diagnostics only read it.
 """
+
 from __future__ import annotations
 
 import copy
@@ -81,8 +82,9 @@ class Zoo:
         """``(inputs, labels)`` of one task's split."""
         return self.data[task].split(split)
 
-    def calib_data(self, n_per_task: int, seed: int = 42, batch_size: int = 16,
-                   split: str = "calib") -> dict[str, list[torch.Tensor]]:
+    def calib_data(
+        self, n_per_task: int, seed: int = 42, batch_size: int = 16, split: str = "calib"
+    ) -> dict[str, list[torch.Tensor]]:
         """The ``calib_data`` mapping that :func:`featcal.calibrate` takes:
         ``{task: [batch, ...]}`` with ``n_per_task`` examples drawn without
         replacement from the task's ``split`` (seeded), in batches of ``batch_size``."""
@@ -110,21 +112,25 @@ class Zoo:
 
     def merged(self, method: str = "task_arithmetic", **params) -> nn.Module:
         """A new model holding ``featcal.merge(method, base, experts, **params)``."""
-        sd = merge(method, self.base.state_dict(),
-                   {t: m.state_dict() for t, m in self.experts.items()}, **params)
+        sd = merge(method, self.base.state_dict(), {t: m.state_dict() for t, m in self.experts.items()}, **params)
         model = copy.deepcopy(self.base)
         model.load_state_dict(sd)
         return model
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, zoo: Zoo, split: str = "test", batch_size: int = 256,
-             tasks: Mapping[str, object] | list[str] | None = None,
-             max_per_task: int | None = None) -> dict[str, float]:
+def evaluate(
+    model: nn.Module,
+    zoo: Zoo,
+    split: str = "test",
+    batch_size: int = 256,
+    tasks: Mapping[str, object] | list[str] | None = None,
+    max_per_task: int | None = None,
+) -> dict[str, float]:
     """Top-1 accuracy (in percent) of ``model`` on each task's ``split``: ``{task: acc}``."""
     model.eval()
     out: dict[str, float] = {}
-    for task in (list(tasks) if tasks is not None else zoo.tasks):
+    for task in list(tasks) if tasks is not None else zoo.tasks:
         x, y = zoo.split(task, split)
         if max_per_task is not None:
             x, y = x[:max_per_task], y[:max_per_task]

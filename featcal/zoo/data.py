@@ -6,6 +6,7 @@ whose :class:`LazySplits` decode (CLIP geometry, :func:`to_clip_input`) and
 normalise the images of a split on first access. ``calib`` and ``val`` are
 seeded, disjoint draws from the train split (:func:`split_indices`).
 """
+
 from __future__ import annotations
 
 import json
@@ -26,6 +27,7 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".ti
 
 
 # ----------------------------------------------------------------------------- reading
+
 
 def to_clip_input(img, size: int, interpolation: str = "bicubic") -> torch.Tensor:
     """CLIP's geometry on a PIL image: RGB, shorter side resized to ``size``, center crop
@@ -67,7 +69,7 @@ class _Split:
 
     def __init__(self, labels: list[int], fetch, classes: list[str] | None = None):
         self.labels = torch.as_tensor(labels, dtype=torch.long)
-        self.fetch = fetch            # fetch(indices) -> items (see _to_pil) or a float tensor
+        self.fetch = fetch  # fetch(indices) -> items (see _to_pil) or a float tensor
         self.classes = classes
 
     def __len__(self) -> int:
@@ -78,8 +80,10 @@ def _folder_split(root: Path, classes: list[str] | None) -> _Split:
     """``root/<class>/<image>``. Labels: folder names matched to ``classes`` when they all
     match (case, ``_`` and ``-`` ignored), integer folder names as labels, else sorted order."""
     folders = sorted(p.name for p in root.iterdir() if p.is_dir())
+
     def norm(s):
         return s.lower().replace("_", " ").replace("-", " ").strip()
+
     wanted = {norm(c): i for i, c in enumerate(classes or [])}
     if classes and all(norm(f) in wanted for f in folders):
         index = {f: wanted[norm(f)] for f in folders}
@@ -90,7 +94,9 @@ def _folder_split(root: Path, classes: list[str] | None) -> _Split:
         if classes:
             logging.getLogger(__name__).warning(
                 "%s: folder names do not match the task's class names; label k is the k-th folder in "
-                "sorted order, make sure that is the class order of the head.", root)
+                "sorted order, make sure that is the class order of the head.",
+                root,
+            )
     files, labels = [], []
     for f in folders:
         for p in sorted((root / f).iterdir()):
@@ -128,8 +134,10 @@ def _arrow_split(split_dir: Path, spec: DataSpec) -> _Split:
 def _table_split(table, spec: DataSpec, names: list[str] | None, where: Path) -> _Split:
     for col in (spec.image_column, spec.label_column):
         if col not in table.column_names:
-            raise ValueError(f"{where}: no column {col!r} (columns: {table.column_names}); set "
-                             "image_column / label_column in the spec's data entry.")
+            raise ValueError(
+                f"{where}: no column {col!r} (columns: {table.column_names}); set "
+                "image_column / label_column in the spec's data entry."
+            )
     images = table.column(spec.image_column)
     labels = table.column(spec.label_column).to_pylist()
     return _Split(labels, lambda idx: images.take(list(idx)).to_pylist(), names)
@@ -191,8 +199,10 @@ def _tensor_splits(path: Path, spec: DataSpec, size: int) -> dict[str, _Split]:
         elif x.is_floating_point() and x.ndim == 4 and tuple(x.shape[1:]) == (3, size, size):
             fetch = (lambda xs: lambda idx: xs[list(idx)].float())(x)
         else:
-            raise ValueError(f"{path}: {split}_inputs is {x.dtype} {tuple(x.shape)}; expected uint8 images or "
-                             f"preprocessed float (n, 3, {size}, {size}).")
+            raise ValueError(
+                f"{path}: {split}_inputs is {x.dtype} {tuple(x.shape)}; expected uint8 images or "
+                f"preprocessed float (n, 3, {size}, {size})."
+            )
         out[split] = _Split(y.long().tolist(), fetch, classes)
     return out
 
@@ -209,19 +219,24 @@ def _open_splits(located: LocatedData, classes: list[str] | None, size: int) -> 
     return {s: _parquet_split(parquet_files(root, s), spec) for s in names}
 
 
-def _decode(split: _Split, idx: list[int], size: int, interpolation: str, chunk: int = 1024,
-            desc: str = "") -> torch.Tensor:
+def _decode(
+    split: _Split, idx: list[int], size: int, interpolation: str, chunk: int = 1024, desc: str = ""
+) -> torch.Tensor:
     """Images ``idx`` of a split: uint8 ``(n, 3, size, size)`` (or float, if stored preprocessed),
     fetched and decoded ``chunk`` at a time on a few threads."""
     from concurrent.futures import ThreadPoolExecutor
 
     out = torch.empty(len(idx), 3, size, size, dtype=torch.uint8)
+
     def one(item):
         return to_clip_input(_to_pil(item), size, interpolation)
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool, \
-            bar(total=len(idx), desc=desc, unit="img", show=len(idx) >= 2048) as progress:
+
+    with (
+        ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool,
+        bar(total=len(idx), desc=desc, unit="img", show=len(idx) >= 2048) as progress,
+    ):
         for lo in range(0, len(idx), chunk):
-            items = split.fetch(idx[lo:lo + chunk])
+            items = split.fetch(idx[lo : lo + chunk])
             if torch.is_tensor(items):  # stored preprocessed: float, used as it is
                 return split.fetch(idx)
             for j, img in enumerate(pool.map(one, items)):
@@ -230,15 +245,16 @@ def _decode(split: _Split, idx: list[int], size: int, interpolation: str, chunk:
     return out
 
 
-def split_indices(n_train: int, n_test: int, calib: int, val: int, test: int | None,
-                  seed: int) -> dict[str, list[int]]:
+def split_indices(n_train: int, n_test: int, calib: int, val: int, test: int | None, seed: int) -> dict[str, list[int]]:
     """Seeded, disjoint ``calib`` and ``val`` index sets from train; ``test`` from test (all, or a
     seeded subset of at most ``test``). Each index list is sorted."""
     if calib + val > n_train:
-        raise ValueError(f"calib ({calib}) + val ({val}) examples asked, the train split has {n_train}; "
-                         "lower splits.calib / splits.val.")
+        raise ValueError(
+            f"calib ({calib}) + val ({val}) examples asked, the train split has {n_train}; "
+            "lower splits.calib / splits.val."
+        )
     perm = torch.randperm(n_train, generator=torch.Generator().manual_seed(seed)).tolist()
-    out = {"calib": sorted(perm[:calib]), "val": sorted(perm[calib:calib + val])}
+    out = {"calib": sorted(perm[:calib]), "val": sorted(perm[calib : calib + val])}
     if test is None or test >= n_test:
         out["test"] = list(range(n_test))
     else:
@@ -256,7 +272,7 @@ class LazySplits(Mapping):
     """
 
     def __init__(self, makers: Mapping[str, object], mean: tuple, std: tuple):
-        self._makers = dict(makers)   # split -> () -> (uint8 or float images, labels)
+        self._makers = dict(makers)  # split -> () -> (uint8 or float images, labels)
         self._cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._mean = torch.tensor(mean).view(1, 3, 1, 1)
         self._std = torch.tensor(std).view(1, 3, 1, 1)
@@ -282,8 +298,14 @@ class LazySplits(Mapping):
         return list(self._cache)
 
 
-def task_data(spec: ZooSpec, task: str, located: LocatedData, classes: list[str] | None, info: ModelInfo,
-              n_classes: int | None = None):
+def task_data(
+    spec: ZooSpec,
+    task: str,
+    located: LocatedData,
+    classes: list[str] | None,
+    info: ModelInfo,
+    n_classes: int | None = None,
+):
     """The task's :class:`~featcal.zoo.core.TaskData`; its splits are decoded on first access.
 
     ``classes`` are the head's class names (label ``k`` is ``classes[k]``); without
@@ -297,9 +319,11 @@ def task_data(spec: ZooSpec, task: str, located: LocatedData, classes: list[str]
     names = list(classes or train.classes or [str(i) for i in range(n)])
     for s, part in ((d.train_split, train), (d.test_split, test)):
         if len(part) and (int(part.labels.max()) >= len(names) or int(part.labels.min()) < 0):
-            raise ValueError(f"data {task!r} ({located.root}): split {s!r} has labels in "
-                             f"[{int(part.labels.min())}, {int(part.labels.max())}], "
-                             f"the task has {len(names)} classes.")
+            raise ValueError(
+                f"data {task!r} ({located.root}): split {s!r} has labels in "
+                f"[{int(part.labels.min())}, {int(part.labels.max())}], "
+                f"the task has {len(names)} classes."
+            )
     s = spec.splits
     idx = split_indices(len(train), len(test), s.calib, s.val, s.test, s.seed)
     size, interp = info.image_size, spec.preprocess.interpolation

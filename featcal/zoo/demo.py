@@ -9,6 +9,7 @@ The ``fashion`` variant (:mod:`featcal.zoo.fashion`) adds two real
 Fashion-MNIST tasks to the default zoo, with the recipe's heads and fine-tuning
 on the same base.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,8 +25,7 @@ from featcal.zoo.demo_recipe import DEMO_VERSION, Recipe, build_parts, recipe_sh
 from featcal.zoo.fashion import build_fashion_parts, find_fashion_mnist
 from featcal.zoo.store import is_zoo_dir, read_meta, read_zoo_dir, write_zoo_dir
 
-__all__ = ["DEMO_VERSION", "VARIANTS", "Recipe", "recipe_sha256", "cache_dir", "demo_path", "load_demo",
-           "build_demo"]
+__all__ = ["DEMO_VERSION", "VARIANTS", "Recipe", "recipe_sha256", "cache_dir", "demo_path", "load_demo", "build_demo"]
 
 VARIANTS = ("default", "fashion")
 
@@ -46,8 +46,7 @@ def _check_variant(variant: str) -> None:
         raise ValueError(f"unknown demo variant {variant!r}; choose one of {VARIANTS}.")
 
 
-def load_demo(rebuild: bool = False, progress: bool = True, variant: str = "default",
-              verify: bool = True) -> Zoo:
+def load_demo(rebuild: bool = False, progress: bool = True, variant: str = "default", verify: bool = True) -> Zoo:
     """The demo zoo, built and cached on first use.
 
     Args:
@@ -67,9 +66,15 @@ def load_demo(rebuild: bool = False, progress: bool = True, variant: str = "defa
     return read_zoo_dir(path, verify=verify)
 
 
-def build_demo(path: str | os.PathLike, variant: str = "default", progress: bool = True,
-               force: bool = False, recipe: Recipe | None = None,
-               device: str | torch.device = "cpu", threads: int | None = None) -> Path:
+def build_demo(
+    path: str | os.PathLike,
+    variant: str = "default",
+    progress: bool = True,
+    force: bool = False,
+    recipe: Recipe | None = None,
+    device: str | torch.device = "cpu",
+    threads: int | None = None,
+) -> Path:
     """Build a demo zoo into ``path`` (atomically; see :func:`featcal.zoo.io.atomic_dir`).
 
     ``threads``: torch CPU threads while building (restored afterwards); by default
@@ -86,7 +91,7 @@ def build_demo(path: str | os.PathLike, variant: str = "default", progress: bool
     threads = threads if threads is not None else _default_threads()
     with _torch_threads(threads):
         if variant == "fashion":
-            find_fashion_mnist()              # fails early, before the default zoo is built
+            find_fashion_mnist()  # fails early, before the default zoo is built
             default = load_demo(progress=progress, variant="default")
             parts = build_fashion_parts(recipe, default, progress, device)
         else:

@@ -19,6 +19,7 @@ Tasks (classes):
 ``digits`` draws its source images from disjoint pools for train (1,497
 digits) and test (300 digits), so test digits are unseen handwriting.
 """
+
 from __future__ import annotations
 
 import math
@@ -45,13 +46,13 @@ class TaskSpec:
 # street signs, satellite scenes, textures): (foreground centre, background
 # centre, jitter). None as a foreground centre: any saturated colour.
 PALETTES: dict[str, tuple[tuple | None, tuple, int]] = {
-    "digits": ((235, 225, 160), (25, 35, 90), 25),       # pale yellow on navy
-    "letters": ((40, 30, 30), (235, 230, 215), 25),      # dark ink on paper
-    "shapes": (None, (60, 60, 60), 20),                  # any bright colour on dark grey
-    "colour": (None, (15, 15, 15), 12),                  # the hue is the label, on black
-    "count": ((245, 245, 245), (40, 120, 50), 20),       # white dots on green
-    "position": ((170, 30, 30), (245, 245, 250), 20),    # a red blob on white
-    "orientation": ((20, 20, 60), (215, 160, 90), 25),   # a dark line on sand
+    "digits": ((235, 225, 160), (25, 35, 90), 25),  # pale yellow on navy
+    "letters": ((40, 30, 30), (235, 230, 215), 25),  # dark ink on paper
+    "shapes": (None, (60, 60, 60), 20),  # any bright colour on dark grey
+    "colour": (None, (15, 15, 15), 12),  # the hue is the label, on black
+    "count": ((245, 245, 245), (40, 120, 50), 20),  # white dots on green
+    "position": ((170, 30, 30), (245, 245, 250), 20),  # a red blob on white
+    "orientation": ((20, 20, 60), (215, 160, 90), 25),  # a dark line on sand
 }
 
 
@@ -62,8 +63,11 @@ def _jitter(centre: tuple, amount: int, rng: np.random.Generator) -> tuple:
 def _colours(task: str, rng: np.random.Generator) -> tuple[tuple, tuple]:
     """A (foreground, background) pair from the task's palette."""
     fg, bg, amount = PALETTES[task]
-    fg = _hsv_to_rgb(rng.random(), rng.uniform(0.6, 1.0), rng.uniform(0.7, 1.0)) if fg is None \
+    fg = (
+        _hsv_to_rgb(rng.random(), rng.uniform(0.6, 1.0), rng.uniform(0.7, 1.0))
+        if fg is None
         else _jitter(fg, amount, rng)
+    )
     return fg, _jitter(bg, amount, rng)
 
 
@@ -76,12 +80,13 @@ def _finish(img: Image.Image, rng: np.random.Generator, noise: float) -> np.ndar
 
 
 def _polygon(cx: float, cy: float, r: float, k: int, phase: float) -> list[tuple[float, float]]:
-    return [(cx + r * math.cos(phase + 2 * math.pi * i / k),
-             cy + r * math.sin(phase + 2 * math.pi * i / k)) for i in range(k)]
+    return [
+        (cx + r * math.cos(phase + 2 * math.pi * i / k), cy + r * math.sin(phase + 2 * math.pi * i / k))
+        for i in range(k)
+    ]
 
 
-def _blob(draw: ImageDraw.ImageDraw, cx: float, cy: float, r: float, fill: tuple,
-          rng: np.random.Generator) -> None:
+def _blob(draw: ImageDraw.ImageDraw, cx: float, cy: float, r: float, fill: tuple, rng: np.random.Generator) -> None:
     """A filled ellipse or rectangle (random) centred at (cx, cy)."""
     box = [cx - r, cy - r, cx + r, cy + r]
     if rng.random() < 0.5:
@@ -204,10 +209,8 @@ def _letter(label: int, rng: np.random.Generator, colours) -> Image.Image:
     d = ImageDraw.Draw(glyph)
     size = int(rng.integers(20, 27))
     d.text((SIZE / 2, SIZE / 2), LETTERS[label], fill=255, font=_font(size), anchor="mm")
-    glyph = glyph.rotate(rng.uniform(-8, 8), resample=Image.BILINEAR,
-                         translate=tuple(rng.uniform(-2, 2, 2)))
-    return Image.composite(Image.new("RGB", (SIZE, SIZE), fg),
-                           Image.new("RGB", (SIZE, SIZE), bg), glyph)
+    glyph = glyph.rotate(rng.uniform(-8, 8), resample=Image.BILINEAR, translate=tuple(rng.uniform(-2, 2, 2)))
+    return Image.composite(Image.new("RGB", (SIZE, SIZE), fg), Image.new("RGB", (SIZE, SIZE), bg), glyph)
 
 
 _DIGITS: tuple[np.ndarray, np.ndarray] | None = None
@@ -239,8 +242,7 @@ def _digit(src: np.ndarray, rng: np.random.Generator, colours) -> Image.Image:
     off = (SIZE - side) // 2
     dx, dy = rng.integers(-1, 2, 2)
     canvas.paste(mask, (int(off + dx), int(off + dy)))
-    return Image.composite(Image.new("RGB", (SIZE, SIZE), fg),
-                           Image.new("RGB", (SIZE, SIZE), bg), canvas)
+    return Image.composite(Image.new("RGB", (SIZE, SIZE), fg), Image.new("RGB", (SIZE, SIZE), bg), canvas)
 
 
 TASKS: dict[str, TaskSpec] = {
@@ -249,14 +251,12 @@ TASKS: dict[str, TaskSpec] = {
     "shapes": TaskSpec("shapes", SHAPES, _draw_shape),
     "colour": TaskSpec("colour", HUES, _draw_colour),
     "count": TaskSpec("count", tuple(str(i) for i in range(1, 7)), _draw_count),
-    "position": TaskSpec("position", tuple(f"r{r}c{c}" for r in range(3) for c in range(3)),
-                         _draw_position),
+    "position": TaskSpec("position", tuple(f"r{r}c{c}" for r in range(3) for c in range(3)), _draw_position),
     "orientation": TaskSpec("orientation", ANGLES, _draw_orientation),
 }
 
 
-def make_task(name: str, n: int, seed: int, part: str = "train",
-              noise: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+def make_task(name: str, n: int, seed: int, part: str = "train", noise: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """``n`` images of task ``name`` with balanced random labels.
 
     Returns ``(images, labels)``: ``(n, 32, 32, 3)`` uint8 and ``(n,)`` int64.

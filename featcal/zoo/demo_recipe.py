@@ -18,6 +18,7 @@ loads the result). The steps of :func:`build_parts`:
 The models are HF ``CLIPVisionModel``s, so the demo runs the same code path as
 real CLIP; heads read ``pooler_output``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -46,26 +47,32 @@ Arrays = dict[str, tuple[np.ndarray, np.ndarray]]
 class Recipe:
     """Everything that determines the demo zoo (its hash is part of the cache meta)."""
 
-    tasks: tuple[str, ...] = ("digits", "letters", "shapes", "colour", "count", "position",
-                              "orientation")
-    n_train: int = 4000         # per task; calib and val are carved from it
+    tasks: tuple[str, ...] = ("digits", "letters", "shapes", "colour", "count", "position", "orientation")
+    n_train: int = 4000  # per task; calib and val are carved from it
     n_calib: int = 512
     n_val: int = 200
     n_test: int = 300
-    n_pretrain: int = 2500      # per task, a separate pool, never saved
-    coarse: int = 2             # pretraining label = class // coarse
+    n_pretrain: int = 2500  # per task, a separate pool, never saved
+    coarse: int = 2  # pretraining label = class // coarse
     pretrain_steps: int = 800
     pretrain_lr: float = 1e-3
     finetune_steps: int = 150
     finetune_lr: float = 2e-3
     stem_lr_scale: float = 0.1  # fine-tuning lr of the stem and the final LayerNorm, relative
-    head_shots: int = 16        # examples per class the heads are fit on (0: up to 3000 in all)
+    head_shots: int = 16  # examples per class the heads are fit on (0: up to 3000 in all)
     batch_size: int = 64
-    noise: float = 0.0          # pixel noise of the images (0 keeps data.npz small)
+    noise: float = 0.0  # pixel noise of the images (0 keeps data.npz small)
     seed: int = 0
-    vision: dict = field(default_factory=lambda: dict(
-        image_size=32, patch_size=8, hidden_size=128, intermediate_size=512,
-        num_hidden_layers=4, num_attention_heads=4))
+    vision: dict = field(
+        default_factory=lambda: dict(
+            image_size=32,
+            patch_size=8,
+            hidden_size=128,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+        )
+    )
 
 
 def recipe_sha256(recipe: Recipe) -> str:
@@ -89,11 +96,22 @@ def build_parts(recipe: Recipe, progress: bool = True, device: str | torch.devic
         heads[task] = head.cpu()
     base = base.cpu()
     saved = {t: {s: a[s] for s in SPLITS} for t, a in arrays.items()}  # train is not kept
-    return dict(name="demo", base=base, experts=experts, heads=heads, arrays=saved,
-                classes=classes, features="pooler_output",
-                extra_meta={"variant": "default", "demo_version": DEMO_VERSION,
-                            "recipe": asdict(recipe), "recipe_sha256": recipe_sha256(recipe),
-                            "torch": torch.__version__})
+    return dict(
+        name="demo",
+        base=base,
+        experts=experts,
+        heads=heads,
+        arrays=saved,
+        classes=classes,
+        features="pooler_output",
+        extra_meta={
+            "variant": "default",
+            "demo_version": DEMO_VERSION,
+            "recipe": asdict(recipe),
+            "recipe_sha256": recipe_sha256(recipe),
+            "torch": torch.__version__,
+        },
+    )
 
 
 def make_data(recipe: Recipe, progress: bool = True) -> tuple[dict[str, Arrays], Arrays]:
@@ -111,8 +129,12 @@ def make_data(recipe: Recipe, progress: bool = True) -> tuple[dict[str, Arrays],
         tx, ty = make_task(task, recipe.n_test + 20, seed + 3, "test", recipe.noise)
         tx, ty = drop_duplicates(tx, ty, np.concatenate([x, px]))
         c, v = recipe.n_calib, recipe.n_calib + recipe.n_val
-        arrays[task] = {"calib": (x[:c], y[:c]), "val": (x[c:v], y[c:v]),
-                        "test": (tx[:recipe.n_test], ty[:recipe.n_test]), "train": (x, y)}
+        arrays[task] = {
+            "calib": (x[:c], y[:c]),
+            "val": (x[c:v], y[c:v]),
+            "test": (tx[: recipe.n_test], ty[: recipe.n_test]),
+            "train": (x, y),
+        }
         pretrain[task] = (px, py)
     return arrays, pretrain
 
@@ -122,7 +144,7 @@ def train_minus_val(splits: Arrays, device: str | torch.device = "cpu") -> tuple
     and labels, as tensors on ``device`` (images become pixels batch by batch)."""
     x, y = splits["train"]
     n_calib, n_val = len(splits["calib"][1]), len(splits["val"][1])
-    keep = np.r_[0:n_calib, n_calib + n_val:len(y)]
+    keep = np.r_[0:n_calib, n_calib + n_val : len(y)]
     return torch.from_numpy(x[keep]).to(device), torch.from_numpy(y[keep]).long().to(device)
 
 
@@ -132,8 +154,13 @@ def new_model(recipe: Recipe) -> nn.Module:
     return CLIPVisionModel(CLIPVisionConfig(**recipe.vision))
 
 
-def pretrain_base(recipe: Recipe, pools: Arrays, classes: Mapping[str, list[str]],
-                  progress: bool = True, device: str | torch.device = "cpu") -> nn.Module:
+def pretrain_base(
+    recipe: Recipe,
+    pools: Arrays,
+    classes: Mapping[str, list[str]],
+    progress: bool = True,
+    device: str | torch.device = "cpu",
+) -> nn.Module:
     """Train a fresh model on all pools at once, labels ``class // coarse`` per task
     (one joint softmax over every task's coarse classes)."""
     torch.manual_seed(recipe.seed)
@@ -147,9 +174,20 @@ def pretrain_base(recipe: Recipe, pools: Arrays, classes: Mapping[str, list[str]
     x, y = torch.cat(xs).to(device), torch.cat(ys).to(device)
     head = nn.Linear(model.config.hidden_size, offset).to(device)
     params = list(model.parameters()) + list(head.parameters())
-    _train(model, head, params, x, y, recipe.pretrain_steps, recipe.pretrain_lr,
-           recipe.batch_size, seed=recipe.seed + 1, weight_decay=0.05,
-           progress=progress, desc="pretrain base")
+    _train(
+        model,
+        head,
+        params,
+        x,
+        y,
+        recipe.pretrain_steps,
+        recipe.pretrain_lr,
+        recipe.batch_size,
+        seed=recipe.seed + 1,
+        weight_decay=0.05,
+        progress=progress,
+        desc="pretrain base",
+    )
     return model.eval()
 
 
@@ -161,8 +199,15 @@ def per_class(x: torch.Tensor, y: torch.Tensor, shots: int) -> tuple[torch.Tenso
     return x[keep], y[keep]
 
 
-def fit_head(model: nn.Module, x: torch.Tensor, y: torch.Tensor, n_classes: int,
-             l2: float = 1e-3, steps: int = 100, max_rows: int = 3000) -> nn.Linear:
+def fit_head(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    n_classes: int,
+    l2: float = 1e-3,
+    steps: int = 100,
+    max_rows: int = 3000,
+) -> nn.Linear:
     """A linear head on ``model``'s frozen features of the first ``max_rows`` images
     (uint8 ``x``; multinomial logistic regression, full-batch L-BFGS, small L2),
     returned frozen."""
@@ -183,8 +228,9 @@ def fit_head(model: nn.Module, x: torch.Tensor, y: torch.Tensor, n_classes: int,
     return head.requires_grad_(False).eval()
 
 
-def finetune(base: nn.Module, head: nn.Linear, x: torch.Tensor, y: torch.Tensor,
-             recipe: Recipe, seed: int) -> nn.Module:
+def finetune(
+    base: nn.Module, head: nn.Linear, x: torch.Tensor, y: torch.Tensor, recipe: Recipe, seed: int
+) -> nn.Module:
     """A copy of ``base`` fine-tuned end to end on one task through its frozen ``head``.
 
     Every parameter is trained; those outside the transformer blocks (patch and
@@ -196,10 +242,22 @@ def finetune(base: nn.Module, head: nn.Linear, x: torch.Tensor, y: torch.Tensor,
     model = copy.deepcopy(base)
     blocks = [p for n, p in model.named_parameters() if n.startswith("encoder.layers.")]
     stem = [p for n, p in model.named_parameters() if not n.startswith("encoder.layers.")]
-    groups = [{"params": blocks, "lr": recipe.finetune_lr},
-              {"params": stem, "lr": recipe.finetune_lr * recipe.stem_lr_scale}]
-    _train(model, head, groups, x, y, recipe.finetune_steps, recipe.finetune_lr,
-           recipe.batch_size, seed=seed, weight_decay=0.0)
+    groups = [
+        {"params": blocks, "lr": recipe.finetune_lr},
+        {"params": stem, "lr": recipe.finetune_lr * recipe.stem_lr_scale},
+    ]
+    _train(
+        model,
+        head,
+        groups,
+        x,
+        y,
+        recipe.finetune_steps,
+        recipe.finetune_lr,
+        recipe.batch_size,
+        seed=seed,
+        weight_decay=0.0,
+    )
     return model.eval()
 
 
@@ -210,9 +268,20 @@ def features(model: nn.Module, x: torch.Tensor, batch_size: int = 512) -> torch.
     return torch.cat([pooler_output(model, to_pixels(xb)) for xb in x.split(batch_size)])
 
 
-def _train(model: nn.Module, head: nn.Module, params: list, x: torch.Tensor, y: torch.Tensor,
-           steps: int, lr: float, batch_size: int, seed: int, weight_decay: float,
-           progress: bool = False, desc: str = "") -> None:
+def _train(
+    model: nn.Module,
+    head: nn.Module,
+    params: list,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    weight_decay: float,
+    progress: bool = False,
+    desc: str = "",
+) -> None:
     """Train ``model`` (and whatever else ``params`` holds: tensors or AdamW parameter
     groups) through ``head`` on uint8 images ``x`` ``(n, H, W, 3)``: AdamW, 5% linear
     warm-up then cosine decay, gradient norm clipped at 1, batches drawn with
@@ -222,7 +291,8 @@ def _train(model: nn.Module, head: nn.Module, params: list, x: torch.Tensor, y: 
     flat = [p for g in opt.param_groups for p in g["params"]]
     warm = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+    )
     model.train()
     for _ in bar(range(steps), desc=desc, show=progress):
         idx = torch.randint(len(y), (batch_size,), generator=gen).to(y.device)

@@ -11,6 +11,7 @@ Tasks added (on the default zoo's base, heads and fine-tuning as in
 Both draw train rows from the package's 60k train file (disjoint index sets)
 and test rows from its 10k test file. 28x28 greyscale is padded to 32x32 RGB.
 """
+
 from __future__ import annotations
 
 import glob
@@ -27,11 +28,12 @@ from featcal.zoo.demo_recipe import Recipe, finetune, fit_head, per_class, train
 from featcal.zoo.store import read_arrays
 
 APT_PACKAGE = "dataset-fashion-mnist"
-SEARCH_GLOBS = ("/usr/share/datasets*/**/train-images-idx3-ubyte.gz",
-                "/usr/local/share/datasets*/**/train-images-idx3-ubyte.gz")
+SEARCH_GLOBS = (
+    "/usr/share/datasets*/**/train-images-idx3-ubyte.gz",
+    "/usr/local/share/datasets*/**/train-images-idx3-ubyte.gz",
+)
 
-CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
-           "Sneaker", "Bag", "Ankle boot")
+CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
 GROUPS = ("top", "bottom or dress", "footwear", "bag")
 GROUP_OF = np.array([0, 1, 0, 1, 0, 2, 0, 2, 3, 2])  # class -> group
 TASK_NAMES = ("fashion", "fashion-group")
@@ -46,18 +48,22 @@ def find_fashion_mnist() -> Path:
     env = os.environ.get("FEATCAL_FASHION_MNIST")
     candidates = [Path(env)] if env else []
     for pattern in SEARCH_GLOBS:
-        candidates += [Path(p).parent for p in sorted(glob.glob(pattern, recursive=True))
-                       if "fashion" in p.lower()]
+        candidates += [Path(p).parent for p in sorted(glob.glob(pattern, recursive=True)) if "fashion" in p.lower()]
     for d in candidates:
         if all((d / f).is_file() for f in _FILES.values()):
             return d
     raise FashionMNISTMissing(
         f"Fashion-MNIST not found (looked in $FEATCAL_FASHION_MNIST and {', '.join(SEARCH_GLOBS)}); "
-        f"install the Debian package: apt-get install -y {APT_PACKAGE}")
+        f"install the Debian package: apt-get install -y {APT_PACKAGE}"
+    )
 
 
-_FILES = {"train_x": "train-images-idx3-ubyte.gz", "train_y": "train-labels-idx1-ubyte.gz",
-          "test_x": "t10k-images-idx3-ubyte.gz", "test_y": "t10k-labels-idx1-ubyte.gz"}
+_FILES = {
+    "train_x": "train-images-idx3-ubyte.gz",
+    "train_y": "train-labels-idx1-ubyte.gz",
+    "test_x": "t10k-images-idx3-ubyte.gz",
+    "test_y": "t10k-labels-idx1-ubyte.gz",
+}
 
 
 def read_idx(path: str | os.PathLike) -> np.ndarray:
@@ -68,7 +74,7 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     if raw[:2] != b"\0\0" or raw[2] != 0x08:
         raise ValueError(f"{path}: not an unsigned-byte IDX file.")
     ndim = raw[3]
-    shape = tuple(int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
+    shape = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
     data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
     return data.reshape(shape)
 
@@ -85,8 +91,9 @@ def to_rgb32(images: np.ndarray) -> np.ndarray:
     return np.repeat(padded[..., None], 3, axis=-1)
 
 
-def make_fashion_arrays(n_train: int, n_calib: int, n_val: int, n_test: int,
-                        seed: int = 0) -> dict[str, dict[str, tuple[np.ndarray, np.ndarray]]]:
+def make_fashion_arrays(
+    n_train: int, n_calib: int, n_val: int, n_test: int, seed: int = 0
+) -> dict[str, dict[str, tuple[np.ndarray, np.ndarray]]]:
     """``{task: {train, calib, val, test}}`` uint8 arrays for both Fashion-MNIST tasks."""
     raw = load_fashion_mnist()
     rng = np.random.default_rng(seed)
@@ -94,23 +101,21 @@ def make_fashion_arrays(n_train: int, n_calib: int, n_val: int, n_test: int,
     test_perm = rng.permutation(len(raw["test_y"]))
     out = {}
     for k, task in enumerate(TASK_NAMES):
-        tr = train_perm[k * n_train:(k + 1) * n_train]
-        te = test_perm[k * n_test:(k + 1) * n_test]
+        tr = train_perm[k * n_train : (k + 1) * n_train]
+        te = test_perm[k * n_test : (k + 1) * n_test]
         x, y = to_rgb32(raw["train_x"][tr]), raw["train_y"][tr].astype(np.int64)
         tx, ty = to_rgb32(raw["test_x"][te]), raw["test_y"][te].astype(np.int64)
         if task == "fashion-group":
             y, ty = GROUP_OF[y], GROUP_OF[ty]
         c, v = n_calib, n_calib + n_val
-        out[task] = {"train": (x, y), "calib": (x[:c], y[:c]), "val": (x[c:v], y[c:v]),
-                     "test": (tx, ty)}
+        out[task] = {"train": (x, y), "calib": (x[:c], y[:c]), "val": (x[c:v], y[c:v]), "test": (tx, ty)}
     return out
 
 
 def build_fashion_parts(recipe: Recipe, default: Zoo, progress: bool = True, device="cpu") -> dict:
     """The ``default`` demo zoo plus the Fashion-MNIST experts, as the keyword arguments of
     :func:`featcal.zoo.store.write_zoo_dir` (``default``'s base is moved to ``device`` and back)."""
-    new = make_fashion_arrays(recipe.n_train, recipe.n_calib, recipe.n_val, recipe.n_test,
-                              seed=recipe.seed)
+    new = make_fashion_arrays(recipe.n_train, recipe.n_calib, recipe.n_val, recipe.n_test, seed=recipe.seed)
     arrays = read_arrays(default.meta["path"])
     classes = {t: list(default.data[t].classes) for t in default.tasks}
     heads, experts = dict(default.heads), dict(default.experts)
@@ -124,7 +129,14 @@ def build_fashion_parts(recipe: Recipe, default: Zoo, progress: bool = True, dev
         default.base.cpu()
         arrays[task] = {s: new[task][s] for s in ("calib", "val", "test")}
     meta = {k: v for k, v in default.meta.items() if k in ("demo_version", "recipe", "recipe_sha256", "torch")}
-    meta.update(variant="fashion", sources={"fashion-mnist": str(find_fashion_mnist()),
-                                            "apt": APT_PACKAGE})
-    return dict(name="demo-fashion", base=default.base, experts=experts, heads=heads, arrays=arrays,
-                classes=classes, features="pooler_output", extra_meta=meta)
+    meta.update(variant="fashion", sources={"fashion-mnist": str(find_fashion_mnist()), "apt": APT_PACKAGE})
+    return dict(
+        name="demo-fashion",
+        base=default.base,
+        experts=experts,
+        heads=heads,
+        arrays=arrays,
+        classes=classes,
+        features="pooler_output",
+        extra_meta=meta,
+    )

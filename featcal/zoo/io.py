@@ -12,6 +12,7 @@ Two guarantees hold for everything written here:
 Weights are written as safetensors and read back only through safetensors (or
 ``torch.load(weights_only=True)`` for a legacy ``.bin``): never a pickle.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 FORMATS = ("hf", "open_clip", "torch")
-MARKER = "featcal_model.json"   # written beside every saved model: its format and origin
+MARKER = "featcal_model.json"  # written beside every saved model: its format and origin
 WEIGHTS = "model.safetensors"
 
 
@@ -58,8 +59,7 @@ def atomic_dir(target: str | os.PathLike, force: bool = False) -> Iterator[Path]
 
 def _check_target(target: Path, force: bool) -> None:
     if target.exists() and not force:
-        raise OutputExistsError(
-            f"output {str(target)!r} already exists; pass --force (force=True) to replace it.")
+        raise OutputExistsError(f"output {str(target)!r} already exists; pass --force (force=True) to replace it.")
     if target.exists() and not target.is_dir():
         raise OutputExistsError(f"output {str(target)!r} exists and is not a directory.")
 
@@ -120,9 +120,15 @@ def quiet_transformers() -> Iterator[None]:
 
 # ------------------------------------------------------------------ models
 
-def save_model(model, out_dir: str | os.PathLike, fmt: str = "hf", force: bool = False,
-               extra_files: Mapping[str, str | bytes | dict | list] | None = None,
-               config: dict | None = None) -> Path:
+
+def save_model(
+    model,
+    out_dir: str | os.PathLike,
+    fmt: str = "hf",
+    force: bool = False,
+    extra_files: Mapping[str, str | bytes | dict | list] | None = None,
+    config: dict | None = None,
+) -> Path:
     """Write ``model`` to ``out_dir`` in the format it was loaded in.
 
     Args:
@@ -144,8 +150,10 @@ def save_model(model, out_dir: str | os.PathLike, fmt: str = "hf", force: bool =
     with atomic_dir(out_dir, force=force) as tmp:
         if fmt == "hf":
             if not hasattr(model, "save_pretrained"):
-                raise ValueError("fmt='hf' needs a transformers model with save_pretrained; "
-                                 f"got {type(model).__name__}. Use fmt='torch'.")
+                raise ValueError(
+                    "fmt='hf' needs a transformers model with save_pretrained; "
+                    f"got {type(model).__name__}. Use fmt='torch'."
+                )
             with quiet_transformers():
                 model.save_pretrained(tmp, safe_serialization=True)
         else:
@@ -179,8 +187,10 @@ def load_model(model_dir: str | os.PathLike, like=None):
         with quiet_transformers():
             return cls.from_pretrained(model_dir, use_safetensors=True)
     if like is None:
-        raise ValueError(f"{str(model_dir)!r} holds a {fmt!r} state dict; loading it needs "
-                         "a model of the same architecture (like=...).")
+        raise ValueError(
+            f"{str(model_dir)!r} holds a {fmt!r} state dict; loading it needs "
+            "a model of the same architecture (like=...)."
+        )
     from safetensors.torch import load_model as _st_load
 
     model = copy.deepcopy(like)
@@ -196,8 +206,7 @@ def read_marker(model_dir: str | os.PathLike) -> dict:
         return json.loads((model_dir / MARKER).read_text())
     if (model_dir / "config.json").is_file():
         return {"format": "hf"}
-    raise FileNotFoundError(f"{str(model_dir)!r} holds no saved model "
-                            f"(neither {MARKER} nor config.json).")
+    raise FileNotFoundError(f"{str(model_dir)!r} holds no saved model (neither {MARKER} nor config.json).")
 
 
 def load_legacy_state_dict(path: str | os.PathLike) -> dict:
@@ -224,6 +233,7 @@ def _hf_class(model_dir: Path):
 
 
 # ------------------------------------------------------------------ files
+
 
 def _write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
@@ -271,9 +281,11 @@ def tree_sha256(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> tuple
     """``(digest, {relative path: sha256})`` over every file under ``root`` (sorted by
     path; names in ``exclude`` skipped). The digest covers paths and contents."""
     root = Path(root)
-    files = {p.relative_to(root).as_posix(): file_sha256(p)
-             for p in sorted(root.rglob("*")) if p.is_file()
-             and p.relative_to(root).as_posix() not in exclude}
+    files = {
+        p.relative_to(root).as_posix(): file_sha256(p)
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.relative_to(root).as_posix() not in exclude
+    }
     h = hashlib.sha256()
     for rel, digest in files.items():
         h.update(f"{rel}\0{digest}\n".encode())

@@ -5,6 +5,7 @@ through safetensors or ``torch.load(weights_only=True)``; models are built from
 their config and loaded strictly (a missing weight is an error, never a random
 init). HF CLIP vision towers and open_clip ``VisionTransformer``s are supported.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,6 +30,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 # ----------------------------------------------------------------------------- state dicts
 
+
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """Weights of an HF directory (single or sharded) or of one checkpoint file, on the CPU."""
     from safetensors.torch import load_file
@@ -49,8 +51,10 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     try:
         obj = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as err:  # a pickle of a whole model, a TorchScript archive, ...
-        raise ValueError(f"{path}: not a plain state dict loadable with torch.load(weights_only=True) "
-                         f"({type(err).__name__}: {str(err)[:200]}); convert it to safetensors.") from None
+        raise ValueError(
+            f"{path}: not a plain state dict loadable with torch.load(weights_only=True) "
+            f"({type(err).__name__}: {str(err)[:200]}); convert it to safetensors."
+        ) from None
     for key in ("state_dict", "model_state_dict", "model"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
@@ -77,10 +81,17 @@ def load_strict(model: nn.Module, sd: Mapping[str, torch.Tensor], what: str) -> 
     extra = [k for k in sd if k not in own]
     bad = [k for k in own if k in sd and sd[k].shape != own[k].shape]
     if missing or extra or bad:
-        detail = (f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}" if extra else
-                  f"{bad[0]!r} is {tuple(sd[bad[0]].shape)}, the model has {tuple(own[bad[0]].shape)}")
-        raise ValueError(f"{what}: its weights do not fit the architecture ({detail}); experts must be "
-                         "fine-tuned from the base, and open_clip entries need the right `arch`.")
+        detail = (
+            f"missing {missing[:3]}"
+            if missing
+            else f"unexpected {extra[:3]}"
+            if extra
+            else f"{bad[0]!r} is {tuple(sd[bad[0]].shape)}, the model has {tuple(own[bad[0]].shape)}"
+        )
+        raise ValueError(
+            f"{what}: its weights do not fit the architecture ({detail}); experts must be "
+            "fine-tuned from the base, and open_clip entries need the right `arch`."
+        )
     model.load_state_dict(sd, strict=True)
 
 
@@ -109,8 +120,10 @@ def hf_vision_config(path: Path):
     cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
     cfg = getattr(cfg, "vision_config", cfg)
     if not isinstance(cfg, CLIPVisionConfig):
-        raise ValueError(f"{path}: {type(cfg).__name__} is not a CLIP vision config; the hf format expects "
-                         "a CLIPModel, CLIPVisionModel or CLIPVisionModelWithProjection directory.")
+        raise ValueError(
+            f"{path}: {type(cfg).__name__} is not a CLIP vision config; the hf format expects "
+            "a CLIPModel, CLIPVisionModel or CLIPVisionModelWithProjection directory."
+        )
     return cfg
 
 
@@ -152,6 +165,7 @@ def load_hf_vision(paths: Mapping[str, Path], dtype: torch.dtype, device: str) -
 
 # ----------------------------------------------------------------------------- open_clip
 
+
 class _DropRandomInitWarning(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return "initialized randomly" not in record.getMessage()
@@ -168,8 +182,10 @@ def open_clip_model(arch: str, config: str | None, quick_gelu: bool) -> nn.Modul
     if config:
         open_clip.add_model_config(config)
     if arch not in open_clip.list_models():
-        raise ValueError(f"open_clip has no architecture {arch!r}; give `config:` (a model-config JSON named "
-                         f"{arch}.json) or one of open_clip.list_models().")
+        raise ValueError(
+            f"open_clip has no architecture {arch!r}; give `config:` (a model-config JSON named "
+            f"{arch}.json) or one of open_clip.list_models()."
+        )
     root, filt = logging.getLogger(), _DropRandomInitWarning()
     root.addFilter(filt)
     try:
@@ -185,8 +201,8 @@ def split_open_clip(sd: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
     if not vis_keys:
         return dict(sd), {}
     prefix = vis_keys[0][: vis_keys[0].index("visual.")]
-    visual = {k[len(prefix) + len("visual."):]: v for k, v in sd.items() if k.startswith(prefix + "visual.")}
-    rest = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix) and not k.startswith(prefix + "visual.")}
+    visual = {k[len(prefix) + len("visual.") :]: v for k, v in sd.items() if k.startswith(prefix + "visual.")}
+    rest = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix) and not k.startswith(prefix + "visual.")}
     return visual, rest
 
 
@@ -198,8 +214,9 @@ def open_clip_quick_gelu(spec: ModelSpec) -> bool:
     return spec.quick_gelu
 
 
-def load_open_clip_visual(specs: Mapping[str, ModelSpec], paths: Mapping[str, Path],
-                          dtype: torch.dtype, device: str) -> dict[str, nn.Module]:
+def load_open_clip_visual(
+    specs: Mapping[str, ModelSpec], paths: Mapping[str, Path], dtype: torch.dtype, device: str
+) -> dict[str, nn.Module]:
     """``{role: open_clip VisionTransformer}`` (``model.visual``), each loaded strictly."""
     first = specs[next(iter(specs))]
     template = open_clip_model(first.arch, first.config, open_clip_quick_gelu(first)).visual
@@ -215,6 +232,7 @@ def load_open_clip_visual(specs: Mapping[str, ModelSpec], paths: Mapping[str, Pa
 
 # ----------------------------------------------------------------------------- features
 
+
 class ClipFeatures:
     """``features(model, x)``: the CLIP image representation the heads read.
 
@@ -227,8 +245,10 @@ class ClipFeatures:
 
     def __init__(self, fmt: str, kind: str, projection: torch.Tensor | None = None):
         if fmt == "hf" and kind != "pooled" and projection is None:
-            raise ValueError("features need the base's visual_projection; it has none (use features: pooled "
-                             "with file heads, or a base CLIPModel directory).")
+            raise ValueError(
+                "features need the base's visual_projection; it has none (use features: pooled "
+                "with file heads, or a base CLIPModel directory)."
+            )
         self.fmt, self.kind = fmt, kind
         self.projection = None if projection is None else projection.detach().float().cpu()  # (d_proj, d)
 
@@ -236,11 +256,11 @@ class ClipFeatures:
         p = next(model.parameters())
         x = x.to(device=p.device, dtype=p.dtype)
         if self.fmt == "hf":
-            out = model(pixel_values=x).pooler_output                     # (n, d)
+            out = model(pixel_values=x).pooler_output  # (n, d)
             if self.kind != "pooled":
-                out = out @ self.projection.to(out.device, out.dtype).T   # (n, d_proj)
+                out = out @ self.projection.to(out.device, out.dtype).T  # (n, d_proj)
         else:
-            out = model(x)                                                 # (n, d_proj)
+            out = model(x)  # (n, d_proj)
         return F.normalize(out, dim=-1) if self.kind == "embedding" else out
 
 
@@ -263,8 +283,7 @@ def _preprocessor_stats(path: Path) -> tuple[tuple | None, tuple | None]:
     return (tuple(mean) if mean else None), (tuple(std) if std else None)
 
 
-def load_models(spec: ZooSpec, found: Found, device: str = "cpu"
-                ) -> tuple[nn.Module, dict[str, nn.Module], ModelInfo]:
+def load_models(spec: ZooSpec, found: Found, device: str = "cpu") -> tuple[nn.Module, dict[str, nn.Module], ModelInfo]:
     """``(base, {task: expert}, info)``: every model on ``device`` in the spec's dtype."""
     dtype = _DTYPES[spec.dtype]
     roles = ["base"] + [f"expert:{t}" for t in spec.tasks]
@@ -291,5 +310,3 @@ def load_models(spec: ZooSpec, found: Found, device: str = "cpu"
         std=tuple(pre.std or std or CLIP_STD),
     )
     return models["base"], {t: models[f"expert:{t}"] for t in spec.tasks}, info
-
-

@@ -21,6 +21,7 @@ missing; :func:`locate_all` raises one :class:`MissingResourcesError` for all of
 Loading what was found is :mod:`featcal.zoo.loaders`' (models), :mod:`featcal.zoo.heads`'
 and :mod:`featcal.zoo.data`'s job.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,12 +31,12 @@ from pathlib import Path
 from featcal.zoo.resolve import Missing, MissingResourcesError, hf_fix, hf_snapshot
 from featcal.zoo.schema import DataSpec, ModelSpec, ZooSpec
 
-HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-              "pytorch_model.bin.index.json")
+HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 OPEN_CLIP_HUB_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
 
 
 # ----------------------------------------------------------------------------- data
+
 
 @dataclass(frozen=True)
 class LocatedData:
@@ -63,8 +64,10 @@ def _detect_format(root: Path, spec: DataSpec) -> tuple[str | None, str]:
         return ("parquet", "") if not absent else (None, f"parquet files, none for split(s) {absent}")
     if all((root / s).is_dir() for s in splits):
         return "image_folder", ""
-    return None, (f"not a dataset: expected {spec.train_split}/ and {spec.test_split}/ class folders, a "
-                  "datasets.save_to_disk dir, parquet files, or a .safetensors/.npz file")
+    return None, (
+        f"not a dataset: expected {spec.train_split}/ and {spec.test_split}/ class folders, a "
+        "datasets.save_to_disk dir, parquet files, or a .safetensors/.npz file"
+    )
 
 
 def parquet_files(root: Path, split: str) -> list[Path]:
@@ -100,17 +103,21 @@ def locate_data(spec: DataSpec) -> tuple[LocatedData | None, Missing | None]:
     src = spec.hub or spec.path
     fix = (hf_fix(spec.hub, "dataset") + "; or " if spec.hub else "") + (
         f"put it at {spec.path} ({spec.train_split}/ and {spec.test_split}/ class folders, a save_to_disk "
-        "dir, parquet files or .safetensors/.npz)" if spec.path else "give a local `path:`")
+        "dir, parquet files or .safetensors/.npz)"
+        if spec.path
+        else "give a local `path:`"
+    )
     return None, Missing(f"data {spec.task!r}: {src}", tuple(looked), fix)
 
 
 # ----------------------------------------------------------------------------- models and the whole spec
 
+
 @dataclass
 class Found:
     """Local paths of everything a spec needs (the output of :func:`locate_all`)."""
 
-    models: dict[str, Path] = field(default_factory=dict)   # "base", "expert:<task>", "text_model"
+    models: dict[str, Path] = field(default_factory=dict)  # "base", "expert:<task>", "text_model"
     data: dict[str, LocatedData] = field(default_factory=dict)
     heads_file: Path | None = None
 
@@ -142,8 +149,9 @@ def locate_model(spec: ModelSpec, what: str) -> tuple[Path | None, Missing | Non
         if spec.format == "hf":
             problem = _hf_dir_problem(p)
         else:
-            problem = None if p.is_file() else ("a directory, expected a checkpoint file" if p.is_dir()
-                                                else "does not exist")
+            problem = (
+                None if p.is_file() else ("a directory, expected a checkpoint file" if p.is_dir() else "does not exist")
+            )
         if problem is None:
             return p, None
         looked.append(f"local path {p} ({problem})")
@@ -154,8 +162,11 @@ def locate_model(spec: ModelSpec, what: str) -> tuple[Path | None, Missing | Non
             return snap, None
         looked.append(where if problem is None else f"{where} ({problem}: incomplete download)")
         return None, Missing(f"{what}: HF model {spec.id}", tuple(looked), hf_fix(spec.id))
-    return None, Missing(f"{what}: {spec.format} model at {spec.path}", tuple(looked),
-                         "check the path (and the environment variables in it), or give an HF `id`.")
+    return None, Missing(
+        f"{what}: {spec.format} model at {spec.path}",
+        tuple(looked),
+        "check the path (and the environment variables in it), or give an HF `id`.",
+    )
 
 
 def _locate_open_clip_tag(spec: ModelSpec, what: str) -> tuple[Path | None, Missing | None]:
@@ -165,12 +176,18 @@ def _locate_open_clip_tag(spec: ModelSpec, what: str) -> tuple[Path | None, Miss
     label = f"{what}: open_clip {spec.arch} pretrained={spec.pretrained!r}"
     if not cfg:
         tags = open_clip.list_pretrained_tags_by_model(spec.arch)
-        return None, Missing(label, ("open_clip's list of pretrained weights",),
-                             f"use one of the tags open_clip knows for {spec.arch}: {tags}.")
+        return None, Missing(
+            label,
+            ("open_clip's list of pretrained weights",),
+            f"use one of the tags open_clip knows for {spec.arch}: {tags}.",
+        )
     hub = cfg.get("hf_hub", "").strip("/")
     if not hub:
-        return None, Missing(label, ("open_clip's pretrained config (no HF hub copy)",),
-                             "download the checkpoint yourself and give it as `path:` with `arch:`.")
+        return None, Missing(
+            label,
+            ("open_clip's pretrained config (no HF hub copy)",),
+            "download the checkpoint yourself and give it as `path:` with `arch:`.",
+        )
     parts = hub.split("/")
     repo, fname = "/".join(parts[:2]), "/".join(parts[2:]) or None
     snap, where = hf_snapshot(repo, "model")
@@ -201,8 +218,13 @@ def locate(spec: ZooSpec) -> tuple[Found, list[Missing]]:
         if p.is_file():
             found.heads_file = p
         else:
-            missing.append(Missing(f"heads file {p}", (f"local path {p} (does not exist)",),
-                                   "check heads.path; it is a safetensors file with <task>.weight / <task>.bias."))
+            missing.append(
+                Missing(
+                    f"heads file {p}",
+                    (f"local path {p} (does not exist)",),
+                    "check heads.path; it is a safetensors file with <task>.weight / <task>.bias.",
+                )
+            )
     for task, d in spec.data.items():
         loc, miss = locate_data(d)
         if miss:

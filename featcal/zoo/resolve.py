@@ -5,6 +5,7 @@ Shared by :mod:`featcal.zoo.loaders` (models) and :mod:`featcal.zoo.data`
 cache (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else
 ``~/.cache/huggingface/hub``) by reading the cache layout directly.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,13 +14,14 @@ from pathlib import Path
 
 # ----------------------------------------------------------------------------- missing things
 
+
 @dataclass(frozen=True)
 class Missing:
     """One thing a spec needs that is not on this machine."""
 
-    what: str                 # "expert 'sun397': HF model tanganke/clip-vit-base-patch32_sun397"
-    looked: tuple[str, ...]   # every place looked, with why it did not do
-    fix: str                  # how to make it available
+    what: str  # "expert 'sun397': HF model tanganke/clip-vit-base-patch32_sun397"
+    looked: tuple[str, ...]  # every place looked, with why it did not do
+    fix: str  # how to make it available
 
 
 class MissingResourcesError(FileNotFoundError):
@@ -41,14 +43,17 @@ def format_missing(missing: list[Missing], source: str | None = None) -> str:
     if downloads:
         lines.append("On a machine with network access run (`hf download` works the same):")
         lines += [f"    {cmd}" for cmd in downloads]
-        lines.append("then copy its Hugging Face cache folder (~/.cache/huggingface) here and set HF_HOME to it "
-                     "(or HF_HUB_CACHE to its hub/ folder); or download with --local-dir DIR and give DIR "
-                     "as `path:`.")
+        lines.append(
+            "then copy its Hugging Face cache folder (~/.cache/huggingface) here and set HF_HOME to it "
+            "(or HF_HUB_CACHE to its hub/ folder); or download with --local-dir DIR and give DIR "
+            "as `path:`."
+        )
     lines.append(f"featcal never downloads (HF_HUB_OFFLINE=1); the HF cache searched was {hf_cache_dir()}.")
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- the HF cache
+
 
 def hf_cache_dir() -> Path:
     """The HF hub cache, read from the environment now (``HF_HUB_CACHE``, ``HF_HOME``, default)."""

@@ -27,6 +27,7 @@ An open_clip model entry: ``{path: ckpt.safetensors, arch: ViT-B-32}``
 level), or ``{pretrained: openai, arch: ViT-B-32}`` for a tag already in the
 HF cache. See :data:`SCHEMA` for every key.
 """
+
 from __future__ import annotations
 
 import os
@@ -212,8 +213,9 @@ def expand(value: str, env: Mapping[str, str] | None = None) -> str:
             return env[name]
         if m.group("default") is not None:
             return expand(m.group("default"), env)
-        raise SpecError(f"environment variable ${name} is not set (in {value!r}); set it or "
-                        f"write ${{{name}:-default}}.")
+        raise SpecError(
+            f"environment variable ${name} is not set (in {value!r}); set it or write ${{{name}:-default}}."
+        )
 
     return os.path.expanduser(_ENV.sub(sub, value))
 
@@ -273,12 +275,16 @@ def _model(ctx: _Ctx, raw: Any, defaults: dict, where: str) -> ModelSpec:
     d = ctx.check_keys(raw, "model", where)
     fmt = _choice(ctx, d.get("format", defaults["format"]), FORMATS, f"{where}.format")
     if fmt != defaults["format"]:
-        raise ctx.fail(f"{where}.format", f"{fmt!r} differs from the zoo's format {defaults['format']!r}; "
-                       "all models of a zoo must share one format to be merged.")
+        raise ctx.fail(
+            f"{where}.format",
+            f"{fmt!r} differs from the zoo's format {defaults['format']!r}; "
+            "all models of a zoo must share one format to be merged.",
+        )
     given = [k for k in ("path", "id", "pretrained") if d.get(k) is not None]
     if not given or ("pretrained" in given and len(given) > 1):
-        raise ctx.fail(where, f"give `path` and/or `id` (tried in that order), or `pretrained` alone "
-                              f"(got {given or 'none'}).")
+        raise ctx.fail(
+            where, f"give `path` and/or `id` (tried in that order), or `pretrained` alone (got {given or 'none'})."
+        )
     config = d.get("config", defaults.get("config"))
     arch = d.get("arch", defaults.get("arch")) or (Path(str(config)).stem if config else None)
     if fmt == "open_clip" and not arch:
@@ -359,10 +365,16 @@ def _data(ctx: _Ctx, task: str, raw: Any) -> DataSpec:
     for key in ("train_split", "test_split", "image_column", "label_column", "hub", "revision", "subset"):
         if key in d and not isinstance(d[key], str):
             raise ctx.fail(f"{where}.{key}", f"expected a string, got {d[key]!r}.")
-    kw = {k: d[k] for k in ("train_split", "test_split", "image_column", "label_column", "revision", "subset")
-          if k in d}
-    return DataSpec(task=task, path=ctx.path(d["path"], f"{where}.path") if d.get("path") else None,
-                    hub=d.get("hub"), format=fmt, **kw)
+    kw = {
+        k: d[k] for k in ("train_split", "test_split", "image_column", "label_column", "revision", "subset") if k in d
+    }
+    return DataSpec(
+        task=task,
+        path=ctx.path(d["path"], f"{where}.path") if d.get("path") else None,
+        hub=d.get("hub"),
+        format=fmt,
+        **kw,
+    )
 
 
 def _splits(ctx: _Ctx, raw: Any) -> SplitSpec:
@@ -378,8 +390,11 @@ def _splits(ctx: _Ctx, raw: Any) -> SplitSpec:
 def _triple(ctx: _Ctx, value: Any, where: str) -> tuple[float, float, float] | None:
     if value is None:
         return None
-    if (not isinstance(value, list) or len(value) != 3
-            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
+    if (
+        not isinstance(value, list)
+        or len(value) != 3
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+    ):
         raise ctx.fail(where, f"expected three numbers, got {value!r}.")
     if where.endswith("std") and min(value) <= 0:
         raise ctx.fail(where, f"std must be positive, got {value!r}.")
@@ -392,8 +407,9 @@ def _preprocess(ctx: _Ctx, raw: Any) -> PreprocessSpec:
         image_size=_int(ctx, d.get("image_size"), "preprocess.image_size", 1, allow_none=True),
         mean=_triple(ctx, d.get("mean"), "preprocess.mean"),
         std=_triple(ctx, d.get("std"), "preprocess.std"),
-        interpolation=_choice(ctx, d.get("interpolation", "bicubic"), ("bicubic", "bilinear", "nearest"),
-                              "preprocess.interpolation"),
+        interpolation=_choice(
+            ctx, d.get("interpolation", "bicubic"), ("bicubic", "bilinear", "nearest"), "preprocess.interpolation"
+        ),
     )
 
 
@@ -405,8 +421,12 @@ def from_dict(raw: Mapping[str, Any], root: str | os.PathLike = ".", source: str
         if key not in d:
             raise ctx.fail("top level", f"missing required key `{key}`.")
     fmt = _choice(ctx, d.get("format", "hf"), FORMATS, "format")
-    defaults = {"format": fmt, "arch": d.get("arch"), "config": d.get("config"),
-                "quick_gelu": d.get("quick_gelu", False)}
+    defaults = {
+        "format": fmt,
+        "arch": d.get("arch"),
+        "config": d.get("config"),
+        "quick_gelu": d.get("quick_gelu", False),
+    }
     if not isinstance(d["experts"], Mapping) or not d["experts"]:
         raise ctx.fail("experts", "expected a non-empty mapping {task: model entry}.")
     tasks = [str(t) for t in d["experts"]]
@@ -415,22 +435,29 @@ def from_dict(raw: Mapping[str, Any], root: str | os.PathLike = ".", source: str
         raise ctx.fail("data", "expected a mapping {task: data entry}.")
     data_tasks = [str(t) for t in d["data"]]
     if sorted(data_tasks) != sorted(tasks):
-        raise ctx.fail("data", f"tasks differ from the experts': no data for {sorted(set(tasks) - set(data_tasks))}, "
-                               f"no expert for {sorted(set(data_tasks) - set(tasks))}.")
+        raise ctx.fail(
+            "data",
+            f"tasks differ from the experts': no data for {sorted(set(tasks) - set(data_tasks))}, "
+            f"no expert for {sorted(set(data_tasks) - set(tasks))}.",
+        )
     features = _choice(ctx, d.get("features", "embedding"), FEATURES, "features")
     heads = _heads(ctx, d.get("heads"), tasks, defaults)
     if heads.type == "zero_shot":
         unnamed = [t for t in tasks if t not in heads.classes and classnames.canonical_task(t) not in classnames.TASKS]
         if unnamed:
-            raise ctx.fail("heads.classes", f"zero-shot heads need class names for {unnamed} (no built-in ones; "
-                                            f"built-in: {sorted(classnames.TASKS)}).")
+            raise ctx.fail(
+                "heads.classes",
+                f"zero-shot heads need class names for {unnamed} (no built-in ones; "
+                f"built-in: {sorted(classnames.TASKS)}).",
+            )
     if heads.type == "zero_shot" and features != "embedding":
         raise ctx.fail("features", "zero-shot heads read the normalised image embedding; use features: embedding.")
     if features == "pooled" and fmt == "open_clip":
         raise ctx.fail("features", "open_clip models give the projected embedding; use embedding or projection.")
     name = d.get("name") or (Path(source).stem if source else "zoo")
     return ZooSpec(
-        name=str(name), format=fmt,
+        name=str(name),
+        format=fmt,
         base=_model(ctx, d["base"], defaults, "base"),
         experts=MappingProxyType(experts),
         heads=heads,

@@ -4,6 +4,7 @@ All functions take the ``{task: accuracy}`` dicts that :func:`featcal.evaluate`
 returns (percent) and are pure, except :func:`expert_accuracies` (which runs
 the experts) and :func:`write_scores` (which writes a file).
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -27,8 +28,7 @@ def average(accs: Scores) -> float:
 def normalized(accs: Scores, expert_accs: Scores) -> dict[str, float]:
     """Expert-normalised accuracy per task: ``100 * acc / acc_expert`` (percent of
     what task i's own expert reaches; tasks missing from ``expert_accs`` are skipped)."""
-    return {t: 100.0 * a / expert_accs[t] for t, a in accs.items()
-            if t in expert_accs and expert_accs[t] > 0}
+    return {t: 100.0 * a / expert_accs[t] for t, a in accs.items() if t in expert_accs and expert_accs[t] > 0}
 
 
 def expert_accuracies(zoo: Zoo, split: str = "test", **kwargs) -> dict[str, float]:
@@ -47,8 +47,15 @@ def summary(accs: Scores, expert_accs: Scores | None = None) -> dict:
     return out
 
 
-def write_scores(path: str | os.PathLike, models: Mapping[str, Scores], *, zoo: str, split: str,
-                 expert_accs: Scores | None = None, extra: dict | None = None) -> Path:
+def write_scores(
+    path: str | os.PathLike,
+    models: Mapping[str, Scores],
+    *,
+    zoo: str,
+    split: str,
+    expert_accs: Scores | None = None,
+    extra: dict | None = None,
+) -> Path:
     """Write ``{"zoo", "split", "written_at", "models": {name: summary}}`` as JSON
     (atomically); ``models`` maps a model's name to its ``{task: acc}``."""
     doc = {

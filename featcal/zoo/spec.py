@@ -12,6 +12,7 @@
 The format of a spec, with an example: :mod:`featcal.zoo.schema` (its names are
 importable from here too).
 """
+
 from __future__ import annotations
 
 import os
@@ -38,8 +39,23 @@ from featcal.zoo.schema import (
     parse,
 )
 
-__all__ = ["load", "parse", "check", "from_dict", "expand", "ZooSpec", "ModelSpec", "HeadSpec",
-           "DataSpec", "SplitSpec", "PreprocessSpec", "SpecError", "Missing", "MissingResourcesError", "SCHEMA"]
+__all__ = [
+    "load",
+    "parse",
+    "check",
+    "from_dict",
+    "expand",
+    "ZooSpec",
+    "ModelSpec",
+    "HeadSpec",
+    "DataSpec",
+    "SplitSpec",
+    "PreprocessSpec",
+    "SpecError",
+    "Missing",
+    "MissingResourcesError",
+    "SCHEMA",
+]
 
 
 def load(spec_path: str | os.PathLike | ZooSpec, device: str = "cpu") -> Zoo:
@@ -61,17 +77,33 @@ def load(spec_path: str | os.PathLike | ZooSpec, device: str = "cpu") -> Zoo:
         dim = info.features(base, torch.zeros(1, 3, info.image_size, info.image_size)).shape[-1]
     heads_mod.check_dims(heads, dim)
     # 4. Data, decoded lazily; its labels must fit the heads.
-    data = {t: data_mod.task_data(spec, t, found.data[t], classes[t], info, heads[t].out_features)
-            for t in spec.tasks}
+    data = {t: data_mod.task_data(spec, t, found.data[t], classes[t], info, heads[t].out_features) for t in spec.tasks}
     for t in spec.tasks:
         if len(data[t].classes) != heads[t].out_features:
-            raise ValueError(f"task {t!r}: {len(data[t].classes)} classes in the data/spec, "
-                             f"{heads[t].out_features} outputs in its head.")
-    meta = {"spec": spec.source, "format": spec.format, "features": spec.features,
-            "sources": found.describe(), "splits": asdict(spec.splits),
-            "image_size": info.image_size, "mean": list(info.mean), "std": list(info.std)}
-    return Zoo(name=spec.name, base=base, experts=experts, heads=heads, data=data,
-               features=info.features, fmt=spec.format, meta=meta)
+            raise ValueError(
+                f"task {t!r}: {len(data[t].classes)} classes in the data/spec, "
+                f"{heads[t].out_features} outputs in its head."
+            )
+    meta = {
+        "spec": spec.source,
+        "format": spec.format,
+        "features": spec.features,
+        "sources": found.describe(),
+        "splits": asdict(spec.splits),
+        "image_size": info.image_size,
+        "mean": list(info.mean),
+        "std": list(info.std),
+    }
+    return Zoo(
+        name=spec.name,
+        base=base,
+        experts=experts,
+        heads=heads,
+        data=data,
+        features=info.features,
+        fmt=spec.format,
+        meta=meta,
+    )
 
 
 def check(spec_path: str | os.PathLike | ZooSpec) -> list[Missing]:

@@ -13,6 +13,7 @@ file except ``meta.json``; :func:`read_zoo_dir` checks it, so a corrupted
 cache is reported rather than silently used. Any directory in this layout can
 be passed where a zoo name is expected (``featcal eval --zoo DIR``).
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -41,6 +42,7 @@ class ZooCorruptedError(ValueError):
 
 # ------------------------------------------------------------------ features
 
+
 def pooler_output(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
     """``(n, d)``: the post-LayerNorm class token of a HF ``CLIPVisionModel``."""
     return model(pixel_values=inputs).pooler_output
@@ -50,6 +52,7 @@ FEATURES = {"pooler_output": pooler_output}
 
 
 # ------------------------------------------------------------------ pixels
+
 
 def to_pixels(images: np.ndarray | torch.Tensor, mean: float = 0.5, std: float = 0.5) -> torch.Tensor:
     """uint8 ``(n, H, W, 3)`` -> float ``(n, 3, H, W)``, scaled to [0, 1] then normalised
@@ -62,11 +65,20 @@ def to_pixels(images: np.ndarray | torch.Tensor, mean: float = 0.5, std: float =
 
 # ------------------------------------------------------------------ write
 
-def write_zoo_dir(path: str | os.PathLike, *, name: str, base: nn.Module,
-                  experts: Mapping[str, nn.Module], heads: Mapping[str, nn.Linear],
-                  arrays: Mapping[str, Mapping[str, tuple[np.ndarray, np.ndarray]]],
-                  classes: Mapping[str, list[str]], features: str = "pooler_output",
-                  extra_meta: dict | None = None, force: bool = False) -> Path:
+
+def write_zoo_dir(
+    path: str | os.PathLike,
+    *,
+    name: str,
+    base: nn.Module,
+    experts: Mapping[str, nn.Module],
+    heads: Mapping[str, nn.Linear],
+    arrays: Mapping[str, Mapping[str, tuple[np.ndarray, np.ndarray]]],
+    classes: Mapping[str, list[str]],
+    features: str = "pooler_output",
+    extra_meta: dict | None = None,
+    force: bool = False,
+) -> Path:
     """Write a zoo atomically (see the module docstring for the layout).
 
     ``arrays[task][split] = (images uint8 (n, H, W, 3), labels int64 (n,))``.
@@ -79,9 +91,10 @@ def write_zoo_dir(path: str | os.PathLike, *, name: str, base: nn.Module,
         base.save_pretrained(tmp / "base", safe_serialization=True)
         for task, model in experts.items():
             model.save_pretrained(tmp / "experts" / task, safe_serialization=True)
-        save_file({f"{t}.{k}": v.detach().contiguous().float()
-                   for t, h in heads.items() for k, v in h.state_dict().items()},
-                  str(tmp / "heads.safetensors"))
+        save_file(
+            {f"{t}.{k}": v.detach().contiguous().float() for t, h in heads.items() for k, v in h.state_dict().items()},
+            str(tmp / "heads.safetensors"),
+        )
         flat = {}
         for task, splits in arrays.items():
             for split, (x, y) in splits.items():
@@ -97,9 +110,10 @@ def write_zoo_dir(path: str | os.PathLike, *, name: str, base: nn.Module,
             "model_class": type(base).__name__,
             "features": features,
             "pixels": {"mean": 0.5, "std": 0.5},
-            "tasks": {t: {"classes": list(classes[t]),
-                          "sizes": {s: int(len(arrays[t][s][1])) for s in arrays[t]}}
-                      for t in experts},
+            "tasks": {
+                t: {"classes": list(classes[t]), "sizes": {s: int(len(arrays[t][s][1])) for s in arrays[t]}}
+                for t in experts
+            },
             "content_sha256": digest,
             "files": files,
             "disk_bytes": sum((tmp / f).stat().st_size for f in files),
@@ -124,6 +138,7 @@ def save_npz(path: str | os.PathLike, arrays: Mapping[str, np.ndarray]) -> None:
 
 # ------------------------------------------------------------------ read
 
+
 def is_zoo_dir(path: str | os.PathLike) -> bool:
     meta = Path(path) / META
     if not meta.is_file():
@@ -147,7 +162,8 @@ def verify_zoo_dir(path: str | os.PathLike) -> None:
         first = changed[0][0] if changed else "?"
         raise ZooCorruptedError(
             f"zoo at {str(path)!r} does not match its recorded content hash (first difference: "
-            f"{first}); rebuild it (featcal zoo build-demo --rebuild) or delete the directory.")
+            f"{first}); rebuild it (featcal zoo build-demo --rebuild) or delete the directory."
+        )
 
 
 def read_zoo_dir(path: str | os.PathLike, verify: bool = True) -> Zoo:
@@ -157,28 +173,39 @@ def read_zoo_dir(path: str | os.PathLike, verify: bool = True) -> Zoo:
 
     path = Path(path)
     if not is_zoo_dir(path):
-        raise FileNotFoundError(f"{str(path)!r} is not a featcal zoo directory (no {META} "
-                                f"of kind {KIND!r}).")
+        raise FileNotFoundError(f"{str(path)!r} is not a featcal zoo directory (no {META} of kind {KIND!r}).")
     if verify:
         verify_zoo_dir(path)
     meta = read_meta(path)
     cls = getattr(transformers, meta["model_class"])
     with quiet_transformers():
         base = cls.from_pretrained(path / "base", use_safetensors=True).eval()
-        experts = {t: cls.from_pretrained(path / "experts" / t, use_safetensors=True).eval()
-                   for t in meta["tasks"]}
+        experts = {t: cls.from_pretrained(path / "experts" / t, use_safetensors=True).eval() for t in meta["tasks"]}
     heads = _read_heads(load_file(str(path / "heads.safetensors")), meta["tasks"])
     pix = meta.get("pixels", {"mean": 0.5, "std": 0.5})
     data: dict[str, TaskData] = {}
     with np.load(path / "data.npz") as npz:
         for task, info in meta["tasks"].items():
-            splits = {s: (to_pixels(npz[f"{task}/{s}/x"], pix["mean"], pix["std"]),
-                          torch.from_numpy(npz[f"{task}/{s}/y"]).long())
-                      for s in SPLITS if f"{task}/{s}/y" in npz.files}
+            splits = {
+                s: (
+                    to_pixels(npz[f"{task}/{s}/x"], pix["mean"], pix["std"]),
+                    torch.from_numpy(npz[f"{task}/{s}/y"]).long(),
+                )
+                for s in SPLITS
+                if f"{task}/{s}/y" in npz.files
+            }
             data[task] = TaskData(task, list(info["classes"]), splits)
     meta = {**meta, "path": str(path)}
-    return Zoo(name=meta["name"], base=base, experts=experts, heads=heads, data=data,
-               features=FEATURES[meta["features"]], fmt=meta.get("fmt", "hf"), meta=meta)
+    return Zoo(
+        name=meta["name"],
+        base=base,
+        experts=experts,
+        heads=heads,
+        data=data,
+        features=FEATURES[meta["features"]],
+        fmt=meta.get("fmt", "hf"),
+        meta=meta,
+    )
 
 
 def read_arrays(path: str | os.PathLike) -> dict[str, dict[str, tuple[np.ndarray, np.ndarray]]]:

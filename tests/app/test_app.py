@@ -2,6 +2,7 @@
 numbers, a bad zoo path is an error message, the URL restores a view, export never
 overwrites silently. Most tests use a tiny zoo directory (tests/app_zoo.py); the
 ``demo_zoo`` ones open the app exactly as a user does, on the embedded demo."""
+
 from __future__ import annotations
 
 import time
@@ -45,6 +46,7 @@ def _page(at: AppTest, page: str) -> AppTest:
 
 # ----------------------------------------------------------------------------- tiny zoo
 
+
 def test_every_page_runs_on_a_zoo_directory(tiny_zoo_dir):
     at = _ok(_app(tiny_zoo_dir).run())
     labels = [m.label for m in at.metric]
@@ -85,12 +87,12 @@ def test_preview_then_exact_result_is_shown(tiny_zoo_dir):
 
 def test_the_table_and_residuals_are_drawn_only_when_opened(tiny_zoo_dir):
     at = _page(_app(tiny_zoo_dir).run(), "calibrate")
-    assert len(at.get("plotly_chart")) == 1 and not at.dataframe        # the drift chart only
-    at.session_state["cal_residuals_open"] = True                       # what a click on them does
+    assert len(at.get("plotly_chart")) == 1 and not at.dataframe  # the drift chart only
+    at.session_state["cal_residuals_open"] = True  # what a click on them does
     at.session_state["cal_table_exact"] = True
     _ok(at.run())
     assert len(at.get("plotly_chart")) == 2 and len(at.dataframe) == 1
-    assert any("Exact FeatCal done" in c.value for c in at.caption)      # the status line
+    assert any("Exact FeatCal done" in c.value for c in at.caption)  # the status line
 
 
 @pytest.mark.parametrize("after,value,previewed", [(0.0, 0.65, True), (60.0, 0.7, False)])
@@ -117,11 +119,13 @@ def test_the_calibration_gets_the_config_the_url_sets(tiny_zoo_dir, monkeypatch)
     real_calibrate, configs = compute.calibrate, []
     monkeypatch.setattr(compute, "calibrate", lambda *a, **k: configs.append(a[3]) or real_calibrate(*a, **k))
     _page(_app(tiny_zoo_dir, log_lam=-2.7, rho=1.35, alpha=0.45, n_cal=16, bias="false").run(), "calibrate")
-    assert configs == [FeatCalConfig.clip(lam=10 ** -2.7, rho=1.35, alpha=0.45, bias=False, layernorm=True)]
+    assert configs == [FeatCalConfig.clip(lam=10**-2.7, rho=1.35, alpha=0.45, bias=False, layernorm=True)]
 
 
-@pytest.mark.parametrize("method,key,value", [("task_arithmetic", "task_arithmetic_scale", 0.8),
-                                              ("ties", "ties_density", 0.6), ("ties", "ties_scale", 0.5)])
+@pytest.mark.parametrize(
+    "method,key,value",
+    [("task_arithmetic", "task_arithmetic_scale", 0.8), ("ties", "ties_density", 0.6), ("ties", "ties_scale", 0.5)],
+)
 def test_each_merger_slider_changes_the_numbers(tiny_zoo_dir, method, key, value):
     at = _ok(_app(tiny_zoo_dir).run())
     if method != "task_arithmetic":
@@ -181,6 +185,7 @@ def test_export_never_overwrites_without_confirmation(tiny_zoo_dir, tmp_path):
 
 # ----------------------------------------------------------------------------- demo zoo
 
+
 @pytest.fixture(scope="module")
 def demo_built():
     """Build (or check) the demo zoo's cache before the app's first run, outside its timeout."""
@@ -200,8 +205,12 @@ def test_the_app_opens_on_the_demo_zoo(demo_built):
 @pytest.mark.demo_zoo
 def test_every_slider_moves_the_numbers_on_the_demo_zoo(demo_built):
     at = _page(_app().run(), "calibrate")
-    for kind, key, value in [("slider", "log_lam", -0.5), ("slider", "rho", 1.0), ("slider", "alpha", 0.7),
-                             ("select_slider", "n_cal", 32)]:
+    for kind, key, value in [
+        ("slider", "log_lam", -0.5),
+        ("slider", "rho", 1.0),
+        ("slider", "alpha", 0.7),
+        ("select_slider", "n_cal", 32),
+    ]:
         before = _numbers(at)
         _ok(getattr(at, kind)(key=key).set_value(value).run())
         assert _numbers(at) != before, key
@@ -211,15 +220,16 @@ def test_every_slider_moves_the_numbers_on_the_demo_zoo(demo_built):
 
 # ----------------------------------------------------------------------------- settings (pure)
 
+
 def test_widget_values_become_the_featcal_config():
     from app.settings import AppCal
     from featcal import FeatCalConfig
 
     cal = AppCal.from_widgets(log_lam=-1.3, rho=1.5, alpha=0.45, n=16, bias=False, layernorm=True)
-    assert cal.config.lam == 10 ** -1.3 and cal.n == 16
-    assert cal.config == FeatCalConfig.clip(lam=10 ** -1.3, rho=1.5, alpha=0.45, bias=False, layernorm=True)
-    assert cal.config.token_weights is not None                       # the CLIP preset's, as before
-    assert AppCal.from_widgets(-1.2999999999999998, 1.5, 0.45, 16, False, True) == cal   # one cache entry
+    assert cal.config.lam == 10**-1.3 and cal.n == 16
+    assert cal.config == FeatCalConfig.clip(lam=10**-1.3, rho=1.5, alpha=0.45, bias=False, layernorm=True)
+    assert cal.config.token_weights is not None  # the CLIP preset's, as before
+    assert AppCal.from_widgets(-1.2999999999999998, 1.5, 0.45, 16, False, True) == cal  # one cache entry
     assert "λ=0.0501" in cal.label and "n=16/task" in cal.label and "bias" not in cal.label
     with pytest.raises(ValueError, match="lam"):
         AppCal.from_widgets(float("nan"), 1.5, 0.45, 16, False, True)
@@ -238,11 +248,19 @@ def _refs() -> list:
     ta, ta4 = Merger("task_arithmetic", (("scale", 0.3),)), Merger("task_arithmetic", (("scale", 0.4),))
     ties = Merger("ties", (("density", 0.5), ("scale", 0.3)))
     cal, others = _cal(), [_cal(log_lam=-1.2), _cal(rho=1.5), _cal(alpha=0.35), _cal(n=16), _cal(bias=False)]
-    return [ModelRef.base_model(), ModelRef.merged(ta), ModelRef.merged(ta4), ModelRef.merged(ties),
-            ModelRef.calibrated(ta, cal), ModelRef.calibrated(ties, cal),
-            *(ModelRef.calibrated(ta, c) for c in others),
-            ModelRef.preview(ta, cal, others[0]), ModelRef.preview(ta, others[0], cal),
-            ModelRef.preview(ta, cal, others[1]), ModelRef.preview(ta4, cal, others[1])]
+    return [
+        ModelRef.base_model(),
+        ModelRef.merged(ta),
+        ModelRef.merged(ta4),
+        ModelRef.merged(ties),
+        ModelRef.calibrated(ta, cal),
+        ModelRef.calibrated(ties, cal),
+        *(ModelRef.calibrated(ta, c) for c in others),
+        ModelRef.preview(ta, cal, others[0]),
+        ModelRef.preview(ta, others[0], cal),
+        ModelRef.preview(ta, cal, others[1]),
+        ModelRef.preview(ta4, cal, others[1]),
+    ]
 
 
 @pytest.mark.parametrize("by_repr", [True, False])
@@ -261,9 +279,9 @@ def test_model_refs_are_distinct_cache_keys_for_distinct_settings(by_repr):
         calls.append(ref)
         return ref.kind
 
-    table.clear()                                                     # the other parametrization's entries
+    table.clear()  # the other parametrization's entries
     assert [table(r) for r in refs + again] == [r.kind for r in refs + again]
-    assert calls == refs                                              # one cache entry per setting
+    assert calls == refs  # one cache entry per setting
 
 
 def test_model_refs_reject_what_does_not_name_a_model():
@@ -283,14 +301,21 @@ def test_model_refs_reject_what_does_not_name_a_model():
 
 # ----------------------------------------------------------------------------- figures (pure)
 
+
 def _drift_frame() -> pd.DataFrame:
     rows = []
     for task in ("a", "b"):
         for block in range(3):
             e, m = 1.0 + block, 0.5
-            for metric, value in [("drift", e), ("mismatch", m), ("propagation", e - m),
-                                  ("drift_sq", e * e), ("drift_sq_mismatch", 0.4 * e * e),
-                                  ("drift_sq_propagation", 0.6 * e * e), ("drift_rel", e / 10)]:
+            for metric, value in [
+                ("drift", e),
+                ("mismatch", m),
+                ("propagation", e - m),
+                ("drift_sq", e * e),
+                ("drift_sq_mismatch", 0.4 * e * e),
+                ("drift_sq_propagation", 0.6 * e * e),
+                ("drift_rel", e / 10),
+            ]:
                 rows.append((task, block, metric, value))
     return pd.DataFrame(rows, columns=["task", "block", "metric", "value"])
 
@@ -311,7 +336,6 @@ def test_drift_figures_from_a_tidy_frame():
     assert "<html" in figures.to_html(fig)[:200].lower()
 
 
-
 def test_a_reference_models_drift_is_drawn_over_the_bars():
     from app import figures
 
@@ -319,7 +343,7 @@ def test_a_reference_models_drift_is_drawn_over_the_bars():
     ref = df.assign(value=df.value * 2)
     fig = figures.drift_decomposition(df, "t", reference=("merged", ref))
     marks = next(t for t in fig.data if t.name == "merged: |e|^2")
-    assert list(marks.y) == pytest.approx([2.0, 8.0, 18.0])             # 2 x (0.4 + 0.6) e^2, e = 1, 2, 3
+    assert list(marks.y) == pytest.approx([2.0, 8.0, 18.0])  # 2 x (0.4 + 0.6) e^2, e = 1, 2, 3
     line = next(t for t in fig.data if t.name == "merged: |e|")
     assert list(line.y) == pytest.approx([2.0, 4.0, 6.0]) and line.yaxis == "y2"
     assert len(fig.data) == len(figures.drift_decomposition(df, "t").data) + 2
@@ -342,18 +366,24 @@ def test_per_block_is_the_mean_over_tasks_per_block_and_metric():
     from app import figures
 
     df = _drift_frame()
-    df.loc[len(df)] = ("a", -1, "drift", 99.0)                  # whole-model rows are not blocks
+    df.loc[len(df)] = ("a", -1, "drift", 99.0)  # whole-model rows are not blocks
     df = df[~((df.task == "b") & (df.block == 2) & (df.metric == "mismatch"))]
     df = df[~((df.block == 1) & (df.metric == "propagation"))]
     for metrics, task in ((figures.NORMS, None), (figures.SQUARED, "b"), (["drift_rel", "nothing"], None)):
         sel = df[df.metric.isin(list(metrics)) & (df.block >= 0)]
         sel = sel if task is None else sel[sel.task == task]
         want = sel.groupby(["block", "metric"])["value"].mean().unstack("metric").sort_index()
-        pd.testing.assert_frame_equal(figures.per_block(df, metrics, task), want, check_dtype=False,
-                                      check_index_type=False, check_column_type=False)
+        pd.testing.assert_frame_equal(
+            figures.per_block(df, metrics, task),
+            want,
+            check_dtype=False,
+            check_index_type=False,
+            check_column_type=False,
+        )
     wide = figures.per_block(df, figures.NORMS)
     assert wide.loc[2, "mismatch"] == 0.5 and pd.isna(wide.loc[1, "propagation"])
     assert figures.per_block(df, ["nothing"]).empty
+
 
 def test_png_export_without_chromium_is_a_clear_message(tiny_zoo_dir, monkeypatch):
     from app import figures
@@ -390,8 +420,9 @@ def test_cached_expert_outputs_give_diagnostics_own_tables(tiny_zoo_dir):
     ref = compute.scores(model, zoo, data, 20)
     fast = compute.scores(model, zoo, data, 20, compute.expert_side(zoo, data, 20))
     for key in ("output", "expert_cosine", "task_vector"):
-        pd.testing.assert_frame_equal(fast[key].reset_index(drop=True), ref[key].reset_index(drop=True),
-                                      check_dtype=False, atol=1e-6)
+        pd.testing.assert_frame_equal(
+            fast[key].reset_index(drop=True), ref[key].reset_index(drop=True), check_dtype=False, atol=1e-6
+        )
 
 
 def test_cached_expert_streams_give_the_same_drift_and_respect_the_budget(tiny_zoo_dir):
@@ -403,7 +434,7 @@ def test_cached_expert_streams_give_the_same_drift_and_respect_the_budget(tiny_z
     cache = compute.expert_streams(zoo, data)
     assert cache is not None and set(cache.calls) == set(zoo.tasks)
     pd.testing.assert_frame_equal(compute.drift(model, zoo, data, cache), compute.drift(model, zoo, data))
-    assert compute.expert_streams(zoo, data, budget=cache.nbytes - 1) is None   # the estimate is exact here
+    assert compute.expert_streams(zoo, data, budget=cache.nbytes - 1) is None  # the estimate is exact here
 
 
 def test_streams_kept_while_scoring_cosines_give_the_same_drift(tiny_zoo_dir):
@@ -434,7 +465,7 @@ def test_small_models_pair_work_on_one_thread_each_and_run_alone_on_every_core(t
     monkeypatch.setattr(compute.os, "cpu_count", lambda: 6)
     assert compute.cpu_threads(zoo, "cpu") == 1
     assert compute.cpu_threads(zoo, "cpu", alone=True) == 6
-    monkeypatch.setattr(compute, "SMALL_MODEL", 0)             # a big model: every core either way
+    monkeypatch.setattr(compute, "SMALL_MODEL", 0)  # a big model: every core either way
     assert compute.cpu_threads(zoo, "cpu") == 6
-    monkeypatch.setenv("FEATCAL_APP_THREADS", "3")             # the user's choice wins for both
+    monkeypatch.setenv("FEATCAL_APP_THREADS", "3")  # the user's choice wins for both
     assert compute.cpu_threads(zoo, "cpu") == compute.cpu_threads(zoo, "cpu", alone=True) == 3

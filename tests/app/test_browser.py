@@ -4,6 +4,7 @@ artifacts/screenshots/), a slider moved with the keyboard updates the numbers an
 the URL, and a second tab shares the server's cached models (its memory does not double).
 
 Skipped when chromium is not installed (``apt-get install chromium``)."""
+
 from __future__ import annotations
 
 import os
@@ -22,13 +23,20 @@ pytestmark = [pytest.mark.browser, pytest.mark.demo_zoo, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 SHOTS = REPO / "artifacts" / "screenshots"
 CHROMIUM = shutil.which("chromium")
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
-LOAD_MS = 600_000      # the first page may build the demo zoo (minutes, once per machine)
+ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+LOAD_MS = 600_000  # the first page may build the demo zoo (minutes, once per machine)
 RUN_MS = 120_000
 METRIC = '[data-testid="stMetricValue"]'
 RUNNING = '[data-testid="stStatusWidget"]'
-VIEW = {"width": 1500, "height": 2600}   # tall: Streamlit scrolls inside the page, screenshots show the viewport
+VIEW = {"width": 1500, "height": 2600}  # tall: Streamlit scrolls inside the page, screenshots show the viewport
 
 
 def _free_port() -> int:
@@ -56,13 +64,29 @@ def server(tmp_path_factory):
     load_demo(progress=False)  # build (or check) the cache here, not inside the first request
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "streamlit.log"
-    cmd = [sys.executable, "-m", "streamlit", "run", str(REPO / "app" / "streamlit_app.py"),
-           "--server.address", "127.0.0.1", "--server.port", str(port), "--server.headless", "true",
-           "--browser.gatherUsageStats", "false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(REPO / "app" / "streamlit_app.py"),
+        "--server.address",
+        "127.0.0.1",
+        "--server.port",
+        str(port),
+        "--server.headless",
+        "true",
+        "--browser.gatherUsageStats",
+        "false",
+    ]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1",
-                                     "FEATCAL_PREVIEW_AFTER_S": "0"})   # the preview path, every time
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "FEATCAL_PREVIEW_AFTER_S": "0"},
+        )  # the preview path, every time
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while True:
@@ -124,7 +148,9 @@ def _nudge(page, label: str, key: str, presses: int) -> float:
     page.wait_for_function(
         """([sel, before]) => { const now = [...document.querySelectorAll(sel)].map(e => e.innerText);
              return now.length > 0 && JSON.stringify(now) !== JSON.stringify(before); }""",
-        arg=[METRIC, before], timeout=RUN_MS)
+        arg=[METRIC, before],
+        timeout=RUN_MS,
+    )
     seconds = time.perf_counter() - t0
     _idle(page)
     assert _metrics(page) != before
@@ -133,7 +159,8 @@ def _nudge(page, label: str, key: str, presses: int) -> float:
 
 def _no_exception(page) -> None:
     assert page.locator('[data-testid="stException"]').count() == 0, page.locator(
-        '[data-testid="stException"]').first.inner_text()
+        '[data-testid="stException"]'
+    ).first.inner_text()
 
 
 def test_pages_render(server, browser):
@@ -143,7 +170,7 @@ def test_pages_render(server, browser):
     page = _open(context, url, ".js-plotly-plot")
     _no_exception(page)
     assert page.get_by_text("Zoo · demo").first.is_visible()
-    page.wait_for_timeout(1000)                          # plotly draws after the run
+    page.wait_for_timeout(1000)  # plotly draws after the run
     page.screenshot(path=str(SHOTS / "zoo.png"))
     for name in ("drift", "calibrate", "export"):
         page.goto(f"{url}/{name}")
@@ -172,10 +199,10 @@ def test_clicks_on_the_drift_charts_drill_down(server, browser):
     page = _open(context, f"{url}/drift", ".js-plotly-plot")
     assert _drill_titles(page)[0].startswith("block 0:")
     bars = page.locator(".js-plotly-plot").first.locator("g.trace.bars g.point path")
-    _click_at(page, bars.nth(2).bounding_box())                          # block 2's bar
+    _click_at(page, bars.nth(2).bounding_box())  # block 2's bar
     assert _drill_titles(page)[0].startswith("block 2:")
     grid = page.locator(".js-plotly-plot").nth(1).locator("rect.nsewdrag").first.bounding_box()
-    _click_at(page, grid, 3.5 / 7, 1.5 / 4)                              # 4th task, block 1
+    _click_at(page, grid, 3.5 / 7, 1.5 / 4)  # 4th task, block 1
     titles = _drill_titles(page)
     assert titles[0].startswith("block 1:") and titles[1].startswith("task colour:"), titles
     page.screenshot(path=str(SHOTS / "drift-drilled.png"))
@@ -186,7 +213,7 @@ def test_slider_updates_numbers_and_url(server, browser):
     url, _ = server
     context = browser.new_context(viewport=VIEW)
     page = _open(context, f"{url}/calibrate")
-    _nudge(page, "anchor blend", "rho", -4)            # 2.00 -> 1.80 (no earlier run: exact only)
+    _nudge(page, "anchor blend", "rho", -4)  # 2.00 -> 1.80 (no earlier run: exact only)
     assert "rho=1.8" in page.url
     assert page.get_by_text("Exact FeatCal").first.is_visible()
     # The next change shows the preview (from the kept statistics of the rho=1.8 run) first.
@@ -194,7 +221,7 @@ def test_slider_updates_numbers_and_url(server, browser):
         new MutationObserver(() => { if ([...document.querySelectorAll('[data-testid="stAlertContentInfo"]')]
             .some(e => e.innerText.includes('Preview'))) window.sawPreview = true; })
           .observe(document.body, {childList: true, subtree: true, characterData: true}); }""")
-    _nudge(page, "target interpolation", "alpha", 2)   # 0.30 -> 0.40
+    _nudge(page, "target interpolation", "alpha", 2)  # 0.30 -> 0.40
     assert page.evaluate("window.sawPreview"), "no preview was shown before the exact result"
     assert page.get_by_text("Exact FeatCal").first.is_visible()
     assert "alpha=0.4" in page.url

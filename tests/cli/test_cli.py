@@ -1,4 +1,5 @@
 """The featcal command line on a tiny zoo directory: the table of subcommands, outputs, clean errors."""
+
 from __future__ import annotations
 
 import json
@@ -45,7 +46,7 @@ def test_the_table_holds_every_subcommand_and_each_parses(capsys):
         assert exc.value.code == 0, name
         assert help_text.split()[0] in capsys.readouterr().out, name
     args = parser.parse_args(["merge", "--out", "x"])
-    assert args.func is cli.COMMANDS["merge"][1]          # the table's run is what main calls
+    assert args.func is cli.COMMANDS["merge"][1]  # the table's run is what main calls
 
 
 def test_help_lists_commands(capsys):
@@ -53,14 +54,25 @@ def test_help_lists_commands(capsys):
         cli.main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    listed = [line.split()[0] for line in out.splitlines() if re.match(r"    \S", line)]   # "    name  help"
+    listed = [line.split()[0] for line in out.splitlines() if re.match(r"    \S", line)]  # "    name  help"
     assert tuple(listed) == ALL
 
 
 def test_merge_writes_a_model_that_eval_scores(tiny_zoo_dir, tmp_path, capsys):
     out = tmp_path / "ta"
-    rc, stdout, _ = _run(capsys, "merge", "--zoo", tiny_zoo_dir, "--method", "task_arithmetic",
-                         "--param", "scale=0.3", "--out", str(out), "-q")
+    rc, stdout, _ = _run(
+        capsys,
+        "merge",
+        "--zoo",
+        tiny_zoo_dir,
+        "--method",
+        "task_arithmetic",
+        "--param",
+        "scale=0.3",
+        "--out",
+        str(out),
+        "-q",
+    )
     assert rc == 0 and (out / "model.safetensors").is_file()
     assert json.loads((out / "merge.json").read_text())["params"] == {"scale": 0.3}
 
@@ -82,14 +94,30 @@ def test_eval_without_model_scores_base_experts_merge(tiny_zoo_dir, capsys):
 
 def test_calibrate_writes_model_and_report(tiny_zoo_dir, tmp_path, capsys):
     out = tmp_path / "fc"
-    rc, _, _ = _run(capsys, "calibrate", "--zoo", tiny_zoo_dir, "--merge", "task_arithmetic",
-                    "--lam", "0.1", "--n-per-task", "32", "--preset", "none", "--out", str(out), "-q")
+    rc, _, _ = _run(
+        capsys,
+        "calibrate",
+        "--zoo",
+        tiny_zoo_dir,
+        "--merge",
+        "task_arithmetic",
+        "--lam",
+        "0.1",
+        "--n-per-task",
+        "32",
+        "--preset",
+        "none",
+        "--out",
+        str(out),
+        "-q",
+    )
     assert rc == 0
     report = json.loads((out / "report.json").read_text())
     assert report["report"]["config"]["lam"] == 0.1 and report["n_per_task"] == 32
     assert report["report"]["tasks"] == load_any(tiny_zoo_dir).tasks
-    saved = cli.config_from_args(cli.build_parser().parse_args(
-        ["calibrate", "--out", "x", "--preset", "clip", "--alpha", "0.25"]))
+    saved = cli.config_from_args(
+        cli.build_parser().parse_args(["calibrate", "--out", "x", "--preset", "clip", "--alpha", "0.25"])
+    )
     assert saved.alpha == 0.25 and saved.token_weights is not None  # the clip preset, overridden
 
 
@@ -125,11 +153,18 @@ def test_force_replaces_output(tiny_zoo_dir, tmp_path, capsys):
 
 def test_python_dash_m(tiny_zoo_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    shown = subprocess.run([sys.executable, "-m", "featcal", "--help"], capture_output=True, text=True, env=env,
-                           cwd=tmp_path, timeout=300)
+    shown = subprocess.run(
+        [sys.executable, "-m", "featcal", "--help"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
+    )
     listed = [line.split()[0] for line in shown.stdout.splitlines() if re.match(r"    \S", line)]
     assert shown.returncode == 0 and tuple(listed) == ALL, shown.stdout
-    proc = subprocess.run([sys.executable, "-m", "featcal", "eval", "--zoo", str(tmp_path / "nope")],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "featcal", "eval", "--zoo", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("featcal: error: zoo") and "Traceback" not in proc.stderr

@@ -1,5 +1,6 @@
 """Diagnostics: the drift identity e = m + p, its squared split, the zero cases,
 the one-pass cost, and the tables' shapes (tiny seeded models, offline)."""
+
 from __future__ import annotations
 
 import argparse
@@ -63,12 +64,13 @@ def _walk(model, expert, batch):
 
 # ----------------------------------------------------------------------------- the identity
 
+
 @pytest.mark.parametrize("kind", ["toy", "hf_clip", "open_clip"])
 def test_drift_is_mismatch_plus_propagation_per_token(kind):
     model, expert, batches = _pair(kind)
     for dt in _walk(model, expert, batches[0]):
-        assert dt.e.abs().max() > 1e-3                      # a real drift, not a trivial zero
-        torch.testing.assert_close(dt.m + dt.p, dt.e, rtol=0, atol=1e-12)   # float64 differences
+        assert dt.e.abs().max() > 1e-3  # a real drift, not a trivial zero
+        torch.testing.assert_close(dt.m + dt.p, dt.e, rtol=0, atol=1e-12)  # float64 differences
         torch.testing.assert_close(dt.h_mod.double() - dt.h_exp.double(), dt.e, rtol=0, atol=0)
 
 
@@ -77,7 +79,7 @@ def test_identity_is_exact_for_bfloat16_models():
     model, expert = model.to(torch.bfloat16), expert.to(torch.bfloat16)
     for dt in _walk(model, expert, batches[0].to(torch.bfloat16)):
         assert dt.e.dtype == torch.float64
-        assert torch.equal(dt.m + dt.p, dt.e)           # differences of bf16 values are exact in float64
+        assert torch.equal(dt.m + dt.p, dt.e)  # differences of bf16 values are exact in float64
 
 
 def test_block_outputs_without_token_axis():
@@ -98,7 +100,7 @@ def test_block_outputs_without_token_axis():
     w = _wide(drift_table(model, {"a": expert}, {"a": [x]}))
     dts = _walk(model, expert, x)
     for l, dt in enumerate(dts):
-        assert dt.e.shape == (5, 4)                      # one row per example
+        assert dt.e.shape == (5, 4)  # one row per example
         assert w.loc[("a", l), "drift"] == pytest.approx(float(dt.e.norm(dim=-1).mean()), rel=1e-9)
 
 
@@ -106,7 +108,7 @@ def test_streams_match_the_full_forward():
     model, expert, batches = _pair("hf_clip")
     walked = _walk(model, expert, batches[0])
     with torch.no_grad():
-        full = model(batches[0], output_hidden_states=True).hidden_states   # (L + 1) x (B, T, d)
+        full = model(batches[0], output_hidden_states=True).hidden_states  # (L + 1) x (B, T, d)
     for l, dt in enumerate(walked):
         torch.testing.assert_close(dt.h_mod, full[l + 1], rtol=1e-5, atol=1e-5)
 
@@ -117,9 +119,11 @@ def test_squared_drift_splits_exactly(tokens):
     w = _wide(drift_table(model, {"a": expert}, {"a": batches}, tokens=tokens))
     split = torch.tensor((w.drift_sq_mismatch + w.drift_sq_propagation).values)
     torch.testing.assert_close(torch.tensor(w.drift_sq.values), split, rtol=1e-9, atol=1e-9)
-    torch.testing.assert_close(torch.tensor((w.drift_sq_mismatch_share + w.drift_sq_propagation_share).values),
-                               torch.ones(len(w), dtype=torch.float64))
-    assert (w.drift <= w.mismatch + w.propagation + 1e-9).all()             # norms do not add, they bound
+    torch.testing.assert_close(
+        torch.tensor((w.drift_sq_mismatch_share + w.drift_sq_propagation_share).values),
+        torch.ones(len(w), dtype=torch.float64),
+    )
+    assert (w.drift <= w.mismatch + w.propagation + 1e-9).all()  # norms do not add, they bound
     torch.testing.assert_close(torch.tensor(w.drift_rel.values), torch.tensor((w.drift / w.expert_norm).values))
 
 
@@ -128,21 +132,30 @@ def test_table_means_match_the_tokens():
     w = _wide(drift_table(model, {"a": expert}, {"a": batches[:1]}, tokens="cls"))
     dts = _walk(model, expert, batches[0])
     for l, dt in enumerate(dts):
-        e, m = select_rows(dt.e, "cls"), select_rows(dt.m, "cls")           # (B, d)
+        e, m = select_rows(dt.e, "cls"), select_rows(dt.m, "cls")  # (B, d)
         assert w.loc[("a", l), "drift"] == pytest.approx(float(e.norm(dim=-1).mean()), rel=1e-5)
         assert w.loc[("a", l), "drift_sq_mismatch"] == pytest.approx(float((e * m).sum(-1).mean()), rel=1e-5)
 
 
 # ----------------------------------------------------------------------------- zero cases
 
+
 def _toy_zoo_obj(model_for_experts=None) -> Zoo:
     base, experts, _ = toy_zoo(n_tasks=2)
     if model_for_experts is not None:
         experts = {t: model_for_experts for t in experts}
     gen = torch.Generator().manual_seed(5)
-    data = {t: TaskData(t, ["a", "b", "c"], {s: (torch.randn(12, 5, 6, generator=gen),
-                                                   torch.randint(0, 3, (12,), generator=gen))
-                                               for s in ("calib", "test")}) for t in experts}
+    data = {
+        t: TaskData(
+            t,
+            ["a", "b", "c"],
+            {
+                s: (torch.randn(12, 5, 6, generator=gen), torch.randint(0, 3, (12,), generator=gen))
+                for s in ("calib", "test")
+            },
+        )
+        for t in experts
+    }
     heads = {t: nn.Linear(8, 3).requires_grad_(False) for t in experts}
     return Zoo("toy", base, experts, heads, data, features=lambda m, x: m.hidden(x)[:, 0], fmt="torch")
 
@@ -192,6 +205,7 @@ def test_expert_differing_in_one_block(k):
 
 # ----------------------------------------------------------------------------- cost and shape
 
+
 def test_one_extra_block_call_per_block():
     model, expert, batches = _pair("toy")
     calls: dict[str, int] = {}
@@ -199,27 +213,34 @@ def test_one_extra_block_call_per_block():
     def counter(key):
         def hook(*_):
             calls[key] = calls.get(key, 0) + 1
+
         return hook
 
     handles = [b.register_forward_hook(counter(f"mod{l}")) for l, b in enumerate(model.blocks)]
     handles += [b.register_forward_hook(counter(f"exp{l}")) for l, b in enumerate(expert.blocks)]
-    handles += [model.stem.register_forward_hook(counter("mod_stem")),
-                model.head.register_forward_hook(counter("mod_head")),
-                expert.stem.register_forward_hook(counter("exp_stem"))]
+    handles += [
+        model.stem.register_forward_hook(counter("mod_stem")),
+        model.head.register_forward_hook(counter("mod_head")),
+        expert.stem.register_forward_hook(counter("exp_stem")),
+    ]
     try:
         drift_table(model, {"a": expert}, {"a": batches})
     finally:
         for h in handles:
             h.remove()
     n = len(batches)
-    assert calls == {"mod_stem": n, "exp_stem": n, **{f"mod{l}": 2 * n for l in range(3)},
-                     **{f"exp{l}": n for l in range(3)}}
+    assert calls == {
+        "mod_stem": n,
+        "exp_stem": n,
+        **{f"mod{l}": 2 * n for l in range(3)},
+        **{f"exp{l}": n for l in range(3)},
+    }
 
 
 @pytest.mark.parametrize("kind", ["toy", "hf_clip", "open_clip"])
 def test_cached_expert_streams_give_the_same_table_without_expert_blocks(kind):
     model, expert, batches = _pair(kind)
-    other = perturbed(model, 0.1, 7)                            # a second diagnosed model
+    other = perturbed(model, 0.1, 7)  # a second diagnosed model
     data = {"a": batches}
     cache = expert_streams({"a": expert}, data)
     _, eblks = resolve_blocks(expert)
@@ -231,7 +252,7 @@ def test_cached_expert_streams_give_the_same_table_without_expert_blocks(kind):
     finally:
         for h in handles:
             h.remove()
-    assert calls == []                                          # the experts' blocks never ran
+    assert calls == []  # the experts' blocks never ran
     for m, g in zip((model, other), got):
         pd.testing.assert_frame_equal(g, drift_table(m, {"a": expert}, data))
 
@@ -245,25 +266,29 @@ def test_a_models_own_streams_kept_while_reading_it_give_the_same_table(kind):
 
     model, expert, batches = _pair(kind)
     data = {"a": batches}
+
     def fn(m, b):
         return call_model(m, b)
+
     results, own = streams_while(model, data, fn)
     assert len(results["a"]) == len(batches)
     with torch.no_grad():
         first = fn(model.eval(), batches[0])
-    want, got = (x[0] if isinstance(x, (tuple, list)) else getattr(x, "last_hidden_state", x)
-                 for x in (first, results["a"][0]))
-    torch.testing.assert_close(got, want)                       # fn's own results
+    want, got = (
+        x[0] if isinstance(x, (tuple, list)) else getattr(x, "last_hidden_state", x) for x in (first, results["a"][0])
+    )
+    torch.testing.assert_close(got, want)  # fn's own results
     _, blks = resolve_blocks(model)
     calls = []
     handles = [b.register_forward_hook(lambda *_: calls.append(1)) for b in blks]
     try:
-        table = drift_table(model, {"a": expert}, data, expert_cache=expert_streams({"a": expert}, data),
-                            model_cache=own)
+        table = drift_table(
+            model, {"a": expert}, data, expert_cache=expert_streams({"a": expert}, data), model_cache=own
+        )
     finally:
         for h in handles:
             h.remove()
-    assert len(calls) == len(blks) * len(batches)              # only f_mod(h_exp): once per block and batch
+    assert len(calls) == len(blks) * len(batches)  # only f_mod(h_exp): once per block and batch
     pd.testing.assert_frame_equal(table, drift_table(model, {"a": expert}, data))
 
 
@@ -314,11 +339,11 @@ def test_padding_is_excluded():
     expert = perturbed(model, 0.2, 3)
     x = torch.randn(4, 5, 6)
     padded = x.clone()
-    padded[:, 3:] = 100.0                                   # garbage in the padding
+    padded[:, 3:] = 100.0  # garbage in the padding
     mask = torch.ones(4, 5, dtype=torch.long)
     mask[:, 3:] = 0
     got = drift_table(model, {"a": expert}, {"a": [{"x": padded, "attention_mask": mask}]})
-    want = drift_table(model, {"a": expert}, {"a": [x[:, :3]]})   # tokens never mix in the toy
+    want = drift_table(model, {"a": expert}, {"a": [x[:, :3]]})  # tokens never mix in the toy
     torch.testing.assert_close(torch.tensor(got.value.values), torch.tensor(want.value.values))
 
 
@@ -331,6 +356,7 @@ def test_drift_tables_and_model_column():
 
 # ----------------------------------------------------------------------------- pure maths
 
+
 def test_streaming_cka_equals_one_shot_and_is_invariant():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(20, 4, generator=gen, dtype=torch.float64)
@@ -342,15 +368,14 @@ def test_streaming_cka_equals_one_shot_and_is_invariant():
     want = (xc.T @ yc).pow(2).sum() / ((xc.T @ xc).norm() * (yc.T @ yc).norm())
     assert linear_cka(acc) == pytest.approx(float(want), rel=1e-10)
     q, _ = torch.linalg.qr(torch.randn(4, 4, generator=gen, dtype=torch.float64))
-    same = accumulate_cka(CKASums.zeros(4, 4), x, 3.0 * x @ q + 1.0)       # rotate, scale, shift
+    same = accumulate_cka(CKASums.zeros(4, 4), x, 3.0 * x @ q + 1.0)  # rotate, scale, shift
     assert linear_cka(same) == pytest.approx(1.0, abs=1e-10)
 
 
 def test_kl_rows_matches_torch():
     gen = torch.Generator().manual_seed(0)
     le, lm = torch.randn(5, 4, generator=gen), torch.randn(5, 4, generator=gen)
-    want = torch.nn.functional.kl_div(lm.log_softmax(-1), le.log_softmax(-1), log_target=True,
-                                      reduction="none").sum(-1)
+    want = torch.nn.functional.kl_div(lm.log_softmax(-1), le.log_softmax(-1), log_target=True, reduction="none").sum(-1)
     torch.testing.assert_close(kl_rows(le, lm).float(), want)
     assert (kl_rows(le, lm) >= 0).all() and kl_rows(le, le).abs().max() < 1e-12
 
@@ -358,8 +383,10 @@ def test_kl_rows_matches_torch():
 def test_task_vector_cosine_whole_model_matches_flat_vectors():
     base, experts, merged = toy_zoo(n_tasks=2)
     tv = task_vector_cosine(merged, base, experts)
+
     def flat(m):
         return torch.cat([v.double().reshape(-1) for v in m.state_dict().values()])
+
     tau = flat(merged) - flat(base)
     for t, e in experts.items():
         tau_i = flat(e) - flat(base)
@@ -373,9 +400,10 @@ def test_task_vector_cosine_per_block_matches_the_blocks_own_vectors():
     """Block ``l`` reads only ``blocks.l.*``."""
     base, experts, merged = toy_zoo(n_tasks=3)
     tv = task_vector_cosine(merged, base, experts)
+
     def flat(m):
-        return torch.cat([v.double().reshape(-1) for k, v in m.state_dict().items()
-                                if k.startswith("blocks.1.")])
+        return torch.cat([v.double().reshape(-1) for k, v in m.state_dict().items() if k.startswith("blocks.1.")])
+
     tau = flat(merged) - flat(base)
     for t, e in experts.items():
         tau_i = flat(e) - flat(base)
@@ -385,15 +413,16 @@ def test_task_vector_cosine_per_block_matches_the_blocks_own_vectors():
 
 
 def test_row_selection_and_layout():
-    h = torch.arange(2 * 3 * 2, dtype=torch.float32).reshape(2, 3, 2)         # (B, T, d)
+    h = torch.arange(2 * 3 * 2, dtype=torch.float32).reshape(2, 3, 2)  # (B, T, d)
     mask = torch.tensor([[1, 1, 0], [0, 1, 1]])
     assert select_rows(h, "all", mask).shape == (4, 2)
-    torch.testing.assert_close(select_rows(h, "cls", mask), h[:1, 0])        # example 1's first token is padding
-    assert select_rows(h[:, 0], "all").shape == (2, 2)                        # no token axis: one row per example
+    torch.testing.assert_close(select_rows(h, "cls", mask), h[:1, 0])  # example 1's first token is padding
+    assert select_rows(h[:, 0], "all").shape == (2, 2)  # no token axis: one row per example
     torch.testing.assert_close(batch_first(h.transpose(0, 1), 2), h)
 
 
 # ----------------------------------------------------------------------------- CLI plumbing
+
 
 @pytest.mark.parametrize("which", ["merged", "calibrated", "DIR"])
 def test_cli_writes_tables_and_summary(tmp_path, monkeypatch, which):
@@ -405,8 +434,9 @@ def test_cli_writes_tables_and_summary(tmp_path, monkeypatch, which):
     if which == "DIR":
         which = str(save_model(zoo.merged("task_arithmetic"), tmp_path / "saved", fmt="torch"))
     parser = cli.add_arguments(argparse.ArgumentParser(prog="featcal diagnose"))
-    args = parser.parse_args(["--zoo", "toy", "--model", which, "--n-per-task", "4",
-                              "--out", str(tmp_path / "diag"), "--quiet", "--no-cka"])
+    args = parser.parse_args(
+        ["--zoo", "toy", "--model", which, "--n-per-task", "4", "--out", str(tmp_path / "diag"), "--quiet", "--no-cka"]
+    )
     assert cli.run(args) == 0
     files = sorted(p.name for p in (tmp_path / "diag").iterdir())
     assert files == ["drift.csv", "expert_cosine.csv", "output.csv", "summary.txt", "task_vector.csv"]
@@ -424,5 +454,5 @@ def test_featcal_cli_has_diagnose(tmp_path, monkeypatch, capsys):
     assert featcal_cli.main(argv) == 0
     assert "KL(expert || merged)" in capsys.readouterr().out
     assert (tmp_path / "d" / "drift.parquet").is_file()
-    assert featcal_cli.main(argv) == 2                  # the output exists: one error line, no traceback
+    assert featcal_cli.main(argv) == 2  # the output exists: one error line, no traceback
     assert "already exists" in capsys.readouterr().err

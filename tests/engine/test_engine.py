@@ -1,4 +1,5 @@
 """The FeatCal engine end to end on tiny seeded models (toy blocks, HF CLIP, open_clip)."""
+
 import copy
 
 import pytest
@@ -32,8 +33,9 @@ def test_fixed_point_single_expert_equal_to_merged(kind):
     data = {t: [b.double() for b in bs] for t, bs in data.items()}
     expert = copy.deepcopy(merged)
     cfg = FeatCalConfig(lam=0.0, rho=2.0, alpha=0.3, eps=1e-15, stats_dtype=torch.float64)
-    out, _ = calibrate(merged, base=base, experts={"t0": expert}, calib_data={"t0": data["t0"]},
-                       config=cfg, progress=False)
+    out, _ = calibrate(
+        merged, base=base, experts={"t0": expert}, calib_data={"t0": data["t0"]}, config=cfg, progress=False
+    )
     got, want = tiny.all_target_params(out), tiny.all_target_params(expert)
     for key, (W, b) in want.items():
         assert torch.allclose(got[key][0], W, atol=1e-6), key
@@ -45,9 +47,14 @@ def test_fixed_point_single_expert_equal_to_merged(kind):
 def test_lambda_to_infinity_returns_the_anchor(kind):
     base, experts, merged, data = tiny.zoo(kind)
     rho = 2.2
-    out, _ = calibrate(merged, base=base, experts=experts, calib_data=data,
-                       config=FeatCalConfig(lam=1e12, rho=rho, alpha=0.25, stats_dtype=torch.float64),
-                       progress=False)
+    out, _ = calibrate(
+        merged,
+        base=base,
+        experts=experts,
+        calib_data=data,
+        config=FeatCalConfig(lam=1e12, rho=rho, alpha=0.25, stats_dtype=torch.float64),
+        progress=False,
+    )
     got, mer, b0 = tiny.all_target_params(out), tiny.all_target_params(merged), tiny.all_target_params(base)
     for key, (W, b) in got.items():
         assert torch.allclose(W, rho * mer[key][0] + (1 - rho) * b0[key][0], atol=1e-5), key
@@ -60,8 +67,7 @@ def test_inputs_are_left_untouched(kind):
     base, experts, merged, data = tiny.zoo(kind)
     before = {n: tiny.state_snapshot(m) for n, m in [("base", base), ("merged", merged), *experts.items()]}
     data_before = {t: [b.clone() for b in bs] for t, bs in data.items()}
-    out, _ = calibrate(merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig(),
-                       progress=False)
+    out, _ = calibrate(merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig(), progress=False)
     assert out is not merged
     for n, m in [("base", base), ("merged", merged), *experts.items()]:
         for k, v in m.state_dict().items():
@@ -72,21 +78,22 @@ def test_inputs_are_left_untouched(kind):
 
 def test_training_flags_are_kept_exactly_and_calibration_runs_in_eval_mode():
     base, experts, merged, data = tiny.zoo("hf_clip")
+
     def flags(m):
         return [x.training for x in m.modules()]
+
     merged.train()
-    resolve_blocks(merged)[1][0].eval()                       # mixed: one block in eval, the rest training
+    resolve_blocks(merged)[1][0].eval()  # mixed: one block in eval, the rest training
     experts["t0"].train()
     before = {n: flags(m) for n, m in [("base", base), ("merged", merged), *experts.items()]}
     seen = []
     hook = experts["t0"].register_forward_pre_hook(lambda m, _: seen.append(any(flags(m))))
     try:
-        out, _ = calibrate(merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig(),
-                           progress=False)
+        out, _ = calibrate(merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig(), progress=False)
     finally:
         hook.remove()
-    assert seen and not any(seen)                          # every module in eval mode while it ran
-    assert flags(out) == before["merged"]                  # the copy has the merged model's flags
+    assert seen and not any(seen)  # every module in eval mode while it ran
+    assert flags(out) == before["merged"]  # the copy has the merged model's flags
     for n, m in [("base", base), ("merged", merged), *experts.items()]:
         assert flags(m) == before[n], n
 
@@ -94,8 +101,14 @@ def test_training_flags_are_kept_exactly_and_calibration_runs_in_eval_mode():
 @pytest.mark.parametrize("kind", ARCHS)
 def test_calibrated_features_are_closer_to_the_experts(kind):
     base, experts, merged, data = tiny.zoo(kind, n_tasks=3)
-    out, report = calibrate(merged, base=base, experts=experts, calib_data=data,
-                            config=FeatCalConfig(lam=0.05, rho=1.0, alpha=0.5), progress=False)
+    out, report = calibrate(
+        merged,
+        base=base,
+        experts=experts,
+        calib_data=data,
+        config=FeatCalConfig(lam=0.05, rho=1.0, alpha=0.5),
+        progress=False,
+    )
     for t, batches in data.items():
         x = torch.cat(batches)
         with torch.no_grad():
@@ -158,10 +171,17 @@ def test_packed_attention_context_is_the_out_proj_input():
 
 def test_clip_token_weights_reach_the_last_block_only():
     base, experts, merged, data = tiny.zoo("hf_clip")
-    plain, _ = calibrate(merged, base=base, experts=experts, calib_data=data,
-                         config=FeatCalConfig.clip(token_weights=None), progress=False)
-    weighted, _ = calibrate(merged, base=base, experts=experts, calib_data=data,
-                            config=FeatCalConfig.clip(), progress=False)
+    plain, _ = calibrate(
+        merged,
+        base=base,
+        experts=experts,
+        calib_data=data,
+        config=FeatCalConfig.clip(token_weights=None),
+        progress=False,
+    )
+    weighted, _ = calibrate(
+        merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig.clip(), progress=False
+    )
     p, w = tiny.all_target_params(plain), tiny.all_target_params(weighted)
     last = max(k[0] for k in p)
     for key in p:
@@ -182,8 +202,14 @@ def test_clip_preset_values():
 
 def test_switches_bias_and_layernorm_keep_merged_values():
     base, experts, merged, data = tiny.zoo("toy")
-    out, _ = calibrate(merged, base=base, experts=experts, calib_data=data,
-                       config=FeatCalConfig(bias=False, layernorm=False), progress=False)
+    out, _ = calibrate(
+        merged,
+        base=base,
+        experts=experts,
+        calib_data=data,
+        config=FeatCalConfig(bias=False, layernorm=False),
+        progress=False,
+    )
     for bo, bm in zip(out.blocks, merged.blocks):
         assert torch.equal(bo.ln1.weight, bm.ln1.weight) and torch.equal(bo.fc1.bias, bm.fc1.bias)
         assert not torch.equal(bo.fc1.weight, bm.fc1.weight)
@@ -206,29 +232,49 @@ def test_padding_rows_do_not_count():
     junk[:, 3:] = 100 * torch.randn(4, 2, 6)
     cfg = FeatCalConfig(stats_dtype=torch.float64, layernorm=False)
     # Tokens 3: never influence tokens <3 here (blocks act per token), so masked junk must be ignored.
-    a, _ = calibrate(base, base=base, experts=experts, calib_data={"a": [{"x": x, "attention_mask": mask}]},
-                     config=cfg, progress=False)
-    b, _ = calibrate(base, base=base, experts=experts, calib_data={"a": [{"x": junk, "attention_mask": mask}]},
-                     config=cfg, progress=False)
+    a, _ = calibrate(
+        base,
+        base=base,
+        experts=experts,
+        calib_data={"a": [{"x": x, "attention_mask": mask}]},
+        config=cfg,
+        progress=False,
+    )
+    b, _ = calibrate(
+        base,
+        base=base,
+        experts=experts,
+        calib_data={"a": [{"x": junk, "attention_mask": mask}]},
+        config=cfg,
+        progress=False,
+    )
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.allclose(pa, pb, atol=1e-6)
 
 
 def test_bf16_model_keeps_its_dtype():
     base, experts, merged, data = tiny.zoo("toy")
+
     def to16(m):
         return copy.deepcopy(m).to(torch.bfloat16)
-    out, _ = calibrate(to16(merged), base=to16(base), experts={t: to16(m) for t, m in experts.items()},
-                       calib_data=data,  # float32 batches: cast to the model's dtype on the way in
-                       config=FeatCalConfig(), progress=False)
+
+    out, _ = calibrate(
+        to16(merged),
+        base=to16(base),
+        experts={t: to16(m) for t, m in experts.items()},
+        calib_data=data,  # float32 batches: cast to the model's dtype on the way in
+        config=FeatCalConfig(),
+        progress=False,
+    )
     assert all(p.dtype == torch.bfloat16 for p in out.parameters())
     assert not torch.equal(out.blocks[0].fc1.weight, merged.blocks[0].fc1.weight.bfloat16())
 
 
 def test_report_lists_every_module_with_time_and_residuals():
     base, experts, merged, data = tiny.zoo("hf_clip")
-    _, report = calibrate(merged, base=base, experts=experts, calib_data=data,
-                          config=FeatCalConfig.clip(), progress=False)
+    _, report = calibrate(
+        merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig.clip(), progress=False
+    )
     frame = report.to_frame()
     assert len(frame) == 2 * 8  # 2 blocks x (q, k, v, out, fc1, fc2, 2 LayerNorms)
     assert set(frame.columns) >= {"block", "name", "residual_before", "residual_after", "seconds"}
@@ -243,8 +289,15 @@ def test_llama_blocks_with_keyword_arguments_and_padding():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     base = LlamaForCausalLM(cfg).eval()
     experts = {t: tiny.perturbed(base, 0.02, i) for i, t in enumerate("ab")}
     ids = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(1))
@@ -252,8 +305,9 @@ def test_llama_blocks_with_keyword_arguments_and_padding():
     mask[0, 9:] = 0
     data = {t: [{"input_ids": ids, "attention_mask": mask}] for t in experts}  # the model's KV cache is on
     snap = tiny.state_snapshot(base)
-    out, report = calibrate(base, base=base, experts=experts, calib_data=data,
-                            config=FeatCalConfig.llama("3b"), progress=False)
+    out, report = calibrate(
+        base, base=base, experts=experts, calib_data=data, config=FeatCalConfig.llama("3b"), progress=False
+    )
     frame = report.to_frame()
     assert set(frame.rows) == {int(mask.sum())}  # 57 real tokens, the 7 padded ones excluded
     assert (frame.residual_after < frame.residual_before).all()

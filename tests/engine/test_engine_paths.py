@@ -2,6 +2,7 @@
 pooled calls of every task's batches, all tasks reduced as one stack, direct sums of one-batch
 tasks, LAPACK's in-place Cholesky and triangular Gram sums, and an expert trace reused from one
 run to the next (tiny seeded models). Each path is switched by the ``FastPaths`` passed in."""
+
 import copy
 
 import pytest
@@ -28,9 +29,16 @@ def test_every_statistics_form_gives_the_same_calibration(kind):
     runs = {}
     for form in stats.FORMS:
         for keep in (True, False):
-            runs[form, keep] = calibrate(merged, base=base, experts=experts, calib_data=data,
-                                         config=FeatCalConfig.clip(), keep_stats=keep, progress=False,
-                                         fast=FastPaths(form=form))
+            runs[form, keep] = calibrate(
+                merged,
+                base=base,
+                experts=experts,
+                calib_data=data,
+                config=FeatCalConfig.clip(),
+                keep_stats=keep,
+                progress=False,
+                fast=FastPaths(form=form),
+            )
     ref_model, ref_report = runs["P", True]
     ref = tiny.all_target_params(ref_model)
     for form, (model, report) in runs.items():
@@ -46,7 +54,7 @@ def test_every_statistics_form_gives_the_same_calibration(kind):
         assert sum(seen) >= 4, "the report's residual before should come from the merged outputs seen"
         for blk, t, sysm, W_mer, b_mer, _, _ in report.preview_state.entries:
             if t.kind == "linear":
-                direct = solve.linear_residual(sysm, W_mer, b_mer, 0.3)       # through S W_mer^T
+                direct = solve.linear_residual(sysm, W_mer, b_mer, 0.3)  # through S W_mer^T
                 rec = next(m for m in report.modules if m.block == blk and m.name == t.name)
                 assert rec.residual_before == pytest.approx(direct, rel=1e-3, abs=1e-6), (form, t.name)
 
@@ -63,8 +71,9 @@ def test_pooling_the_calibrating_streams_changes_nothing(kind, monkeypatch):
     monkeypatch.setattr("featcal.engine.pool_spans", lambda c, m: calls.setdefault(len(c), real(c, m)))
 
     def run(fast):
-        return calibrate(merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig.clip(),
-                         progress=False, fast=fast)
+        return calibrate(
+            merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig.clip(), progress=False, fast=fast
+        )
 
     pooled, rep_pooled = run(FastPaths())
     # The toy model's blocks get a tensor keyword argument (which might have a batch dimension): never pooled.
@@ -93,8 +102,16 @@ def test_reducing_every_task_as_one_stack_changes_nothing(kind, keep_stats, form
     cfg = FeatCalConfig.clip(alpha=0.4)
 
     def run(fast):
-        return calibrate(merged, base=base, experts=experts, calib_data=one, config=cfg, keep_stats=keep_stats,
-                         progress=False, fast=fast)
+        return calibrate(
+            merged,
+            base=base,
+            experts=experts,
+            calib_data=one,
+            config=cfg,
+            keep_stats=keep_stats,
+            progress=False,
+            fast=fast,
+        )
 
     stack, rep_stack = run(FastPaths(form=form))
     assert taken and all(taken)
@@ -114,7 +131,7 @@ def test_direct_sums_of_one_batch_tasks_change_nothing(kind, keep_stats, threads
     from featcal import stats
 
     base, experts, merged, data = tiny.zoo(kind, n_tasks=3)
-    one = {t: [bs[0][:1]] for t, bs in data.items()}        # 5 token rows against widths 32, 64, 96
+    one = {t: [bs[0][:1]] for t, bs in data.items()}  # 5 token rows against widths 32, 64, 96
     direct = []
     real = stats.add_rows_gram
     monkeypatch.setattr(stats, "add_rows_gram", lambda *a: direct.append(a[0].shape) or real(*a))
@@ -122,13 +139,21 @@ def test_direct_sums_of_one_batch_tasks_change_nothing(kind, keep_stats, threads
     cfg = FeatCalConfig.clip(alpha=0.4)
 
     def run(fast):
-        return calibrate(merged, base=base, experts=experts, calib_data=one, config=cfg, keep_stats=keep_stats,
-                         progress=False, fast=fast)
+        return calibrate(
+            merged,
+            base=base,
+            experts=experts,
+            calib_data=one,
+            config=cfg,
+            keep_stats=keep_stats,
+            progress=False,
+            fast=fast,
+        )
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads or max(old, 2))
     try:
-        got, rep_got = run(FastPaths(stack_max=0))           # task by task
+        got, rep_got = run(FastPaths(stack_max=0))  # task by task
         assert direct and (stats._blas("syrk", torch.zeros(1)) is not None) == (threads == 1)
         again, rep_again = run(FastPaths(stack_max=0))
         tiny.assert_same_calibration(again, rep_again, got, rep_got)
@@ -143,9 +168,11 @@ def test_direct_sums_of_one_batch_tasks_change_nothing(kind, keep_stats, threads
 # Every fast path taken wherever it applies, even at the tiny widths (32, 64, 96) of these models:
 # LAPACK from width 1, Gram triangles of 8-column blocks; with and without the stack (direct sums
 # need a task reduced on its own).
-EAGER = {"default": FastPaths(),
-         "eager": FastPaths(lapack_min_d=1, gram_block=8),
-         "eager, task by task": FastPaths(stack_max=0, direct_rows=100.0, lapack_min_d=1, gram_block=8)}
+EAGER = {
+    "default": FastPaths(),
+    "eager": FastPaths(lapack_min_d=1, gram_block=8),
+    "eager, task by task": FastPaths(stack_max=0, direct_rows=100.0, lapack_min_d=1, gram_block=8),
+}
 
 
 @pytest.mark.parametrize("kind", ARCHS)
@@ -159,20 +186,36 @@ def test_the_plainest_path_gives_the_calibration_of_the_fast_ones(kind, one_batc
     data = _one_batch_a_task(data) if one_batch else data
 
     def run(fast):
-        return calibrate(merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig.clip(alpha=0.4),
-                         keep_stats=True, progress=False, fast=fast)
+        return calibrate(
+            merged,
+            base=base,
+            experts=experts,
+            calib_data=data,
+            config=FeatCalConfig.clip(alpha=0.4),
+            keep_stats=True,
+            progress=False,
+            fast=fast,
+        )
 
     fast, rep_fast = run(EAGER[paths])
     plain, rep_plain = run(FastPaths.plainest())
     tiny.assert_same_calibration(fast, rep_fast, plain, rep_plain, preview=True)
 
 
-@pytest.mark.parametrize("field, bad, said", [
-    ("pool_rows", -1, "integer >= 0"), ("stack_max", 2.5, "integer >= 0"), ("scratch_keep", True, "integer"),
-    ("lapack_min_d", 0, "integer >= 1"), ("gram_block", -384, "integer >= 1"),
-    ("direct_rows", -0.5, "finite number >= 0"), ("direct_rows", float("nan"), "finite number"),
-    ("direct_rows", float("inf"), "finite number"), ("form", "R", "one of"),
-])
+@pytest.mark.parametrize(
+    "field, bad, said",
+    [
+        ("pool_rows", -1, "integer >= 0"),
+        ("stack_max", 2.5, "integer >= 0"),
+        ("scratch_keep", True, "integer"),
+        ("lapack_min_d", 0, "integer >= 1"),
+        ("gram_block", -384, "integer >= 1"),
+        ("direct_rows", -0.5, "finite number >= 0"),
+        ("direct_rows", float("nan"), "finite number"),
+        ("direct_rows", float("inf"), "finite number"),
+        ("form", "R", "one of"),
+    ],
+)
 def test_fast_paths_reject_invalid_values_by_name(field, bad, said):
     with pytest.raises(ValueError, match=f"FastPaths.{field} must be .*{said}"):
         FastPaths(**{field: bad})
@@ -189,23 +232,25 @@ def test_pool_spans_only_for_calls_that_can_run_as_one():
 
     h = torch.zeros(4, 5, 8)
     plain = [BlockCall(h), BlockCall(h[:3])]
-    assert pool_spans(plain) == [(0, 4), (4, 7)]                           # 35 rows: under the default
-    assert pool_spans(plain[:1]) is None                                   # nothing to pool
-    assert pool_spans(plain, max_rows=34) is None                          # 35 rows in all
-    assert pool_spans([BlockCall(h), BlockCall(torch.zeros(4, 6, 8))]) is None       # token counts differ
-    assert pool_spans([BlockCall(h, mask=torch.ones(4, 5)), BlockCall(h)]) is None   # padding
+    assert pool_spans(plain) == [(0, 4), (4, 7)]  # 35 rows: under the default
+    assert pool_spans(plain[:1]) is None  # nothing to pool
+    assert pool_spans(plain, max_rows=34) is None  # 35 rows in all
+    assert pool_spans([BlockCall(h), BlockCall(torch.zeros(4, 6, 8))]) is None  # token counts differ
+    assert pool_spans([BlockCall(h, mask=torch.ones(4, 5)), BlockCall(h)]) is None  # padding
     pos = torch.zeros(1, 5, 8)
     assert pool_spans([BlockCall(h, kwargs={"pos": pos}), BlockCall(h, kwargs={"pos": pos})]) is None
     assert pool_spans([BlockCall(h, kwargs={"flag": True}), BlockCall(h, kwargs={"flag": False})]) is None
     assert pool_spans([BlockCall(h, kwargs={"flag": None}), BlockCall(h, kwargs={"flag": None})]) == [(0, 4), (4, 8)]
     import numpy as np
+
     arr = np.zeros((4, 5))
-    assert pool_spans([BlockCall(h, kwargs={"a": arr}), BlockCall(h, kwargs={"a": arr})]) is None   # an array
+    assert pool_spans([BlockCall(h, kwargs={"a": arr}), BlockCall(h, kwargs={"a": arr})]) is None  # an array
     assert pool_spans([BlockCall(h, args=([1],)), BlockCall(h, args=([2],))]) is None
 
     class Odd:
         def __eq__(self, other):
             raise TypeError("no comparison")
+
     assert pool_spans([BlockCall(h, args=(Odd(),)), BlockCall(h, args=(Odd(),))]) is None
 
 
@@ -219,18 +264,25 @@ def test_an_expert_trace_reruns_no_expert_block_and_changes_nothing(kind, per_ta
     base, experts, merged, data = tiny.zoo(kind, n=4 * per_task_batches)
     other = tiny.perturbed(merged, 0.02, 99)
     calls = []
-    handles = [m.register_forward_pre_hook(lambda *_: calls.append(1)) for e in experts.values()
-               for m in e.modules()]
+    handles = [m.register_forward_pre_hook(lambda *_: calls.append(1)) for e in experts.values() for m in e.modules()]
     trace = ExpertTrace()
     cfg = FeatCalConfig.clip(lam=0.1, rho=1.5, alpha=0.4)
     try:
-        calibrate(merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig.clip(),
-                  progress=False, expert_trace=trace)
+        calibrate(
+            merged,
+            base=base,
+            experts=experts,
+            calib_data=data,
+            config=FeatCalConfig.clip(),
+            progress=False,
+            expert_trace=trace,
+        )
         assert calls
         calls.clear()
-        got, rep = calibrate(other, base=base, experts=experts, calib_data=data, config=cfg, progress=False,
-                             expert_trace=trace)
-        assert calls == []                                  # nothing of the experts ran again
+        got, rep = calibrate(
+            other, base=base, experts=experts, calib_data=data, config=cfg, progress=False, expert_trace=trace
+        )
+        assert calls == []  # nothing of the experts ran again
     finally:
         for h in handles:
             h.remove()

@@ -8,8 +8,11 @@ from featcal.arch import block_targets, get_params
 
 
 def _params(model):
-    return {(i, t.name): [p.clone() for p in get_params(blk, t) if p is not None]
-            for i, blk in enumerate(model.blocks) for t in block_targets(blk)}
+    return {
+        (i, t.name): [p.clone() for p in get_params(blk, t) if p is not None]
+        for i, blk in enumerate(model.blocks)
+        for t in block_targets(blk)
+    }
 
 
 def test_preview_equals_exact_run_for_a_single_block():
@@ -17,11 +20,18 @@ def test_preview_equals_exact_run_for_a_single_block():
     base, experts, merged = tiny.toy_zoo(n_tasks=3, n_blocks=1)
     data = tiny.toy_data(experts, n=40)
     cfg = FeatCalConfig(lam=0.05, rho=2.0, alpha=0.3, stats_dtype=torch.float64)
-    _, report = calibrate(merged, base=base, experts=experts, calib_data=data, config=cfg,
-                          keep_stats=True, progress=False)
+    _, report = calibrate(
+        merged, base=base, experts=experts, calib_data=data, config=cfg, keep_stats=True, progress=False
+    )
     for lam, rho, alpha in [(0.05, 2.0, 0.3), (1.0, 0.5, 0.9), (1e-4, 1.2, 0.0)]:
-        exact, _ = calibrate(merged, base=base, experts=experts, calib_data=data,
-                             config=cfg.with_(lam=lam, rho=rho, alpha=alpha), progress=False)
+        exact, _ = calibrate(
+            merged,
+            base=base,
+            experts=experts,
+            calib_data=data,
+            config=cfg.with_(lam=lam, rho=rho, alpha=alpha),
+            progress=False,
+        )
         prev = report.preview(lam=lam, rho=rho, alpha=alpha)
         pe, pp = _params(exact), _params(prev)
         for key in pe:
@@ -33,16 +43,18 @@ def test_preview_is_a_new_model_and_differs_from_exact_in_deep_models():
     base, experts, merged = tiny.toy_zoo(n_tasks=3, n_blocks=3)
     data = tiny.toy_data(experts, n=40)
     cfg = FeatCalConfig(stats_dtype=torch.float64)
-    cal, report = calibrate(merged, base=base, experts=experts, calib_data=data, config=cfg,
-                            keep_stats=True, progress=False)
+    cal, report = calibrate(
+        merged, base=base, experts=experts, calib_data=data, config=cfg, keep_stats=True, progress=False
+    )
     snap = tiny.state_snapshot(cal)
     same = report.preview()  # the run's own setting reproduces the run exactly
     assert all(torch.allclose(v, same.state_dict()[k], atol=1e-5) for k, v in snap.items())
     other = report.preview(lam=0.5, alpha=0.8)
     assert other is not cal
     assert all(torch.equal(v, cal.state_dict()[k]) for k, v in snap.items())
-    exact, _ = calibrate(merged, base=base, experts=experts, calib_data=data,
-                         config=cfg.with_(lam=0.5, alpha=0.8), progress=False)
+    exact, _ = calibrate(
+        merged, base=base, experts=experts, calib_data=data, config=cfg.with_(lam=0.5, alpha=0.8), progress=False
+    )
     # Block 0 is exact; later blocks differ (the preview keeps the first run's features).
     assert torch.allclose(other.blocks[0].fc1.weight, exact.blocks[0].fc1.weight, atol=1e-5)
     assert not torch.allclose(other.blocks[2].fc1.weight, exact.blocks[2].fc1.weight, atol=1e-5)

@@ -1,5 +1,6 @@
 """The fast engine against the plain float64 reference (featcal/reference.py), and the
 reference's maths against closed-form truths (docs/maths.md)."""
+
 import copy
 import functools
 
@@ -26,8 +27,9 @@ KINDS = ["toy", "hf_clip", "open_clip", "toy_padded", "llama_padded"]
 SETTINGS = {
     "default": FeatCalConfig(stats_dtype=torch.float64),
     "clip_token_weights": FeatCalConfig.clip(rho=2.2, alpha=0.25, stats_dtype=torch.float64),
-    "no_bias_no_layernorm": FeatCalConfig(lam=0.5, rho=0.5, alpha=0.7, bias=False, layernorm=False,
-                                          stats_dtype=torch.float64),
+    "no_bias_no_layernorm": FeatCalConfig(
+        lam=0.5, rho=0.5, alpha=0.7, bias=False, layernorm=False, stats_dtype=torch.float64
+    ),
 }
 BATCHING = ["several_batches", "one_batch"]
 
@@ -41,8 +43,9 @@ class DictToy(tiny.ToyModel):
 
 def _task_arithmetic(base, experts):
     merged = copy.deepcopy(base)
-    merged.load_state_dict(merge("task_arithmetic", base.state_dict(),
-                                 {t: m.state_dict() for t, m in experts.items()}, scale=0.3))
+    merged.load_state_dict(
+        merge("task_arithmetic", base.state_dict(), {t: m.state_dict() for t, m in experts.items()}, scale=0.3)
+    )
     return merged
 
 
@@ -57,8 +60,8 @@ def _padded_zoo():
         x = torch.randn(8, 5, 6, generator=gen)
         mask = torch.ones(8, 5)
         for r, pad in enumerate([0, 1, 2, 3, 0, 2, 1, 3]):
-            mask[r, 5 - pad:] = 0
-        data[t] = [{"x": x[i:i + 4], "attention_mask": mask[i:i + 4]} for i in (0, 4)]
+            mask[r, 5 - pad :] = 0
+        data[t] = [{"x": x[i : i + 4], "attention_mask": mask[i : i + 4]} for i in (0, 4)]
     return base, experts, _task_arithmetic(base, experts), data
 
 
@@ -68,8 +71,15 @@ def _llama_zoo():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     base = LlamaForCausalLM(cfg).eval()
     experts = {t: tiny.perturbed(base, 0.02, i) for i, t in enumerate("ab")}
     gen = torch.Generator().manual_seed(1)
@@ -79,7 +89,7 @@ def _llama_zoo():
         mask = torch.ones(4, 16, dtype=torch.long)
         mask[0, 9:] = 0
         mask[3, 12:] = 0
-        data[t] = [{"input_ids": ids[i:i + 2], "attention_mask": mask[i:i + 2]} for i in (0, 2)]
+        data[t] = [{"input_ids": ids[i : i + 2], "attention_mask": mask[i : i + 2]} for i in (0, 2)]
     return base, experts, _task_arithmetic(base, experts), data
 
 
@@ -134,15 +144,17 @@ def assert_matches_reference(model, ref, rel=1e-4):
 @pytest.mark.parametrize("kind", KINDS)
 def test_engine_matches_reference(kind, setting, batching):
     base, experts, merged, data = _zoo(kind, batching)
-    got, _ = calibrate(merged, base=base, experts=experts, calib_data=data, config=SETTINGS[setting],
-                       progress=False)
+    got, _ = calibrate(merged, base=base, experts=experts, calib_data=data, config=SETTINGS[setting], progress=False)
     ref = _reference(kind, setting, batching)
     assert_matches_reference(got, ref)
     # Not a vacuous comparison: the reference moved weights away from the merged ones in every block.
     mer = _targets(merged)
     for block in range(len(resolve_blocks(merged)[1])):
-        assert any(not torch.allclose(W, mer[key][0], rtol=1e-3, atol=1e-5)
-                   for key, (W, _) in _targets(ref).items() if key[0] == block), block
+        assert any(
+            not torch.allclose(W, mer[key][0], rtol=1e-3, atol=1e-5)
+            for key, (W, _) in _targets(ref).items()
+            if key[0] == block
+        ), block
 
 
 # Every fast path of the engine, forced on where the tiny models would not take it by default.
@@ -160,16 +172,25 @@ PATHS = {
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_fast_path_matches_reference(kind, path, batching):
     base, experts, merged, data = _zoo(kind, batching)
-    got, _ = calibrate(merged, base=base, experts=experts, calib_data=data, config=SETTINGS["clip_token_weights"],
-                       fast=PATHS[path], progress=False)
+    got, _ = calibrate(
+        merged,
+        base=base,
+        experts=experts,
+        calib_data=data,
+        config=SETTINGS["clip_token_weights"],
+        fast=PATHS[path],
+        progress=False,
+    )
     assert_matches_reference(got, _reference(kind, "clip_token_weights", batching))
 
 
 def test_reference_drops_padding_rows():
     """Masked tokens are out of the statistics: junk in them changes nothing."""
     base, experts, merged, data = _zoo("toy_padded", "several_batches")
-    junk = {t: [dict(b, x=torch.where(b["attention_mask"][..., None] > 0, b["x"], 1e3)) for b in bs]
-            for t, bs in data.items()}
+    junk = {
+        t: [dict(b, x=torch.where(b["attention_mask"][..., None] > 0, b["x"], 1e3)) for b in bs]
+        for t, bs in data.items()
+    }
     cfg = SETTINGS["default"]
     a = calibrate_reference(merged, base=base, experts=experts, calib_data=data, config=cfg)
     b = calibrate_reference(merged, base=base, experts=experts, calib_data=junk, config=cfg)
@@ -207,7 +228,7 @@ def _objective(W, b, tasks, scales, W_anc, b_anc, lam, eps, alpha):
         total = total + lam * (b - b_anc).square().sum()
     for s, (xs, xe, w, W_i, b_i) in zip(scales, tasks):
         xt = alpha * xe + (1 - alpha) * xs
-        r = xs @ W.T - xt @ W_i.T                            # (rows, o)
+        r = xs @ W.T - xt @ W_i.T  # (rows, o)
         if b is not None:
             r = r + b - b_i
         total = total + s * (w @ r.square().sum(1)) / w.sum()
@@ -243,7 +264,7 @@ def test_lambda_to_infinity_gives_the_anchor():
     assert torch.allclose(W, 2.2 * W_mer - 1.2 * W_0, atol=1e-9)
     assert torch.allclose(b, b_anc, atol=1e-9)
     es, ms = zip(*(layernorm_moments(xs, w, 1e-5) for xs, _, w, _, _ in tasks))
-    gammas, betas = [t[3][0] for t in tasks], [t[3][1] for t in tasks]     # any (d,) vectors
+    gammas, betas = [t[3][0] for t in tasks], [t[3][1] for t in tasks]  # any (d,) vectors
     gamma, beta = layernorm_affine(es, ms, gammas, betas, W_anc[0], W_anc[1], lam=1e12, eps=1e-8)
     assert torch.allclose(gamma, W_anc[0], atol=1e-9) and torch.allclose(beta, W_anc[1], atol=1e-9)
 
@@ -258,7 +279,7 @@ def test_task_scale_makes_a_tasks_weight_independent_of_its_feature_scale():
     louder = [(10 * xs, 10 * xe, w, W_i, b_i), *tasks[1:]]
     W10, _, _ = _solve_linear(louder, W_anc, b_anc, 0.05, 1e-8, 0.3)
     assert torch.allclose(W10, W, atol=1e-10)
-    assert task_scale(torch.zeros(4, 4, dtype=torch.float64), 1e-8) == 1e8     # clamped at eps, not infinite
+    assert task_scale(torch.zeros(4, 4, dtype=torch.float64), 1e-8) == 1e8  # clamped at eps, not infinite
 
 
 def test_task_statistics_weights_count_as_repeated_rows():
@@ -266,11 +287,15 @@ def test_task_statistics_weights_count_as_repeated_rows():
     w = torch.ones(len(xs), dtype=torch.float64)
     w[0] = 3.0
     once = task_statistics(xs, xe, w, 0.4)
-    rep = task_statistics(torch.cat([xs, xs[:1], xs[:1]]), torch.cat([xe, xe[:1], xe[:1]]),
-                          torch.ones(len(xs) + 2, dtype=torch.float64), 0.4)
+    rep = task_statistics(
+        torch.cat([xs, xs[:1], xs[:1]]),
+        torch.cat([xe, xe[:1], xe[:1]]),
+        torch.ones(len(xs) + 2, dtype=torch.float64),
+        0.4,
+    )
     for a, b in zip(once, rep):
         assert torch.allclose(a, b, atol=1e-12)
-    C, X, mu_s, mu_t = task_statistics(xs, xe, w, 0.0)          # alpha 0: the target is the input itself
+    C, X, mu_s, mu_t = task_statistics(xs, xe, w, 0.0)  # alpha 0: the target is the input itself
     assert torch.allclose(X, C) and torch.allclose(mu_t, mu_s)
 
 
@@ -280,7 +305,7 @@ def test_layernorm_affine_is_the_least_squares_fit():
     tasks = _tasks(d=5)
     lam, ln_eps = 0.3, 1e-5
     es, ms = zip(*(layernorm_moments(xs, w, ln_eps) for xs, _, w, _, _ in tasks))
-    gammas, betas = [t[3][0] for t in tasks], [t[3][1] for t in tasks]     # any (d,) vectors
+    gammas, betas = [t[3][0] for t in tasks], [t[3][1] for t in tasks]  # any (d,) vectors
     g_anc, b_anc = torch.linspace(0.5, 1.5, 5, dtype=torch.float64), torch.linspace(-1, 1, 5, dtype=torch.float64)
     gamma, beta = layernorm_affine(es, ms, gammas, betas, g_anc, b_anc, lam, eps=1e-12)
     for c in range(5):
@@ -290,7 +315,7 @@ def test_layernorm_affine_is_the_least_squares_fit():
             sw = (w / w.sum()).sqrt()
             A.append(torch.stack([sw * z, sw], 1))
             y.append(sw * (g[c] * z + b[c]))
-        A.append(lam ** 0.5 * torch.eye(2, dtype=torch.float64))          # the pull toward the anchor
-        y.append(lam ** 0.5 * torch.stack([g_anc[c], b_anc[c]]))
+        A.append(lam**0.5 * torch.eye(2, dtype=torch.float64))  # the pull toward the anchor
+        y.append(lam**0.5 * torch.stack([g_anc[c], b_anc[c]]))
         fit = torch.linalg.lstsq(torch.cat(A), torch.cat(y)[:, None]).solution[:, 0]
         assert torch.allclose(fit, torch.stack([gamma[c], beta[c]]), atol=1e-10), c

@@ -1,4 +1,5 @@
 """Corruptions (featcal.corrupt) and the paper's studies (featcal.studies) on tiny models."""
+
 import itertools
 
 import pytest
@@ -26,16 +27,16 @@ def test_corruptions_keep_shape_and_severity_zero_is_identity(kind):
         y = fn(x, sev, seed=3)
         assert y.shape == x.shape and y.dtype == x.dtype
         assert 0.0 <= float(y.min()) and float(y.max()) <= 1.0
-        assert torch.equal(y, fn(x, sev, seed=3))               # seeded: reproducible
+        assert torch.equal(y, fn(x, sev, seed=3))  # seeded: reproducible
         dists.append(float((y - x).abs().mean()))
-    assert 0 < dists[0] < dists[-1]                              # more severe, further away
-    assert torch.equal(x, _images())                             # the input is left alone
+    assert 0 < dists[0] < dists[-1]  # more severe, further away
+    assert torch.equal(x, _images())  # the input is left alone
     with pytest.raises(ValueError):
         fn(x, 6)
 
 
 def test_corrupt_works_in_normalised_space():
-    x = _images() * 2 - 1                                        # (pixels - 0.5) / 0.5
+    x = _images() * 2 - 1  # (pixels - 0.5) / 0.5
     assert torch.equal(corrupt(x, "fog", 0), x)
     y = corrupt(x, "blur", 3)
     assert y.shape == x.shape and float(y.min()) >= -1 and float(y.max()) <= 1
@@ -65,23 +66,25 @@ def _toy_zoo():
 def test_sample_efficiency_has_a_row_for_every_n_seed_method_and_task():
     zoo = _toy_zoo()
     mergers = {"task_arithmetic": {"scale": 0.3}, "average": {}}
-    df = sample_efficiency(zoo, budgets=(2, 4), seeds=(0, 1), mergers=mergers,
-                           config=FeatCalConfig(lam=0.1))
+    df = sample_efficiency(zoo, budgets=(2, 4), seeds=(0, 1), mergers=mergers, config=FeatCalConfig(lam=0.1))
     methods = ["task_arithmetic", "average", "task_arithmetic+featcal"]
     cells = set(itertools.product((2, 4), (0, 1), methods, zoo.tasks))
     assert set(zip(df.n, df.seed, df.method, df.task)) == cells and len(df) == len(cells)
     assert df.accuracy.between(0, 100).all()
     s = summarize(df)
     assert len(s) == 2 * len(methods) and (s.seeds == 2).all()
-    assert (s[s.method == "average"]["std"] == 0).all()            # baselines ignore the draw
+    assert (s[s.method == "average"]["std"] == 0).all()  # baselines ignore the draw
 
 
 def test_robustness_rows_cover_every_corruption_and_the_clean_run():
     zoo = _toy_zoo()
     df = robustness(zoo, corruptions=("gaussian_noise",), severities=(2,), n_calib=8, config=FeatCalConfig(lam=0.1))
     assert set(zip(df.method, df.corruption, df.severity)) == {
-        ("task_arithmetic", "none", 0.0), ("task_arithmetic+featcal", "none", 0.0),
-        ("task_arithmetic", "gaussian_noise", 2.0), ("task_arithmetic+featcal", "gaussian_noise", 2.0)}
+        ("task_arithmetic", "none", 0.0),
+        ("task_arithmetic+featcal", "none", 0.0),
+        ("task_arithmetic", "gaussian_noise", 2.0),
+        ("task_arithmetic+featcal", "gaussian_noise", 2.0),
+    }
     assert (df.groupby(["method", "corruption"]).size() == len(zoo.tasks)).all()
 
 
@@ -99,5 +102,5 @@ def test_studies_page_runs_both_studies_on_a_tiny_zoo(tmp_path):
     at.button(key="robustness_run").click().run()
     assert not at.exception and not at.error, [e.value for e in [*at.exception, *at.error]]
     se, rb = (d.value for d in at.dataframe)
-    assert len(se) == 2 * 4 and set(se["n"]) == {4, 8}             # 3 mergers + FeatCal, 2 budgets
+    assert len(se) == 2 * 4 and set(se["n"]) == {4, 8}  # 3 mergers + FeatCal, 2 budgets
     assert set(rb["corruption"]) == {"none", "blur"}

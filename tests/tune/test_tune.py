@@ -1,4 +1,5 @@
 """Sweeps and automatic selection (featcal.tune) on tiny seeded models."""
+
 import collections
 import copy
 import os
@@ -26,8 +27,16 @@ def test_tune_preview_equals_exact_when_features_do_not_move():
     and the preview's weights are the exact run's."""
     base, experts, merged = tiny.toy_zoo(n_tasks=2, n_blocks=1)
     cfg = FeatCalConfig(stats_dtype=torch.float64)
-    res = tune(merged, base, experts, tiny.toy_data(experts, n=16), _val(experts), config=cfg, grid=SMALL,
-               n_confirm=len(SMALL.points()))
+    res = tune(
+        merged,
+        base,
+        experts,
+        tiny.toy_data(experts, n=16),
+        _val(experts),
+        config=cfg,
+        grid=SMALL,
+        n_confirm=len(SMALL.points()),
+    )
     t = res.table
     assert t["confirmed"].all() and len(t) == 1 + len(SMALL.points())
     assert (t["rel_dist"] < 1e-6).all()
@@ -44,10 +53,10 @@ def test_tune_keeps_the_anchor_unless_beaten_and_records_every_point():
     t = res.table
     assert list(t["point"]) == list(range(len(t)))
     assert set(t["stage"]) == {"anchor", "grid", "refine"}
-    assert t["confirmed"].sum() == 3                                 # the anchor and two previews
+    assert t["confirmed"].sum() == 3  # the anchor and two previews
     assert res.best["score"] == t["exact"].max() >= res.best["anchor_score"]
     assert sorted(t["preview_rank"]) == list(range(len(t)))
-    assert res.score == "kl" and (t["preview"] <= 0).all()           # -KL without labels
+    assert res.score == "kl" and (t["preview"] <= 0).all()  # -KL without labels
 
 
 def test_grid_and_options_are_validated():
@@ -64,6 +73,7 @@ def test_grid_and_options_are_validated():
 
 
 # ------------------------------------------------------------------ the test split stays unread
+
 
 class _Poison:
     """Stands in for test-split tensors: any use at all fails."""
@@ -122,6 +132,7 @@ def test_tune_zoo_never_reads_the_test_split():
 
 # ------------------------------------------------------------------ Ray == one process
 
+
 @pytest.mark.slow
 def test_ray_and_single_process_give_the_same_table():
     ray = pytest.importorskip("ray")
@@ -130,8 +141,12 @@ def test_ray_and_single_process_give_the_same_table():
     grid = Grid(lam=(0.01, 0.5), rho=(2.0,), alpha=(0.0, 0.6))
     local = tune(merged, base, experts, data, val, grid=grid, n_confirm=2)
     # The workers must import tests/tiny.py to unpickle the toy models.
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}},
+    )
     try:
         remote = tune(merged, base, experts, data, val, grid=grid, n_confirm=2, ray=True)
     finally:
@@ -143,6 +158,7 @@ def test_ray_and_single_process_give_the_same_table():
 
 # ------------------------------------------------------------------ the app page
 
+
 def test_tune_page_runs_a_sweep_on_a_tiny_zoo(tmp_path):
     pytest.importorskip("streamlit")
     from app_zoo import app_page_on_tiny_zoo
@@ -153,7 +169,7 @@ def test_tune_page_runs_a_sweep_on_a_tiny_zoo(tmp_path):
     next(b for b in at.button if b.label == "Run sweep").click().run()
     assert not at.exception and not at.error, [e.value for e in [*at.exception, *at.error]]
     assert {"chosen setting", "val accuracy, chosen"} <= {m.label for m in at.metric}
-    assert len(at.dataframe[0].value) == 27                          # the quick grid holds the anchor
+    assert len(at.dataframe[0].value) == 27  # the quick grid holds the anchor
 
 
 def test_tune_and_study_command_lines_write_their_files(tmp_path, capsys):
@@ -164,15 +180,56 @@ def test_tune_and_study_command_lines_write_their_files(tmp_path, capsys):
 
     zoo = str(write_tiny_zoo(tmp_path / "tiny"))
     out = tmp_path / "tune"
-    assert main(["tune", "--zoo", zoo, "--n-calib", "8", "--grid", "lam=0.05,0.5;rho=2;alpha=0.3",
-                 "--n-confirm", "1", "--report", "--out", str(out), "-q"]) == 0
-    assert {p.name for p in out.iterdir()} == {"best.json", "table.csv", "test_report.csv",
-                                               "sweep_parallel.html", "sweep_heatmap.html"}
+    assert (
+        main(
+            [
+                "tune",
+                "--zoo",
+                zoo,
+                "--n-calib",
+                "8",
+                "--grid",
+                "lam=0.05,0.5;rho=2;alpha=0.3",
+                "--n-confirm",
+                "1",
+                "--report",
+                "--out",
+                str(out),
+                "-q",
+            ]
+        )
+        == 0
+    )
+    assert {p.name for p in out.iterdir()} == {
+        "best.json",
+        "table.csv",
+        "test_report.csv",
+        "sweep_parallel.html",
+        "sweep_heatmap.html",
+    }
     best = json.loads((out / "best.json").read_text())
     assert best["meta"]["n_calib"] == 8 and len(best["test_report"]) == 3
     assert "TEST accuracy" in capsys.readouterr().out
-    assert main(["tune", "--zoo", zoo, "--out", str(out), "-q"]) == 2            # never overwrites silently
+    assert main(["tune", "--zoo", zoo, "--out", str(out), "-q"]) == 2  # never overwrites silently
     se = tmp_path / "se"
-    assert main(["study", "sample-efficiency", "--zoo", zoo, "--budgets", "4", "--seeds", "0",
-                 "--mergers", "task_arithmetic", "--out", str(se), "-q"]) == 0
+    assert (
+        main(
+            [
+                "study",
+                "sample-efficiency",
+                "--zoo",
+                zoo,
+                "--budgets",
+                "4",
+                "--seeds",
+                "0",
+                "--mergers",
+                "task_arithmetic",
+                "--out",
+                str(se),
+                "-q",
+            ]
+        )
+        == 0
+    )
     assert {p.name for p in se.iterdir()} == {"rows.csv", "summary.csv", "sample_efficiency.html"}

@@ -16,6 +16,7 @@ Run it as a command to print what it finds:
 
     python -m tests.unit.test_layers
 """
+
 from __future__ import annotations
 
 import ast
@@ -29,22 +30,34 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("featcal", "diagnostics", "app")
 LIBRARY = ("featcal", "diagnostics")
-CLI_TABLE = "featcal.cli"                 # the one featcal module allowed to import diagnostics
-OUTSIDE = "../" + "shared"                # spelled in two parts so this file does not match itself
+CLI_TABLE = "featcal.cli"  # the one featcal module allowed to import diagnostics
+OUTSIDE = "../" + "shared"  # spelled in two parts so this file does not match itself
 # featcal.zoo's layers, lowest first: a module may import its own layer and those before it.
 ZOO_LAYERS = {
-    "base": ("featcal.zoo.core", "featcal.zoo.io", "featcal.zoo.classnames", "featcal.zoo.demo_data",
-             "featcal.zoo.resolve"),
+    "base": (
+        "featcal.zoo.core",
+        "featcal.zoo.io",
+        "featcal.zoo.classnames",
+        "featcal.zoo.demo_data",
+        "featcal.zoo.resolve",
+    ),
     "schema": ("featcal.zoo.schema",),
     "locate": ("featcal.zoo.locate",),
-    "load": ("featcal.zoo.loaders", "featcal.zoo.heads", "featcal.zoo.data", "featcal.zoo.spec",
-             "featcal.zoo.store", "featcal.zoo.scores"),
+    "load": (
+        "featcal.zoo.loaders",
+        "featcal.zoo.heads",
+        "featcal.zoo.data",
+        "featcal.zoo.spec",
+        "featcal.zoo.store",
+        "featcal.zoo.scores",
+    ),
     "build": ("featcal.zoo.demo_recipe", "featcal.zoo.fashion", "featcal.zoo.demo"),
     "package": ("featcal.zoo",),
 }
 
 
 # ----------------------------------------------------------------------------- the graph
+
 
 def repo_modules(root: Path = ROOT) -> dict[str, Path]:
     """``{dotted module name: path}`` of every .py file under :data:`PACKAGES`
@@ -60,8 +73,9 @@ def repo_modules(root: Path = ROOT) -> dict[str, Path]:
 
 
 def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _import_names(tree: ast.AST, module: str, is_package: bool) -> list[str]:
@@ -95,10 +109,10 @@ def _import_names(tree: ast.AST, module: str, is_package: bool) -> list[str]:
 def _literal_import(call: ast.Call) -> bool:
     """``importlib.import_module("x")`` or ``__import__("x")`` with a literal name."""
     fn = call.func
-    named = (isinstance(fn, ast.Attribute) and fn.attr == "import_module") or \
-        (isinstance(fn, ast.Name) and fn.id in ("import_module", "__import__"))
-    return named and bool(call.args) and isinstance(call.args[0], ast.Constant) and \
-        isinstance(call.args[0].value, str)
+    named = (isinstance(fn, ast.Attribute) and fn.attr == "import_module") or (
+        isinstance(fn, ast.Name) and fn.id in ("import_module", "__import__")
+    )
+    return named and bool(call.args) and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str)
 
 
 def _resolve(name: str, known: dict[str, Path]) -> str | None:
@@ -177,8 +191,13 @@ def library_imports_of_app(graph: dict[str, set[str]]) -> list[str]:
 
 def featcal_imports_of_diagnostics(graph: dict[str, set[str]]) -> list[str]:
     """``"importer -> imported"`` for every featcal module but :data:`CLI_TABLE` importing diagnostics."""
-    return [f"{m} -> {t}" for m in sorted(graph) if _in(m, "featcal") and m != CLI_TABLE
-            for t in sorted(graph[m]) if _in(t, "diagnostics")]
+    return [
+        f"{m} -> {t}"
+        for m in sorted(graph)
+        if _in(m, "featcal") and m != CLI_TABLE
+        for t in sorted(graph[m])
+        if _in(t, "diagnostics")
+    ]
 
 
 def zoo_layer_violations(graph: dict[str, set[str]]) -> list[str]:
@@ -213,6 +232,7 @@ def files_pointing_outside(root: Path = ROOT) -> list[str] | None:
 
 # ----------------------------------------------------------------------------- the tests
 
+
 @pytest.fixture(scope="module")
 def graph():
     return import_graph()
@@ -225,8 +245,10 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
     (tmp_path / "diagnostics").mkdir()
     (tmp_path / "app").mkdir()
     (pkg / "__init__.py").write_text("from featcal.a import f\n")
-    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from featcal import b\n"
-                              "def f():\n    from . import b\n")
+    (pkg / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from featcal import b\n"
+        "def f():\n    from . import b\n"
+    )
     (pkg / "b.py").write_text("import importlib\ndef g():\n    importlib.import_module('featcal.sub.c')\n")
     (pkg / "sub" / "__init__.py").write_text("")
     (pkg / "sub" / "c.py").write_text("from .. import a\nfrom featcal import f\n")
@@ -239,10 +261,15 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
 
 
 def test_zoo_layers_catch_an_upward_import_and_an_unplaced_module():
-    g = {"featcal.zoo.schema": {"featcal.zoo.loaders"}, "featcal.zoo.loaders": {"featcal.zoo.schema"},
-         "featcal.zoo.extra": set()}
-    assert zoo_layer_violations(g) == ["featcal.zoo.extra: in no layer of ZOO_LAYERS",
-                                       "featcal.zoo.schema (schema) -> featcal.zoo.loaders (load)"]
+    g = {
+        "featcal.zoo.schema": {"featcal.zoo.loaders"},
+        "featcal.zoo.loaders": {"featcal.zoo.schema"},
+        "featcal.zoo.extra": set(),
+    }
+    assert zoo_layer_violations(g) == [
+        "featcal.zoo.extra: in no layer of ZOO_LAYERS",
+        "featcal.zoo.schema (schema) -> featcal.zoo.loaders (load)",
+    ]
 
 
 def test_library_never_imports_the_app(graph):
@@ -252,14 +279,17 @@ def test_library_never_imports_the_app(graph):
 
 def test_featcal_imports_diagnostics_only_in_its_command_table(graph):
     bad = featcal_imports_of_diagnostics(graph)
-    assert not bad, (f"featcal/ may import diagnostics/ only in {CLI_TABLE} (the table of subcommands "
-                     f"includes `diagnose`); found {bad}")
+    assert not bad, (
+        f"featcal/ may import diagnostics/ only in {CLI_TABLE} (the table of subcommands "
+        f"includes `diagnose`); found {bad}"
+    )
 
 
 def test_no_import_cycles(graph):
     found = cycles(graph)
-    assert not found, "import cycles (each list: modules that import each other): " + \
-        "; ".join(" <-> ".join(c) for c in found)
+    assert not found, "import cycles (each list: modules that import each other): " + "; ".join(
+        " <-> ".join(c) for c in found
+    )
 
 
 def test_the_zoo_imports_one_way(graph):
@@ -276,15 +306,18 @@ def test_no_tracked_file_points_outside_the_repository():
 
 # ----------------------------------------------------------------------------- as a command
 
+
 def main() -> int:
     """Print every finding; exit status 1 when there is one."""
     g = import_graph()
     found = cycles(g)
-    problems = [("import cycles", [" <-> ".join(c) for c in found]),
-                ("library modules importing the app", library_imports_of_app(g)),
-                (f"featcal modules other than {CLI_TABLE} importing diagnostics", featcal_imports_of_diagnostics(g)),
-                ("zoo imports against its layers", zoo_layer_violations(g)),
-                (f"tracked files citing {OUTSIDE!r}", files_pointing_outside() or [])]
+    problems = [
+        ("import cycles", [" <-> ".join(c) for c in found]),
+        ("library modules importing the app", library_imports_of_app(g)),
+        (f"featcal modules other than {CLI_TABLE} importing diagnostics", featcal_imports_of_diagnostics(g)),
+        ("zoo imports against its layers", zoo_layer_violations(g)),
+        (f"tracked files citing {OUTSIDE!r}", files_pointing_outside() or []),
+    ]
     print(f"{len(g)} modules, {sum(len(t) for t in g.values())} imports between them")
     for title, items in problems:
         print(f"{title}: {len(items) or 'none'}")

@@ -1,4 +1,5 @@
 """Mergers: known closed forms on tiny state dicts."""
+
 import pytest
 import torch
 
@@ -8,11 +9,15 @@ from featcal.merging import MERGERS
 
 def _sds(seed=0, n=3):
     gen = torch.Generator().manual_seed(seed)
-    base = {"w": torch.randn(4, 5, generator=gen), "b": torch.randn(4, generator=gen),
-            "steps": torch.tensor(7)}
-    experts = {f"t{i}": {"w": base["w"] + torch.randn(4, 5, generator=gen),
-                         "b": base["b"] + torch.randn(4, generator=gen),
-                         "steps": torch.tensor(100 + i)} for i in range(n)}
+    base = {"w": torch.randn(4, 5, generator=gen), "b": torch.randn(4, generator=gen), "steps": torch.tensor(7)}
+    experts = {
+        f"t{i}": {
+            "w": base["w"] + torch.randn(4, 5, generator=gen),
+            "b": base["b"] + torch.randn(4, generator=gen),
+            "steps": torch.tensor(100 + i),
+        }
+        for i in range(n)
+    }
     return base, experts
 
 
@@ -46,8 +51,7 @@ def test_ties_density_one_without_conflicts_equals_task_arithmetic():
 
 def test_ties_trims_and_elects_signs():
     base = {"w": torch.zeros(4)}
-    experts = {"a": {"w": torch.tensor([3.0, -0.1, 2.0, 0.0])},
-               "b": {"w": torch.tensor([-1.0, 0.2, 2.0, 5.0])}}
+    experts = {"a": {"w": torch.tensor([3.0, -0.1, 2.0, 0.0])}, "b": {"w": torch.tensor([-1.0, 0.2, 2.0, 5.0])}}
     out = merge("ties", base, experts, density=0.5, scale=1.0)
     # a keeps [3, 2] (top 2), b keeps [2, 5]; entry 0: only a (3) -> 3; entry 2: mean(2, 2); entry 3: 5.
     assert torch.allclose(out["w"], torch.tensor([3.0, 0.0, 2.0, 5.0]))
@@ -58,15 +62,17 @@ def test_dare_is_seeded_and_unbiased_in_expectation():
     a = merge("dare", base, experts, drop=0.5, scale=1.0, seed=3)
     b = merge("dare", base, experts, drop=0.5, scale=1.0, seed=3)
     assert torch.equal(a["w"], b["w"])
-    assert torch.equal(merge("dare", base, experts, drop=0.0, scale=1.0)["w"],
-                       merge("task_arithmetic", base, experts, scale=1.0)["w"])
+    assert torch.equal(
+        merge("dare", base, experts, drop=0.0, scale=1.0)["w"], merge("task_arithmetic", base, experts, scale=1.0)["w"]
+    )
 
 
 def test_merge_returns_new_tensors_and_keeps_dtype():
     base, experts = _sds()
     base16 = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in base.items()}
-    exp16 = {t: {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in e.items()}
-             for t, e in experts.items()}
+    exp16 = {
+        t: {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in e.items()} for t, e in experts.items()
+    }
     out = merge("average", base16, exp16)
     assert out["w"].dtype == torch.bfloat16
     out["w"].add_(1.0)

@@ -1,4 +1,5 @@
 """The closed-form solves against direct computations on small random problems."""
+
 import math
 from operator import attrgetter
 
@@ -45,19 +46,23 @@ def _system(tasks, eps=1e-8, batches=1, form="P"):
 
 def _anchors(gen, o=2, d=3):
     """Random merged and base parameters ``(W_mer, b_mer, W_0, b_0)``."""
-    return (torch.randn(o, d, generator=gen), torch.randn(o, generator=gen),
-            torch.randn(o, d, generator=gen), torch.randn(o, generator=gen))
+    return (
+        torch.randn(o, d, generator=gen),
+        torch.randn(o, generator=gen),
+        torch.randn(o, d, generator=gen),
+        torch.randn(o, generator=gen),
+    )
 
 
 def _objective(tasks, Wn, bn, alpha, lam, W_anc, b_anc, eps=1e-8):
     """The spec's objective, evaluated directly on the rows."""
-    total = lam * ((Wn - W_anc) ** 2).sum() + eps * (Wn ** 2).sum() + lam * ((bn - b_anc) ** 2).sum()
+    total = lam * ((Wn - W_anc) ** 2).sum() + eps * (Wn**2).sum() + lam * ((bn - b_anc) ** 2).sum()
     for xs, xe, W, b, w in tasks:
         C = (xs * w[:, None]).T @ xs / w.sum()
         s = 1 / torch.linalg.matrix_norm(C)
         xt = alpha * xe + (1 - alpha) * xs
         r = xs @ Wn.T + bn - (xt @ W.T + b)
-        total = total + s * (w * (r ** 2).sum(1)).sum() / w.sum()
+        total = total + s * (w * (r**2).sum(1)).sum() / w.sum()
     return total
 
 
@@ -72,8 +77,15 @@ def test_solution_is_the_minimiser_of_the_spec_objective():
     # The weight solve is the closed form for W; the gradient in W of the spec objective vanishes
     # at bias-free rows, so check it on the weight part with the bias taken as the spec's formula.
     Wv = W.clone().requires_grad_(True)
-    f = _objective([(xs, xe, Wi, torch.zeros(2), w) for xs, xe, Wi, _, w in tasks],
-                   Wv, torch.zeros(2), alpha, lam, W_anc, torch.zeros(2))
+    f = _objective(
+        [(xs, xe, Wi, torch.zeros(2), w) for xs, xe, Wi, _, w in tasks],
+        Wv,
+        torch.zeros(2),
+        alpha,
+        lam,
+        W_anc,
+        torch.zeros(2),
+    )
     (g,) = torch.autograd.grad(f, Wv)
     assert g.abs().max() < 1e-9
     # The bias: with W fixed, it minimises the spec objective in b.
@@ -94,7 +106,7 @@ def test_residual_formula_matches_direct_computation():
         s = 1 / torch.linalg.matrix_norm(C)
         yt = (alpha * xe + (1 - alpha) * xs) @ W.T + b
         num += s * (w * ((xs @ Wn.T + bn - yt) ** 2).sum(1)).sum() / w.sum()
-        den += s * (w * (yt ** 2).sum(1)).sum() / w.sum()
+        den += s * (w * (yt**2).sum(1)).sum() / w.sum()
     assert abs(solve.linear_residual(sysm, Wn, bn, alpha) - float(num / den)) < 1e-10
 
 
@@ -123,7 +135,7 @@ def test_triangular_gram_equals_the_full_product(d):
     assert stats.gram_norm(acc.C, acc.edges, finished=True).item() == pytest.approx(norm, rel=1e-12)
     assert len(acc.edges) == min(9, max(2, d // FastPaths().gram_block + 1))
     assert torch.allclose(acc.C, full, atol=1e-12)
-    plain = stats.LinearSums.zeros(d, torch.float64, "cpu", cross=False, block=None)   # full products
+    plain = stats.LinearSums.zeros(d, torch.float64, "cpu", cross=False, block=None)  # full products
     stats.accumulate_linear(plain, x, x, w)
     assert plain.edges == (0, d) and torch.allclose(plain.C, full, atol=1e-12)
     # Float32 sums: their norm is the float64 norm of the very same float32 matrix to float32
@@ -138,9 +150,9 @@ def test_triangular_gram_equals_the_full_product(d):
 
 
 def test_cheapest_form_follows_rows_and_widths():
-    assert stats.cheapest_form(3072, [768], rows=400) == "QQ"          # few rows, wide input
-    assert stats.cheapest_form(768, [768] * 3, rows=100_000) == "P"     # many rows: shared P
-    assert stats.cheapest_form(3072, [768], rows=100_000) == "Q"        # narrow output
+    assert stats.cheapest_form(3072, [768], rows=400) == "QQ"  # few rows, wide input
+    assert stats.cheapest_form(768, [768] * 3, rows=100_000) == "P"  # many rows: shared P
+    assert stats.cheapest_form(3072, [768], rows=100_000) == "Q"  # narrow output
 
 
 def test_batched_statistics_equal_one_shot():
@@ -207,12 +219,13 @@ def test_systems_kept_on_their_upper_triangle_solve_like_full_ones(lapack_from):
     d = FastPaths().gram_block * 2 + 5
     tasks = [_task(gen, rows=30, d=d, o=3) for _ in range(2)]
     full, upper = _system(tasks, form="P"), _system(tasks, form="QQ")
-    assert not torch.equal(upper.S, upper.S.T)                      # really one triangle only
+    assert not torch.equal(upper.S, upper.S.T)  # really one triangle only
     assert torch.allclose(solve.symmetric(upper.S), solve.symmetric(full.S), atol=1e-12)
     W_mer, b_mer, W_0, b_0 = _anchors(gen, o=3, d=d)
     kw = {"lam": 0.2, "rho": 1.5, "alpha": 0.3, "eps": 1e-8}
-    (W1, b1), (W2, b2) = (solve.solve_linear(s, W_mer, b_mer, W_0, b_0, **kw, factors=solve.Factors(lapack_from))
-                          for s in (full, upper))
+    (W1, b1), (W2, b2) = (
+        solve.solve_linear(s, W_mer, b_mer, W_0, b_0, **kw, factors=solve.Factors(lapack_from)) for s in (full, upper)
+    )
     assert torch.allclose(W1, W2, atol=1e-9) and torch.allclose(b1, b2, atol=1e-9)
     assert abs(solve.linear_residual(full, W1, b1, 0.3) - solve.linear_residual(upper, W1, b1, 0.3)) < 1e-10
     by_lapack = getattr(solve.Factors(lapack_from).solver(upper.S, 0.2, "x"), "func", None) is solve._triangular_solves
@@ -223,7 +236,7 @@ def test_systems_kept_on_their_upper_triangle_solve_like_full_ones(lapack_from):
 
 @pytest.mark.parametrize("lapack_from", [None, 1], ids=["torch", "lapack"])
 def test_lu_fallback_reads_the_upper_triangle(lapack_from):
-    S = torch.tensor([[1.0, 2.0], [0.0, -2.0]])        # the symmetric [[1, 2], [2, -2]]: indefinite
+    S = torch.tensor([[1.0, 2.0], [0.0, -2.0]])  # the symmetric [[1, 2], [2, -2]]: indefinite
     X = solve.spd_factor(S, 0.0, "indefinite", lapack_min_d=lapack_from)(torch.ones(2, 1))
     assert torch.allclose(solve.symmetric(S) @ X, torch.ones(2, 1))
 
@@ -243,7 +256,7 @@ def test_factors_share_one_factorisation_per_system_and_give_its_buffer_back():
     X = one(torch.eye(6))
     assert torch.allclose((S1 + 0.1 * torch.eye(6)) @ X, torch.eye(6), atol=1e-9)
     taken = factors.close()
-    assert len(taken) == 2 and factors.solver(S1, 0.1, "q") is not one      # closed: factored anew
+    assert len(taken) == 2 and factors.solver(S1, 0.1, "q") is not one  # closed: factored anew
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -252,8 +265,7 @@ def test_residual_is_not_finite_when_the_weights_are_not(bad):
     gen = torch.Generator().manual_seed(8)
     sysm = _system([_task(gen) for _ in range(2)])
     W_mer, b_mer, W_0, b_0 = _anchors(gen)
-    W, b, SWt = solve.solve_linear(sysm, W_mer, b_mer, W_0, b_0, lam=0.1, rho=1.0, alpha=0.3, eps=1e-8,
-                                   with_swt=True)
+    W, b, SWt = solve.solve_linear(sysm, W_mer, b_mer, W_0, b_0, lam=0.1, rho=1.0, alpha=0.3, eps=1e-8, with_swt=True)
     assert math.isfinite(solve.linear_residual(sysm, W, b, 0.3, SWt))
     W2 = W.clone()
     W2[1, 2] = bad
@@ -265,14 +277,16 @@ def test_residual_is_not_finite_when_the_weights_are_not(bad):
 
 def test_inner_of_stacks_is_one_sum_per_matrix():
     gen = torch.Generator().manual_seed(9)
-    a, b = torch.randn(3, 5, 7, generator=gen, dtype=torch.float64), torch.randn(3, 5, 7, generator=gen,
-                                                                              dtype=torch.float64)
+    a, b = (
+        torch.randn(3, 5, 7, generator=gen, dtype=torch.float64),
+        torch.randn(3, 5, 7, generator=gen, dtype=torch.float64),
+    )
     want = torch.stack([(x * y).sum() for x, y in zip(a, b)])
     for x, y in ((a, b), (a.mT.contiguous().mT, b.mT.contiguous().mT), (a[:, :, ::2], b[:, :, ::2])):
         ref = torch.stack([(p * q).sum() for p, q in zip(x, y)])
         assert torch.allclose(stats.inner(x, y), ref)
     assert torch.allclose(stats.inner(a, b), want)
-    assert torch.allclose(stats.inner(a[0], b[0]), want[0])              # one matrix: a scalar
+    assert torch.allclose(stats.inner(a[0], b[0]), want[0])  # one matrix: a scalar
 
 
 def test_add_weighted_on_strided_tiles_equals_the_weighted_sum():
@@ -280,12 +294,12 @@ def test_add_weighted_on_strided_tiles_equals_the_weighted_sum():
     x, f = torch.randn(3, 8, 10, generator=gen), torch.rand(3, generator=gen)
     out = torch.randn(8, 10, generator=gen)
     want = out + (f[:, None, None] * x).sum(0)
-    tile = x[:, 2:5, 4:]                       # a strided tile of the stack
+    tile = x[:, 2:5, 4:]  # a strided tile of the stack
     got = out.clone()
     stats.add_weighted(got[2:5, 4:], tile, f)
     assert torch.allclose(got[2:5, 4:], want[2:5, 4:], atol=1e-6)
     assert torch.equal(got[:2], out[:2])
-    assert torch.allclose(stats.add_weighted(out.clone(), x, f), want, atol=1e-6)   # contiguous: one product
+    assert torch.allclose(stats.add_weighted(out.clone(), x, f), want, atol=1e-6)  # contiguous: one product
 
 
 @pytest.fixture(params=[1, None], ids=["syrk", "torch"])
@@ -362,11 +376,11 @@ def test_scratch_hands_back_zeroed_buffers():
     sc.give([a])
     b = sc.take((3, 4), torch.float32, "cpu")
     assert b.data_ptr() == a.data_ptr() and not b.any()
-    c = sc.take((3, 4), torch.float32, "cpu")        # none left: a new one
+    c = sc.take((3, 4), torch.float32, "cpu")  # none left: a new one
     assert c.data_ptr() != a.data_ptr() and not c.any()
     assert sc.take((3, 4), torch.float64, "cpu").dtype == torch.float64
     big = torch.zeros(10, 10)
     sc.give([a, big])
-    sc.trim(50)                                      # the 10 x 10 one goes, the 3 x 4 one stays
+    sc.trim(50)  # the 10 x 10 one goes, the 3 x 4 one stays
     assert sc.take((10, 10), torch.float32, "cpu").data_ptr() != big.data_ptr()
     assert sc.take((3, 4), torch.float32, "cpu").data_ptr() == a.data_ptr()

@@ -1,4 +1,5 @@
 """Bad input to calibrate: a clear error naming the problem, and nothing changed."""
+
 import copy
 
 import pytest

@@ -3,6 +3,7 @@
 Most tests use tiny random models (``app_zoo.write_tiny_zoo``) or a micro build
 recipe; the ``demo_zoo`` ones load the real cached demo (building it if needed).
 """
+
 from __future__ import annotations
 
 import gzip
@@ -41,10 +42,20 @@ def test_drop_duplicates():
     assert np.array_equal(ky, [0, 2]) and np.array_equal(kx, x[[0, 2]])
 
 
-MICRO = demo.Recipe(tasks=("colour", "position"), n_train=96, n_calib=32, n_val=16, n_test=24,
-                    n_pretrain=32, pretrain_steps=2, finetune_steps=2, batch_size=8,
-                    vision=dict(image_size=32, patch_size=16, hidden_size=16, intermediate_size=32,
-                                num_hidden_layers=1, num_attention_heads=2))
+MICRO = demo.Recipe(
+    tasks=("colour", "position"),
+    n_train=96,
+    n_calib=32,
+    n_val=16,
+    n_test=24,
+    n_pretrain=32,
+    pretrain_steps=2,
+    finetune_steps=2,
+    batch_size=8,
+    vision=dict(
+        image_size=32, patch_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    ),
+)
 
 
 def test_make_data_splits_are_disjoint():
@@ -58,6 +69,7 @@ def test_make_data_splits_are_disjoint():
 
 
 # ------------------------------------------------------------------ build and layout
+
 
 def test_micro_build_is_atomic_hashed_and_deterministic(tmp_path):
     path = demo.build_demo(tmp_path / "z", progress=False, recipe=MICRO)
@@ -119,6 +131,7 @@ def test_load_any_errors(tmp_path):
 
 # ------------------------------------------------------------------ evaluation and calibration data
 
+
 def _direct_accuracy(zoo, model, task, split="test"):
     x, y = zoo.split(task, split)
     with torch.no_grad():
@@ -158,6 +171,7 @@ def test_scores():
 
 # ------------------------------------------------------------------ fashion
 
+
 def _idx(path, arr):
     header = bytes([0, 0, 8, arr.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in arr.shape)
     with gzip.open(path, "wb") as f:
@@ -193,16 +207,17 @@ def test_fashion_variant_build(tmp_path, monkeypatch):
     micro = store.read_zoo_dir(demo.build_demo(tmp_path / "default", progress=False, recipe=MICRO))
     monkeypatch.setattr(demo, "load_demo", lambda **kw: micro)
     recipe = demo.Recipe(**{**MICRO.__dict__, "n_train": 120, "n_test": 24})
-    zoo = store.read_zoo_dir(demo.build_demo(tmp_path / "fashion", variant="fashion",
-                                             progress=False, recipe=recipe))
+    zoo = store.read_zoo_dir(demo.build_demo(tmp_path / "fashion", variant="fashion", progress=False, recipe=recipe))
     assert zoo.tasks == ["colour", "position", "fashion", "fashion-group"]
     assert zoo.meta["variant"] == "fashion" and len(zoo.data["fashion-group"].classes) == 4
     for t in micro.tasks:
-        assert torch.equal(zoo.experts[t].state_dict()["post_layernorm.weight"],
-                           micro.experts[t].state_dict()["post_layernorm.weight"])
+        assert torch.equal(
+            zoo.experts[t].state_dict()["post_layernorm.weight"], micro.experts[t].state_dict()["post_layernorm.weight"]
+        )
 
 
 # ------------------------------------------------------------------ the real demo zoo
+
 
 @pytest.fixture(scope="module")
 def demo_zoo():
@@ -225,8 +240,7 @@ def test_demo_zoo_contents(demo_zoo):
 def test_demo_expert_matches_direct_forward_and_gap(demo_zoo):
     task = demo_zoo.tasks[0]
     expert = demo_zoo.experts[task]
-    assert evaluate(expert, demo_zoo, tasks=[task])[task] == pytest.approx(
-        _direct_accuracy(demo_zoo, expert, task))
+    assert evaluate(expert, demo_zoo, tasks=[task])[task] == pytest.approx(_direct_accuracy(demo_zoo, expert, task))
     experts = scores.expert_accuracies(demo_zoo)
     ta = evaluate(demo_zoo.merged("task_arithmetic", scale=0.3), demo_zoo)
     assert scores.average(experts) >= scores.average(ta) + 10  # the merging gap the paper studies

@@ -1,4 +1,5 @@
 """featcal.zoo.io: safe saving (no overwrite without force, nothing half-written) and loading."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,9 @@ def _tiny_clip(seed: int = 0):
     from transformers import CLIPVisionConfig, CLIPVisionModel
 
     torch.manual_seed(seed)
-    cfg = CLIPVisionConfig(image_size=16, patch_size=8, hidden_size=16, intermediate_size=32,
-                           num_hidden_layers=1, num_attention_heads=2)
+    cfg = CLIPVisionConfig(
+        image_size=16, patch_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
     return CLIPVisionModel(cfg).eval()
 
 
@@ -47,8 +49,11 @@ def test_hf_round_trip_and_marker(tmp_path):
 def test_torch_round_trip_needs_like(tmp_path):
     model = _mlp(0)
     out = io.save_model(model, tmp_path / "m", fmt="torch", config={"arch": "mlp"})
-    assert io.read_marker(out) == {"format": "torch", "class": "torch.nn.modules.container.Sequential",
-                                   "config": {"arch": "mlp"}}
+    assert io.read_marker(out) == {
+        "format": "torch",
+        "class": "torch.nn.modules.container.Sequential",
+        "config": {"arch": "mlp"},
+    }
     with pytest.raises(ValueError, match="like="):
         io.load_model(out)
     other = _mlp(1)

@@ -1,4 +1,5 @@
 """Zero-shot heads, CLIP features and the built-in class names, on tiny random CLIPs."""
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,9 @@ def write_tiny_tokenizer(folder: Path) -> int:
     vocab["<|endoftext|>"] = len(vocab)
     (folder / "vocab.json").write_text(json.dumps(vocab))
     (folder / "merges.txt").write_text("#version: 0.2\n")
-    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "CLIPTokenizer",
-                                                              "model_max_length": 32}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "CLIPTokenizer", "model_max_length": 32})
+    )
     return len(vocab)
 
 
@@ -38,11 +40,25 @@ def tiny_clip(folder: Path | None = None, seed: int = 0):
 
     n_vocab = len(_CHARS) * 2 + 2
     cfg = CLIPConfig(
-        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                         vocab_size=n_vocab, max_position_embeddings=32, bos_token_id=n_vocab - 2,
-                         eos_token_id=n_vocab - 1, pad_token_id=n_vocab - 1),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                           image_size=32, patch_size=8),
+        text_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            vocab_size=n_vocab,
+            max_position_embeddings=32,
+            bos_token_id=n_vocab - 2,
+            eos_token_id=n_vocab - 1,
+            pad_token_id=n_vocab - 1,
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        ),
         projection_dim=16,
     )
     torch.manual_seed(seed)
@@ -55,6 +71,7 @@ def tiny_clip(folder: Path | None = None, seed: int = 0):
 
 
 # ----------------------------------------------------------------------------- tests
+
 
 def test_zero_shot_weights_are_normalised_template_means():
     gen = torch.Generator().manual_seed(0)
@@ -98,8 +115,9 @@ def test_hf_features_are_clip_image_embeddings(tmp_path):
     vision = CLIPVisionModel(clip.config.vision_config).eval()
     own = {k.removeprefix("vision_model."): k for k in vision.state_dict()}
     sd = read_state_dict(tmp_path / "clip")
-    vision.load_state_dict({own[k.removeprefix("vision_model.")]: v for k, v in sd.items()
-                            if k.removeprefix("vision_model.") in own})
+    vision.load_state_dict(
+        {own[k.removeprefix("vision_model.")]: v for k, v in sd.items() if k.removeprefix("vision_model.") in own}
+    )
     feats = ClipFeatures("hf", "embedding", sd["visual_projection.weight"])
     x = torch.randn(3, 3, 32, 32)
     with torch.no_grad():
@@ -109,8 +127,7 @@ def test_hf_features_are_clip_image_embeddings(tmp_path):
     w = F.normalize(torch.randn(4, 16), dim=-1)
     head = linear_head(w, scale=100.0)
     assert not head.weight.requires_grad and head.bias is None
-    torch.testing.assert_close(head(feats(vision, x)), 100.0 * F.normalize(ref, dim=-1) @ w.T,
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(head(feats(vision, x)), 100.0 * F.normalize(ref, dim=-1) @ w.T, atol=1e-4, rtol=1e-4)
 
 
 def test_hf_text_encoder_pads_without_changing_embeddings(tmp_path):
@@ -124,8 +141,16 @@ def test_hf_text_encoder_pads_without_changing_embeddings(tmp_path):
 
 
 def test_builtin_class_names_and_templates():
-    sizes = {"sun397": 397, "stanford-cars": 196, "resisc45": 45, "eurosat": 10, "svhn": 10,
-             "gtsrb": 43, "mnist": 10, "dtd": 47}
+    sizes = {
+        "sun397": 397,
+        "stanford-cars": 196,
+        "resisc45": 45,
+        "eurosat": 10,
+        "svhn": 10,
+        "gtsrb": 43,
+        "mnist": 10,
+        "dtd": 47,
+    }
     assert list(classnames.TA8) == list(sizes)
     for task, n in sizes.items():
         classes, templates = classnames.classes_and_templates(task)

@@ -1,4 +1,5 @@
 """Zoo specs: tiny random CLIPs and data written to temporary dirs, loaded offline end to end."""
+
 from __future__ import annotations
 
 import io
@@ -103,16 +104,20 @@ def hf_zoo(tmp_path):
     save_file(nested, str(blob))
     cfg = clip.config.vision_config.to_dict()
     cfg["model_type"] = "clip_vision_model"
-    write_hf_cache_model("tanganke/tiny-clip_shapes", {"config.json": json.dumps(cfg),
-                                                       "model.safetensors": blob.read_bytes()})
+    write_hf_cache_model(
+        "tanganke/tiny-clip_shapes", {"config.json": json.dumps(cfg), "model.safetensors": blob.read_bytes()}
+    )
     write_image_folder(tmp_path / "data" / "mnist", [str(d) for d in range(10)], n_train=2, n_test=2)
     write_npz(tmp_path / "data" / "shapes.npz", 3, n_train=18, n_test=9)
     spec = {
         "name": "tiny",
         "base": "base",
         "experts": {"mnist": "expert_mnist", "shapes": "tanganke/tiny-clip_shapes"},
-        "heads": {"type": "zero_shot", "classes": {"shapes": ["red", "green", "blue"]},
-                  "templates": {"shapes": ["a {} picture.", "something {}."]}},
+        "heads": {
+            "type": "zero_shot",
+            "classes": {"shapes": ["red", "green", "blue"]},
+            "templates": {"shapes": ["a {} picture.", "something {}."]},
+        },
         "data": {"mnist": "${FEATCAL_TEST_DATA:-data}/mnist", "shapes": {"path": "data/shapes.npz"}},
         "splits": {"calib": 8, "val": 4, "seed": 3},
     }
@@ -145,8 +150,9 @@ def test_hf_spec_loads_merges_calibrates_and_evaluates(hf_zoo):
     merged = zoo.merged("task_arithmetic", scale=0.3)
     calib = zoo.calib_data(8)
     assert {t: sum(len(b) for b in bs) for t, bs in calib.items()} == {"mnist": 8, "shapes": 8}
-    calibrated, report = calibrate(merged, base=zoo.base, experts=zoo.experts, calib_data=calib,
-                                   config=FeatCalConfig(), progress=False)
+    calibrated, report = calibrate(
+        merged, base=zoo.base, experts=zoo.experts, calib_data=calib, config=FeatCalConfig(), progress=False
+    )
     assert report is not None and calibrated is not merged
     for model in (zoo.base, merged, calibrated, *zoo.experts.values()):
         acc = evaluate(model, zoo)
@@ -250,8 +256,11 @@ def test_parquet_arrow_and_file_heads(tmp_path):
     _perturbed_vision(clip, 1).save_pretrained(tmp_path / "e1")
     _perturbed_vision(clip, 2).save_pretrained(tmp_path / "e2")
     names = ["red", "green", "blue"]
-    hf_meta = {b"huggingface": json.dumps({"info": {"features": {
-        "image": {"_type": "Image"}, "label": {"names": names, "_type": "ClassLabel"}}}}).encode()}
+    hf_meta = {
+        b"huggingface": json.dumps(
+            {"info": {"features": {"image": {"_type": "Image"}, "label": {"names": names, "_type": "ClassLabel"}}}}
+        ).encode()
+    }
 
     def table(n: int, seed: int):
         labels = [i % 3 for i in range(n)]
@@ -262,8 +271,9 @@ def test_parquet_arrow_and_file_heads(tmp_path):
     ds = tmp_path / "hf" / "hub" / "datasets--org--colors"
     snap.parent.parent.rename(ds)
     (ds / "snapshots" / "0123abcd" / "data").mkdir()
-    pq.write_table(table(12, 0), ds / "snapshots" / "0123abcd" / "data" / "train-00000-of-00001.parquet",
-                   row_group_size=5)
+    pq.write_table(
+        table(12, 0), ds / "snapshots" / "0123abcd" / "data" / "train-00000-of-00001.parquet", row_group_size=5
+    )
     pq.write_table(table(6, 100), ds / "snapshots" / "0123abcd" / "data" / "test-00000-of-00001.parquet")
     arrow = tmp_path / "arrow_ds"
     for split, n in (("train", 9), ("test", 6)):
@@ -277,12 +287,21 @@ def test_parquet_arrow_and_file_heads(tmp_path):
         (arrow / split / "dataset_info.json").write_text(json.dumps({"features": {"label": {"names": names}}}))
     (arrow / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
     gen = torch.Generator().manual_seed(0)
-    save_file({"colors.weight": torch.randn(3, 16, generator=gen), "colors.bias": torch.zeros(3),
-               "arrows.weight": torch.randn(3, 16, generator=gen)}, str(tmp_path / "heads.safetensors"))
-    spec = {"base": "base", "experts": {"colors": "e1", "arrows": "e2"},
-            "heads": {"type": "file", "path": "heads.safetensors"},
-            "data": {"colors": {"path": "missing_here", "hub": "org/colors"}, "arrows": "arrow_ds"},
-            "splits": {"calib": 4, "val": 2, "test": 4, "seed": 0}}
+    save_file(
+        {
+            "colors.weight": torch.randn(3, 16, generator=gen),
+            "colors.bias": torch.zeros(3),
+            "arrows.weight": torch.randn(3, 16, generator=gen),
+        },
+        str(tmp_path / "heads.safetensors"),
+    )
+    spec = {
+        "base": "base",
+        "experts": {"colors": "e1", "arrows": "e2"},
+        "heads": {"type": "file", "path": "heads.safetensors"},
+        "data": {"colors": {"path": "missing_here", "hub": "org/colors"}, "arrows": "arrow_ds"},
+        "splits": {"calib": 4, "val": 2, "test": 4, "seed": 0},
+    }
     (tmp_path / "z.yaml").write_text(yaml.safe_dump(spec))
     zoo = zoo_spec.load(tmp_path / "z.yaml")
     assert zoo.data["colors"].classes == names == zoo.data["arrows"].classes
@@ -295,8 +314,8 @@ def test_parquet_arrow_and_file_heads(tmp_path):
 
 def test_to_clip_input_resizes_short_side_and_center_crops():
     img = Image.new("RGB", (60, 30))
-    img.paste((255, 0, 0), (0, 0, 15, 30))      # left quarter red: cropped away
-    img.paste((0, 0, 255), (15, 0, 45, 30))     # middle half blue: kept
+    img.paste((255, 0, 0), (0, 0, 15, 30))  # left quarter red: cropped away
+    img.paste((0, 0, 255), (15, 0, 45, 30))  # middle half blue: kept
     out = to_clip_input(img, 16)
     assert out.shape == (3, 16, 16) and out.dtype == torch.uint8
     assert out[2].float().mean() > 250 and out[0].float().mean() < 5
@@ -319,10 +338,16 @@ def test_open_clip_spec_loads(tmp_path):
             torch.save({"state_dict": {f"model.visual.{k}": v for k, v in sd.items()}}, tmp_path / "shapes.pt")
     write_npz(tmp_path / "mnist.npz", 10, 20, 10)
     write_npz(tmp_path / "shapes.npz", 3, 15, 6)
-    spec = {"format": "open_clip", "arch": "tiny-oc-spec", "config": "tiny-oc-spec.json",
-            "base": "base.safetensors", "experts": {"mnist": "mnist.safetensors", "shapes": {"path": "shapes.pt"}},
-            "heads": {"classes": {"shapes": ["red", "green", "blue"]}},
-            "data": {"mnist": "mnist.npz", "shapes": "shapes.npz"}, "splits": {"calib": 6, "val": 2}}
+    spec = {
+        "format": "open_clip",
+        "arch": "tiny-oc-spec",
+        "config": "tiny-oc-spec.json",
+        "base": "base.safetensors",
+        "experts": {"mnist": "mnist.safetensors", "shapes": {"path": "shapes.pt"}},
+        "heads": {"classes": {"shapes": ["red", "green", "blue"]}},
+        "data": {"mnist": "mnist.npz", "shapes": "shapes.npz"},
+        "splits": {"calib": 6, "val": 2},
+    }
     (tmp_path / "oc.yaml").write_text(yaml.safe_dump(spec))
     zoo = zoo_spec.load(tmp_path / "oc.yaml")
     assert zoo.fmt == "open_clip"
@@ -340,14 +365,30 @@ def test_open_clip_pretrained_tag_is_read_from_the_hf_cache_only(tmp_path):
     from featcal.zoo.loaders import open_clip_quick_gelu
     from featcal.zoo.locate import locate_model
 
-    entry = zoo_spec.from_dict({"format": "open_clip", "arch": "ViT-B-32", "base": {"pretrained": "openai"},
-                                "experts": {"mnist": "e.pt"}, "data": {"mnist": "d"}}, root=tmp_path).base
+    entry = zoo_spec.from_dict(
+        {
+            "format": "open_clip",
+            "arch": "ViT-B-32",
+            "base": {"pretrained": "openai"},
+            "experts": {"mnist": "e.pt"},
+            "data": {"mnist": "d"},
+        },
+        root=tmp_path,
+    ).base
     assert open_clip_quick_gelu(entry)  # OpenAI weights need QuickGELU
     path, miss = locate_model(entry, "base")
     assert path is None and "models--timm--vit_base_patch32_clip_224.openai" in miss.looked[0]
     snap = write_hf_cache_model("timm/vit_base_patch32_clip_224.openai", {"open_clip_model.safetensors": b"x"})
     path, miss = locate_model(entry, "base")
     assert miss is None and path == snap / "open_clip_model.safetensors"
-    bad = zoo_spec.from_dict({"format": "open_clip", "arch": "ViT-B-32", "base": {"pretrained": "nope"},
-                              "experts": {"mnist": "e.pt"}, "data": {"mnist": "d"}}, root=tmp_path).base
+    bad = zoo_spec.from_dict(
+        {
+            "format": "open_clip",
+            "arch": "ViT-B-32",
+            "base": {"pretrained": "nope"},
+            "experts": {"mnist": "e.pt"},
+            "data": {"mnist": "d"},
+        },
+        root=tmp_path,
+    ).base
     assert "openai" in locate_model(bad, "base")[1].fix
