@@ -41,7 +41,7 @@ from diagnostics.similarity import TOKENS, CKASums, accumulate_cka, cosine_rows,
 from featcal.arch import resolve_blocks
 from featcal.modes import eval_mode
 from featcal.progress import bar as progress_bar
-from featcal.streams import BlockCall, block_call, catch_block_inputs, device_of, run_block
+from featcal.streams import BlockCall, advance, block_call, block_output, catch_block_inputs, device_of, run_block
 from featcal.validate import batch_len, check_same_params, check_tasks
 
 COLUMNS = ["task", "block", "metric", "value"]
@@ -75,6 +75,10 @@ class DriftTokens:
     p: torch.Tensor  # f_mod,l(h_mod,l-1) - f_mod,l(h_exp,l-1)    float64
     h_mod: torch.Tensor  # h_mod,l, the model stream's next input (model dtype)
     h_exp: torch.Tensor  # h_exp,l, the expert stream's next input (model dtype)
+    # the streams' next block calls (h_mod / h_exp and what the blocks hand on, e.g. T5's
+    # position biases); None where the output was given rather than computed
+    next_mod: BlockCall | None = None
+    next_exp: BlockCall | None = None
 
 
 @torch.no_grad()
@@ -95,16 +99,19 @@ def drift_tokens(
     e.g. from :func:`expert_streams`; the model once when its own output ``h_mod`` is, e.g.
     from :func:`streams_while`).
     """
+    next_mod = next_exp = None
     if h_mod is None:
-        h_mod = run_block(block_mod, call_mod, device)  # f_mod,l(h_mod,l-1)
+        next_mod = call_mod.after(block_output(block_mod, call_mod, device))
+        h_mod = next_mod.hidden  # f_mod,l(h_mod,l-1)
     elif device is not None:
         h_mod = h_mod.to(device)
     if h_exp is None:
-        h_exp = run_block(block_exp, call_exp, device)  # f_exp,l(h_exp,l-1)
+        next_exp = call_exp.after(block_output(block_exp, call_exp, device))
+        h_exp = next_exp.hidden  # f_exp,l(h_exp,l-1)
     h_exp = h_exp.to(h_mod.device)
     cross = run_block(block_mod, call_mod.with_hidden(call_exp.hidden), device)  # f_mod,l(h_exp,l-1)
     a, b, c = h_mod.double(), h_exp.double(), cross.double()
-    return DriftTokens(e=a - b, m=c - b, p=a - c, h_mod=h_mod, h_exp=h_exp)
+    return DriftTokens(e=a - b, m=c - b, p=a - c, h_mod=h_mod, h_exp=h_exp, next_mod=next_mod, next_exp=next_exp)
 
 
 # ----------------------------------------------------------------------------- pure reductions
@@ -287,9 +294,9 @@ def _task_rows(
                 acc = BlockSums.zeros(dt.e.shape[-1], dt.e.device, cka)
             acc.add(dt, sizes[j], tokens, cm.mask)
             # 3. Advance both streams; nothing else of this batch is kept.
-            mod[j] = cm.with_hidden(keep(dt.h_mod))
+            mod[j] = own[l + 1][j] if own is not None else dt.next_mod.with_hidden(keep(dt.h_mod))
             if cached is None:
-                exp[j] = ce.with_hidden(keep(dt.h_exp))
+                exp[j] = dt.next_exp.with_hidden(keep(dt.h_exp))
         if cached is not None:
             exp = cached[l + 1]
         rows += [(task, l, k, v) for k, v in acc.metrics().items()]
@@ -333,9 +340,8 @@ def expert_streams(
             path, eblks = resolve_blocks(experts[t], blocks if path is None else path)
             per_block = [_expert_calls(experts[t], eblks, data[t], keep)]
             for eblk in eblks:
-                per_block.append(
-                    [c.with_hidden(keep(run_block(eblk, c, device_of(experts[t])))) for c in per_block[-1]]
-                )
+                nxt = [advance(eblk, c, device_of(experts[t])) for c in per_block[-1]]
+                per_block.append([c.with_hidden(keep(c.hidden)) for c in nxt])
             calls[t] = per_block
     return ExpertStreams(path, calls)
 
@@ -360,7 +366,7 @@ def streams_while(
 
     def after(l: int):
         def hook(_mod, _args, out):
-            seen[l] = keep(out[0] if isinstance(out, (tuple, list)) else out)
+            seen[l] = out
 
         return hook
 
@@ -378,10 +384,11 @@ def streams_while(
                             f"fn(model, batch) did not run every block of {path!r}; "
                             "streams_while needs a function that runs the whole model."
                         )
-                    call = block_call(*seen["call"], batch)
+                    call = block_call(*seen["call"], batch, blks[0])
                     per_block[0].append(call.with_hidden(keep(call.hidden)))
                     for l in range(len(blks)):
-                        per_block[l + 1].append(call.with_hidden(seen[l]))
+                        call = call.after(seen[l])  # what block l hands on, as the forward did
+                        per_block[l + 1].append(call.with_hidden(keep(call.hidden)))
                 results[task], calls[task] = outs, per_block
     finally:
         for h in handles:

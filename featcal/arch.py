@@ -11,10 +11,16 @@ treated as a Linear over the attention input), or a LayerNorm affine
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
+
+# Models of two stacks run in this order (encoder, then decoder); tried first when ``blocks``
+# is not given. :func:`resolve_stacks` finds them; :func:`resolve_blocks` wants one named.
+KNOWN_STACK_PATHS = (
+    ("encoder.block", "decoder.block"),
+)  # HF T5 / FLAN-T5 / mT5 (T5Model, ...ForConditionalGeneration)
 
 # Tried in order when ``blocks`` is not given.
 KNOWN_BLOCK_PATHS = (
@@ -23,6 +29,10 @@ KNOWN_BLOCK_PATHS = (
     "visual.transformer.resblocks",  # open_clip CLIP
     "transformer.resblocks",  # open_clip VisionTransformer
     "model.layers",  # Llama-family causal LMs
+    "encoder.block",  # HF T5EncoderModel
+    "encoder.layer",  # HF BertModel, RobertaModel
+    "bert.encoder.layer",  # HF Bert heads (BertForSequenceClassification, ...)
+    "roberta.encoder.layer",  # HF RoBERTa heads
     "layers",
     "blocks",
 )
@@ -56,6 +66,49 @@ class Target:
     ln_eps: float = 0.0
 
 
+@dataclass(frozen=True)
+class BlockKind:
+    """How a model's forward threads one stack of blocks, beyond the hidden state.
+
+    Attributes:
+        carries: ``(output index, argument name)`` pairs: output ``index`` of block l is
+            passed to block l + 1 as the argument so named (T5's block 0 computes the
+            relative position biases and every later block receives them).
+        mask: the batch key of the padding mask of this stack's tokens (``(B, T)``).
+        memory_mask: the batch key of the padding mask of the tokens that the blocks'
+            cross-attention reads (an encoder's tokens, in a decoder), or None.
+        memory_sites: the input sites (paths inside a block, see :class:`Target`) that read
+            those tokens: the cross-attention's key and value projections.
+    """
+
+    carries: tuple[tuple[int, str], ...] = ()
+    mask: str = "attention_mask"
+    memory_mask: str | None = None
+    memory_sites: tuple[str, ...] = ()
+
+
+_T5_CARRIES = ((1, "position_bias"), (2, "encoder_decoder_position_bias"))
+
+
+def _t5_kind(block: nn.Module) -> BlockKind:
+    if getattr(block, "is_decoder", False):
+        sites = tuple(f"layer.1.EncDecAttention.{p}" for p in ("k", "v"))
+        return BlockKind(_T5_CARRIES, "decoder_attention_mask", "attention_mask", sites)
+    return BlockKind(_T5_CARRIES)
+
+
+# Block class name -> its BlockKind; a block class not named here gets the plain BlockKind()
+# (hidden state in, hidden state first out, padding in ``attention_mask``). Add an entry for a
+# model whose blocks pass extra outputs on or read another stack's tokens.
+BLOCK_KINDS: dict[str, Callable[[nn.Module], BlockKind]] = {"T5Block": _t5_kind, "MT5Block": _t5_kind}
+
+
+def block_kind(block: nn.Module) -> BlockKind:
+    """The :class:`BlockKind` of a stack whose blocks are like ``block``."""
+    make = BLOCK_KINDS.get(type(block).__name__)
+    return BlockKind() if make is None else make(block)
+
+
 def get_submodule(root: nn.Module, path: str) -> nn.Module:
     return root.get_submodule(path) if path else root
 
@@ -73,18 +126,58 @@ def resolve_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, nn
         if not isinstance(found, (nn.ModuleList, nn.Sequential)) or len(found) == 0:
             raise ValueError(f"blocks={blocks!r} is a {type(found).__name__}, not a non-empty nn.ModuleList.")
         return blocks, found
+    stacks = _known_stacks(model)
+    if stacks is not None:
+        raise ValueError(
+            f"{type(model).__name__} has two stacks of blocks, {stacks[0]!r} and {stacks[1]!r}; "
+            "pass blocks= naming one of them (calibrate() without blocks= does both, in forward order)."
+        )
     for path in KNOWN_BLOCK_PATHS:
-        try:
-            found = model.get_submodule(path)
-        except AttributeError:
-            continue
-        if isinstance(found, (nn.ModuleList, nn.Sequential)) and len(found) > 0:
+        found = _module_list(model, path)
+        if found is not None:
             return path, found
     candidates = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 1]
     raise ValueError(
         f"featcal does not know where the blocks of {type(model).__name__} are; pass "
         f"blocks='dotted.path' naming the nn.ModuleList of blocks. Candidates: {candidates[:8]}"
     )
+
+
+def _module_list(model: nn.Module, path: str) -> nn.ModuleList | None:
+    try:
+        found = model.get_submodule(path)
+    except AttributeError:
+        return None
+    ok = isinstance(found, (nn.ModuleList, nn.Sequential)) and len(found) > 0
+    return found if ok else None
+
+
+def _known_stacks(model: nn.Module) -> tuple[str, ...] | None:
+    for paths in KNOWN_STACK_PATHS:
+        if all(_module_list(model, p) is not None for p in paths):
+            return paths
+    return None
+
+
+def resolve_stacks(model: nn.Module, blocks: str | None = None) -> list[tuple[str, nn.ModuleList]]:
+    """Every stack of blocks to calibrate, in forward order: ``[(dotted_path, ModuleList)]``.
+
+    An encoder-decoder (:data:`KNOWN_STACK_PATHS`) without ``blocks`` gives its encoder's
+    and its decoder's; otherwise the one stack of :func:`resolve_blocks`.
+    """
+    stacks = None if blocks is not None else _known_stacks(model)
+    if stacks is not None:
+        return [(p, _module_list(model, p)) for p in stacks]
+    return [resolve_blocks(model, blocks)]
+
+
+STACK_SEP = "+"  # joins the paths of several stacks into one ``blocks_path`` (reports, previews)
+
+
+def all_blocks(model: nn.Module, blocks_path: str) -> list[nn.Module]:
+    """The blocks of every stack named in ``blocks_path`` (paths joined by :data:`STACK_SEP`),
+    one list in forward order: the block numbers of a report over several stacks."""
+    return [blk for p in blocks_path.split(STACK_SEP) for blk in resolve_blocks(model, p)[1]]
 
 
 def _selected(name: str, only: tuple[str, ...] | None) -> bool:

@@ -66,9 +66,16 @@ def token_weights(
     x: torch.Tensor, weighted: bool, other: float, mask: torch.Tensor | None, dtype: torch.dtype, lead: int = 0
 ) -> torch.Tensor | None:
     """Per-row weights ``(rows,)`` for an input ``(B, T, d)``/``(B, d)`` (``lead`` leading
-    task axes kept); ``None`` = all ones."""
+    task axes kept); ``None`` = all ones. ``mask`` is the padding mask of the tokens this
+    input reads; one that does not fit them is an error, never skipped or applied by chance."""
     has_tokens = x.dim() - lead == 3
-    use_mask = mask is not None and has_tokens and tuple(mask.shape) == tuple(x.shape[lead : lead + 2])
+    use_mask = mask is not None and has_tokens
+    if use_mask and tuple(mask.shape) != tuple(x.shape[lead : lead + 2]):
+        raise ValueError(
+            f"the padding mask has shape {tuple(mask.shape)} but the input it masks is "
+            f"{tuple(x.shape[lead:])}; the mask must be (batch, tokens) of the tokens this input reads "
+            "(a decoder's rows: decoder_attention_mask; its cross-attention keys/values: attention_mask)."
+        )
     if not (weighted and has_tokens) and not use_mask:
         return None
     w = torch.ones(x.shape[:-1], dtype=dtype, device=x.device)  # (B, T)
@@ -162,7 +169,9 @@ class BlockStats:
             block=fast.gram_block,
         )
 
-    def add(self, cs: Captured, ce: Captured, mask: torch.Tensor | None) -> None:
+    def add(self, cs: Captured, ce: Captured, mask) -> None:
+        """Reduce one call's captures; ``mask``: None, the padding mask of every input, or
+        a function of an input site giving that input's mask (:meth:`BlockCall.mask_for`)."""
         dt = self.ctx.cfg.stats_dtype
         canon = canonical_sites(self.targets, cs, ce)
         members: dict[tuple, list[arch.Target]] = {}
@@ -174,7 +183,9 @@ class BlockStats:
             site, weighted, kind, ln_eps = key
             xs_raw = cs.inputs[site]
             lead = xs_raw.shape[: self.lead]
-            w = token_weights(xs_raw, weighted, self.other, mask, dt, self.lead)
+            m = mask(site) if callable(mask) else mask
+            m = None if m is None else m.to(xs_raw.device)
+            w = token_weights(xs_raw, weighted, self.other, m, dt, self.lead)
             xs = stats.as_rows(xs_raw, dt, self.lead)  # (rows, d)
             d = xs.shape[-1]
             if kind == arch.LAYERNORM:

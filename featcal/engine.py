@@ -41,7 +41,7 @@ from featcal.config import FastPaths, FeatCalConfig
 from featcal.modes import to_eval
 from featcal.progress import bar as progress_bar
 from featcal.report import BlockRecord, CalibrationReport, ModuleRecord
-from featcal.streams import BlockCall, catch_block_inputs, device_of, pool_spans, pooled, run_block
+from featcal.streams import BlockCall, block_output, catch_block_inputs, device_of, pool_spans, pooled, run_block
 
 log = logging.getLogger(__name__)
 
@@ -95,12 +95,15 @@ class _Run:
     """What the steps of every block of one :func:`calibrate` call share."""
 
     ctx: Context  # config, fast paths, scratch, warnings (featcal.blockstats)
-    base_blocks: nn.ModuleList
-    expert_blocks: Mapping[str, nn.ModuleList]
-    streams: dict[str, _Stream]
     report: CalibrationReport
     keep: list | None  # each solved module's system and parameters, for a preview
     trace: ExpertTrace | None
+    # the stack being calibrated (an encoder-decoder has two, calibrated one after the other)
+    path: str = ""
+    offset: int = 0  # its first block's number in the report (blocks of earlier stacks before it)
+    base_blocks: nn.ModuleList | None = None
+    expert_blocks: Mapping[str, nn.ModuleList] | None = None
+    streams: dict[str, _Stream] | None = None
 
 
 def _prepare_streams(
@@ -111,19 +114,22 @@ def _prepare_streams(
     calib_data: Mapping[str, list],
     offload: bool,
     trace: ExpertTrace | None = None,
+    path: str = "",
 ) -> dict[str, _Stream]:
     """Run every stem once per batch: the calibrating model's and expert i's on D_i (the
-    latter from ``trace`` when it has them)."""
+    latter from ``trace`` when it has them, kept under the stack's ``path``). The stem of a
+    later stack is the model's forward up to it: a decoder's streams read the calibrating
+    model's (calibrated) encoder output and each expert's own."""
     streams = {}
     for task, batches in calib_data.items():
         cal = [catch_block_inputs(model, blocks[0], b) for b in batches]
-        exp = None if trace is None else trace.stems.get(task)
+        exp = None if trace is None else trace.stems.get((path, task))
         if exp is None:
             exp = [catch_block_inputs(experts[task], expert_blocks[task][0], b) for b in batches]
             if offload:
                 exp = [c.with_hidden(c.hidden.cpu()) for c in exp]
             if trace is not None:
-                trace.stems[task] = exp
+                trace.stems[path, task] = exp
         if offload:
             cal = [c.with_hidden(c.hidden.cpu()) for c in cal]
         streams[task] = _Stream(cal, list(exp))
@@ -179,10 +185,10 @@ def _solve_block(run: _Run, block: int, blk: nn.Module, targets, systems: dict) 
             raise FloatingPointError(f"block {block}, module {t.name!r}: the solve gave NaN/Inf; raise lam or eps.")
         new_params.append((t, W, b))
         run.report.modules.append(
-            ModuleRecord(block, t.name, t.kind, d_in, d_out, rows, before, after, time.perf_counter() - t0)
+            ModuleRecord(run.offset + block, t.name, t.kind, d_in, d_out, rows, before, after, time.perf_counter() - t0)
         )
         if keep is not None:
-            keep.append((block, t, sysm, W_mer, b_mer, W_0, b_0))
+            keep.append((run.offset + block, t, sysm, W_mer, b_mer, W_0, b_0))
     for t, W, b in new_params:
         arch.set_params(blk, t, W, b)
     scratch.give(factors.close())
@@ -234,25 +240,25 @@ def _advance(run: _Run, block: int, blk: nn.Module, pool) -> None:
     """Step 3: move the calibrating streams through the calibrated block (in one call when
     ``pool``, from :func:`_pool` before step 1: the calibrating streams have not moved since)."""
     device, offload = run.ctx.device, run.ctx.cfg.offload_streams
-    outs: dict[tuple[str, int], torch.Tensor] = {}
+    outs: dict[tuple[str, int], BlockCall] = {}
     if pool is not None:
         keys, calls, spans = pool
         h = run_block(blk, pooled(calls), device)
         h = h.cpu() if offload else h
-        outs = {key: h[lo:hi] for key, (lo, hi) in zip(keys, spans)}
+        outs = {key: c.with_hidden(h[lo:hi]) for key, c, (lo, hi) in zip(keys, calls, spans)}
     else:
         for task, st in run.streams.items():
             for b, cc in enumerate(st.cal):
-                h = run_block(blk, cc, device)
-                outs[task, b] = h.cpu() if offload else h
+                nxt = cc.after(block_output(blk, cc, device))  # carried outputs handed on
+                outs[task, b] = nxt.with_hidden(nxt.hidden.cpu()) if offload else nxt
     for task, st in run.streams.items():
-        hs = [outs[task, b] for b in range(len(st.cal))]
-        if not bool(torch.stack([torch.isfinite(x).all() for x in hs]).all()):  # one sync per task
+        calls = [outs[task, b] for b in range(len(st.cal))]
+        if not bool(torch.stack([torch.isfinite(c.hidden).all() for c in calls]).all()):  # one sync per task
             raise FloatingPointError(
                 f"block {block}: the calibrated block's output on task {task!r} "
                 "holds NaN or Inf; raise lam or check the data."
             )
-        st.cal = [cc.with_hidden(x) for cc, x in zip(st.cal, hs)]
+        st.cal = calls
 
 
 def _expert_step(run: _Run, eblk: nn.Module, targets, st: _Stream, b: int, key: tuple | None) -> Captured:
@@ -264,11 +270,11 @@ def _expert_step(run: _Run, eblk: nn.Module, targets, st: _Stream, b: int, key: 
     hit = None if trace is None else trace.steps.get(key)
     if hit is None:
         with capture(eblk, targets, outputs=True) as ce:
-            out = run_block(eblk, ec, run.ctx.device)
-        hit = (ce, out.cpu() if run.ctx.cfg.offload_streams else out)
+            nxt = ec.after(block_output(eblk, ec, run.ctx.device))
+        hit = (ce, nxt.with_hidden(nxt.hidden.cpu()) if run.ctx.cfg.offload_streams else nxt)
         if trace is not None:
             trace.steps[key] = hit
-    st.exp[b] = ec.with_hidden(hit[1])
+    st.exp[b] = hit[1]
     return hit[0]
 
 
@@ -278,17 +284,17 @@ def _add_stacked(run: _Run, block: int, targets, merged_params: dict, merged_cap
     merged captures seen with one."""
     streams, trace = run.streams, run.trace
     tasks = list(streams)
-    hit = None if trace is None else trace.stacked.get(block)
+    hit = None if trace is None else trace.stacked.get((run.path, block))
     if hit is None:
         eblks = [run.expert_blocks[task][block] for task in tasks]
         ces = [_expert_step(run, eblk, targets, streams[task], 0, None) for task, eblk in zip(tasks, eblks)]
         params = {t.name: _stack_params([arch.get_params(eblk, t) for eblk in eblks]) for t in targets}
-        hit = (stacked(ces), params, [streams[task].exp[0].hidden for task in tasks])
+        hit = (stacked(ces), params, [streams[task].exp[0] for task in tasks])
         if trace is not None:
-            trace.stacked[block] = hit
+            trace.stacked[run.path, block] = hit
     ce_stack, expert_params, outs = hit
     for task, out in zip(tasks, outs):
-        streams[task].exp[0] = streams[task].exp[0].with_hidden(out)
+        streams[task].exp[0] = out
     rows = streams[tasks[0]].cal[0].hidden.shape[:-1].numel()
     acc = BlockStats(run.ctx, block, targets, expert_params, merged_params, rows, lead=1)
     acc.add(per_task(merged_cap, len(tasks)), ce_stack, None)
@@ -321,8 +327,8 @@ def _add_each_task(
             else:
                 with capture(blk, targets, outputs=True) as cs:
                     run_block(blk, cc, device)
-            ce = _expert_step(run, eblk, targets, st, b, (block, task, b))
-            acc.add(cs, ce, cc.mask if cc.mask is None else cc.mask.to(device))
+            ce = _expert_step(run, eblk, targets, st, b, (run.path, block, task, b))
+            acc.add(cs, ce, cc.mask_for)  # each input's padding mask: the decoder's or the encoder's tokens
         into.add(acc, expert_params, task)
         acc.release()
 
@@ -342,6 +348,49 @@ def _block_systems(run: _Run, block: int, blk: nn.Module, targets, pool) -> dict
     else:
         _add_each_task(run, block, blk, targets, merged_params, merged_cap, pool, into)
     return into.finish()
+
+
+def _calibrate_stack(
+    run: _Run,
+    model: nn.Module,
+    path: str,
+    base: nn.Module,
+    experts: Mapping[str, nn.Module],
+    calib_data: Mapping[str, list],
+    progress: bool,
+) -> None:
+    """Steps 1-3 of the module docstring for every block of the stack at ``path``, its block
+    numbers in the report following those of the stacks calibrated before it."""
+    ctx, fast, cfg, report = run.ctx, run.ctx.fast, run.ctx.cfg, run.report
+    blks = arch.resolve_blocks(model, path)[1]
+    run.path, run.offset = path, len(report.blocks)
+    run.base_blocks = arch.resolve_blocks(base, path)[1]
+    run.expert_blocks = {t: arch.resolve_blocks(experts[t], path)[1] for t in calib_data}
+    ctx.n_blocks = len(blks)  # token weights name blocks within the stack ("the last block")
+    # The streams at the input of block 0.
+    streams = _prepare_streams(
+        model, blks, experts, run.expert_blocks, calib_data, cfg.offload_streams, run.trace, path
+    )
+    run.streams = streams
+    desc = "FeatCal" if path == report.blocks_path else f"FeatCal {path}"
+    bar = progress_bar(range(len(blks)), desc=desc, unit="block", show=progress)
+    for block in bar:
+        blk = blks[block]
+        targets = arch.block_targets(blk, linear=cfg.linear, layernorm=cfg.layernorm, only=cfg.modules)
+        # 1. Snapshot statistics of the still-merged block (and advance the experts).
+        t0 = time.perf_counter()
+        pool = _pool(streams, fast.pool_rows)  # the calibrating batches as one call, for steps 1 and 3
+        systems = _block_systems(run, block, blk, targets, pool)
+        ctx.scratch.trim(fast.scratch_keep)  # big Gram buffers go before the solve (kept, they add to its peak)
+        t1 = time.perf_counter()
+        # 2. Solve all modules of the block, then load them together.
+        _solve_block(run, block, blk, targets, systems)
+        ctx.scratch.trim(fast.scratch_keep)  # and big systems and factors before the advance
+        t2 = time.perf_counter()
+        # 3. Advance the calibrating streams through the calibrated block.
+        _advance(run, block, blk, pool)
+        report.blocks.append(BlockRecord(run.offset + block, t1 - t0, t2 - t1, time.perf_counter() - t2))
+        bar.set_postfix_str(f"block {block}: {len(targets)} modules")
 
 
 @torch.no_grad()
@@ -392,14 +441,12 @@ def calibrate(
     path = validate.check_models(
         merged,
         [("base", base)] + [(f"expert {t!r}", experts[t]) for t in tasks],
-        lambda m: arch.resolve_blocks(m, blocks)[0],
+        lambda m: arch.STACK_SEP.join(p for p, _ in arch.resolve_stacks(m, blocks)),
     )
 
-    # 2. The model to calibrate, and every model's blocks.
+    # 2. The model to calibrate, and its stacks of blocks (an encoder-decoder's two, in forward order).
     model = merged if inplace else copy.deepcopy(merged)
-    _, blks = arch.resolve_blocks(model, path)
-    _, base_blks = arch.resolve_blocks(base, path)
-    exp_blks = {t: arch.resolve_blocks(experts[t], path)[1] for t in tasks}
+    stacks = path.split(arch.STACK_SEP)
     device = device_of(model)
     restore_modes = to_eval(model, base, *experts.values())  # each submodule's flag comes back exactly
     report = CalibrationReport(cfg, path, tasks)
@@ -407,31 +454,12 @@ def calibrate(
     if expert_trace is not None:
         what = (path, cfg.linear, cfg.layernorm, tuple(cfg.modules or ()), cfg.offload_streams, str(device))
         trace = expert_trace.bind(experts, calib_data, tasks, what)
-    ctx = Context(cfg, fast, len(blks), device, alpha=None if keep_stats else cfg.alpha)
+    ctx = Context(cfg, fast, 0, device, alpha=None if keep_stats else cfg.alpha)
+    run = _Run(ctx, report, [] if keep_stats else None, trace)
     try:
-        # 3. The streams at the input of block 0.
-        streams = _prepare_streams(
-            model, blks, experts, exp_blks, {t: calib_data[t] for t in tasks}, cfg.offload_streams, trace
-        )
-        run = _Run(ctx, base_blks, exp_blks, streams, report, [] if keep_stats else None, trace)
-        bar = progress_bar(range(len(blks)), desc="FeatCal", unit="block", show=progress)
-        for block in bar:
-            blk = blks[block]
-            targets = arch.block_targets(blk, linear=cfg.linear, layernorm=cfg.layernorm, only=cfg.modules)
-            # 3a. Snapshot statistics of the still-merged block (and advance the experts).
-            t0 = time.perf_counter()
-            pool = _pool(streams, fast.pool_rows)  # the calibrating batches as one call, for steps 1 and 3
-            systems = _block_systems(run, block, blk, targets, pool)
-            ctx.scratch.trim(fast.scratch_keep)  # big Gram buffers go before the solve (kept, they add to its peak)
-            t1 = time.perf_counter()
-            # 3b. Solve all modules of the block, then load them together.
-            _solve_block(run, block, blk, targets, systems)
-            ctx.scratch.trim(fast.scratch_keep)  # and big systems and factors before the advance
-            t2 = time.perf_counter()
-            # 3c. Advance the calibrating streams through the calibrated block.
-            _advance(run, block, blk, pool)
-            report.blocks.append(BlockRecord(block, t1 - t0, t2 - t1, time.perf_counter() - t2))
-            bar.set_postfix_str(f"block {block}: {len(targets)} modules")
+        # 3. Each stack in forward order, block by block.
+        for stack in stacks:
+            _calibrate_stack(run, model, stack, base, experts, {t: calib_data[t] for t in tasks}, progress)
         for msg in ctx.warn_rows:
             warnings.warn(msg, stacklevel=3)
             report.warnings.append(msg)

@@ -104,7 +104,7 @@ class Preview:
     @torch.no_grad()
     def load_into(self, model: nn.Module, lam: float, rho: float, alpha: float) -> nn.Module:
         """Write the previewed parameters into ``model`` (same architecture) in place."""
-        _, blks = arch.resolve_blocks(model, self.blocks_path)
+        blks = arch.all_blocks(model, self.blocks_path)
         for blk, t, W, b in self.params(lam, rho, alpha):
             arch.set_params(blks[blk], t, W, b)
         return model

@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from featcal.arch import LINEAR, Target, block_targets, get_params, resolve_blocks, set_params
+from featcal.arch import LINEAR, Target, block_targets, get_params, resolve_blocks, resolve_stacks, set_params
 from featcal.capture import capture, target_site
 from featcal.config import FeatCalConfig
-from featcal.streams import BlockCall, catch_block_inputs, run_block
+from featcal.streams import BlockCall, advance, catch_block_inputs, run_block
 
 # ---------------------------------------------------------------------------- the maths
 
@@ -100,16 +100,18 @@ def layernorm_affine(
 # ---------------------------------------------------------------------------- the forward order
 
 
-def _rows(x: torch.Tensor, call: BlockCall, weighted: bool, other: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _rows(
+    x: torch.Tensor, mask: torch.Tensor | None, weighted: bool, other: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One captured input ``(B, T, d)`` or ``(B, d)`` as float64 rows ``(rows, d)`` and their
     token weights ``(rows,)``: ``other`` for every token but the first where ``weighted``;
-    padding (``attention_mask == 0``) dropped."""
+    padding (mask 0 in the mask of the tokens this input reads) dropped."""
     w = torch.ones(x.shape[:-1], dtype=torch.float64, device=x.device)  # (B, T) or (B,)
     if weighted and x.dim() == 3:
         w[:, 1:] = other
     keep = torch.ones_like(w, dtype=torch.bool)
-    if call.mask is not None and x.dim() == 3 and tuple(call.mask.shape) == tuple(x.shape[:2]):
-        keep = call.mask.to(x.device) != 0
+    if mask is not None and x.dim() == 3:
+        keep = mask.to(x.device) != 0  # (B, T); a mask of other tokens fails here
     return x[keep].double(), w[keep]
 
 
@@ -130,10 +132,11 @@ def _snapshot(
         with capture(blk, targets, outputs=False) as cs:
             run_block(blk, cc)
         with capture(eblk, targets, outputs=False) as ce:
-            exp[b] = ec.with_hidden(run_block(eblk, ec))
+            exp[b] = advance(eblk, ec)
         for t in targets:
-            xs, w = _rows(cs.inputs[target_site(t)], cc, weighted[t.name], other)
-            xe, _ = _rows(ce.inputs[target_site(t)], ec, weighted[t.name], other)
+            site = target_site(t)
+            xs, w = _rows(cs.inputs[site], cc.mask_for(site), weighted[t.name], other)
+            xe, _ = _rows(ce.inputs[site], ec.mask_for(site), weighted[t.name], other)
             parts[t.name].append((xs, xe, w))
     return {name: tuple(torch.cat(col) for col in zip(*p)) for name, p in parts.items()}
 
@@ -189,10 +192,16 @@ def calibrate_reference(
     cfg, tasks = config, list(calib_data)
     model = copy.deepcopy(merged).eval()
     experts = {t: copy.deepcopy(experts[t]).eval() for t in tasks}  # eval mode without touching the caller's
-    path, blks = resolve_blocks(model, blocks)
-    base_blks = resolve_blocks(base, path)[1]
+    for path, blks in resolve_stacks(model, blocks):  # an encoder-decoder: the encoder, then the decoder
+        _calibrate_stack(model, blks, resolve_blocks(base, path)[1], experts, path, calib_data, cfg)
+    return model
+
+
+def _calibrate_stack(model, blks, base_blks, experts, path, calib_data, cfg: FeatCalConfig) -> None:
+    tasks = list(calib_data)
     exp_blks = {t: resolve_blocks(experts[t], path)[1] for t in tasks}
-    # The two streams of every task at the input of block 0, one call per batch.
+    # The two streams of every task at the input of block 0, one call per batch (a decoder's:
+    # after the calibrated encoder in the calibrating model, after its own in expert i).
     cal = {t: [catch_block_inputs(model, blks[0], b) for b in calib_data[t]] for t in tasks}
     exp = {t: [catch_block_inputs(experts[t], exp_blks[t][0], b) for b in calib_data[t]] for t in tasks}
     tw = cfg.token_weights
@@ -223,6 +232,6 @@ def calibrate_reference(
         ]
         for t, W, b in new:
             set_params(blk, t, W, b)
-        # 3. Advance the calibrating streams through the new block (the experts' moved in step 1).
-        cal = {task: [c.with_hidden(run_block(blk, c)) for c in cal[task]] for task in tasks}
-    return model
+        # 3. Advance the calibrating streams through the new block (the experts' moved in step 1),
+        # handing on what each block passes to the next (T5's position biases).
+        cal = {task: [advance(blk, c) for c in cal[task]] for task in tasks}

@@ -4,18 +4,22 @@
 block, keeping everything the first block was called with (the hidden state
 and every other positional and keyword argument: attention masks, position
 embeddings, ...). :func:`run_block` then calls any block of the same model on a
-hidden state with those same extra arguments, so a stream advances block by
-block without re-running its prefix.
+hidden state with those same extra arguments, and :func:`advance` also hands on
+what a block returns for the next one (:attr:`featcal.arch.BlockKind.carries`,
+e.g. T5's position biases), so a stream advances block by block without
+re-running its prefix, exactly as the model's own forward pass moves it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import inspect
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import torch
 from torch import nn
 
+from featcal.arch import BlockKind, block_kind
 from featcal.config import FastPaths
 
 
@@ -30,8 +34,12 @@ class BlockCall:
     ``hidden`` is ``(B, T, d)`` (or whatever the blocks take first); ``args`` and
     ``kwargs`` are the remaining arguments exactly as the model passed them to
     block 0; ``hidden_key`` is set when the hidden state came as a keyword.
-    ``mask`` is the batch's ``attention_mask`` (``(B, T)``), used to give padding
-    tokens weight 0 in the statistics.
+    ``mask`` is the padding mask (``(B, T)``) of the stack's tokens, used to give padding
+    tokens weight 0 in the statistics; ``memory_mask`` that of the tokens read by the
+    input sites ``memory_sites`` (a decoder's cross-attention keys and values read the
+    encoder's tokens). ``carries`` are ``(output index, slot)`` pairs: the block's output
+    at that index becomes the next block's argument ``args[slot]`` (an int) or
+    ``kwargs[slot]`` (a name) (:attr:`featcal.arch.BlockKind.carries`, see :meth:`after`).
     """
 
     hidden: torch.Tensor
@@ -39,9 +47,29 @@ class BlockCall:
     kwargs: dict = field(default_factory=dict)
     hidden_key: str | None = None
     mask: torch.Tensor | None = None
+    memory_mask: torch.Tensor | None = None
+    memory_sites: tuple[str, ...] = ()
+    carries: tuple[tuple[int, int | str], ...] = ()
 
     def with_hidden(self, h: torch.Tensor) -> "BlockCall":
-        return BlockCall(h, self.args, self.kwargs, self.hidden_key, self.mask)
+        return replace(self, hidden=h)
+
+    def after(self, out: Any) -> "BlockCall":
+        """The next block's call, given this block's output ``out``: its first output as the
+        hidden state, and each carried output in its argument's slot."""
+        if not isinstance(out, (tuple, list)):
+            return self.with_hidden(out)
+        args, kwargs = list(self.args), dict(self.kwargs)
+        for index, slot in self.carries:
+            if isinstance(slot, int):
+                args[slot] = out[index]
+            else:
+                kwargs[slot] = out[index]
+        return replace(self, hidden=out[0], args=tuple(args), kwargs=kwargs)
+
+    def mask_for(self, site: str) -> torch.Tensor | None:
+        """The padding mask of the tokens that input ``site`` reads (None: no padding)."""
+        return self.memory_mask if site in self.memory_sites else self.mask
 
 
 def _has_array(obj: Any) -> bool:
@@ -66,7 +94,7 @@ def _equal(a: Any, b: Any) -> bool:
 def pool_spans(calls: list[BlockCall], max_rows: int = FastPaths.pool_rows) -> list[tuple[int, int]] | None:
     """The example ranges ``[(lo, hi), ...]`` of ``calls`` inside one pooled call, or None when
     they cannot run as one: more than ``max_rows`` rows (tokens) in all (default:
-    :attr:`FastPaths.pool_rows`), a padding mask, a tensor or other array among the other
+    :attr:`FastPaths.pool_rows`), a padding mask, carried outputs, a tensor or other array among the other
     arguments (it may have a batch dimension), or calls that differ in anything but the
     hidden state (or a single call: nothing to pool)."""
     first = calls[0]
@@ -75,6 +103,8 @@ def pool_spans(calls: list[BlockCall], max_rows: int = FastPaths.pool_rows) -> l
     for c in calls:
         if (
             c.mask is not None
+            or c.memory_mask is not None
+            or c.carries
             or c.hidden.dim() < 2
             or c.hidden.shape[1:] != first.hidden.shape[1:]
             or c.hidden.dtype != first.hidden.dtype
@@ -151,12 +181,14 @@ def catch_block_inputs(model: nn.Module, first_block: nn.Module, batch: Any) -> 
             f"{type(model).__name__}'s forward never called its first block; check blocks=... "
             "names the blocks that the forward pass runs."
         )
-    return block_call(caught["args"], caught["kwargs"], batch)
+    return block_call(caught["args"], caught["kwargs"], batch, first_block)
 
 
-def block_call(args: tuple, kwargs: dict, batch: Any) -> BlockCall:
-    """The :class:`BlockCall` of a block called as ``block(*args, **kwargs)`` on ``batch``:
-    the hidden state is the first argument (or the first keyword when there is none)."""
+def block_call(args: tuple, kwargs: dict, batch: Any, block: nn.Module | None = None) -> BlockCall:
+    """The :class:`BlockCall` of ``block`` called as ``block(*args, **kwargs)`` on ``batch``:
+    the hidden state is the first argument (or the first keyword when there is none); the
+    masks and carried outputs as the block's :func:`featcal.arch.block_kind` says (plain
+    blocks when ``block`` is None)."""
     kwargs = dict(kwargs)
     key = None
     if args:
@@ -165,8 +197,33 @@ def block_call(args: tuple, kwargs: dict, batch: Any) -> BlockCall:
         key = next(iter(kwargs))
         hidden = kwargs.pop(key)
     _drop_caches(kwargs)
-    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-    return BlockCall(hidden, args, kwargs, key, mask)
+    kind = BlockKind() if block is None else block_kind(block)
+    get = batch.get if isinstance(batch, Mapping) else (lambda _k: None)
+    return BlockCall(
+        hidden,
+        args,
+        kwargs,
+        key,
+        get(kind.mask),
+        None if kind.memory_mask is None else get(kind.memory_mask),
+        kind.memory_sites,
+        _carry_slots(block, kind, args, kwargs, key),
+    )
+
+
+def _carry_slots(block, kind: BlockKind, args: tuple, kwargs: dict, hidden_key) -> tuple:
+    """``(output index, slot)`` of each carried output: where the block's call holds the
+    argument it feeds (a position in ``args`` when passed positionally, else its name)."""
+    if not kind.carries:
+        return ()
+    names = list(inspect.signature(block.forward).parameters)
+    if hidden_key is None:
+        names = names[1:]  # args holds what follows the hidden state
+    slots = []
+    for index, name in kind.carries:
+        pos = names.index(name) if name in names and name not in kwargs else None
+        slots.append((index, pos if pos is not None and pos < len(args) else name))
+    return tuple(slots)
 
 
 CACHE_KWARGS = ("past_key_value", "past_key_values", "cache", "layer_past", "cache_params")
@@ -184,6 +241,17 @@ def _drop_caches(kwargs: dict) -> None:
 
 def run_block(block: nn.Module, call: BlockCall, device: torch.device | None = None) -> torch.Tensor:
     """``block(hidden, *args, **kwargs)``; returns the new hidden state (the first output)."""
+    out = block_output(block, call, device)
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def advance(block: nn.Module, call: BlockCall, device: torch.device | None = None) -> BlockCall:
+    """The next block's call: ``block`` run on ``call``, its outputs handed on (:meth:`BlockCall.after`)."""
+    return call.after(block_output(block, call, device))
+
+
+def block_output(block: nn.Module, call: BlockCall, device: torch.device | None = None) -> Any:
+    """``block(hidden, *args, **kwargs)``, everything it returns."""
     h, args, kwargs = call.hidden, call.args, call.kwargs
     if device is not None:
         h, args, kwargs = h.to(device), to_device(args, device), to_device(kwargs, device)
@@ -191,4 +259,4 @@ def run_block(block: nn.Module, call: BlockCall, device: torch.device | None = N
         out = block(*args, **{call.hidden_key: h}, **kwargs)
     else:
         out = block(h, *args, **kwargs)
-    return out[0] if isinstance(out, (tuple, list)) else out
+    return out

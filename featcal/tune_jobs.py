@@ -137,7 +137,7 @@ def exact_job(work: Work, point: Point) -> dict:
 @torch.no_grad()
 def preview_distance(preview: Preview, point: Point, exact: nn.Module) -> float:
     """``||theta_preview - theta_exact||_F / ||theta_exact||_F`` over every calibrated parameter."""
-    _, blks = arch.resolve_blocks(exact, preview.blocks_path)
+    blks = arch.all_blocks(exact, preview.blocks_path)
     num = den = 0.0
     for blk, t, W, b in preview.params(*point):
         for p, e in zip((W, b), arch.get_params(blks[blk], t)):

@@ -170,3 +170,116 @@ def assert_same_calibration(got, rep_got, want, rep_want, preview: bool = False)
         pa, pb = rep_got.preview(lam=0.5, rho=1.5, alpha=0.7), rep_want.preview(lam=0.5, rho=1.5, alpha=0.7)
         for k, v in pa.state_dict().items():
             assert torch.allclose(v, pb.state_dict()[k], rtol=1e-4, atol=1e-5), k
+
+
+# ---------------------------------------------------------------------------- text architectures
+
+
+def tiny_t5(seed: int = 0, layers: int = 2):
+    """A tiny random T5ForConditionalGeneration (relative position biases, gated MLP off)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = T5Config(
+        vocab_size=40,
+        d_model=32,
+        d_kv=8,
+        d_ff=48,
+        num_layers=layers,
+        num_decoder_layers=layers,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    return T5ForConditionalGeneration(cfg).eval()
+
+
+def tiny_bert(seed: int = 0, layers: int = 2, roberta: bool = False):
+    """A tiny random BertForSequenceClassification (or RobertaForSequenceClassification)."""
+    from transformers import BertConfig, BertForSequenceClassification, RobertaConfig, RobertaForSequenceClassification
+
+    torch.manual_seed(seed)
+    kw = dict(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        max_position_embeddings=40,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=3,
+    )
+    if roberta:
+        return RobertaForSequenceClassification(RobertaConfig(pad_token_id=1, **kw)).eval()
+    return BertForSequenceClassification(BertConfig(**kw)).eval()
+
+
+def tiny_llama(seed: int = 0, layers: int = 2):
+    """A tiny random LlamaForCausalLM: grouped-query attention (4 heads, 2 key/value heads), rotary."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def padded_ids(n: int, length: int, vocab: int, pads: list[int], seed: int, left: bool = False, low: int = 2):
+    """``(ids, mask)`` of ``n`` sequences of ``length`` token ids, sequence r padded by
+    ``pads[r % len(pads)]`` tokens at its end (or start, ``left``)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(low, vocab, (n, length), generator=gen)
+    mask = torch.ones(n, length, dtype=torch.long)
+    for r in range(n):
+        pad = pads[r % len(pads)]
+        if pad:
+            if left:
+                mask[r, :pad] = 0
+            else:
+                mask[r, length - pad :] = 0
+    return ids, mask
+
+
+def t5_batches(n: int = 4, batch: int = 2, enc_len: int = 7, dec_len: int = 5, seed: int = 0) -> list[dict]:
+    """T5 batches, encoder and decoder of different lengths, both padded at the end."""
+    ids, mask = padded_ids(n, enc_len, 40, [0, 2, 3, 1], seed)
+    dec, dmask = padded_ids(n, dec_len, 40, [1, 0, 2, 0], seed + 1)
+    return [
+        {
+            "input_ids": ids[i : i + batch],
+            "attention_mask": mask[i : i + batch],
+            "decoder_input_ids": dec[i : i + batch],
+            "decoder_attention_mask": dmask[i : i + batch],
+        }
+        for i in range(0, n, batch)
+    ]
+
+
+def text_batches(n: int = 4, batch: int = 2, length: int = 8, vocab: int = 40, seed: int = 0, left: bool = False):
+    """``{input_ids, attention_mask}`` batches, some sequences padded."""
+    ids, mask = padded_ids(n, length, vocab, [0, 3, 1, 2], seed, left=left)
+    return [{"input_ids": ids[i : i + batch], "attention_mask": mask[i : i + batch]} for i in range(0, n, batch)]
+
+
+def text_zoo(make, data, n_tasks: int = 2, std: float = 0.02):
+    """``(base, experts, merged, data)``: seeded experts around ``make(0)``, Task Arithmetic (0.3)."""
+    from featcal import merge
+
+    base = make(0)
+    experts = {f"t{i}": perturbed(base, std, 10 + i) for i in range(n_tasks)}
+    merged = copy.deepcopy(base)
+    merged.load_state_dict(
+        merge("task_arithmetic", base.state_dict(), {t: m.state_dict() for t, m in experts.items()}, scale=0.3)
+    )
+    return base, experts, merged, {t: data(seed=i) for i, t in enumerate(experts)}

@@ -9,7 +9,7 @@ import torch
 
 import tiny
 from featcal import FastPaths, FeatCalConfig, calibrate, merge
-from featcal.arch import block_targets, get_params, resolve_blocks
+from featcal.arch import block_targets, get_params, resolve_stacks
 from featcal.reference import (
     anchor,
     calibrate_reference,
@@ -23,7 +23,7 @@ from featcal.reference import (
 
 # ---------------------------------------------------------------------------- engine == reference
 
-KINDS = ["toy", "hf_clip", "open_clip", "toy_padded", "llama_padded"]
+KINDS = ["toy", "hf_clip", "open_clip", "toy_padded", "llama_padded", "llama_left_padded", "bert", "roberta", "t5"]
 SETTINGS = {
     "default": FeatCalConfig(stats_dtype=torch.float64),
     "clip_token_weights": FeatCalConfig.clip(rho=2.2, alpha=0.25, stats_dtype=torch.float64),
@@ -107,6 +107,15 @@ def _zoo(kind, batching):
         base, experts, merged, data = _padded_zoo()
     elif kind == "llama_padded":
         base, experts, merged, data = _llama_zoo()
+    elif kind == "llama_left_padded":
+        base, experts, merged, data = tiny.text_zoo(
+            tiny.tiny_llama, lambda seed: tiny.text_batches(vocab=50, left=True, seed=seed)
+        )
+    elif kind in ("bert", "roberta"):
+        make = functools.partial(tiny.tiny_bert, roberta=kind == "roberta")
+        base, experts, merged, data = tiny.text_zoo(make, lambda seed: tiny.text_batches(seed=seed))
+    elif kind == "t5":  # both stacks in one call; encoder and decoder padded, of different lengths
+        base, experts, merged, data = tiny.text_zoo(tiny.tiny_t5, lambda seed: tiny.t5_batches(seed=seed))
     else:
         base, experts, merged, data = tiny.zoo(kind, n_tasks=3 if kind == "toy" else 2)
     if batching == "one_batch":
@@ -121,9 +130,13 @@ def _reference(kind, setting, batching):
 
 
 def _targets(model):
-    """``{(block, target name): (W, b)}`` of every Linear and LayerNorm in every block."""
-    _, blks = resolve_blocks(model)
-    return {(i, t.name): get_params(blk, t) for i, blk in enumerate(blks) for t in block_targets(blk)}
+    """``{(stack, block, target name): (W, b)}`` of every Linear and LayerNorm in every block."""
+    return {
+        (path, i, t.name): get_params(blk, t)
+        for path, blks in resolve_stacks(model)
+        for i, blk in enumerate(blks)
+        for t in block_targets(blk)
+    }
 
 
 def assert_matches_reference(model, ref, rel=1e-4):
@@ -149,11 +162,11 @@ def test_engine_matches_reference(kind, setting, batching):
     assert_matches_reference(got, ref)
     # Not a vacuous comparison: the reference moved weights away from the merged ones in every block.
     mer = _targets(merged)
-    for block in range(len(resolve_blocks(merged)[1])):
+    for block in {key[:2] for key in mer}:
         assert any(
             not torch.allclose(W, mer[key][0], rtol=1e-3, atol=1e-5)
             for key, (W, _) in _targets(ref).items()
-            if key[0] == block
+            if key[:2] == block
         ), block
 
 

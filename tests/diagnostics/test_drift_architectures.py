@@ -1,0 +1,74 @@
+"""The drift identity and its squared split on the text architectures: T5 (encoder and
+decoder stacks, padded, of different lengths) and padded Llama (right and left)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+import tiny
+from diagnostics import drift_table, drift_tokens
+from featcal.arch import resolve_blocks
+from featcal.streams import catch_block_inputs
+
+torch.set_num_threads(1)
+
+
+def _junk(batches, pad_keys):
+    """The batches with every padded token id replaced (``pad_keys``: id key -> its mask's key)."""
+    out = []
+    for b in batches:
+        b = dict(b)
+        for ids, mask in pad_keys.items():
+            b[ids] = torch.where(b[mask] > 0, b[ids], 7)
+        out.append(b)
+    return out
+
+
+CASES = {
+    "t5 encoder": ("encoder.block", tiny.tiny_t5, tiny.t5_batches, {"input_ids": "attention_mask"}),
+    "t5 decoder": (
+        "decoder.block",
+        tiny.tiny_t5,
+        tiny.t5_batches,
+        {"input_ids": "attention_mask", "decoder_input_ids": "decoder_attention_mask"},
+    ),
+    "llama right": (None, tiny.tiny_llama, lambda: tiny.text_batches(vocab=50), {"input_ids": "attention_mask"}),
+    "llama left": (
+        None,
+        tiny.tiny_llama,
+        lambda: tiny.text_batches(vocab=50, left=True),
+        {"input_ids": "attention_mask"},
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request):
+    path, make, data, pads = CASES[request.param]
+    model = make(0)
+    return path, model, tiny.perturbed(model, 0.05, 1), data(), pads
+
+
+def test_drift_is_mismatch_plus_propagation_per_token(case):
+    path, model, expert, batches, _ = case
+    blks, eblks = resolve_blocks(model, path)[1], resolve_blocks(expert, path)[1]
+    cm, ce = catch_block_inputs(model, blks[0], batches[0]), catch_block_inputs(expert, eblks[0], batches[0])
+    for blk, eblk in zip(blks, eblks):
+        dt = drift_tokens(blk, eblk, cm, ce)
+        assert dt.e.abs().max() > 1e-4  # a real drift, not a trivial zero
+        torch.testing.assert_close(dt.m + dt.p, dt.e, rtol=0, atol=1e-12)
+        cm, ce = dt.next_mod, dt.next_exp
+
+
+def test_squared_drift_splits_exactly_and_padding_is_excluded(case):
+    path, model, expert, batches, pads = case
+    df = drift_table(model, {"a": expert}, {"a": batches}, blocks=path)
+    w = df.pivot_table(index=["task", "block"], columns="metric", values="value")
+    split = torch.tensor((w.drift_sq_mismatch + w.drift_sq_propagation).values)
+    torch.testing.assert_close(torch.tensor(w.drift_sq.values), split, rtol=1e-9, atol=1e-12)
+    # Other token ids in the padding: the table does not move (those rows are out of it, and
+    # the masks keep them out of every other row).
+    junk = drift_table(model, {"a": expert}, {"a": _junk(batches, pads)}, blocks=path)
+    pd.testing.assert_frame_equal(df, junk, rtol=1e-5, atol=1e-7)
