@@ -4,8 +4,9 @@ block FeatCal calibrates, and how to read and write them.
 This is the only module that knows about concrete architectures. A calibrated
 parameter set is a :class:`Target`: a Linear (``W``, ``b``), a row slice of a
 packed attention input projection (``nn.MultiheadAttention.in_proj_weight``,
-treated as a Linear over the attention input), or a LayerNorm affine
-(``gamma``, ``beta``).
+treated as a Linear over the attention input), or a norm's affine: a LayerNorm's
+(``gamma``, ``beta``) or an RMS norm's scale ``gamma`` (Llama's RMSNorm, T5's
+LayerNorm: no mean, no bias).
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ class Target:
             projection of an ``nn.MultiheadAttention``, whose input is the attention
             context before ``out_proj``).
         rows: ``(start, stop)`` rows of a packed weight, else ``None``.
-        ln_eps: the LayerNorm epsilon (LayerNorm targets only).
+        ln_eps: the norm's epsilon (``layernorm`` targets only).
+        centred: the norm subtracts the mean (a LayerNorm); False for an RMS norm
+            (``z = x / sqrt(mean(x^2) + eps)``, a scale and no shift).
     """
 
     name: str
@@ -64,6 +67,7 @@ class Target:
     site: str
     rows: tuple[int, int] | None = None
     ln_eps: float = 0.0
+    centred: bool = True
 
 
 @dataclass(frozen=True)
@@ -180,6 +184,36 @@ def all_blocks(model: nn.Module, blocks_path: str) -> list[nn.Module]:
     return [blk for p in blocks_path.split(STACK_SEP) for blk in resolve_blocks(model, p)[1]]
 
 
+# RMS norms ``gamma * x / sqrt(mean(x^2) + eps)`` by class name (besides torch's nn.RMSNorm);
+# their scale is calibrated as a LayerNorm's gamma without the shift. Not every "RMSNorm" is
+# one: Gemma's scales by (1 + weight), so it is not listed.
+RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "T5LayerNorm", "MT5LayerNorm")
+
+
+def rms_norm_eps(mod: nn.Module) -> float | None:
+    """The epsilon of an RMS norm with a scale (:data:`RMS_NORMS`, ``nn.RMSNorm``), else None."""
+    if isinstance(mod, nn.RMSNorm):
+        if mod.weight is None or len(mod.normalized_shape) != 1:
+            return None
+        return float(mod.eps) if mod.eps is not None else torch.finfo(mod.weight.dtype).eps
+    if type(mod).__name__ not in RMS_NORMS or getattr(mod, "weight", None) is None:
+        return None
+    return float(getattr(mod, "variance_epsilon", getattr(mod, "eps", 1e-6)))
+
+
+def untouched_norms(block: nn.Module) -> list[str]:
+    """Norm-like modules of ``block`` (a class name holding "Norm", with parameters) that
+    featcal does not calibrate: reported, since their affine stays the merged one."""
+    return [
+        f"{name} ({type(mod).__name__})"
+        for name, mod in block.named_modules()
+        if "Norm" in type(mod).__name__
+        and not isinstance(mod, nn.LayerNorm)
+        and rms_norm_eps(mod) is None
+        and any(True for _ in mod.parameters(recurse=False))
+    ]
+
+
 def _selected(name: str, only: tuple[str, ...] | None) -> bool:
     return only is None or name.endswith(only) or name in only
 
@@ -216,6 +250,8 @@ def block_targets(
                 if len(mod.normalized_shape) != 1:
                     raise NotImplementedError(f"{name}: LayerNorm over {mod.normalized_shape} (only 1-D is supported).")
                 out.append(Target(name, LAYERNORM, name, name, ln_eps=float(mod.eps)))
+        elif layernorm and rms_norm_eps(mod) is not None and _selected(name, only):
+            out.append(Target(name, LAYERNORM, name, name, ln_eps=rms_norm_eps(mod), centred=False))
     return out
 
 
@@ -225,7 +261,7 @@ def _weight_bias(block: nn.Module, t: Target) -> tuple[torch.Tensor, torch.Tenso
         w, b = mod.in_proj_weight, mod.in_proj_bias
         lo, hi = t.rows
         return w[lo:hi], (None if b is None else b[lo:hi])
-    return mod.weight, mod.bias
+    return mod.weight, getattr(mod, "bias", None)  # RMS norms have no bias
 
 
 def get_params(block: nn.Module, t: Target) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -176,11 +176,11 @@ class BlockStats:
         canon = canonical_sites(self.targets, cs, ce)
         members: dict[tuple, list[arch.Target]] = {}
         for t in self.targets:
-            key = (canon[target_site(t)], self.weighted[t.name], t.kind, t.ln_eps)
+            key = (canon[target_site(t)], self.weighted[t.name], t.kind, t.ln_eps, t.centred)
             members.setdefault(key, []).append(t)
             self.key_of[t.name] = key
         for key, ts in members.items():
-            site, weighted, kind, ln_eps = key
+            site, weighted, kind, ln_eps, centred = key
             xs_raw = cs.inputs[site]
             lead = xs_raw.shape[: self.lead]
             m = mask(site) if callable(mask) else mask
@@ -190,7 +190,7 @@ class BlockStats:
             d = xs.shape[-1]
             if kind == arch.LAYERNORM:
                 acc = self.groups.get(key) or stats.NormSums.zeros(d, dt, xs.device, lead)
-                self.groups[key] = stats.accumulate_norm(acc, xs, w, ln_eps)
+                self.groups[key] = stats.accumulate_norm(acc, xs, w, ln_eps, centred)
                 continue
             xe = stats.as_rows(ce.inputs[site], dt, self.lead)  # (rows, d)
             if key not in self.groups:

@@ -106,11 +106,13 @@ class FeatCalConfig:
 
     @classmethod
     def llama(cls, size: str = "3b", **overrides) -> "FeatCalConfig":
-        """The paper's Llama settings: 3B (lam 1e-5) or 8B (lam 3.0), rho 0.5, alpha 0.15."""
+        """The paper's Llama settings: 3B (lam 1e-5) or 8B (lam 3.0), rho 0.5, alpha 0.15, bias
+        on; RMSNorm scales kept merged as in the paper (Llama has no LayerNorm), ``layernorm=True``
+        calibrates them too."""
         lam = {"3b": 1e-5, "8b": 3.0}.get(size.lower())
         if lam is None:
             raise ValueError(f"llama preset size must be '3b' or '8b', got {size!r}.")
-        base = dict(lam=lam, rho=0.5, alpha=0.15)
+        base = dict(lam=lam, rho=0.5, alpha=0.15, layernorm=False)
         base.update(overrides)
         return cls(**base)
 

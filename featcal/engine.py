@@ -367,6 +367,11 @@ def _calibrate_stack(
     run.base_blocks = arch.resolve_blocks(base, path)[1]
     run.expert_blocks = {t: arch.resolve_blocks(experts[t], path)[1] for t in calib_data}
     ctx.n_blocks = len(blks)  # token weights name blocks within the stack ("the last block")
+    untouched = arch.untouched_norms(blks[0]) if cfg.layernorm else []
+    if untouched:  # say so: their affine stays the merged one
+        msg = f"{path}: norms featcal does not calibrate keep their merged values: {', '.join(untouched)}."
+        warnings.warn(msg, stacklevel=4)
+        report.warnings.append(msg)
     # The streams at the input of block 0.
     streams = _prepare_streams(
         model, blks, experts, run.expert_blocks, calib_data, cfg.offload_streams, run.trace, path

@@ -74,12 +74,27 @@ def linear_bias(
     return (num + lam * b_anc) / (sum(scales) + lam)
 
 
-def layernorm_moments(x: torch.Tensor, w: torch.Tensor, ln_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def layernorm_moments(
+    x: torch.Tensor, w: torch.Tensor, ln_eps: float, centred: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(e_i, m_i) = (E[z*z], E[z])`` per channel, ``z`` the LayerNorm of the rows ``x``
-    ``(rows, d)`` without its affine ('LayerNorm affine')."""
+    ``(rows, d)`` without its affine, or with ``centred=False`` their RMS norm without its
+    scale, ``z = x / sqrt(mean(x^2) + eps)`` ('LayerNorm affine')."""
     p = w / w.sum()
-    z = F.layer_norm(x, x.shape[-1:], eps=ln_eps)  # (rows, d)
+    if centred:
+        z = F.layer_norm(x, x.shape[-1:], eps=ln_eps)  # (rows, d)
+    else:
+        z = x / (x.square().mean(-1, keepdim=True) + ln_eps).sqrt()  # (rows, d)
     return p @ (z * z), p @ z
+
+
+def norm_scale(es, gammas, g_anc: torch.Tensor, lam: float, eps: float) -> torch.Tensor:
+    """The scale alone ('LayerNorm affine', no shift: an RMS norm or a bias-free LayerNorm),
+    the 1x1 system per channel, tasks unweighted::
+
+        gamma = (sum_i e_i gamma_i + lam gamma_anc) / max(sum_i e_i + lam, eps)
+    """
+    return (sum(e * g for e, g in zip(es, gammas)) + lam * g_anc) / (sum(es) + lam).clamp(min=eps)
 
 
 def layernorm_affine(
@@ -88,8 +103,8 @@ def layernorm_affine(
     """``(gamma, beta)`` per channel from the 2x2 system of 'LayerNorm affine' (tasks
     unweighted, determinant clamped below at ``eps``); ``gamma`` alone when ``betas`` is None."""
     E, M, n = sum(es), sum(ms), len(es)
-    if betas is None:  # no beta: the 1x1 system (sum e + lam) gamma = sum e gamma_i + lam gamma_anc
-        return (sum(e * g for e, g in zip(es, gammas)) + lam * g_anc) / (E + lam).clamp(min=eps), None
+    if betas is None:  # no beta: the scale alone
+        return norm_scale(es, gammas, g_anc, lam, eps), None
     r1 = sum(e * g + m * b for e, m, g, b in zip(es, ms, gammas, betas)) + lam * g_anc
     r2 = sum(m * g + b for m, g, b in zip(ms, gammas, betas)) + lam * b_anc
     a11, a12, a22 = E + lam, M, n + lam
@@ -153,7 +168,7 @@ def _solve(t: Target, snaps: list[tuple], blk, base_blk, expert_blks, cfg: FeatC
     W_experts, b_experts = zip(*(_params64(eb, t) for eb in expert_blks))
     b_anc = None if b_mer is None else anchor(b_mer, b_0, cfg.rho)
     if t.kind != LINEAR:
-        es, ms = zip(*(layernorm_moments(xs, w, t.ln_eps) for xs, _, w in snaps))
+        es, ms = zip(*(layernorm_moments(xs, w, t.ln_eps, t.centred) for xs, _, w in snaps))
         return layernorm_affine(
             es,
             ms,

@@ -436,6 +436,17 @@ class NormSystem:
         )
 
 
+def norm_scale(e: torch.Tensor, g: torch.Tensor, g_anc: torch.Tensor, lam: float, eps: float) -> torch.Tensor:
+    """The calibrated per-channel scale of a norm without shift (an RMS norm, or a LayerNorm
+    without bias): the minimiser of ``sum_i E|gamma z - gamma_i z|^2 + lam |gamma - gamma_anc|^2``
+    per channel, from ``e`` ``(N, d)`` = each task's ``E[z*z]`` and ``g`` ``(N, d)`` = each
+    expert's ``gamma_i`` (docs/maths.md, 'LayerNorm affine')::
+
+        gamma = (sum_i e_i gamma_i + lam gamma_anc) / max(sum_i e_i + lam, eps)
+    """
+    return ((e * g).sum(0) + lam * g_anc) / (e.sum(0) + lam).clamp(min=eps)
+
+
 def solve_norm(
     sys: NormSystem,
     g_mer: torch.Tensor,
@@ -454,8 +465,7 @@ def solve_norm(
     g_anc = anchor(g_mer.to(dt), g_0.to(dt), rho)
     E, M = sys.e.sum(0), sys.m.sum(0)
     if sys.b is None:
-        gamma = ((sys.e * sys.g).sum(0) + lam * g_anc) / (E + lam).clamp(min=eps)
-        return gamma, None
+        return norm_scale(sys.e, sys.g, g_anc, lam, eps), None
     b_anc = anchor(b_mer.to(dt), b_0.to(dt), rho)
     r1 = (sys.e * sys.g + sys.m * sys.b).sum(0) + lam * g_anc
     r2 = (sys.m * sys.g + sys.b).sum(0) + lam * b_anc

@@ -390,9 +390,17 @@ def accumulate_module(
     return ms
 
 
-def accumulate_norm(acc: NormSums, xs: torch.Tensor, w: torch.Tensor | None, eps: float) -> NormSums:
-    """Add one batch of LayerNorm inputs ``xs`` ``(rows, d)``: ``z = LayerNorm(xs)`` without affine."""
-    z = F.layer_norm(xs, (xs.shape[-1],), eps=eps)
+def rms_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps)`` over the last axis: an RMS norm without its scale."""
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+
+
+def accumulate_norm(
+    acc: NormSums, xs: torch.Tensor, w: torch.Tensor | None, eps: float, centred: bool = True
+) -> NormSums:
+    """Add one batch of norm inputs ``xs`` ``(rows, d)``: ``z = LayerNorm(xs)`` without affine
+    (``centred``), or the RMS-normalised ``xs`` (an RMS norm)."""
+    z = F.layer_norm(xs, (xs.shape[-1],), eps=eps) if centred else rms_normalise(xs, eps)
     zw = weighted(z, w)
     acc.w += xs.shape[-2] if w is None else w.sum(-1)
     acc.rows += xs.shape[-2] if w is None else int((w > 0).sum(-1).min())

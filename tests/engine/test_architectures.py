@@ -102,3 +102,68 @@ def test_a_mask_that_does_not_fit_its_input_is_an_error():
         token_weights(x, False, 1.0, torch.ones(2, 7), torch.float64)
     w = token_weights(x, False, 1.0, torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]), torch.float64)
     assert w.tolist() == [1, 1, 1, 0, 0, 1, 1, 1, 1, 1]
+
+
+# ---------------------------------------------------------------------------- norms with a scale and no shift
+
+
+def test_rms_norms_are_calibrated_behind_the_layernorm_switch():
+    """Llama's RMSNorm and T5's LayerNorm (no mean, no bias) are scale targets with
+    layernorm=True and left alone with layernorm=False; other norms are named in the report."""
+    from torch import nn
+
+    from featcal.arch import LAYERNORM, untouched_norms
+
+    for model, block in ((tiny.tiny_llama(), "model.layers"), (tiny.tiny_t5(), "encoder.block")):
+        blk = model.get_submodule(block)[0]
+        norms = [t for t in block_targets(blk) if t.kind == LAYERNORM]
+        assert norms and all(not t.centred for t in norms)
+        assert not [t for t in block_targets(blk, layernorm=False) if t.kind == LAYERNORM]
+        assert untouched_norms(blk) == []
+
+    class OddNorm(nn.Module):  # a norm featcal knows nothing about
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            return x * self.weight
+
+    base, experts, merged = tiny.toy_zoo(n_tasks=2)
+    for m in (base, merged, *experts.values()):
+        m.blocks[0].odd = OddNorm()
+    assert untouched_norms(merged.blocks[0]) == ["odd (OddNorm)"]
+    data = tiny.toy_data(experts)
+    with pytest.warns(UserWarning, match="odd"):
+        _, report = calibrate(merged, base=base, experts=experts, calib_data=data, progress=False)
+    assert any("odd (OddNorm)" in w for w in report.warnings)
+
+
+def test_norm_scale_is_the_least_squares_fit():
+    """Per channel, the scale update is the ridge least-squares fit of ``gamma z`` to every
+    expert's ``gamma_i z`` (``z`` the RMS-normalised input, rows weighted within a task)."""
+    from featcal import solve
+    from featcal.reference import layernorm_moments, norm_scale
+
+    gen = torch.Generator().manual_seed(0)
+    d, lam, eps = 5, 0.3, 1e-6
+    tasks = [
+        (torch.randn(12, d, generator=gen, dtype=torch.float64) * (i + 1), torch.rand(12, generator=gen).double() + 0.1)
+        for i in range(3)
+    ]
+    gammas = [torch.randn(d, generator=gen, dtype=torch.float64) for _ in tasks]
+    g_anc = torch.linspace(0.5, 1.5, d, dtype=torch.float64)
+    es = [layernorm_moments(x, w, eps, centred=False)[0] for x, w in tasks]
+    gamma = norm_scale(es, gammas, g_anc, lam, 1e-12)
+    torch.testing.assert_close(solve.norm_scale(torch.stack(es), torch.stack(gammas), g_anc, lam, 1e-12), gamma)
+    for c in range(d):
+        A, y = [], []
+        for (x, w), g in zip(tasks, gammas):
+            z = (x / (x.square().mean(-1, keepdim=True) + eps).sqrt())[:, c]
+            sw = (w / w.sum()).sqrt()
+            A.append((sw * z)[:, None])
+            y.append(sw * g[c] * z)
+        A.append(torch.full((1, 1), lam**0.5, dtype=torch.float64))  # the pull toward the anchor
+        y.append(lam**0.5 * g_anc[c : c + 1])
+        fit = torch.linalg.lstsq(torch.cat(A), torch.cat(y)[:, None]).solution[0, 0]
+        assert torch.allclose(fit, gamma[c], atol=1e-12), c
