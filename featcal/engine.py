@@ -422,7 +422,8 @@ def calibrate(
         calib_data: ``{task: [batch, ...]}``; a batch is a tensor (``model(batch)``) or a
             dict (``model(**batch)``; an ``attention_mask`` in it marks padding).
         config: hyper-parameters and switches (:class:`FeatCalConfig`).
-        blocks: dotted path of the ``nn.ModuleList`` of blocks; optional for known architectures.
+        blocks: dotted path of the ``nn.ModuleList`` of blocks; optional for known architectures
+            (an encoder-decoder without it: its encoder's blocks, then its decoder's).
         inplace: calibrate ``merged`` itself (saves one model copy for big models).
         keep_stats: keep each module's system in the report for ``report.preview(...)``.
         progress: show a progress bar per block.

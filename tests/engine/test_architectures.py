@@ -167,3 +167,21 @@ def test_norm_scale_is_the_least_squares_fit():
         y.append(lam**0.5 * g_anc[c : c + 1])
         fit = torch.linalg.lstsq(torch.cat(A), torch.cat(y)[:, None]).solution[0, 0]
         assert torch.allclose(fit, gamma[c], atol=1e-12), c
+
+
+@pytest.mark.xfail(
+    strict=True, raises=TypeError, reason="ExpertTrace with dict batches (issue 16 item 7): remove once it is fixed"
+)
+@pytest.mark.filterwarnings("ignore:task .* token rows")
+def test_t5_expert_trace_keeps_both_stacks_apart(t5):
+    """An ExpertTrace over the two stacks: the second call reuses it and gives the same model."""
+    from featcal import ExpertTrace
+
+    base, experts, merged, data = t5
+    kw = dict(base=base, experts=experts, calib_data=data, config=CFG, progress=False)
+    plain, _ = calibrate(merged, **kw)
+    trace = ExpertTrace()
+    calibrate(merged, expert_trace=trace, **kw)
+    assert {path for path, _ in trace.stems} == {"encoder.block", "decoder.block"}
+    again, _ = calibrate(merged, expert_trace=trace, **kw)
+    _assert_same(again, plain)
