@@ -49,9 +49,21 @@ def _assert_stream_is_forward(model, path, batches):
             assert err <= 1e-6, f"{path} block input {i}: relative error {err:.1e}"
 
 
+def _sequence_first_open_clip():
+    """open_clip's ViT with a sequence-first transformer (``(T, B, d)`` streams, as older builds)."""
+    from open_clip.transformer import Transformer
+
+    vit = tiny.tiny_open_clip_vit(layers=3)
+    torch.manual_seed(1)
+    vit.transformer = Transformer(width=32, layers=3, heads=4, mlp_ratio=2.0, batch_first=False).eval()
+    assert not vit.transformer.resblocks[0].attn.batch_first
+    return vit
+
+
 def _real_models():
     yield "hf_clip", tiny.tiny_hf_clip(layers=3), None, [torch.randn(2, 3, 16, 16), torch.randn(3, 3, 16, 16)]
     yield "open_clip", tiny.tiny_open_clip_vit(layers=3), None, [torch.randn(2, 3, 16, 16)]
+    yield "open_clip sequence-first", _sequence_first_open_clip(), None, [torch.randn(2, 3, 16, 16)]
     for name, roberta in (("bert", False), ("roberta", True)):
         yield name, tiny.tiny_bert(layers=3, roberta=roberta), None, tiny.text_batches()
     for path in ("encoder.block", "decoder.block"):
