@@ -72,3 +72,25 @@ def test_squared_drift_splits_exactly_and_padding_is_excluded(case):
     # the masks keep them out of every other row).
     junk = drift_table(model, {"a": expert}, {"a": _junk(batches, pads)}, blocks=path)
     pd.testing.assert_frame_equal(df, junk, rtol=1e-5, atol=1e-7)
+
+
+def test_cached_streams_give_the_same_table(case):
+    """The experts' streams kept by expert_streams and the model's kept while running it
+    (streams_while) carry what each block hands on: the same table as computing them."""
+    from diagnostics import expert_streams
+    from diagnostics.drift import streams_while
+    from featcal.streams import call_model
+
+    path, model, expert, batches, _ = case
+    data = {"a": batches}
+    plain = drift_table(model, {"a": expert}, data, blocks=path)
+    _, own = streams_while(model, data, call_model, blocks=path)
+    cached = drift_table(
+        model,
+        {"a": expert},
+        data,
+        blocks=path,
+        expert_cache=expert_streams({"a": expert}, data, blocks=path),
+        model_cache=own,
+    )
+    pd.testing.assert_frame_equal(plain, cached, rtol=1e-6, atol=1e-9)
