@@ -24,9 +24,10 @@ DEFAULT_N = 8  # calibration examples per task (see benchmarks/app_latency.py)
 # after a change: a quick exact run then has both cores to itself and is drawn once
 # (measured: benchmarks/README.md, 'App latency').
 PREVIEW_AFTER_S = float(os.environ.get("FEATCAL_PREVIEW_AFTER_S", "1.0"))
-# The mergers the Zoo page offers: those fast enough to re-run live on a slider's change (on
-# the demo zoo, 1 thread: Iso-C 0.3 s, Iso-CTS 1.7 s, TSV 2.0 s; WUDI's 400 Adam steps per
-# matrix take minutes, so it stays on the command line; benchmarks/README.md, "Mergers").
+# The mergers the Zoo page offers: those fast enough to re-run on a slider's change (on the
+# demo zoo, 1 thread on a busy 2-core VM: Iso-C 0.3-0.5 s, Iso-CTS 1.7-3.8 s, TSV 2.0-3.4 s, TIES
+# 0.6-1.2 s; WUDI's 400 Adam steps per matrix take 2 minutes, so it stays on the command line;
+# benchmarks/README.md, "mergers_table.py").
 MERGE_METHODS = {
     "average": "Simple averaging",
     "task_arithmetic": "Task Arithmetic",

@@ -38,6 +38,8 @@ DATA_FREE = [
     ("Iso-CTS (1.0, 0.8)", "iso_cts", {}),
     ("TSV (1.0)", "tsv", {}),
     ("WUDI (400 steps, lr 1e-5)", "wudi", {"progress": False}),
+    # The learning rate is absolute: the demo zoo's task vectors are far larger than CLIP's.
+    ("WUDI (400 steps, lr 1e-3)", "wudi", {"lr": 1e-3, "progress": False}),
 ]
 WITH_DATA = [
     ("RegMean (0.95)", "regmean", {}),

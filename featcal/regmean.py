@@ -63,18 +63,33 @@ def reduce_off_diagonal(G: torch.Tensor, ratio: float) -> torch.Tensor:
     return out
 
 
+def regmean_solver(
+    grams: list[torch.Tensor], ratio: float, ridge: float = RIDGE, what: str = "regmean"
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], list[torch.Tensor]]:
+    """``(solve, [G'_i])``: ``solve(B) = (sum_i G'_i + eps I)^-1 B`` by Cholesky, for the Gram
+    matrices ``G_i`` (in x in, symmetric) with their off-diagonal entries times ``ratio``;
+    ``eps = ridge * mean(diag(sum_i G'_i))``. Modules reading one input (q/k/v) share it."""
+    reduced = [reduce_off_diagonal(G, ratio) for G in grams]
+    A = sum(reduced)  # (d, d)
+    eps = ridge * float(A.diagonal().mean().clamp(min=torch.finfo(A.dtype).tiny))
+    return spd_factor(A, eps, what), reduced
+
+
 def regmean_weight(
     grams: list[torch.Tensor], weights: list[torch.Tensor], ratio: float, ridge: float = RIDGE, what: str = "regmean"
 ) -> torch.Tensor:
     """``W = ((sum_i G'_i + eps I)^-1 sum_i G'_i W_i^T)^T`` (out x in) for the experts' weights
-    ``W_i`` (out x in) and Gram matrices ``G_i`` (in x in, symmetric), ``G'_i`` their
-    off-diagonal entries times ``ratio``; ``eps = ridge * mean(diag(sum_i G'_i))``. Solved by
-    Cholesky, in the Grams' dtype."""
-    reduced = [reduce_off_diagonal(G, ratio) for G in grams]
-    A = sum(reduced)  # (d, d)
+    ``W_i`` (out x in) and their Gram matrices ``G_i`` (:func:`regmean_solver`), in the Grams' dtype."""
+    solve, reduced = regmean_solver(grams, ratio, ridge, what)
+    return regmean_apply(solve, reduced, weights)
+
+
+def regmean_apply(
+    solve: Callable[[torch.Tensor], torch.Tensor], reduced: list[torch.Tensor], weights: list[torch.Tensor]
+) -> torch.Tensor:
+    """``(solve(sum_i G'_i W_i^T))^T`` (out x in): :func:`regmean_weight` from a shared solver."""
     B = sum(G @ W.to(G.dtype).T for G, W in zip(reduced, weights))  # (d, o)
-    eps = ridge * float(A.diagonal().mean().clamp(min=torch.finfo(A.dtype).tiny))
-    return spd_factor(A, eps, what)(B).T  # (o, d)
+    return solve(B).T  # (o, d)
 
 
 # ---------------------------------------------------------------------------- the plumbing
@@ -162,12 +177,14 @@ def _regmean(
                 for t in tasks
             }
             # 4. Solve every Linear from the Grams, then load them together (biases stay the mean).
-            new = []
+            new, solvers = [], {}
             for tg in targets:
-                site = target_site(tg)
-                G = [grams[t][site] for t in tasks]
+                G = [grams[t][target_site(tg)].to(device_of(model)) for t in tasks]
+                key = id(grams[tasks[0]][target_site(tg)])  # one solver per distinct input (q/k/v share one)
+                if key not in solvers:
+                    solvers[key] = regmean_solver(G, ratio, what=f"{name} block {idx} {tg.name}")
                 W = [get_params(exp_blks[t][idx], tg)[0].to(G[0].device) for t in tasks]
-                new.append((tg, regmean_weight(G, W, ratio, what=f"{name} block {idx} {tg.name}")))
+                new.append((tg, regmean_apply(*solvers[key], W)))
             for tg, W in new:
                 set_params(blk, tg, W.to(device_of(model)), None)
             # 5. RegMean++: the merged block moves the streams on.
