@@ -24,11 +24,25 @@ DEFAULT_N = 8  # calibration examples per task (see benchmarks/app_latency.py)
 # after a change: a quick exact run then has both cores to itself and is drawn once
 # (measured: benchmarks/README.md, 'App latency').
 PREVIEW_AFTER_S = float(os.environ.get("FEATCAL_PREVIEW_AFTER_S", "1.0"))
-MERGE_METHODS = {"average": "Simple averaging", "task_arithmetic": "Task Arithmetic", "ties": "TIES"}
+# The mergers the Zoo page offers: those fast enough to re-run on a slider's change (on the
+# demo zoo, 1 thread on a busy 2-core VM: Iso-C 0.3-0.5 s, Iso-CTS 1.7-3.8 s, TSV 2.0-3.4 s, TIES
+# 0.6-1.2 s; WUDI's 400 Adam steps per matrix take 2 minutes, so it stays on the command line;
+# benchmarks/README.md, "mergers_table.py").
+MERGE_METHODS = {
+    "average": "Simple averaging",
+    "task_arithmetic": "Task Arithmetic",
+    "ties": "TIES",
+    "iso_c": "Iso-C",
+    "iso_cts": "Iso-CTS",
+    "tsv": "TSV",
+}
 # Slider (min, max, step) of every merger parameter; defaults come from featcal.merging.
 MERGE_PARAMS = {
     "task_arithmetic": {"scale": (0.05, 1.0, 0.05)},
     "ties": {"density": (0.05, 1.0, 0.05), "scale": (0.05, 2.0, 0.05)},
+    "iso_c": {"scale": (0.1, 2.0, 0.05)},
+    "iso_cts": {"scale": (0.1, 2.0, 0.05), "common_space_fraction": (0.0, 1.0, 0.05)},
+    "tsv": {"scale": (0.1, 2.0, 0.05)},
 }
 CAL_DEFAULTS = dict(log_lam=-1.3, rho=2.0, alpha=0.3, n_cal=DEFAULT_N, bias=True, layernorm=True)
 

@@ -10,6 +10,7 @@ Usage::
 from featcal.config import FastPaths, FeatCalConfig, TokenWeights
 from featcal.engine import ExpertTrace, calibrate
 from featcal.merging import MERGERS, merge
+from featcal.regmean import MERGERS_WITH_DATA, merge_with_data
 from featcal.report import CalibrationReport
 
 __all__ = [
@@ -20,6 +21,8 @@ __all__ = [
     "ExpertTrace",
     "merge",
     "MERGERS",
+    "merge_with_data",
+    "MERGERS_WITH_DATA",
     "CalibrationReport",
     "evaluate",
 ]

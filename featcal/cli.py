@@ -3,6 +3,7 @@
     featcal zoo build-demo [--variant default|fashion] [--rebuild]
     featcal zoo info --zoo demo
     featcal merge --zoo demo --method task_arithmetic --param scale=0.3 --out runs/ta
+    featcal merge --zoo demo --method regmean_plusplus --n-per-task 256 --out runs/rmpp
     featcal calibrate --zoo demo --merge task_arithmetic --preset clip --n-per-task 256 --out runs/fc
     featcal eval --zoo demo                       # base, experts, Task Arithmetic
     featcal eval --zoo demo --model runs/fc --json runs/fc/eval.json
@@ -45,6 +46,7 @@ from featcal.cli_common import (
 )
 from featcal.config import FeatCalConfig
 from featcal.engine import calibrate
+from featcal.regmean import MERGERS_WITH_DATA, merge_with_data
 from featcal.streams import device_of
 from featcal.zoo import evaluate, load_any, load_demo
 from featcal.zoo.io import load_model, save_model
@@ -117,17 +119,35 @@ def add_merge_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--param", action="append", metavar="NAME=VALUE", help="a parameter of the method, e.g. scale=0.3 (repeatable)"
     )
+    p.add_argument(
+        "--n-per-task",
+        type=int,
+        default=256,
+        help="data-using methods (regmean, regmean_plusplus): examples per task from the calib split (default 256)",
+    )
+    p.add_argument("--seed", type=int, default=42, help="seed of that sample (default 42)")
+    p.add_argument("--batch-size", type=int, default=16, help="its batch size (default 16)")
     add_out(p)
     p.add_argument("--eval", action="store_true", help="also print the test accuracy")
     add_common(p)
 
 
 def run_merge(args) -> int:
-    params = parse_params(args.param, args.method)
+    params = parse_params(args.param, args.method, with_data=True)
+    with_data = args.method in MERGERS_WITH_DATA
+    if with_data and args.n_per_task < 1:
+        raise UserError(f"--n-per-task must be at least 1, got {args.n_per_task}.")
     check_out(args.out, args.force)
     zoo = zoo_from_args(args)
-    model = zoo.merged(args.method, **params)
     info = {"zoo": args.zoo, "method": args.method, "params": params}
+    if with_data:
+        data = zoo.calib_data(args.n_per_task, seed=args.seed, batch_size=args.batch_size)
+        model = merge_with_data(
+            args.method, base=zoo.base, experts=zoo.experts, calib_data=data, progress=not args.quiet, **params
+        )
+        info.update(n_per_task=args.n_per_task, seed=args.seed, batch_size=args.batch_size)
+    else:
+        model = zoo.merged(args.method, **params)
     out = _write(args, zoo, model, "merge.json", info, scored={args.method: model})
     print(f"wrote {out}")
     return 0

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from featcal.merging import MERGERS
+from featcal.regmean import MERGERS_WITH_DATA
 from featcal.zoo import Zoo, load_any
 
 
@@ -55,10 +56,12 @@ def add_common(p: argparse.ArgumentParser) -> None:
 # ------------------------------------------------------------------ checks
 
 
-def check_merge_method(method: str) -> None:
-    """``method`` must be in :data:`featcal.merging.MERGERS`."""
-    if method not in MERGERS:
-        raise UserError(f"unknown merge method {method!r}; choose one of {', '.join(sorted(MERGERS))}.")
+def check_merge_method(method: str, with_data: bool = False) -> None:
+    """``method`` must be in :data:`featcal.merging.MERGERS` (``with_data``: or in
+    :data:`featcal.regmean.MERGERS_WITH_DATA`)."""
+    known = {**MERGERS, **MERGERS_WITH_DATA} if with_data else MERGERS
+    if method not in known:
+        raise UserError(f"unknown merge method {method!r}; choose one of {', '.join(sorted(known))}.")
 
 
 def _parse_value(text: str):
@@ -73,10 +76,16 @@ def _parse_value(text: str):
     return text
 
 
-def parse_params(items: list[str] | None, method: str) -> dict:
-    """``["scale=0.3", ...]`` -> ``{"scale": 0.3}``, checked against the merger's signature."""
-    check_merge_method(method)
-    allowed = [n for n in inspect.signature(MERGERS[method]).parameters if n not in ("base", "experts")]
+# Arguments of a merger that the command line fills itself, not --param.
+NOT_PARAMS = ("base", "experts", "calib_data", "blocks", "progress")
+
+
+def parse_params(items: list[str] | None, method: str, with_data: bool = False) -> dict:
+    """``["scale=0.3", ...]`` -> ``{"scale": 0.3}``, checked against the merger's signature
+    (``with_data``: the data-using mergers are allowed too)."""
+    check_merge_method(method, with_data)
+    fn = MERGERS_WITH_DATA[method] if method in MERGERS_WITH_DATA else MERGERS[method]
+    allowed = [n for n in inspect.signature(fn).parameters if n not in NOT_PARAMS]
     params = {}
     for item in items or []:
         key, sep, value = item.partition("=")

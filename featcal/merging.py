@@ -6,15 +6,26 @@ modified. Floating-point entries are merged in float32 (or float64 when the
 inputs are) and cast back to the base dtype; integer entries and buffers that
 are not floating point are copied from the base.
 
+The matrix mergers (``iso_c``, ``iso_cts``, ``tsv``, ``wudi``) follow FusionBench's
+conventions so that their numbers compare with its tables: their rule (the maths, in
+:mod:`featcal.merging_spectral`) applies to every 2-D entry of the state dict (on a CLIP ViT the
+position embedding too, not only Linear weights), and every other floating entry gets the
+mean task vector ``mean_i tau_i`` (times the method's scale where it has one).
+
 Registry: ``MERGERS`` maps a method name to its function, and
 :func:`merge` dispatches on it.
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Callable, Mapping
 
 import torch
+
+from featcal import merging_spectral as spectral
+from featcal.progress import bar
 
 StateDict = Mapping[str, torch.Tensor]
 
@@ -134,11 +145,110 @@ def dare(
     return _merge_each(base, experts, combine)
 
 
+def _merge_matrices(
+    base: StateDict,
+    experts: Mapping[str, StateDict],
+    rule: Callable[[torch.Tensor], torch.Tensor],
+    scale: float = 1.0,
+    desc: str = "",
+    progress: bool = False,
+) -> dict[str, torch.Tensor]:
+    """``theta = theta_0 + scale * rule(taus)`` for every 2-D entry (``taus``: ``(T, m, n)``) and
+    ``theta_0 + scale * mean_i tau_i`` for every other floating entry; a progress bar over
+    the 2-D entries with ``progress``."""
+    _check_compatible(base, experts)
+    n_matrices = sum(1 for v in base.values() if torch.is_floating_point(v) and v.dim() == 2)
+    with bar(total=n_matrices, desc=desc, unit="matrix", show=progress) as b:
+
+        def combine(_key: str, taus: torch.Tensor) -> torch.Tensor:
+            if taus.dim() != 3:
+                return scale * taus.mean(0)
+            b.update()
+            return scale * rule(taus)
+
+        return _merge_each(base, experts, combine)
+
+
+def _check_scale(method: str, scale: float) -> None:
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"{method}: scale must be a number, got {scale!r}.")
+
+
+def iso_c(base: StateDict, experts: Mapping[str, StateDict], scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """Iso-C (isotropic merging in the common subspace, Marczak et al. 2025): per 2-D entry the
+    summed task vector with its spectrum flattened to the mean singular value
+    (:func:`featcal.merging_spectral.iso_c_task_vector`), ``theta = theta_0 + scale * tau``;
+    other entries ``theta_0 + scale * mean_i tau_i``. Default scale 1.0 (FusionBench's)."""
+    _check_scale("iso_c", scale)
+    return _merge_matrices(base, experts, spectral.iso_c_task_vector, scale)
+
+
+def iso_cts(
+    base: StateDict, experts: Mapping[str, StateDict], scale: float = 1.0, common_space_fraction: float = 0.8
+) -> dict[str, torch.Tensor]:
+    """Iso-CTS (isotropic merging in common and task-specific subspaces, Marczak et al. 2025):
+    per 2-D entry the top ``common_space_fraction`` of the summed task vector's spectrum plus
+    each task's own top directions outside it, orthogonalised and flattened
+    (:func:`featcal.merging_spectral.iso_cts_task_vector`); ``theta = theta_0 + scale * tau``,
+    other entries as in :func:`iso_c`. Defaults scale 1.0, fraction 0.8 (FusionBench's)."""
+    _check_scale("iso_cts", scale)
+    if not 0.0 <= common_space_fraction <= 1.0:
+        raise ValueError(f"iso_cts: common_space_fraction must be in [0, 1], got {common_space_fraction}.")
+    rule = functools.partial(spectral.iso_cts_task_vector, common_space_fraction=common_space_fraction)
+    return _merge_matrices(base, experts, rule, scale)
+
+
+def tsv(base: StateDict, experts: Mapping[str, StateDict], scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """TSV-Merge (task singular vectors, Gargiulo et al. 2025): per 2-D entry each task's top
+    ``k // T`` singular triplets, their singular vectors orthogonalised across tasks
+    (:func:`featcal.merging_spectral.tsv_task_vector`); ``theta = theta_0 + scale * tau``,
+    other entries ``theta_0 + scale * mean_i tau_i``. Default scale 1.0 (FusionBench's).
+    An entry with fewer singular values than tasks keeps nothing of them (``k // T = 0``):
+    a warning says so."""
+    _check_scale("tsv", scale)
+    small = [k for k, v in base.items() if v.is_floating_point() and v.dim() == 2 and min(v.shape) < len(experts)]
+    if small:
+        warnings.warn(
+            f"tsv: {len(small)} 2-D entries (first {small[0]!r}) have fewer singular values than there "
+            f"are tasks ({len(experts)}); they keep no rank per task and stay at the base.",
+            stacklevel=3,
+        )
+    return _merge_matrices(base, experts, spectral.tsv_task_vector, scale)
+
+
+def wudi(
+    base: StateDict,
+    experts: Mapping[str, StateDict],
+    iters: int = 400,
+    lr: float = 1e-5,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, torch.Tensor]:
+    """WUDI merging (Cheng et al. 2025): per 2-D entry, ``iters`` Adam steps from ``sum_i tau_i``
+    on the interference objective :func:`featcal.merging_spectral.wudi_objective`;
+    ``theta = theta_0 + tau`` (no scale), other entries ``theta_0 + mean_i tau_i``. Defaults
+    400 steps at learning rate 1e-5 (FusionBench's). The optimisation draws nothing at random;
+    it runs under torch's generator seeded with ``seed`` (restored afterwards), so that the
+    same call gives the same merge. A progress bar over the 2-D entries with ``progress``."""
+    if not isinstance(iters, int) or isinstance(iters, bool) or iters < 0:
+        raise ValueError(f"wudi: iters must be a non-negative integer, got {iters!r}.")
+    if not lr > 0:
+        raise ValueError(f"wudi: lr must be positive, got {lr!r}.")
+    rule = functools.partial(spectral.wudi_task_vector, iters=iters, lr=lr)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _merge_matrices(base, experts, rule, 1.0, desc="wudi", progress=progress)
+
+
 MERGERS: dict[str, Callable[..., dict[str, torch.Tensor]]] = {
     "average": average,
     "task_arithmetic": task_arithmetic,
     "ties": ties,
     "dare": dare,
+    "iso_c": iso_c,
+    "iso_cts": iso_cts,
+    "tsv": tsv,
+    "wudi": wudi,
 }
 
 

@@ -124,7 +124,14 @@ def test_the_calibration_gets_the_config_the_url_sets(tiny_zoo_dir, monkeypatch)
 
 @pytest.mark.parametrize(
     "method,key,value",
-    [("task_arithmetic", "task_arithmetic_scale", 0.8), ("ties", "ties_density", 0.6), ("ties", "ties_scale", 0.5)],
+    [
+        ("task_arithmetic", "task_arithmetic_scale", 0.8),
+        ("ties", "ties_density", 0.6),
+        ("ties", "ties_scale", 0.5),
+        ("iso_c", "iso_c_scale", 0.5),
+        ("iso_cts", "iso_cts_common_space_fraction", 0.3),
+        ("tsv", "tsv_scale", 0.5),
+    ],
 )
 def test_each_merger_slider_changes_the_numbers(tiny_zoo_dir, method, key, value):
     at = _ok(_app(tiny_zoo_dir).run())

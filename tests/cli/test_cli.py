@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from featcal import cli
 from featcal.zoo import load_any
@@ -84,6 +85,49 @@ def test_merge_writes_a_model_that_eval_scores(tiny_zoo_dir, tmp_path, capsys):
     expected = evaluate(zoo.merged("task_arithmetic", scale=0.3), zoo)
     assert doc["models"]["ta"]["per_task"] == pytest.approx(expected)
     assert doc["split"] == "test" and set(doc["models"]["ta"]) >= {"average", "normalized_average"}
+
+
+def test_merge_runs_the_new_mergers(tiny_zoo_dir, tmp_path, capsys):
+    from featcal import merge_with_data
+    from featcal.zoo.io import load_model
+
+    zoo = load_any(tiny_zoo_dir)
+    out = tmp_path / "iso"
+    rc, _, _ = _run(
+        capsys, "merge", "--zoo", tiny_zoo_dir, "--method", "iso_c", "--param", "scale=1.2", "--out", str(out), "-q"
+    )
+    assert rc == 0
+    want = zoo.merged("iso_c", scale=1.2).state_dict()
+    got = load_model(str(out), like=zoo.base).state_dict()
+    assert all(torch.allclose(got[k], v) for k, v in want.items())
+
+    # A data-using one reads the zoo's calib split: the sample --n-per-task/--seed name.
+    out = tmp_path / "rmpp"
+    argv = ["--method", "regmean_plusplus", "--param", "reduce_nondiag=0.5", "--n-per-task", "8", "--seed", "3"]
+    rc, _, _ = _run(capsys, "merge", "--zoo", tiny_zoo_dir, *argv, "--out", str(out), "-q")
+    assert rc == 0
+    doc = json.loads((out / "merge.json").read_text())
+    assert doc["params"] == {"reduce_nondiag": 0.5} and doc["n_per_task"] == 8 and doc["seed"] == 3
+    data = zoo.calib_data(8, seed=3)
+    want = merge_with_data(
+        "regmean_plusplus", base=zoo.base, experts=zoo.experts, calib_data=data, reduce_nondiag=0.5, progress=False
+    ).state_dict()
+    got = load_model(str(out), like=zoo.base).state_dict()
+    assert all(torch.allclose(got[k], v, atol=1e-6) for k, v in want.items())
+
+    rc, _, err = _run(
+        capsys,
+        "merge",
+        "--zoo",
+        tiny_zoo_dir,
+        "--method",
+        "regmean",
+        "--param",
+        "scale=1",
+        "--out",
+        str(tmp_path / "x"),
+    )
+    _assert_clean_error(rc, err, "regmean takes reduce_nondiag")
 
 
 def test_eval_without_model_scores_base_experts_merge(tiny_zoo_dir, capsys):
