@@ -11,12 +11,14 @@ from featcal.config import FastPaths, FeatCalConfig, TokenWeights
 from featcal.engine import ExpertTrace, calibrate
 from featcal.merging import MERGERS, merge
 from featcal.report import CalibrationReport
+from featcal.streaming import calibrate_checkpoints
 
 __all__ = [
     "FeatCalConfig",
     "FastPaths",
     "TokenWeights",
     "calibrate",
+    "calibrate_checkpoints",
     "ExpertTrace",
     "merge",
     "MERGERS",

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from featcal import arch, solve, validate
+from featcal.blocksource import BlockSource, DeviceBlocks, check_device, to_host
 from featcal.blockstats import BlockStats, BlockSystems, Context
 from featcal.capture import Captured, capture, per_task, sliced, stacked
 from featcal.config import FastPaths, FeatCalConfig
@@ -101,6 +102,7 @@ class _Run:
     report: CalibrationReport
     keep: list | None  # each solved module's system and parameters, for a preview
     trace: ExpertTrace | None
+    offload: bool = False  # the streams go to the host between blocks
 
 
 def _prepare_streams(
@@ -121,11 +123,11 @@ def _prepare_streams(
         if exp is None:
             exp = [catch_block_inputs(experts[task], expert_blocks[task][0], b) for b in batches]
             if offload:
-                exp = [c.with_hidden(c.hidden.cpu()) for c in exp]
+                exp = [c.with_hidden(to_host(c.hidden)) for c in exp]
             if trace is not None:
                 trace.stems[task] = exp
         if offload:
-            cal = [c.with_hidden(c.hidden.cpu()) for c in cal]
+            cal = [c.with_hidden(to_host(c.hidden)) for c in cal]
         streams[task] = _Stream(cal, list(exp))
     return streams
 
@@ -233,18 +235,18 @@ def _stack_params(params: list[tuple[torch.Tensor, torch.Tensor | None]]):
 def _advance(run: _Run, block: int, blk: nn.Module, pool) -> None:
     """Step 3: move the calibrating streams through the calibrated block (in one call when
     ``pool``, from :func:`_pool` before step 1: the calibrating streams have not moved since)."""
-    device, offload = run.ctx.device, run.ctx.cfg.offload_streams
+    device, offload = run.ctx.device, run.offload
     outs: dict[tuple[str, int], torch.Tensor] = {}
     if pool is not None:
         keys, calls, spans = pool
         h = run_block(blk, pooled(calls), device)
-        h = h.cpu() if offload else h
+        h = to_host(h) if offload else h
         outs = {key: h[lo:hi] for key, (lo, hi) in zip(keys, spans)}
     else:
         for task, st in run.streams.items():
             for b, cc in enumerate(st.cal):
                 h = run_block(blk, cc, device)
-                outs[task, b] = h.cpu() if offload else h
+                outs[task, b] = to_host(h) if offload else h
     for task, st in run.streams.items():
         hs = [outs[task, b] for b in range(len(st.cal))]
         if not bool(torch.stack([torch.isfinite(x).all() for x in hs]).all()):  # one sync per task
@@ -265,7 +267,7 @@ def _expert_step(run: _Run, eblk: nn.Module, targets, st: _Stream, b: int, key: 
     if hit is None:
         with capture(eblk, targets, outputs=True) as ce:
             out = run_block(eblk, ec, run.ctx.device)
-        hit = (ce, out.cpu() if run.ctx.cfg.offload_streams else out)
+        hit = (ce, to_host(out) if run.offload else out)
         if trace is not None:
             trace.steps[key] = hit
     st.exp[b] = ec.with_hidden(hit[1])
@@ -358,6 +360,8 @@ def calibrate(
     progress: bool = True,
     expert_trace: ExpertTrace | None = None,
     fast: FastPaths | None = None,
+    device: str | torch.device | None = None,
+    block_source: BlockSource | None = None,
 ) -> tuple[nn.Module, CalibrationReport]:
     """Calibrate a merged model toward its experts with FeatCal.
 
@@ -377,6 +381,12 @@ def calibrate(
             and batches (repeated calibrations of one zoo, e.g. an app's sliders).
         fast: which of the engine's faster, equivalent paths it may take (:class:`FastPaths`;
             default: every one where it pays; ``FastPaths.plainest()``: none).
+        device: where the blocks run (default: the merged model's device). Models on the CPU
+            with ``device="cuda"`` have one block of each on the GPU at a time
+            (:class:`featcal.blocksource.DeviceBlocks`).
+        block_source: where the blocks come from while they are visited
+            (:class:`featcal.blocksource.BlockSource`; :func:`featcal.calibrate_checkpoints`
+            passes one that reads them from checkpoint shards, with ``device``).
 
     Returns:
         ``(model, report)``: the calibrated model (new unless ``inplace``) and a
@@ -389,18 +399,24 @@ def calibrate(
     t_start = time.perf_counter()
     # 1. Validate before touching anything.
     tasks = validate.check_tasks(experts, calib_data)
-    path = validate.check_models(
-        merged,
-        [("base", base)] + [(f"expert {t!r}", experts[t]) for t in tasks],
-        lambda m: arch.resolve_blocks(m, blocks)[0],
-    )
+    if block_source is None or block_source.loaded:
+        path = validate.check_models(
+            merged,
+            [("base", base)] + [(f"expert {t!r}", experts[t]) for t in tasks],
+            lambda m: arch.resolve_blocks(m, blocks)[0],
+        )
+    else:  # skeletons: the source checks each block as it loads it
+        path = arch.resolve_blocks(merged, blocks)[0]
 
     # 2. The model to calibrate, and every model's blocks.
     model = merged if inplace else copy.deepcopy(merged)
     _, blks = arch.resolve_blocks(model, path)
     _, base_blks = arch.resolve_blocks(base, path)
     exp_blks = {t: arch.resolve_blocks(experts[t], path)[1] for t in tasks}
-    device = device_of(model)
+    device = device_of(model) if device is None else check_device(device)
+    if block_source is None and device != device_of(model):  # one block of each model on `device` at a time
+        block_source = DeviceBlocks(device, blks, [base_blks, *exp_blks.values()])
+    source = block_source or BlockSource()
     restore_modes = to_eval(model, base, *experts.values())  # each submodule's flag comes back exactly
     report = CalibrationReport(cfg, path, tasks)
     trace = None
@@ -410,12 +426,16 @@ def calibrate(
     ctx = Context(cfg, fast, len(blks), device, alpha=None if keep_stats else cfg.alpha)
     try:
         # 3. The streams at the input of block 0.
-        streams = _prepare_streams(
-            model, blks, experts, exp_blks, {t: calib_data[t] for t in tasks}, cfg.offload_streams, trace
+        streams = source.streams(
+            lambda: _prepare_streams(
+                model, blks, experts, exp_blks, {t: calib_data[t] for t in tasks}, cfg.offload_streams, trace
+            )
         )
-        run = _Run(ctx, base_blks, exp_blks, streams, report, [] if keep_stats else None, trace)
-        bar = progress_bar(range(len(blks)), desc="FeatCal", unit="block", show=progress)
+        offload = cfg.offload_streams or source.offload(streams)
+        run = _Run(ctx, base_blks, exp_blks, streams, report, [] if keep_stats else None, trace, offload)
+        bar = progress_bar(range(source.first, len(blks)), desc="FeatCal", unit="block", show=progress)
         for block in bar:
+            source.enter(block)  # block `block` of every model where it runs
             blk = blks[block]
             targets = arch.block_targets(blk, linear=cfg.linear, layernorm=cfg.layernorm, only=cfg.modules)
             # 3a. Snapshot statistics of the still-merged block (and advance the experts).
@@ -431,6 +451,7 @@ def calibrate(
             # 3c. Advance the calibrating streams through the calibrated block.
             _advance(run, block, blk, pool)
             report.blocks.append(BlockRecord(block, t1 - t0, t2 - t1, time.perf_counter() - t2))
+            source.leave(block, streams, report)
             bar.set_postfix_str(f"block {block}: {len(targets)} modules")
         for msg in ctx.warn_rows:
             warnings.warn(msg, stacklevel=3)
