@@ -35,7 +35,7 @@ import torch
 LAYERS = 16
 VOCAB = 4096
 SEQ, PER_TASK = 32, 8  # calibration tokens per example, examples per task
-WIDTHS = {50: 224, 200: 448, 800: 896}  # hidden width per nominal size (MB per model, float32)
+WIDTHS = {50: 256, 200: 512, 800: 1024}  # hidden width per nominal size (MB per model, float32)
 
 
 def llama_config(width: int, layers: int = LAYERS, vocab: int = VOCAB):
@@ -87,7 +87,7 @@ def _vmhwm_mb() -> float:
 
 def child(mode: str, root: Path, n_experts: int, device: str) -> dict:
     """One run in this (fresh) process; the numbers as a dict."""
-    import transformers  # noqa: F401  (the baseline includes every import)
+    from transformers import LlamaForCausalLM  # the baseline includes every import
 
     from featcal import FeatCalConfig, calibrate, calibrate_checkpoints, merge
     from featcal.checkpoints import load_token_data
@@ -114,8 +114,6 @@ def child(mode: str, root: Path, n_experts: int, device: str) -> dict:
         )
         shutil.rmtree(out)
     else:
-        from transformers import LlamaForCausalLM
-
         base = LlamaForCausalLM.from_pretrained(root / "base").eval()
         experts = {t: LlamaForCausalLM.from_pretrained(root / t).eval() for t in tasks}
         merged = LlamaForCausalLM.from_pretrained(root / "base").eval()

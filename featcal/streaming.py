@@ -19,6 +19,7 @@ renamed to ``out`` at the very end, so a killed run never leaves a complete-look
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import logging
@@ -163,6 +164,7 @@ class CheckpointSource(BlockSource):
         finally:
             for role in roles:
                 release(self.skels[role])
+            _trim_heap()
         if self.first > 0:
             self._load_streams(streams)
         self._fit = streams_fit(streams, self.device)
@@ -193,6 +195,7 @@ class CheckpointSource(BlockSource):
         _save_atomic(calibrated, self.work / "blocks" / f"{block:05d}.safetensors")
         for blocks in self.blocks.values():
             release(blocks[block])
+        _trim_heap()
         last = block == len(self.blocks["base"]) - 1
         if (block + 1) % self.every == 0 or last:
             if not last:
@@ -234,6 +237,16 @@ class CheckpointSource(BlockSource):
                         kind,
                         [c.with_hidden(f.get_tensor(f"{kind}.{i}.{b}")) for b, c in enumerate(calls)],
                     )
+
+
+def _trim_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc's ``malloc_trim``; nothing elsewhere). Without
+    it, blocks of every model allocated and freed one after another fragment the heap and the
+    resident memory creeps up by about two blocks' worth per block."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _save_atomic(tensors: dict, path: Path) -> None:
