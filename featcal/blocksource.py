@@ -43,6 +43,9 @@ class BlockSource:
         """After block ``block`` is calibrated and the streams have moved past it (``report``:
         the run's :class:`~featcal.report.CalibrationReport` so far)."""
 
+    def close(self) -> None:
+        """When the run ends, finished or not (a block entered and not left goes home)."""
+
 
 def to_host(h: torch.Tensor) -> torch.Tensor:
     """``h`` on the CPU; pinned when it comes from an accelerator (the next copy back is async-able)."""
@@ -70,7 +73,7 @@ def check_device(device) -> torch.device:
     """``device`` as a torch device; a clear error when it names CUDA and there is none."""
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
+        raise ValueError(
             "device='cuda' was asked but torch.cuda.is_available() is False on this machine "
             "(no GPU, or a CPU-only torch build); use device='cpu'."
         )
@@ -113,10 +116,16 @@ class DeviceBlocks(BlockSource):
         return not self._fit
 
     def enter(self, block: int) -> None:
-        self._home = [device_of(blocks[block]) for blocks in self.lists]
+        self._away = (block, [device_of(blocks[block]) for blocks in self.lists])
         for blocks in self.lists:
             blocks[block].to(self.device)
 
     def leave(self, block: int, streams: dict, report) -> None:
-        for blocks, home in zip(self.lists, self._home):
-            blocks[block].to(home)
+        self.close()
+
+    def close(self) -> None:
+        if getattr(self, "_away", None) is not None:
+            block, homes = self._away
+            for blocks, home in zip(self.lists, homes):
+                blocks[block].to(home)
+            self._away = None

@@ -204,9 +204,6 @@ def config_from_args(args):
 
 def run_calibrate_checkpoints(args) -> int:
     """``featcal calibrate --base DIR --expert NAME=DIR ...``: the streamed run (featcal.streaming)."""
-    from featcal.checkpoints import load_token_data
-    from featcal.streaming import calibrate_checkpoints
-
     if not args.expert:
         raise UserError("--base needs at least one --expert NAME=DIR.")
     if not args.data:
@@ -225,7 +222,20 @@ def run_calibrate_checkpoints(args) -> int:
     cfg = config_from_args(args)
     merge = None if args.merged else (args.merge, parse_params(args.merge_param, args.merge))
     apply_threads(args)
-    report = calibrate_checkpoints(
+    try:
+        report = _stream(args, experts, merge, cfg)
+    except KeyboardInterrupt:
+        print("featcal: the finished blocks are kept; add --resume to continue from them.", file=sys.stderr)
+        raise
+    print(f"calibrated {len(report.blocks)} blocks in {report.seconds:.1f} s; wrote {args.out}")
+    return 0
+
+
+def _stream(args, experts: dict, merge, cfg):
+    from featcal.checkpoints import load_token_data
+    from featcal.streaming import calibrate_checkpoints
+
+    return calibrate_checkpoints(
         args.base,
         experts,
         merge=merge,
@@ -238,8 +248,6 @@ def run_calibrate_checkpoints(args) -> int:
         force=args.force,
         progress=not args.quiet,
     )
-    print(f"calibrated {len(report.blocks)} blocks in {report.seconds:.1f} s; wrote {args.out}")
-    return 0
 
 
 def run_calibrate(args) -> int:

@@ -461,6 +461,7 @@ def calibrate(
             log.error("calibration failed part-way with inplace=True: the model is partly calibrated.")
         raise
     finally:
+        source.close()
         restore_modes()
     if keep_stats:
         from featcal.preview import Preview

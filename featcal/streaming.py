@@ -336,7 +336,8 @@ def calibrate_checkpoints(
             dicts with ``input_ids`` and optionally ``attention_mask``).
         out: the directory to write; must not exist unless ``force``.
         merge: ``(method, params)`` (or a method name) of :data:`featcal.MERGERS`, to merge the
-            base and the experts block by block; or
+            base and the experts block by block (the same merge as on whole state dicts, but for
+            ``dare``, whose seeded masks are drawn block by block); or
         merged: the merged model's directory.
         config: FeatCal's hyper-parameters (:class:`FeatCalConfig`).
         device: where each block runs (``"cuda"``: one block of every model on the GPU at a time).

@@ -153,9 +153,9 @@ def test_bad_inputs_name_the_problem(zoo, tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         calibrate_checkpoints(base, {**exps, "math": tmp_path}, calib_data=data, out=tmp_path / "o", merge="average")
     if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="cuda"):
+        with pytest.raises(ValueError, match="cuda"):
             calibrate_checkpoints(base, exps, calib_data=data, out=tmp_path / "o", merge="average", device="cuda")
-        with pytest.raises(RuntimeError, match="cuda"):
+        with pytest.raises(ValueError, match="cuda"):
             calibrate(zoo["merged"], base=zoo["base"], experts=zoo["experts"], calib_data=data, device="cuda")
 
 
@@ -185,3 +185,28 @@ def test_cli_streams_checkpoints(zoo, tmp_path):
     assert main(argv) == 0
     want, _ = _in_memory(zoo)
     _assert_same_weights(LlamaForCausalLM.from_pretrained(out).state_dict(), want.state_dict())
+
+
+def test_one_block_at_a_time_source_gives_the_same_model(zoo):
+    """The in-memory run with ``device=`` another device than the models' goes through
+    DeviceBlocks (block l of every model moved there and back, the streams moved once); on the
+    CPU the moves are no-ops, but every step of that path runs and must leave the result as is."""
+    from featcal import arch
+    from featcal.blocksource import DeviceBlocks
+
+    want, _ = _in_memory(zoo)
+    model = copy.deepcopy(zoo["merged"])
+    lists = [arch.resolve_blocks(m)[1] for m in (model, zoo["base"], *zoo["experts"].values())]
+    source = DeviceBlocks(torch.device("cpu"), lists[0], lists[1:])
+    got, _ = calibrate(
+        model,
+        base=zoo["base"],
+        experts=zoo["experts"],
+        calib_data=_batches(zoo),
+        config=CFG,
+        progress=False,
+        inplace=True,
+        block_source=source,
+    )
+    _assert_same_weights(got.state_dict(), want.state_dict(), tol=0.0)
+    assert all(p.device.type == "cpu" for p in got.parameters())
