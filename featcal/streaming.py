@@ -26,7 +26,6 @@ import logging
 import os
 import resource
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Callable, Mapping
@@ -51,6 +50,7 @@ from featcal.checkpoints import (
 )
 from featcal.config import FastPaths, FeatCalConfig
 from featcal.engine import calibrate
+from featcal.progress import note
 from featcal.report import BlockRecord, CalibrationReport, ModuleRecord
 
 log = logging.getLogger(__name__)
@@ -209,10 +209,9 @@ class CheckpointSource(BlockSource):
             info["peak_gpu_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         if self.progress:
             gpu = f", GPU peak {info['peak_gpu_mb']:.0f} MB" if "peak_gpu_mb" in info else ""
-            print(
+            note(
                 f"block {block + 1}/{len(self.blocks['base'])}: {info['seconds']:.1f} s, "
-                f"peak RSS {info['peak_rss_mb']:.0f} MB{gpu}",
-                file=sys.stderr,
+                f"peak RSS so far {info['peak_rss_mb']:.0f} MB{gpu}"
             )
         if self.on_block is not None:
             self.on_block(block, info)
