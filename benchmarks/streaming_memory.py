@@ -11,6 +11,7 @@ VmHWM) at the end and the interpreter's baseline (VmHWM after its imports, befor
     python benchmarks/streaming_memory.py                       # 50 and 200 MB per model
     python benchmarks/streaming_memory.py --sizes 50,200,800 --threads 2
     python benchmarks/streaming_memory.py --sizes 800 --only streamed
+    python benchmarks/streaming_memory.py --sizes 200 --layers 32 --only streamed   # twice the blocks
 """
 
 from __future__ import annotations
@@ -149,6 +150,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="50,200", help=f"MB per model (float32), of {sorted(WIDTHS)}")
     p.add_argument("--experts", type=int, default=4)
+    p.add_argument("--layers", type=int, default=LAYERS, help="blocks per model (the sizes assume 16)")
     p.add_argument("--only", choices=["streamed", "in-memory"], help="run one mode only")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=2)
@@ -166,7 +168,7 @@ def main(argv=None) -> None:
     for size in [int(s) for s in args.sizes.split(",")]:
         root = Path(tempfile.mkdtemp(prefix=f"featcal-stream-{size}-", dir=args.tmp))
         try:
-            model_mb = write_llama_zoo(root, WIDTHS[size], args.experts) / 2**20
+            model_mb = write_llama_zoo(root, WIDTHS[size], args.experts, layers=args.layers) / 2**20
             print(
                 f"{size} MB nominal: {model_mb:.0f} MB per model, {args.experts} experts", file=sys.stderr, flush=True
             )
@@ -176,7 +178,7 @@ def main(argv=None) -> None:
                 print(f"  {mode}: {r}", file=sys.stderr, flush=True)
                 rows.append(
                     {
-                        "model": f"{model_mb:.0f} MB (width {WIDTHS[size]}, {LAYERS} blocks)",
+                        "model": f"{model_mb:.0f} MB (width {WIDTHS[size]}, {args.layers} blocks)",
                         "run": mode,
                         "models' sum": f"{(args.experts + 2) * model_mb:.0f} MB ({args.experts + 2} models)",
                         "baseline": f"{r['baseline_mb']:.0f} MB",
