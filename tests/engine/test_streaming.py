@@ -104,10 +104,18 @@ def test_streamed_equals_in_memory(zoo, tmp_path, how):
     assert not partial_dir(out).exists()
 
 
-def test_killed_run_resumes_to_same_model(zoo, tmp_path):
+@pytest.mark.parametrize("every", [1, 3])
+def test_killed_run_resumes_to_same_model(zoo, tmp_path, every):
+    """Killed after block 4; the streams were last saved after block 4 (every block) or 2 (every
+    third), so the resumed run visits the blocks after that one and ends with the same model."""
     out = tmp_path / "cal"
     common = dict(
-        merge=("task_arithmetic", {"scale": 0.3}), calib_data=_batches(zoo), config=CFG, out=out, progress=False
+        merge=("task_arithmetic", {"scale": 0.3}),
+        calib_data=_batches(zoo),
+        config=CFG,
+        out=out,
+        progress=False,
+        checkpoint_every=every,
     )
 
     def die_at_4(block, info):
@@ -118,14 +126,15 @@ def test_killed_run_resumes_to_same_model(zoo, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         calibrate_checkpoints(zoo["root"] / "base", _experts(zoo), on_block=die_at_4, **common)
     assert not out.exists()  # nothing that looks complete
-    assert json.loads((partial_dir(out) / "state.json").read_text())["done"] == 4
+    saved = 4 if every == 1 else 2
+    assert json.loads((partial_dir(out) / "state.json").read_text())["done"] == saved
     with pytest.raises(FileExistsError, match="resume"):  # neither resumed nor forced
         calibrate_checkpoints(zoo["root"] / "base", _experts(zoo), **common)
     visited = []
     report = calibrate_checkpoints(
         zoo["root"] / "base", _experts(zoo), resume=True, on_block=lambda b, i: visited.append(b), **common
     )
-    assert visited == [5, 6, 7]
+    assert visited == list(range(saved + 1, 8))
     assert [b.block for b in report.blocks] == list(range(8))
     want, _ = _in_memory(zoo)
     _assert_same_weights(LlamaForCausalLM.from_pretrained(out).state_dict(), want.state_dict())
