@@ -149,8 +149,7 @@ class CheckpointSource(BlockSource):
         roles = ["merged", *self.tasks]
         for role in roles:
             skel = self.skels[role]
-            head = skel.get_output_embeddings() if hasattr(skel, "get_output_embeddings") else None
-            skip = {id(p) for p in head.parameters()} if head is not None else set()
+            skip = _head_only(skel)
             names = [n for n, p in skel.named_parameters() if not n.startswith(self.path + ".") and id(p) not in skip]
             if role == "merged":
                 base = self._read("base", names)
@@ -165,6 +164,11 @@ class CheckpointSource(BlockSource):
             for role in roles:
                 release(self.skels[role])
             _trim_heap()
+        if any(c.hidden.is_meta for st in streams.values() for c in st.cal + st.exp):
+            raise RuntimeError(
+                "a stem's output is on the meta device: its forward pass used the output embeddings, which "
+                "featcal leaves unloaded; please report the architecture."
+            )
         if self.first > 0:
             self._load_streams(streams)
         self._fit = streams_fit(streams, self.device)
@@ -236,6 +240,18 @@ class CheckpointSource(BlockSource):
                         kind,
                         [c.with_hidden(f.get_tensor(f"{kind}.{i}.{b}")) for b, c in enumerate(calls)],
                     )
+
+
+def _head_only(model: nn.Module) -> set[int]:
+    """The ids of the output embeddings' parameters that the input embeddings do not share (the
+    head, which the stems never run; tied to the input embeddings, it is loaded with them)."""
+    get_out = getattr(model, "get_output_embeddings", None)
+    head = get_out() if get_out is not None else None
+    if head is None:
+        return set()
+    get_in = getattr(model, "get_input_embeddings", None)
+    shared = {id(p) for p in get_in().parameters()} if get_in is not None and get_in() is not None else set()
+    return {id(p) for p in head.parameters()} - shared
 
 
 def _trim_heap() -> None:

@@ -219,3 +219,49 @@ def test_one_block_at_a_time_source_gives_the_same_model(zoo):
     )
     _assert_same_weights(got.state_dict(), want.state_dict(), tol=0.0)
     assert all(p.device.type == "cpu" for p in got.parameters())
+
+
+def test_bf16_tied_single_file_checkpoints(tmp_path):
+    """bf16 models with tied input and output embeddings, each in one model.safetensors: the
+    stems load the shared embedding (a head skipped with it would leave the streams on meta), the
+    output keeps bf16 and the tie, and equals calibrate on the same checkpoints loaded whole."""
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(cfg).eval()
+    for i, t in enumerate("ab"):
+        tiny.perturbed(base, 0.02, i + 1).to(torch.bfloat16).save_pretrained(tmp_path / t)
+    base.to(torch.bfloat16).save_pretrained(tmp_path / "base")
+    assert (tmp_path / "base" / "model.safetensors").is_file()
+    ids = torch.randint(0, 64, (4, 10), generator=torch.Generator().manual_seed(2))
+    data = {t: [{"input_ids": ids}] for t in "ab"}
+    config = FeatCalConfig.llama("3b", lam=1e-2)
+    out = tmp_path / "out"
+    calibrate_checkpoints(
+        tmp_path / "base",
+        {t: tmp_path / t for t in "ab"},
+        merge="average",
+        calib_data=data,
+        config=config,
+        out=out,
+        progress=False,
+    )
+    got = LlamaForCausalLM.from_pretrained(out)
+    assert got.dtype == torch.bfloat16 and got.lm_head.weight.data_ptr() == got.model.embed_tokens.weight.data_ptr()
+
+    def load(d):
+        return LlamaForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()
+
+    base, experts = load(tmp_path / "base"), {t: load(tmp_path / t) for t in "ab"}
+    merged = load(tmp_path / "base")
+    merged.load_state_dict(merge("average", base.state_dict(), {t: m.state_dict() for t, m in experts.items()}))
+    want, _ = calibrate(merged, base=base, experts=experts, calib_data=data, config=config, progress=False)
+    _assert_same_weights(got.state_dict(), want.state_dict(), tol=0.0)
+    assert not torch.equal(got.model.layers[2].mlp.up_proj.weight, merged.model.layers[2].mlp.up_proj.weight)
