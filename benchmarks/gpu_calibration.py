@@ -19,6 +19,14 @@ transformers (no install of featcal needed)::
     python3 benchmarks/gpu_calibration.py --dtype fp32,bf16 --batch 16,64 --offload-streams both
     python3 benchmarks/gpu_calibration.py --profile                        # + top CUDA ops of one run
     python3 benchmarks/gpu_calibration.py --tiny                           # CPU smoke test, seconds
+    python3 benchmarks/gpu_calibration.py --streamed 1024                  # + the streamed path (below)
+
+``--streamed WIDTH`` adds a second table: a Llama-architecture base and ``--experts`` experts of
+that width (16 blocks, random weights, saved sharded to a temporary directory; see
+benchmarks/streaming_memory.py) calibrated three ways: in memory with the models on the device,
+in memory with the models on the CPU and ``device=`` the GPU (one block of each on it at a time),
+and streamed from the checkpoints (``featcal.calibrate_checkpoints``); time, peak GPU memory and
+the largest weight difference from the first way.
 
 ``--dtype bf16`` holds the models, data and streams in bfloat16; the statistics
 and the solve stay in ``--stats-dtype`` (float32 by default). ``--tf32`` lets
@@ -71,11 +79,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="print the top CUDA ops (torch.profiler) and featcal functions (cProfile) of the first setting",
     )
     p.add_argument(
+        "--streamed",
+        type=int,
+        default=0,
+        metavar="WIDTH",
+        help="also time the streamed path on a Llama of this width (0: not; e.g. 1024, about 800 MB per model)",
+    )
+    p.add_argument(
         "--tiny", action="store_true", help="smoke test: tiny model, 3 experts, 16 examples, batch 8 (runs on a CPU)"
     )
     args = p.parse_args(argv)
     if args.tiny:
         args.size, args.experts, args.examples, args.batch = "tiny", 3, 16, "8"
+        args.streamed = args.streamed and 128
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     return args
 
@@ -117,6 +133,105 @@ def _profile(zoo: C.Zoo, cfg: FeatCalConfig, args, label: dict) -> str:
     ops = C.profile_ops(lambda: C.calibrate_once(zoo, cfg), args.device, rows=20)
     py = C.profile_python(lambda: C.calibrate_once(zoo, cfg), rows=20)
     return f"\n### top ops of one run ({head})\n\n{ops}\n### featcal functions, cProfile ({head})\n\n{py}"
+
+
+def _streamed_rows(args) -> list[dict]:
+    """The three ways of ``--streamed`` (see the module's docstring), one row each."""
+    import copy
+    import shutil
+    import tempfile
+    import time
+
+    from streaming_memory import PER_TASK, write_llama_zoo
+    from transformers import LlamaForCausalLM
+
+    from featcal import calibrate, calibrate_checkpoints, merge
+    from featcal.checkpoints import load_token_data
+
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    root = Path(tempfile.mkdtemp(prefix="featcal-gpu-stream-"))
+    rows = []
+    try:
+        model_bytes = write_llama_zoo(root, args.streamed, args.experts)
+        tasks = [f"task{i}" for i in range(args.experts)]
+        data = load_token_data(root / "data.safetensors", batch_size=PER_TASK)
+        cfg = FeatCalConfig.llama("8b")
+        base = LlamaForCausalLM.from_pretrained(root / "base").eval()
+        experts = {t: LlamaForCausalLM.from_pretrained(root / t).eval() for t in tasks}
+        merged = copy.deepcopy(base)
+        sds = {t: m.state_dict() for t, m in experts.items()}
+        merged.load_state_dict(merge("task_arithmetic", base.state_dict(), sds, scale=0.3))
+        results = {}
+
+        def timed(label, fn):
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            sd = fn()
+            if cuda:
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+            results[label] = {k: v.detach().cpu() for k, v in sd.items()}
+            ref = next(iter(results.values()))
+            diff = max(
+                float((results[label][k].double() - w.double()).abs().max() / w.double().abs().max().clamp_min(1e-30))
+                for k, w in ref.items()
+                if k in results[label]
+            )
+            rows.append(
+                {
+                    "way": label,
+                    "models": f"{args.experts + 2} x {C.fmt_bytes(model_bytes)}",
+                    "time": f"{seconds:.2f} s",
+                    "peak GPU": C.fmt_bytes(torch.cuda.max_memory_allocated()) if cuda else "-",
+                    "max rel diff": f"{diff:.1e}",
+                }
+            )
+            print(f"  streamed table: {rows[-1]}", file=sys.stderr, flush=True)
+
+        def on_device():
+            moved = [m.to(device) for m in (merged, base, *experts.values())]
+            model, _ = calibrate(
+                moved[0],
+                base=moved[1],
+                experts=dict(zip(tasks, moved[2:])),
+                calib_data=data,
+                config=cfg,
+                progress=False,
+            )
+            for m in (merged, base, *experts.values()):
+                m.to("cpu")
+            return model.state_dict()
+
+        def one_block_at_a_time():
+            model, _ = calibrate(
+                merged, base=base, experts=experts, calib_data=data, config=cfg, progress=False, device=device
+            )
+            return model.state_dict()
+
+        def streamed():
+            out = root / "out"
+            calibrate_checkpoints(
+                root / "base",
+                {t: root / t for t in tasks},
+                merge=("task_arithmetic", {"scale": 0.3}),
+                calib_data=data,
+                config=cfg,
+                out=out,
+                device=device,
+                force=True,
+                progress=False,
+            )
+            return LlamaForCausalLM.from_pretrained(out).state_dict()
+
+        timed("in memory, models on the device", on_device)
+        timed("in memory, models on the CPU, one block on the device", one_block_at_a_time)
+        timed("streamed from checkpoints", streamed)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return rows
 
 
 def main(argv=None) -> None:
@@ -161,6 +276,11 @@ def main(argv=None) -> None:
         del base_zoo
     print()
     print(C.markdown_table(rows))
+    if args.streamed:
+        print(
+            f"\nLlama width {args.streamed}, 16 blocks, {args.experts} experts, Task Arithmetic 0.3, llama-8b preset:\n"
+        )
+        print(C.markdown_table(_streamed_rows(args)))
 
 
 if __name__ == "__main__":

@@ -12,12 +12,14 @@ from featcal.engine import ExpertTrace, calibrate
 from featcal.merging import MERGERS, merge
 from featcal.regmean import MERGERS_WITH_DATA, merge_with_data
 from featcal.report import CalibrationReport
+from featcal.streaming import calibrate_checkpoints
 
 __all__ = [
     "FeatCalConfig",
     "FastPaths",
     "TokenWeights",
     "calibrate",
+    "calibrate_checkpoints",
     "ExpertTrace",
     "merge",
     "MERGERS",

@@ -5,6 +5,7 @@
     featcal merge --zoo demo --method task_arithmetic --param scale=0.3 --out runs/ta
     featcal merge --zoo demo --method regmean_plusplus --n-per-task 256 --out runs/rmpp
     featcal calibrate --zoo demo --merge task_arithmetic --preset clip --n-per-task 256 --out runs/fc
+    featcal calibrate --base DIR --expert math=DIR ... --merge task_arithmetic --data toks.safetensors --out DIR
     featcal eval --zoo demo                       # base, experts, Task Arithmetic
     featcal eval --zoo demo --model runs/fc --json runs/fc/eval.json
     featcal diagnose --zoo demo --model merged --out runs/diag     # diagnostics.cli
@@ -169,16 +170,17 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--merge", default="task_arithmetic", help="merge method (default: task_arithmetic)")
     p.add_argument(
         "--merge-param",
+        "--param",
+        dest="merge_param",
         action="append",
         metavar="NAME=VALUE",
         help="a parameter of the merge method (repeatable; default: its own defaults)",
     )
     p.add_argument(
         "--preset",
-        default="clip",
-        choices=("clip", "none"),
-        help="clip: the paper's CLIP setting with the reference run's token weights; "
-        "none: plain FeatCalConfig (default: clip)",
+        choices=("clip", "llama-3b", "llama-8b", "none"),
+        help="clip: the paper's CLIP setting with the reference run's token weights; llama-3b, llama-8b: "
+        "the paper's Llama settings; none: plain FeatCalConfig (default: clip with --zoo, llama-8b with --base)",
     )
     p.add_argument("--lam", type=float, help="lambda, ridge strength toward the anchor")
     p.add_argument("--rho", type=float, help="rho, anchor blend rho*W_mer + (1-rho)*W_0")
@@ -190,6 +192,18 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=16, help="calibration batch size (default 16)")
     add_out(p)
     p.add_argument("--eval", action="store_true", help="also evaluate (test split) and record it")
+    c = p.add_argument_group(
+        "checkpoints", "calibrate model directories (save_pretrained layout) streamed block by block, instead of a zoo"
+    )
+    c.add_argument("--base", metavar="DIR", help="the base model's directory")
+    c.add_argument(
+        "--expert", action="append", metavar="NAME=DIR", help="an expert's task name and directory (repeatable)"
+    )
+    c.add_argument("--merged", metavar="DIR", help="the merged model's directory (instead of --merge on the fly)")
+    c.add_argument(
+        "--data", metavar="FILE", help="calibration tokens: a safetensors file of TASK.input_ids [TASK.attention_mask]"
+    )
+    c.add_argument("--resume", action="store_true", help="continue a run that was killed part-way")
     add_common(p)
 
 
@@ -200,10 +214,68 @@ def config_from_args(args):
         overrides["bias"] = False
     if args.no_layernorm:
         overrides["layernorm"] = False
-    return FeatCalConfig.clip(**overrides) if args.preset == "clip" else FeatCalConfig(**overrides)
+    preset = args.preset or "clip"
+    if preset == "clip":
+        return FeatCalConfig.clip(**overrides)
+    if preset.startswith("llama-"):
+        return FeatCalConfig.llama(preset.removeprefix("llama-"), **overrides)
+    return FeatCalConfig(**overrides)
+
+
+def run_calibrate_checkpoints(args) -> int:
+    """``featcal calibrate --base DIR --expert NAME=DIR ...``: the streamed run (featcal.streaming)."""
+    if not args.expert:
+        raise UserError("--base needs at least one --expert NAME=DIR.")
+    if not args.data:
+        raise UserError("--base needs --data FILE (a safetensors file of TASK.input_ids, see featcal.checkpoints).")
+    experts = {}
+    for item in args.expert:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise UserError(f"--expert {item!r}: expected NAME=DIR (e.g. math=ckpt/math).")
+        experts[name] = path
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1, got {args.batch_size}.")
+    if not os.path.isfile(args.data):
+        raise UserError(f"--data {args.data!r} does not exist.")
+    args.preset = args.preset or "llama-8b"
+    cfg = config_from_args(args)
+    merge = None if args.merged else (args.merge, parse_params(args.merge_param, args.merge))
+    apply_threads(args)
+    try:
+        report = _stream(args, experts, merge, cfg)
+    except KeyboardInterrupt:
+        print("featcal: the finished blocks are kept; add --resume to continue from them.", file=sys.stderr)
+        raise
+    print(f"calibrated {len(report.blocks)} blocks in {report.seconds:.1f} s; wrote {args.out}")
+    return 0
+
+
+def _stream(args, experts: dict, merge, cfg):
+    from featcal.checkpoints import load_token_data
+    from featcal.streaming import calibrate_checkpoints
+
+    return calibrate_checkpoints(
+        args.base,
+        experts,
+        merge=merge,
+        merged=args.merged,
+        calib_data=load_token_data(args.data, args.batch_size),
+        config=cfg,
+        out=args.out,
+        device=args.device,
+        resume=args.resume,
+        force=args.force,
+        progress=not args.quiet,
+    )
 
 
 def run_calibrate(args) -> int:
+    if args.base:
+        return run_calibrate_checkpoints(args)
+    if args.expert or args.merged or args.data or args.resume:
+        raise UserError("--expert, --merged, --data and --resume go with --base (model directories), not --zoo.")
+    args.preset = args.preset or "clip"
     params = parse_params(args.merge_param, args.merge)
     cfg = config_from_args(args)
     if args.n_per_task < 1:

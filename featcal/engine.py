@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from featcal import arch, solve, validate
+from featcal.blocksource import BlockSource, DeviceBlocks, check_device, to_host
 from featcal.blockstats import BlockStats, BlockSystems, Context
 from featcal.capture import Captured, capture, per_task, sliced, stacked
 from featcal.config import FastPaths, FeatCalConfig
@@ -104,6 +105,7 @@ class _Run:
     base_blocks: nn.ModuleList | None = None
     expert_blocks: Mapping[str, nn.ModuleList] | None = None
     streams: dict[str, _Stream] | None = None
+    offload: bool = False  # the streams go to the host between blocks
 
 
 def _prepare_streams(
@@ -127,11 +129,11 @@ def _prepare_streams(
         if exp is None:
             exp = [catch_block_inputs(experts[task], expert_blocks[task][0], b) for b in batches]
             if offload:
-                exp = [c.with_hidden(c.hidden.cpu()) for c in exp]
+                exp = [c.with_hidden(to_host(c.hidden)) for c in exp]
             if trace is not None:
                 trace.stems[path, task] = exp
         if offload:
-            cal = [c.with_hidden(c.hidden.cpu()) for c in cal]
+            cal = [c.with_hidden(to_host(c.hidden)) for c in cal]
         streams[task] = _Stream(cal, list(exp))
     return streams
 
@@ -239,18 +241,18 @@ def _stack_params(params: list[tuple[torch.Tensor, torch.Tensor | None]]):
 def _advance(run: _Run, block: int, blk: nn.Module, pool) -> None:
     """Step 3: move the calibrating streams through the calibrated block (in one call when
     ``pool``, from :func:`_pool` before step 1: the calibrating streams have not moved since)."""
-    device, offload = run.ctx.device, run.ctx.cfg.offload_streams
+    device, offload = run.ctx.device, run.offload
     outs: dict[tuple[str, int], BlockCall] = {}
     if pool is not None:
         keys, calls, spans = pool
         h = run_block(blk, pooled(calls), device)
-        h = h.cpu() if offload else h
+        h = to_host(h) if offload else h
         outs = {key: c.with_hidden(h[lo:hi]) for key, c, (lo, hi) in zip(keys, calls, spans)}
     else:
         for task, st in run.streams.items():
             for b, cc in enumerate(st.cal):
                 nxt = cc.after(block_output(blk, cc, device))  # carried outputs handed on
-                outs[task, b] = nxt.with_hidden(nxt.hidden.cpu()) if offload else nxt
+                outs[task, b] = nxt.with_hidden(to_host(nxt.hidden)) if offload else nxt
     for task, st in run.streams.items():
         calls = [outs[task, b] for b in range(len(st.cal))]
         if not bool(torch.stack([torch.isfinite(c.hidden).all() for c in calls]).all()):  # one sync per task
@@ -271,7 +273,7 @@ def _expert_step(run: _Run, eblk: nn.Module, targets, st: _Stream, b: int, key: 
     if hit is None:
         with capture(eblk, targets, outputs=True) as ce:
             nxt = ec.after(block_output(eblk, ec, run.ctx.device))
-        hit = (ce, nxt.with_hidden(nxt.hidden.cpu()) if run.ctx.cfg.offload_streams else nxt)
+        hit = (ce, nxt.with_hidden(to_host(nxt.hidden)) if run.offload else nxt)
         if trace is not None:
             trace.steps[key] = hit
     st.exp[b] = hit[1]
@@ -358,10 +360,13 @@ def _calibrate_stack(
     experts: Mapping[str, nn.Module],
     calib_data: Mapping[str, list],
     progress: bool,
+    block_source: BlockSource | None = None,
 ) -> None:
     """Steps 1-3 of the module docstring for every block of the stack at ``path``, its block
-    numbers in the report following those of the stacks calibrated before it."""
-    ctx, fast, cfg, report = run.ctx, run.ctx.fast, run.ctx.cfg, run.report
+    numbers in the report following those of the stacks calibrated before it. The blocks are
+    visited where ``block_source`` puts them (default: where they are, or one block of each model
+    at a time on the run's device when the models are elsewhere)."""
+    ctx, cfg, report = run.ctx, run.ctx.cfg, run.report
     blks = arch.resolve_blocks(model, path)[1]
     run.path, run.offset = path, len(report.blocks)
     run.base_blocks = arch.resolve_blocks(base, path)[1]
@@ -372,14 +377,30 @@ def _calibrate_stack(
         msg = f"{path}: norms featcal does not calibrate keep their merged values: {', '.join(untouched)}."
         warnings.warn(msg, stacklevel=4)
         report.warnings.append(msg)
-    # The streams at the input of block 0.
-    streams = _prepare_streams(
-        model, blks, experts, run.expert_blocks, calib_data, cfg.offload_streams, run.trace, path
+    source = block_source
+    if source is None and ctx.device != device_of(model):  # one block of each model on the device at a time
+        source = DeviceBlocks(ctx.device, blks, [run.base_blocks, *run.expert_blocks.values()])
+    source = source or BlockSource()
+    try:
+        _visit_blocks(run, source, model, blks, experts, calib_data, progress)
+    finally:
+        source.close()
+
+
+def _visit_blocks(run: _Run, source: BlockSource, model, blks, experts, calib_data, progress: bool) -> None:
+    """The forward-order loop over one stack's blocks, each where ``source`` puts it."""
+    ctx, fast, cfg, report, path = run.ctx, run.ctx.fast, run.ctx.cfg, run.report, run.path
+    # The streams at the input of the source's first block (block 0 unless a run resumes).
+    streams = source.streams(
+        lambda: _prepare_streams(
+            model, blks, experts, run.expert_blocks, calib_data, cfg.offload_streams, run.trace, path
+        )
     )
-    run.streams = streams
+    run.streams, run.offload = streams, cfg.offload_streams or source.offload(streams)
     desc = "FeatCal" if path == report.blocks_path else f"FeatCal {path}"
-    bar = progress_bar(range(len(blks)), desc=desc, unit="block", show=progress)
+    bar = progress_bar(range(source.first, len(blks)), desc=desc, unit="block", show=progress)
     for block in bar:
+        source.enter(block)  # block `block` of every model where it runs
         blk = blks[block]
         targets = arch.block_targets(blk, linear=cfg.linear, layernorm=cfg.layernorm, only=cfg.modules)
         # 1. Snapshot statistics of the still-merged block (and advance the experts).
@@ -395,6 +416,7 @@ def _calibrate_stack(
         # 3. Advance the calibrating streams through the calibrated block.
         _advance(run, block, blk, pool)
         report.blocks.append(BlockRecord(run.offset + block, t1 - t0, t2 - t1, time.perf_counter() - t2))
+        source.leave(block, streams, report)
         bar.set_postfix_str(f"block {block}: {len(targets)} modules")
 
 
@@ -412,6 +434,8 @@ def calibrate(
     progress: bool = True,
     expert_trace: ExpertTrace | None = None,
     fast: FastPaths | None = None,
+    device: str | torch.device | None = None,
+    block_source: BlockSource | None = None,
 ) -> tuple[nn.Module, CalibrationReport]:
     """Calibrate a merged model toward its experts with FeatCal.
 
@@ -432,6 +456,12 @@ def calibrate(
             and batches (repeated calibrations of one zoo, e.g. an app's sliders).
         fast: which of the engine's faster, equivalent paths it may take (:class:`FastPaths`;
             default: every one where it pays; ``FastPaths.plainest()``: none).
+        device: where the blocks run (default: the merged model's device). Models on the CPU
+            with ``device="cuda"`` have one block of each on the GPU at a time
+            (:class:`featcal.blocksource.DeviceBlocks`).
+        block_source: where the blocks come from while they are visited
+            (:class:`featcal.blocksource.BlockSource`; :func:`featcal.calibrate_checkpoints`
+            passes one that reads them from checkpoint shards, with ``device``).
 
     Returns:
         ``(model, report)``: the calibrated model (new unless ``inplace``) and a
@@ -444,16 +474,23 @@ def calibrate(
     t_start = time.perf_counter()
     # 1. Validate before touching anything.
     tasks = validate.check_tasks(experts, calib_data)
-    path = validate.check_models(
-        merged,
-        [("base", base)] + [(f"expert {t!r}", experts[t]) for t in tasks],
-        lambda m: arch.STACK_SEP.join(p for p, _ in arch.resolve_stacks(m, blocks)),
-    )
+
+    def stacks_of(m: nn.Module) -> str:
+        return arch.STACK_SEP.join(p for p, _ in arch.resolve_stacks(m, blocks))
+
+    if block_source is None or block_source.loaded:
+        path = validate.check_models(
+            merged, [("base", base)] + [(f"expert {t!r}", experts[t]) for t in tasks], stacks_of
+        )
+    else:  # skeletons: the source checks each block as it loads it
+        path = stacks_of(merged)
 
     # 2. The model to calibrate, and its stacks of blocks (an encoder-decoder's two, in forward order).
     model = merged if inplace else copy.deepcopy(merged)
     stacks = path.split(arch.STACK_SEP)
-    device = device_of(model)
+    device = device_of(model) if device is None else check_device(device)
+    if block_source is not None and len(stacks) > 1:
+        raise ValueError(f"block_source works on one stack of blocks; {path!r} has {len(stacks)}.")
     restore_modes = to_eval(model, base, *experts.values())  # each submodule's flag comes back exactly
     report = CalibrationReport(cfg, path, tasks)
     trace = None
@@ -465,7 +502,9 @@ def calibrate(
     try:
         # 3. Each stack in forward order, block by block.
         for stack in stacks:
-            _calibrate_stack(run, model, stack, base, experts, {t: calib_data[t] for t in tasks}, progress)
+            _calibrate_stack(
+                run, model, stack, base, experts, {t: calib_data[t] for t in tasks}, progress, block_source
+            )
         for msg in ctx.warn_rows:
             warnings.warn(msg, stacklevel=3)
             report.warnings.append(msg)

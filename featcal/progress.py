@@ -10,6 +10,7 @@ Usage::
 
 from __future__ import annotations
 
+import sys
 from typing import Iterable
 
 from tqdm.auto import tqdm
@@ -21,3 +22,8 @@ def bar(
     """A tqdm bar over ``iterable`` (or counting to ``total``, advanced with ``update``) that
     disappears when done; with ``show=False`` it draws nothing and only passes the items on."""
     return tqdm(iterable, total=total, desc=desc, unit=unit, disable=not show, leave=False)
+
+
+def note(message: str) -> None:
+    """One line on stderr that does not break a progress bar being drawn (it goes above it)."""
+    tqdm.write(message, file=sys.stderr)
