@@ -185,6 +185,7 @@ def _solve_block(run: _Run, block: int, blk: nn.Module, targets, systems: dict) 
             keep.append((block, t, sysm, W_mer, b_mer, W_0, b_0))
     for t, W, b in new_params:
         arch.set_params(blk, t, W, b)
+    run.ctx.fallbacks.extend(factors.notes)
     scratch.give(factors.close())
     if keep is None:
         scratch.give([s.S for s in systems.values() if isinstance(s, solve.LinearSystem) and s.owns_S])
@@ -344,6 +345,13 @@ def _block_systems(run: _Run, block: int, blk: nn.Module, targets, pool) -> dict
     return into.finish()
 
 
+def _summarised(notes: list[str], first: int = 3) -> list[str]:
+    """The first ``first`` of ``notes`` and one line counting the rest (one per module could be hundreds)."""
+    if len(notes) <= first:
+        return list(notes)
+    return notes[:first] + [f"... and {len(notes) - first} more modules re-solved the same way."]
+
+
 @torch.no_grad()
 def calibrate(
     merged: nn.Module,
@@ -432,7 +440,7 @@ def calibrate(
             _advance(run, block, blk, pool)
             report.blocks.append(BlockRecord(block, t1 - t0, t2 - t1, time.perf_counter() - t2))
             bar.set_postfix_str(f"block {block}: {len(targets)} modules")
-        for msg in ctx.warn_rows:
+        for msg in ctx.warn_rows + _summarised(ctx.fallbacks):
             warnings.warn(msg, stacklevel=3)
             report.warnings.append(msg)
     except BaseException:
