@@ -80,6 +80,17 @@ def token_weights(
     return w.reshape(*x.shape[:lead], -1)
 
 
+def kept_rows(x: torch.Tensor, mask: torch.Tensor | None, lead: int = 0) -> torch.Tensor | None:
+    """The rows ``(rows,)`` of an input ``(B, T, d)`` that are not padding (``mask != 0``), or None
+    when every row is kept (no mask, a mask of another shape, all ones, or ``lead`` task axes,
+    which are never masked). Padded rows are dropped before any product, not weighted by 0: a
+    NaN or Inf in a padded token would survive ``* 0``."""
+    if mask is None or lead or x.dim() != 3 or tuple(mask.shape) != tuple(x.shape[:2]):
+        return None
+    keep = mask.reshape(-1).to(x.device) != 0  # (B*T,)
+    return None if bool(keep.all()) else keep
+
+
 def canonical_sites(targets: list[arch.Target], cs: Captured, ce: Captured) -> dict[str, str]:
     """Map each target's site to the first site that saw the very same input tensors, so
     modules sharing an input (q/k/v projections) share one set of statistics."""
@@ -136,12 +147,16 @@ class BlockStats:
         self.module: dict[str, stats.ModuleSums] = {}
         self.key_of: dict[str, tuple] = {}
 
-    def _output(self, t: arch.Target, cap: Captured, params, x: torch.Tensor) -> torch.Tensor | None:
-        """``W x`` (rows, o) from the module's captured output less its bias (None if not seen)."""
+    def _output(
+        self, t: arch.Target, cap: Captured, params, x: torch.Tensor, keep: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """``W x`` (rows, o) from the module's captured output less its bias (None if not seen),
+        on the rows ``keep`` (None: all)."""
         y = cap.outputs.get(t.owner) if t.rows is None else None
         if y is None:
             return None
         y = stats.as_rows(y, x.dtype, self.lead)
+        y = y if keep is None else y[keep]
         b = params[1]
         return y if b is None else y - b.to(x.dtype).unsqueeze(-2)
 
@@ -177,20 +192,24 @@ class BlockStats:
             lead = xs_raw.shape[: self.lead]
             w = token_weights(xs_raw, weighted, self.other, mask, dt, self.lead)
             xs = stats.as_rows(xs_raw, dt, self.lead)  # (rows, d)
+            keep = kept_rows(xs_raw, mask, self.lead)
+            if keep is not None:  # padding out before any product (kept_rows)
+                xs, w = xs[keep], None if w is None else w[keep]
             d = xs.shape[-1]
             if kind == arch.LAYERNORM:
                 acc = self.groups.get(key) or stats.NormSums.zeros(d, dt, xs.device, lead)
                 self.groups[key] = stats.accumulate_norm(acc, xs, w, ln_eps)
                 continue
             xe = stats.as_rows(ce.inputs[site], dt, self.lead)  # (rows, d)
+            xe = xe if keep is None else xe[keep]
             if key not in self.groups:
                 self._start(key, ts, d, lead, xs.device)
             stats.accumulate_linear(self.groups[key], xs, xe, w)
             for t in ts:
                 W_i = self.expert_params[t.name][0]
-                ye = self._output(t, ce, self.expert_params[t.name], xe)
+                ye = self._output(t, ce, self.expert_params[t.name], xe, keep)
                 ye = xe @ W_i.to(dt).mT if ye is None else ye  # (rows, o)
-                ym = self._output(t, cs, self.merged_params[t.name], xs)
+                ym = self._output(t, cs, self.merged_params[t.name], xs, keep)
                 ms = self.module.get(t.name) or stats.ModuleSums(torch.zeros((), dtype=dt, device=xs.device))
                 self.module[t.name] = stats.accumulate_module(ms, self.form[key], xs, ye, w, W_i, ym, self.ctx.alpha)
 

@@ -34,7 +34,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from featcal import arch, solve, validate
+from featcal import arch, solve, sources, validate
 from featcal.blockstats import BlockStats, BlockSystems, Context
 from featcal.capture import Captured, capture, per_task, sliced, stacked
 from featcal.config import FastPaths, FeatCalConfig
@@ -72,14 +72,43 @@ class ExpertTrace:
     ) -> "ExpertTrace":
         """Clear the trace unless it was made with these experts, batches and ``key`` (the
         blocks' path and what decides the captured modules)."""
-        objs = [experts[t] for t in tasks] + [b for t in tasks for b in calib_data[t]]
+        objs = [x for o in [experts[t] for t in tasks] + [b for t in tasks for b in calib_data[t]] for x in _leaves(o)]
         key = (key, tuple(tasks), tuple(len(calib_data[t]) for t in tasks))
         alive = [r() for r in self._refs]
-        if self._key != key or len(alive) != len(objs) or any(a is not o for a, o in zip(alive, objs)):
+        if self._key != key or len(alive) != len(objs) or not all(_same(a, o) for a, o in zip(alive, objs)):
             self.__init__()
             self._key = key
-            self._refs = [weakref.ref(o) for o in objs]
+            self._refs = [_ref(o) for o in objs]
         return self
+
+
+def _leaves(obj) -> list:
+    """What identifies a model or batch for :meth:`ExpertTrace.bind`: the object itself, or for a
+    dict batch (which takes no weak reference) its keys and values, nested dicts flattened."""
+    if isinstance(obj, Mapping):
+        return [x for k, v in obj.items() for x in (k, *_leaves(v))]
+    return [obj]
+
+
+def _ref(obj):
+    """A weak reference to ``obj`` where it takes one (modules, tensors), else a strong one (a
+    dict batch's keys and plain values: small)."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
+
+
+def _same(a, b) -> bool:
+    """``a`` is ``b``, or two equal plain values (not arrays: those must be the very object)."""
+    if a is b:
+        return True
+    if torch.is_tensor(a) or torch.is_tensor(b) or isinstance(a, nn.Module):
+        return False
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # arrays and odd objects: not the same unless identical
+        return False
 
 
 @dataclass
@@ -248,12 +277,20 @@ def _advance(run: _Run, block: int, blk: nn.Module, pool) -> None:
                 outs[task, b] = h.cpu() if offload else h
     for task, st in run.streams.items():
         hs = [outs[task, b] for b in range(len(st.cal))]
-        if not bool(torch.stack([torch.isfinite(x).all() for x in hs]).all()):  # one sync per task
+        if not bool(torch.stack([_finite_unpadded(x, cc.mask) for x, cc in zip(hs, st.cal)]).all()):  # one sync
             raise FloatingPointError(
                 f"block {block}: the calibrated block's output on task {task!r} "
                 "holds NaN or Inf; raise lam or check the data."
             )
         st.cal = [cc.with_hidden(x) for cc, x in zip(st.cal, hs)]
+
+
+def _finite_unpadded(h: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Whether the hidden state ``h`` is finite outside padding (a 0-dim bool tensor): padded
+    tokens are never read by the statistics, so a NaN there (e.g. from the data) is harmless."""
+    if mask is None or h.dim() != 3 or tuple(mask.shape) != tuple(h.shape[:2]):
+        return torch.isfinite(h).all()
+    return (torch.isfinite(h).all(-1) | (mask.to(h.device) == 0)).all()
 
 
 def _expert_step(run: _Run, eblk: nn.Module, targets, st: _Stream, b: int, key: tuple | None) -> Captured:
@@ -372,7 +409,10 @@ def calibrate(
     Args:
         merged: the merged model ``M_mer``; left untouched unless ``inplace=True``.
         base: the pretrained model ``M_0`` (the anchor's second end).
-        experts: ``{task: M_i}``, same architecture as ``merged``.
+        experts: ``{task: M_i}``, same architecture as ``merged``. ``base`` and each expert may
+            also be a state dict, a checkpoint file or a local model directory (Hugging Face
+            ``save_pretrained`` layout), loaded strictly into a copy of ``merged``
+            (:mod:`featcal.sources`).
         calib_data: ``{task: [batch, ...]}``; a batch is a tensor (``model(batch)``) or a
             dict (``model(**batch)``; an ``attention_mask`` in it marks padding).
         config: hyper-parameters and switches (:class:`FeatCalConfig`).
@@ -397,6 +437,8 @@ def calibrate(
     t_start = time.perf_counter()
     # 1. Validate before touching anything.
     tasks = validate.check_tasks(experts, calib_data)
+    base = sources.as_model(base, merged, "base")  # a state dict or a model directory: into a copy of merged
+    experts = {t: sources.as_model(experts[t], merged, f"expert {t!r}") for t in tasks}
     path = validate.check_models(
         merged,
         [("base", base)] + [(f"expert {t!r}", experts[t]) for t in tasks],

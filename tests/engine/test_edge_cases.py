@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 
 from featcal import FeatCalConfig, calibrate
 from featcal.reference import calibrate_reference
-from tiny import all_target_params, toy_data, toy_zoo
+from tiny import ToyModel, all_target_params, assert_same_calibration, toy_data, toy_zoo
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -39,3 +40,118 @@ def test_lam_zero_with_fewer_rows_than_width_is_resolved_in_float64_and_warned()
         merged, base=base, experts=experts, calib_data=data, config=cfg.with_(stats_dtype=torch.float64), progress=False
     )
     assert not [m for m in report64.warnings if "re-solved" in m]
+
+
+class _MaskedToy(ToyModel):
+    """A ToyModel called as ``model(**{"x": ..., "attention_mask": ...})`` (its blocks act token by
+    token, so what sits in a padded token stays there)."""
+
+    def forward(self, x, attention_mask=None):
+        return super().forward(x)
+
+
+def _masked_toy_zoo():
+    base, experts, merged = toy_zoo(n_tasks=2, std=0.3)
+    for m in (base, merged, *experts.values()):
+        m.__class__ = _MaskedToy
+    return base, experts, merged
+
+
+def _padded_data(tasks, fill: float):
+    """Dict batches whose padded tokens (the last two of every other example) hold ``fill``."""
+    out = {}
+    for t, batches in toy_data(tasks, n=12, batch=4).items():
+        out[t] = []
+        for x in batches:
+            mask = torch.ones(x.shape[:2], dtype=torch.long)
+            mask[::2, -2:] = 0
+            out[t].append({"x": x.masked_fill(mask[..., None] == 0, fill), "attention_mask": mask})
+    return out
+
+
+@pytest.mark.parametrize("fill", [float("nan"), float("inf")])
+def test_nan_or_inf_in_padding_only_changes_nothing(fill):
+    """Padding is excluded from the statistics, so what it holds cannot matter: NaN or Inf in
+    padded tokens give the calibration that zeros there give (it raised before: masked rows
+    were weighted by 0, and NaN * 0 is NaN)."""
+    base, experts, merged = _masked_toy_zoo()
+    cfg = FeatCalConfig(stats_dtype=torch.float64)
+    want, rep_want = calibrate(
+        merged, base=base, experts=experts, calib_data=_padded_data(experts, 0.0), config=cfg, progress=False
+    )
+    got, rep_got = calibrate(
+        merged, base=base, experts=experts, calib_data=_padded_data(experts, fill), config=cfg, progress=False
+    )
+    assert_same_calibration(got, rep_got, want, rep_want)
+
+
+def test_drift_table_ignores_nan_in_padding():
+    from diagnostics import drift_table
+
+    base, experts, merged = _masked_toy_zoo()
+    want = drift_table(merged, experts, _padded_data(experts, 0.0))
+    got = drift_table(merged, experts, _padded_data(experts, float("nan")))
+    assert got["value"].notna().all()
+    assert torch.allclose(torch.tensor(got["value"].values), torch.tensor(want["value"].values), rtol=1e-9, atol=1e-12)
+
+
+def test_expert_trace_takes_dict_batches():
+    """An ExpertTrace with dict batches ({x, attention_mask}) (it raised: a dict takes no weak
+    reference): the second run reuses the experts' work and gives the model a run without the
+    trace gives; new batches with other tensors clear it."""
+    from featcal import ExpertTrace
+
+    base, experts, merged = _masked_toy_zoo()
+    data = _padded_data(experts, 0.0)
+    calls = []
+    handles = [m.register_forward_pre_hook(lambda *_: calls.append(1)) for e in experts.values() for m in e.modules()]
+    trace, cfg = ExpertTrace(), FeatCalConfig(lam=0.1)
+    try:
+        calibrate(merged, base=base, experts=experts, calib_data=data, progress=False, expert_trace=trace)
+        assert calls
+        calls.clear()
+        got, _ = calibrate(
+            merged, base=base, experts=experts, calib_data=data, config=cfg, progress=False, expert_trace=trace
+        )
+        assert calls == []
+        fresh = {t: [{k: v.clone() for k, v in b.items()} for b in bs] for t, bs in data.items()}
+        calibrate(merged, base=base, experts=experts, calib_data=fresh, config=cfg, progress=False, expert_trace=trace)
+        assert calls  # other tensors: the trace was cleared and the experts ran again
+    finally:
+        for h in handles:
+            h.remove()
+    want, _ = calibrate(merged, base=base, experts=experts, calib_data=data, config=cfg, progress=False)
+    ref = all_target_params(want)
+    for name, (W, b) in all_target_params(got).items():
+        assert torch.equal(W, ref[name][0]) and torch.equal(b, ref[name][1]), name
+
+
+def test_experts_and_base_as_state_dicts_files_or_directories(tmp_path):
+    """A state dict, a safetensors directory (HF save_pretrained layout) or a weights_only
+    checkpoint file stand for a model (it raised AttributeError): loaded into a copy of the
+    merged model, they give the calibration the models give."""
+    from safetensors.torch import save_file
+
+    base, experts, merged = toy_zoo(n_tasks=2, std=0.3)
+    data = toy_data(experts)
+    want, rep_want = calibrate(merged, base=base, experts=experts, calib_data=data, progress=False)
+    (tmp_path / "t1").mkdir()
+    save_file(experts["t1"].state_dict(), str(tmp_path / "t1" / "model.safetensors"))
+    torch.save(base.state_dict(), tmp_path / "base.pt")
+    given = {"t0": experts["t0"].state_dict(), "t1": str(tmp_path / "t1")}
+    got, rep_got = calibrate(merged, base=tmp_path / "base.pt", experts=given, calib_data=data, progress=False)
+    assert_same_calibration(got, rep_got, want, rep_want)
+
+
+def test_a_state_dict_that_does_not_fit_names_its_keys(tmp_path):
+    base, experts, merged = toy_zoo(n_tasks=2, std=0.3)
+    sd = dict(experts["t0"].state_dict())
+    sd.pop("blocks.0.fc1.weight")
+    sd["blocks.0.extra"] = torch.zeros(3)
+    sd["head.bias"] = torch.zeros(7)
+    with pytest.raises(ValueError, match=r"expert 't0'.*missing 'blocks.0.fc1.weight'.*unexpected 'blocks.0.extra'"):
+        calibrate(merged, base=base, experts={**experts, "t0": sd}, calib_data=toy_data(experts), progress=False)
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        calibrate(merged, base=tmp_path, experts=experts, calib_data=toy_data(experts), progress=False)
+    with pytest.raises(TypeError, match="state dict must map names to tensors"):
+        calibrate(merged, base={"a": 1}, experts=experts, calib_data=toy_data(experts), progress=False)
