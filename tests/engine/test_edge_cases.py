@@ -155,3 +155,32 @@ def test_a_state_dict_that_does_not_fit_names_its_keys(tmp_path):
         calibrate(merged, base=tmp_path, experts=experts, calib_data=toy_data(experts), progress=False)
     with pytest.raises(TypeError, match="state dict must map names to tensors"):
         calibrate(merged, base={"a": 1}, experts=experts, calib_data=toy_data(experts), progress=False)
+
+
+@pytest.mark.parametrize("kind", ["hf_clip", "open_clip"])
+def test_an_expert_with_other_heads_but_the_same_shapes_is_refused(kind):
+    """2 attention heads instead of 4 change no weight's shape; the calibration ran silently.
+    Now the error names the differing config field (HF) or module attribute (any model)."""
+    import tiny
+
+    base, experts, merged, data = tiny.zoo(kind)
+    if kind == "hf_clip":
+        from transformers import CLIPVisionModel
+
+        cfg = base.config.to_dict() | {"num_attention_heads": 2}
+        odd = CLIPVisionModel(type(base.config).from_dict(cfg)).eval()
+        match = r"expert 't1'.*config.num_attention_heads: 4 vs 2"
+    else:
+        from open_clip.transformer import VisionTransformer
+
+        odd = VisionTransformer(
+            image_size=16, patch_size=8, width=32, layers=2, heads=2, mlp_ratio=2.0, output_dim=16
+        ).eval()
+        match = r"expert 't1'.*attn.num_heads: 4 vs 2"
+    odd.load_state_dict(experts["t1"].state_dict())
+    with pytest.raises(ValueError, match=match):
+        calibrate(merged, base=base, experts={**experts, "t1": odd}, calib_data=data, progress=False)
+    from diagnostics import drift_table
+
+    with pytest.raises(ValueError, match=match):
+        drift_table(merged, {**experts, "t1": odd}, data)
