@@ -80,6 +80,14 @@ def token_weights(
     return w.reshape(*x.shape[:lead], -1)
 
 
+def output_usable(dtype: torch.dtype) -> bool:
+    """Whether a module's captured output may stand for ``W x`` (output less bias): only in
+    float32 or wider. A float16/bfloat16 output was rounded to 8-11 bits, and its bias
+    subtracted in that precision (biases came out about 8% off in bfloat16); ``W_i x`` is then
+    computed from the captured input in the statistics' dtype instead."""
+    return torch.finfo(dtype).bits >= 32 if dtype.is_floating_point else False
+
+
 def kept_rows(x: torch.Tensor, mask: torch.Tensor | None, lead: int = 0) -> torch.Tensor | None:
     """The rows ``(rows,)`` of an input ``(B, T, d)`` that are not padding (``mask != 0``), or None
     when every row is kept (no mask, a mask of another shape, all ones, or ``lead`` task axes,
@@ -150,10 +158,10 @@ class BlockStats:
     def _output(
         self, t: arch.Target, cap: Captured, params, x: torch.Tensor, keep: torch.Tensor | None
     ) -> torch.Tensor | None:
-        """``W x`` (rows, o) from the module's captured output less its bias (None if not seen),
-        on the rows ``keep`` (None: all)."""
+        """``W x`` (rows, o) from the module's captured output less its bias (None if not seen,
+        or seen in half precision: :func:`output_usable`), on the rows ``keep`` (None: all)."""
         y = cap.outputs.get(t.owner) if t.rows is None else None
-        if y is None:
+        if y is None or not output_usable(y.dtype):
             return None
         y = stats.as_rows(y, x.dtype, self.lead)
         y = y if keep is None else y[keep]
@@ -164,7 +172,8 @@ class BlockStats:
         """The empty sums of a group of Linear targets, in the form they will be kept."""
         fast, alpha = self.ctx.fast, self.ctx.alpha
         outs = [self.expert_params[t.name][0].shape[-2] for t in ts]
-        unseen = sum(t.rows is not None for t in ts)
+        low = not output_usable(self.expert_params[ts[0].name][0].dtype)  # outputs not used: W_i xe computed
+        unseen = len(ts) if low else sum(t.rows is not None for t in ts)
         self.form[key] = fast.form or stats.cheapest_form(d, outs, self.rows, unseen, fixed_alpha=alpha is not None)
         direct = self.one_batch and not self.lead and self.rows <= fast.direct_rows * d
         self.groups[key] = stats.LinearSums.zeros(
