@@ -36,7 +36,7 @@ from torch import nn
 
 from featcal import arch, solve, sources, validate
 from featcal.blockstats import BlockStats, BlockSystems, Context
-from featcal.capture import Captured, capture, per_task, sliced, stacked
+from featcal.capture import Captured, capture, per_task, sequence_first, sliced, stacked
 from featcal.config import FastPaths, FeatCalConfig
 from featcal.modes import to_eval
 from featcal.progress import bar as progress_bar
@@ -277,7 +277,11 @@ def _advance(run: _Run, block: int, blk: nn.Module, pool) -> None:
                 outs[task, b] = h.cpu() if offload else h
     for task, st in run.streams.items():
         hs = [outs[task, b] for b in range(len(st.cal))]
-        if not bool(torch.stack([_finite_unpadded(x, cc.mask) for x, cc in zip(hs, st.cal)]).all()):  # one sync
+        seq = sequence_first(blk)  # (T, B, d) streams: the mask is (B, T)
+        finite = [
+            _finite_unpadded(x.transpose(0, 1) if seq and x.dim() == 3 else x, cc.mask) for x, cc in zip(hs, st.cal)
+        ]
+        if not bool(torch.stack(finite).all()):  # one sync per task
             raise FloatingPointError(
                 f"block {block}: the calibrated block's output on task {task!r} "
                 "holds NaN or Inf; raise lam or check the data."
@@ -470,7 +474,9 @@ def calibrate(
             targets = arch.block_targets(blk, linear=cfg.linear, layernorm=cfg.layernorm, only=cfg.modules)
             # 3a. Snapshot statistics of the still-merged block (and advance the experts).
             t0 = time.perf_counter()
-            pool = _pool(streams, fast.pool_rows)  # the calibrating batches as one call, for steps 1 and 3
+            # the calibrating batches as one call, for steps 1 and 3 (not for sequence-first streams:
+            # they would be joined along their token axis)
+            pool = None if sequence_first(blk) else _pool(streams, fast.pool_rows)
             systems = _block_systems(run, block, blk, targets, pool)
             ctx.scratch.trim(fast.scratch_keep)  # big Gram buffers go before the solve (kept, they add to its peak)
             t1 = time.perf_counter()

@@ -217,3 +217,54 @@ def test_half_precision_models_solve_like_the_float64_reference(dtype, monkeypat
         assert name == name_r
         assert _rel(W, W_r) < 1e-9, name
         assert b is None or _rel(b, b_r) < 1e-9, name
+
+
+def _sequence_first(model):
+    """The same open_clip ViT run as older open_clip builds run it: the transformer's stream
+    sequence-first ``(T, B, d)``, its ``nn.MultiheadAttention`` with ``batch_first=False``."""
+    import copy
+
+    out = copy.deepcopy(model)
+    out.transformer.batch_first = False
+    for blk in out.transformer.resblocks:
+        blk.attn.batch_first = False
+    return out
+
+
+@pytest.mark.parametrize("pooling", [True, False], ids=["pooled", "per-batch"])
+def test_sequence_first_open_clip_calibrates_like_batch_first(pooling):
+    """Sequence-first streams (open_clip's Transformer with batch_first=False): pooling
+    concatenated along the token axis and crashed; per batch, the class-token weights landed on
+    the batch axis. Same weights in either layout must give the same calibration."""
+    import tiny
+    from featcal import FastPaths
+
+    base, experts, merged, data = tiny.zoo("open_clip", n=8)
+    x = torch.randn(1, 3, 16, 16)
+    assert torch.allclose(_sequence_first(merged)(x), merged(x), atol=1e-5)  # really the same model
+    cfg = FeatCalConfig.clip(stats_dtype=torch.float64)
+    fast = FastPaths() if pooling else FastPaths.plainest()
+    want, rep_want = calibrate(
+        merged, base=base, experts=experts, calib_data=data, config=cfg, progress=False, fast=fast
+    )
+    sf = {t: _sequence_first(e) for t, e in experts.items()}
+    got, rep_got = calibrate(
+        _sequence_first(merged),
+        base=_sequence_first(base),
+        experts=sf,
+        calib_data=data,
+        config=cfg,
+        progress=False,
+        fast=fast,
+    )
+    assert_same_calibration(got, rep_got, want, rep_want)
+
+
+def test_sequence_first_open_clip_drift_table_matches_batch_first():
+    import tiny
+    from diagnostics import drift_table
+
+    base, experts, merged, data = tiny.zoo("open_clip", n=8)
+    want = drift_table(merged, experts, data, tokens="cls")
+    got = drift_table(_sequence_first(merged), {t: _sequence_first(e) for t, e in experts.items()}, data, tokens="cls")
+    assert torch.allclose(torch.tensor(got["value"].values), torch.tensor(want["value"].values), rtol=1e-4, atol=1e-6)
