@@ -54,9 +54,10 @@ class ExpertTrace:
     (the merged model, lam, rho or alpha changed) runs no expert block again.
 
     Bound to the very expert modules, batches, blocks and modules of its first use (held by
-    weak references): any other ones clear it. The experts and the batches must not be
-    changed in place while it is used. It holds every block's expert captures (about one
-    forward pass of activations per task), so keep it for small models.
+    weak references; a dict batch by its keys and its tensors): any other ones clear it. The
+    experts and the batches must not be changed in place while it is used. It holds every
+    block's expert captures (about one forward pass of activations per task), so keep it for
+    small models.
     """
 
     def __init__(self) -> None:
