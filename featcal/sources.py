@@ -15,6 +15,8 @@ from typing import Mapping
 import torch
 from torch import nn
 
+from featcal.validate import config_diffs
+
 SHOWN = 5  # keys named per kind of mismatch in an error
 
 
@@ -74,13 +76,31 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     return read_state_dict(path)
 
 
+def check_saved_config(template: nn.Module, path: Path, role: str) -> None:
+    """A model directory's ``config.json`` must agree with the merged model's Hugging Face config
+    where it changes the computation (:func:`featcal.validate.config_diffs`): the weights alone
+    cannot tell 2 attention heads from 4."""
+    cfg = getattr(template, "config", None)
+    file = path / "config.json"
+    if not (path.is_dir() and file.is_file() and hasattr(cfg, "to_dict") and hasattr(cfg, "from_json_file")):
+        return
+    diffs = config_diffs(cfg.to_dict(), type(cfg).from_json_file(str(file)).to_dict())
+    if diffs:
+        raise ValueError(
+            f"{role}: its config.json differs from the merged model's config ({'; '.join(diffs[:6])}): "
+            "merged vs this one. Base and experts must share the merged model's architecture."
+        )
+
+
 def as_model(obj, template: nn.Module, role: str) -> nn.Module:
     """``obj`` as a model of ``template``'s architecture: a model as it is; a state dict, a
     checkpoint file or a model directory loaded into a copy of ``template`` (:func:`load_into`)."""
     if isinstance(obj, nn.Module):
         return obj
     if isinstance(obj, (str, os.PathLike)):
-        return load_into(template, read_weights(Path(obj)), f"{role} ({obj})")
+        path, what = Path(obj), f"{role} ({obj})"
+        check_saved_config(template, path, what)
+        return load_into(template, read_weights(path), what)
     if isinstance(obj, Mapping):
         bad = next((k for k, v in obj.items() if not torch.is_tensor(v)), None)
         if bad is None and obj:

@@ -101,7 +101,7 @@ def _config_ignored(name: str) -> bool:
     return name in CONFIG_IGNORED or name.endswith(CONFIG_IGNORED_SUFFIXES) or name.startswith(CONFIG_IGNORED_PREFIXES)
 
 
-def _config_diffs(a: Mapping, b: Mapping, where: str = "") -> list[str]:
+def config_diffs(a: Mapping, b: Mapping, where: str = "") -> list[str]:
     """``field: merged value vs other value`` for every differing config field (nested configs
     by dotted name), the fields of :data:`CONFIG_IGNORED` left out."""
     out = []
@@ -110,7 +110,7 @@ def _config_diffs(a: Mapping, b: Mapping, where: str = "") -> list[str]:
             continue
         va, vb = a.get(k), b.get(k)
         if isinstance(va, Mapping) and isinstance(vb, Mapping):
-            out += _config_diffs(va, vb, f"{where}{k}.")
+            out += config_diffs(va, vb, f"{where}{k}.")
         elif va != vb:
             out.append(f"{where}{k}: {va!r} vs {vb!r}")
     return out
@@ -147,7 +147,7 @@ def check_same_architecture(reference: nn.Module, other: nn.Module, role: str) -
     diffs = []
     ca, cb = getattr(reference, "config", None), getattr(other, "config", None)
     if hasattr(ca, "to_dict") and hasattr(cb, "to_dict"):
-        diffs += [f"config.{d}" for d in _config_diffs(ca.to_dict(), cb.to_dict())]
+        diffs += [f"config.{d}" for d in config_diffs(ca.to_dict(), cb.to_dict())]
     diffs += _module_diffs(reference, other)
     if diffs:
         more = f" and {len(diffs) - 6} more" if len(diffs) > 6 else ""

@@ -268,3 +268,20 @@ def test_sequence_first_open_clip_drift_table_matches_batch_first():
     want = drift_table(merged, experts, data, tokens="cls")
     got = drift_table(_sequence_first(merged), {t: _sequence_first(e) for t, e in experts.items()}, data, tokens="cls")
     assert torch.allclose(torch.tensor(got["value"].values), torch.tensor(want["value"].values), rtol=1e-4, atol=1e-6)
+
+
+def test_a_hugging_face_save_pretrained_directory_is_an_expert(tmp_path):
+    """An expert saved by ``save_pretrained`` calibrates like the model; a directory whose
+    config.json has other heads (the weights fit all the same) is refused, naming the field."""
+    import tiny
+
+    base, experts, merged, data = tiny.zoo("hf_clip")
+    experts["t0"].save_pretrained(tmp_path / "t0")
+    want, _ = calibrate(merged, base=base, experts=experts, calib_data=data, progress=False)
+    got, _ = calibrate(merged, base=base, experts={**experts, "t0": tmp_path / "t0"}, calib_data=data, progress=False)
+    for (k, a), b in zip(want.state_dict().items(), got.state_dict().values()):
+        assert torch.equal(a, b), k
+    experts["t1"].config.num_attention_heads = 2
+    experts["t1"].save_pretrained(tmp_path / "t1")
+    with pytest.raises(ValueError, match=r"expert 't1'.*config.json.*num_attention_heads: 4 vs 2"):
+        calibrate(merged, base=base, experts={**experts, "t1": str(tmp_path / "t1")}, calib_data=data, progress=False)
