@@ -285,3 +285,19 @@ def test_a_hugging_face_save_pretrained_directory_is_an_expert(tmp_path):
     experts["t1"].save_pretrained(tmp_path / "t1")
     with pytest.raises(ValueError, match=r"expert 't1'.*config.json.*num_attention_heads: 4 vs 2"):
         calibrate(merged, base=base, experts={**experts, "t1": str(tmp_path / "t1")}, calib_data=data, progress=False)
+
+
+def test_preview_at_lam_zero_matches_the_exact_float64_resolve():
+    """The preview re-solves from an eigendecomposition of the same float32 S: at lam = 0 its
+    noise eigenvalues blew the weights up (5.5x off the exact run); now they count as zeros,
+    as in the exact solve's float64 fallback."""
+    base, experts, merged = toy_zoo(n_tasks=2, std=0.3, d=16, hidden=32)
+    data = toy_data(experts, n=1, tokens=5, batch=1)
+    cfg = FeatCalConfig(lam=0.0, modules=("fc2",), layernorm=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, report = calibrate(
+            merged, base=base, experts=experts, calib_data=data, config=cfg, progress=False, keep_stats=True
+        )
+    exact, preview = all_target_params(model), all_target_params(report.preview(lam=0.0, rho=cfg.rho, alpha=cfg.alpha))
+    assert _rel(preview[0, "fc2"][0], exact[0, "fc2"][0]) < 1e-4  # block 0: the preview is exact there
