@@ -48,6 +48,7 @@ def pool_examples(h: torch.Tensor, tokens: str, mask: torch.Tensor | None = None
     if mask is None:
         return h.mean(1)
     w = mask.to(h.device, h.dtype).unsqueeze(-1)  # (B, T, 1)
+    h = h.masked_fill(w == 0, 0.0)  # padding out first: a NaN or Inf there would survive * 0
     return (h * w).sum(1) / w.sum(1).clamp_min(1.0)
 
 

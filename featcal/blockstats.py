@@ -60,6 +60,7 @@ class Context:
     alpha: float | None  # set: sums and systems for this alpha only (no preview)
     scratch: Scratch = field(default_factory=Scratch)  # where the big buffers come from and go back to
     warn_rows: list[str] = field(default_factory=list)  # the first "fewer rows than width" warning
+    fallbacks: list[str] = field(default_factory=list)  # solves re-done in float64 (featcal.solve.EigenSolve)
 
 
 def token_weights(
@@ -84,6 +85,25 @@ def token_weights(
     if use_mask:
         w = w * mask.to(device=x.device, dtype=dtype)
     return w.reshape(*x.shape[:lead], -1)
+
+
+def output_usable(dtype: torch.dtype) -> bool:
+    """Whether a module's captured output may stand for ``W x`` (output less bias): only in
+    float32 or wider. A float16/bfloat16 output was rounded to 8-11 bits, and its bias
+    subtracted in that precision (biases came out about 8% off in bfloat16); ``W_i x`` is then
+    computed from the captured input in the statistics' dtype instead."""
+    return torch.finfo(dtype).bits >= 32 if dtype.is_floating_point else False
+
+
+def kept_rows(x: torch.Tensor, mask: torch.Tensor | None, lead: int = 0) -> torch.Tensor | None:
+    """The rows ``(rows,)`` of an input ``(B, T, d)`` that are not padding (``mask != 0``), or None
+    when every row is kept (no mask, a mask of another shape, all ones, or ``lead`` task axes,
+    which are never masked). Padded rows are dropped before any product, not weighted by 0: a
+    NaN or Inf in a padded token would survive ``* 0``."""
+    if mask is None or lead or x.dim() != 3 or tuple(mask.shape) != tuple(x.shape[:2]):
+        return None
+    keep = mask.reshape(-1).to(x.device) != 0  # (B*T,)
+    return None if bool(keep.all()) else keep
 
 
 def canonical_sites(targets: list[arch.Target], cs: Captured, ce: Captured) -> dict[str, str]:
@@ -142,12 +162,16 @@ class BlockStats:
         self.module: dict[str, stats.ModuleSums] = {}
         self.key_of: dict[str, tuple] = {}
 
-    def _output(self, t: arch.Target, cap: Captured, params, x: torch.Tensor) -> torch.Tensor | None:
-        """``W x`` (rows, o) from the module's captured output less its bias (None if not seen)."""
+    def _output(
+        self, t: arch.Target, cap: Captured, params, x: torch.Tensor, keep: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """``W x`` (rows, o) from the module's captured output less its bias (None if not seen,
+        or seen in half precision: :func:`output_usable`), on the rows ``keep`` (None: all)."""
         y = cap.outputs.get(t.owner) if t.rows is None else None
-        if y is None:
+        if y is None or not output_usable(y.dtype):
             return None
         y = stats.as_rows(y, x.dtype, self.lead)
+        y = y if keep is None else y[keep]
         b = params[1]
         return y if b is None else y - b.to(x.dtype).unsqueeze(-2)
 
@@ -155,7 +179,8 @@ class BlockStats:
         """The empty sums of a group of Linear targets, in the form they will be kept."""
         fast, alpha = self.ctx.fast, self.ctx.alpha
         outs = [self.expert_params[t.name][0].shape[-2] for t in ts]
-        unseen = sum(t.rows is not None for t in ts)
+        low = not output_usable(self.expert_params[ts[0].name][0].dtype)  # outputs not used: W_i xe computed
+        unseen = len(ts) if low else sum(t.rows is not None for t in ts)
         self.form[key] = fast.form or stats.cheapest_form(d, outs, self.rows, unseen, fixed_alpha=alpha is not None)
         direct = self.one_batch and not self.lead and self.rows <= fast.direct_rows * d
         self.groups[key] = stats.LinearSums.zeros(
@@ -187,20 +212,24 @@ class BlockStats:
             m = None if m is None else m.to(xs_raw.device)
             w = token_weights(xs_raw, weighted, self.other, m, dt, self.lead)
             xs = stats.as_rows(xs_raw, dt, self.lead)  # (rows, d)
+            keep = kept_rows(xs_raw, m, self.lead)
+            if keep is not None:  # padding out before any product (kept_rows)
+                xs, w = xs[keep], None if w is None else w[keep]
             d = xs.shape[-1]
             if kind == arch.LAYERNORM:
                 acc = self.groups.get(key) or stats.NormSums.zeros(d, dt, xs.device, lead)
                 self.groups[key] = stats.accumulate_norm(acc, xs, w, ln_eps, centred)
                 continue
             xe = stats.as_rows(ce.inputs[site], dt, self.lead)  # (rows, d)
+            xe = xe if keep is None else xe[keep]
             if key not in self.groups:
                 self._start(key, ts, d, lead, xs.device)
             stats.accumulate_linear(self.groups[key], xs, xe, w)
             for t in ts:
                 W_i = self.expert_params[t.name][0]
-                ye = self._output(t, ce, self.expert_params[t.name], xe)
+                ye = self._output(t, ce, self.expert_params[t.name], xe, keep)
                 ye = xe @ W_i.to(dt).mT if ye is None else ye  # (rows, o)
-                ym = self._output(t, cs, self.merged_params[t.name], xs)
+                ym = self._output(t, cs, self.merged_params[t.name], xs, keep)
                 ms = self.module.get(t.name) or stats.ModuleSums(torch.zeros((), dtype=dt, device=xs.device))
                 self.module[t.name] = stats.accumulate_module(ms, self.form[key], xs, ye, w, W_i, ym, self.ctx.alpha)
 

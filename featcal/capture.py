@@ -4,7 +4,8 @@ calibrated target (and the output where it comes for free).
 The hooks live only inside :func:`capture`, which removes them in ``finally``,
 so an exception never leaves a hook behind. Nothing is stored on the modules.
 Captured tensors are batch-first: ``(B, T, d)`` for token sequences, ``(B, d)``
-otherwise.
+otherwise, also in a sequence-first block (:func:`sequence_first`), whose captures
+are transposed views.
 """
 
 from __future__ import annotations
@@ -116,11 +117,33 @@ def _mha_hook(site: str, store: Captured, want_context: bool, want_output: bool)
     return hook
 
 
-def _plain_hook(site: str, store: Captured, want_output: bool):
+def sequence_first(block: nn.Module) -> bool:
+    """Whether ``block`` runs on sequence-first hidden states ``(T, B, d)``: it holds an
+    ``nn.MultiheadAttention`` with ``batch_first=False`` (open_clip's Transformer with
+    ``batch_first=False``, as older open_clip builds run it)."""
+    return any(isinstance(m, nn.MultiheadAttention) and not m.batch_first for m in block.modules())
+
+
+def _batch_first_views():
+    """``x -> x.transpose(0, 1)`` for the ``(T, B, d)`` tensors of a sequence-first block, one
+    view per tensor (modules reading one input keep sharing one captured tensor)."""
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def view(x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_tensor(x) or x.dim() != 3:
+            return x
+        if id(x) not in seen:
+            seen[id(x)] = (x, x.transpose(0, 1))  # x kept: its id stays its own
+        return seen[id(x)][1]
+
+    return view
+
+
+def _plain_hook(site: str, store: Captured, want_output: bool, layout=lambda x: x):
     def hook(_mod, args, output):
-        store.inputs[site] = args[0]
+        store.inputs[site] = layout(args[0])
         if want_output:
-            store.outputs[site] = output
+            store.outputs[site] = layout(output)
 
     return hook
 
@@ -149,10 +172,12 @@ def capture(block: nn.Module, targets: list[Target], outputs: bool = True) -> It
         for owner, want_ctx in mha_sites.items():
             mod = get_submodule(block, owner)
             handles.append(mod.register_forward_hook(_mha_hook(owner, store, want_ctx, outputs), with_kwargs=True))
+        layout = _batch_first_views() if sequence_first(block) else (lambda x: x)
         for t in targets:
             if t.rows is None and not t.site.endswith("#context"):
                 mod = get_submodule(block, t.site)
-                handles.append(mod.register_forward_hook(_plain_hook(t.site, store, outputs and t.kind == "linear")))
+                hook = _plain_hook(t.site, store, outputs and t.kind == "linear", layout)
+                handles.append(mod.register_forward_hook(hook))
         yield store
     finally:
         for h in handles:

@@ -34,10 +34,10 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from featcal import arch, solve, validate
+from featcal import arch, solve, sources, validate
 from featcal.blocksource import BlockSource, DeviceBlocks, check_device, to_host
 from featcal.blockstats import BlockStats, BlockSystems, Context
-from featcal.capture import Captured, capture, per_task, sliced, stacked
+from featcal.capture import Captured, capture, per_task, sequence_first, sliced, stacked
 from featcal.config import FastPaths, FeatCalConfig
 from featcal.modes import to_eval
 from featcal.progress import bar as progress_bar
@@ -55,9 +55,10 @@ class ExpertTrace:
     (the merged model, lam, rho or alpha changed) runs no expert block again.
 
     Bound to the very expert modules, batches, blocks and modules of its first use (held by
-    weak references): any other ones clear it. The experts and the batches must not be
-    changed in place while it is used. It holds every block's expert captures (about one
-    forward pass of activations per task), so keep it for small models.
+    weak references; a dict batch by its keys and its tensors): any other ones clear it. The
+    experts and the batches must not be changed in place while it is used. It holds every
+    block's expert captures (about one forward pass of activations per task), so keep it for
+    small models.
     """
 
     def __init__(self) -> None:
@@ -73,14 +74,43 @@ class ExpertTrace:
     ) -> "ExpertTrace":
         """Clear the trace unless it was made with these experts, batches and ``key`` (the
         blocks' path and what decides the captured modules)."""
-        objs = [experts[t] for t in tasks] + [b for t in tasks for b in calib_data[t]]
+        objs = [x for o in [experts[t] for t in tasks] + [b for t in tasks for b in calib_data[t]] for x in _leaves(o)]
         key = (key, tuple(tasks), tuple(len(calib_data[t]) for t in tasks))
         alive = [r() for r in self._refs]
-        if self._key != key or len(alive) != len(objs) or any(a is not o for a, o in zip(alive, objs)):
+        if self._key != key or len(alive) != len(objs) or not all(_same(a, o) for a, o in zip(alive, objs)):
             self.__init__()
             self._key = key
-            self._refs = [weakref.ref(o) for o in objs]
+            self._refs = [_ref(o) for o in objs]
         return self
+
+
+def _leaves(obj) -> list:
+    """What identifies a model or batch for :meth:`ExpertTrace.bind`: the object itself, or for a
+    dict batch (which takes no weak reference) its keys and values, nested dicts flattened."""
+    if isinstance(obj, Mapping):
+        return [x for k, v in obj.items() for x in (k, *_leaves(v))]
+    return [obj]
+
+
+def _ref(obj):
+    """A weak reference to ``obj`` where it takes one (modules, tensors), else a strong one (a
+    dict batch's keys and plain values: small)."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
+
+
+def _same(a, b) -> bool:
+    """``a`` is ``b``, or two equal plain values (not arrays: those must be the very object)."""
+    if a is b:
+        return True
+    if torch.is_tensor(a) or torch.is_tensor(b) or isinstance(a, nn.Module):
+        return False
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # arrays and odd objects: not the same unless identical
+        return False
 
 
 @dataclass
@@ -193,6 +223,7 @@ def _solve_block(run: _Run, block: int, blk: nn.Module, targets, systems: dict) 
             keep.append((run.offset + block, t, sysm, W_mer, b_mer, W_0, b_0))
     for t, W, b in new_params:
         arch.set_params(blk, t, W, b)
+    run.ctx.fallbacks.extend(factors.notes)
     scratch.give(factors.close())
     if keep is None:
         scratch.give([s.S for s in systems.values() if isinstance(s, solve.LinearSystem) and s.owns_S])
@@ -255,12 +286,25 @@ def _advance(run: _Run, block: int, blk: nn.Module, pool) -> None:
                 outs[task, b] = nxt.with_hidden(to_host(nxt.hidden)) if offload else nxt
     for task, st in run.streams.items():
         calls = [outs[task, b] for b in range(len(st.cal))]
-        if not bool(torch.stack([torch.isfinite(c.hidden).all() for c in calls]).all()):  # one sync per task
+        seq = sequence_first(blk)  # (T, B, d) streams: the mask is (B, T)
+        finite = [
+            _finite_unpadded(c.hidden.transpose(0, 1) if seq and c.hidden.dim() == 3 else c.hidden, cc.mask)
+            for c, cc in zip(calls, st.cal)
+        ]
+        if not bool(torch.stack(finite).all()):  # one sync per task
             raise FloatingPointError(
                 f"block {block}: the calibrated block's output on task {task!r} "
                 "holds NaN or Inf; raise lam or check the data."
             )
         st.cal = calls
+
+
+def _finite_unpadded(h: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Whether the hidden state ``h`` is finite outside padding (a 0-dim bool tensor): padded
+    tokens are never read by the statistics, so a NaN there (e.g. from the data) is harmless."""
+    if mask is None or h.dim() != 3 or tuple(mask.shape) != tuple(h.shape[:2]):
+        return torch.isfinite(h).all()
+    return (torch.isfinite(h).all(-1) | (mask.to(h.device) == 0)).all()
 
 
 def _expert_step(run: _Run, eblk: nn.Module, targets, st: _Stream, b: int, key: tuple | None) -> Captured:
@@ -405,7 +449,9 @@ def _visit_blocks(run: _Run, source: BlockSource, model, blks, experts, calib_da
         targets = arch.block_targets(blk, linear=cfg.linear, layernorm=cfg.layernorm, only=cfg.modules)
         # 1. Snapshot statistics of the still-merged block (and advance the experts).
         t0 = time.perf_counter()
-        pool = _pool(streams, fast.pool_rows)  # the calibrating batches as one call, for steps 1 and 3
+        # the calibrating batches as one call, for steps 1 and 3 (not for sequence-first streams:
+        # they would be joined along their token axis)
+        pool = None if sequence_first(blk) else _pool(streams, fast.pool_rows)
         systems = _block_systems(run, block, blk, targets, pool)
         ctx.scratch.trim(fast.scratch_keep)  # big Gram buffers go before the solve (kept, they add to its peak)
         t1 = time.perf_counter()
@@ -418,6 +464,13 @@ def _visit_blocks(run: _Run, source: BlockSource, model, blks, experts, calib_da
         report.blocks.append(BlockRecord(run.offset + block, t1 - t0, t2 - t1, time.perf_counter() - t2))
         source.leave(block, streams, report)
         bar.set_postfix_str(f"block {block}: {len(targets)} modules")
+
+
+def _summarised(notes: list[str], first: int = 3) -> list[str]:
+    """The first ``first`` of ``notes`` and one line counting the rest (one per module could be hundreds)."""
+    if len(notes) <= first:
+        return list(notes)
+    return notes[:first] + [f"... and {len(notes) - first} more modules re-solved the same way."]
 
 
 @torch.no_grad()
@@ -442,7 +495,10 @@ def calibrate(
     Args:
         merged: the merged model ``M_mer``; left untouched unless ``inplace=True``.
         base: the pretrained model ``M_0`` (the anchor's second end).
-        experts: ``{task: M_i}``, same architecture as ``merged``.
+        experts: ``{task: M_i}``, same architecture as ``merged``. ``base`` and each expert may
+            also be a state dict, a checkpoint file or a local model directory (Hugging Face
+            ``save_pretrained`` layout), loaded strictly into a copy of ``merged``
+            (:mod:`featcal.sources`).
         calib_data: ``{task: [batch, ...]}``; a batch is a tensor (``model(batch)``) or a
             dict (``model(**batch)``; an ``attention_mask`` in it marks padding).
         config: hyper-parameters and switches (:class:`FeatCalConfig`).
@@ -474,6 +530,8 @@ def calibrate(
     t_start = time.perf_counter()
     # 1. Validate before touching anything.
     tasks = validate.check_tasks(experts, calib_data)
+    base = sources.as_model(base, merged, "base")  # a state dict or a model directory: into a copy of merged
+    experts = {t: sources.as_model(experts[t], merged, f"expert {t!r}") for t in tasks}
 
     def stacks_of(m: nn.Module) -> str:
         return arch.STACK_SEP.join(p for p, _ in arch.resolve_stacks(m, blocks))
@@ -505,7 +563,7 @@ def calibrate(
             _calibrate_stack(
                 run, model, stack, base, experts, {t: calib_data[t] for t in tasks}, progress, block_source
             )
-        for msg in ctx.warn_rows:
+        for msg in ctx.warn_rows + _summarised(ctx.fallbacks):
             warnings.warn(msg, stacklevel=3)
             report.warnings.append(msg)
     except BaseException:

@@ -46,7 +46,11 @@ def _eig_linear(
     ev, Q = torch.linalg.eigh(sysm.S, UPLO="U") if eigh is None else eigh  # S: upper triangle
     dt = sysm.S.dtype
     Qt = Q.T
-    return _EigLinear(Q, ev, Qt @ sysm.U, Qt @ sysm.V, Qt @ W_mer.to(dt).T, Qt @ W_0.to(dt).T)
+    QU, QV = Qt @ sysm.U, Qt @ sysm.V
+    if dt != torch.float64:  # eigenvalues within rounding noise are zeros, as in the exact solve
+        noise = ev.abs() <= solve.noise_floor(sysm.S)  # (solve.EigenSolve): data terms dropped there
+        ev, QU[noise], QV[noise] = ev.masked_fill(noise, 0.0), 0.0, 0.0
+    return _EigLinear(Q, ev, QU, QV, Qt @ W_mer.to(dt).T, Qt @ W_0.to(dt).T)
 
 
 class Preview:

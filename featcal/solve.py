@@ -223,46 +223,94 @@ def _triangular_solves(L: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve_triangular(L.mT, y, upper=True)
 
 
+def noise_floor(S: torch.Tensor) -> float:
+    """The size below which an eigenvalue of the Gram-like ``S`` (its upper triangle) is rounding
+    noise of its own dtype: ``d * eps_dtype * max(diag S)`` (the rounding of ``d``-term sums of
+    entries up to ``max(diag S)``)."""
+    d = S.shape[0]
+    return d * torch.finfo(S.dtype).eps * float(S.diagonal().abs().max())
+
+
+class EigenSolve:
+    """``(S + shift I)^-1`` in float64 from the eigendecomposition of ``S`` (upper triangle), the
+    fallback when its factorisation in ``S``'s dtype fails or is dominated by rounding noise.
+    Eigenvalues within the noise floor of ``S``'s dtype (:func:`noise_floor`) are taken as exact
+    zeros: on that subspace the data say nothing, and :meth:`ridge` takes the solution from the
+    anchor term alone, as exact arithmetic would (``U`` and ``V`` lie in the span of the
+    calibrating rows, i.e. in the range of ``S``)."""
+
+    def __init__(self, S: torch.Tensor, shift: float, what: str = "system"):
+        A = symmetric(S.double())
+        self.dtype, self.shift, self.what = S.dtype, shift, what
+        self.evals, self.Q = torch.linalg.eigh(A)  # (d,), (d, d)
+        self.noise = self.evals.abs() <= (noise_floor(S) if S.dtype != torch.float64 else 0.0)
+        self.evals = self.evals.masked_fill(self.noise, 0.0)
+        self.den = (self.evals + shift)[:, None]  # (d, 1)
+        if not bool((self.den != 0).all()):
+            raise FloatingPointError(f"{what}: the FeatCal system is singular; raise lam or eps.")
+
+    def __call__(self, B: torch.Tensor) -> torch.Tensor:
+        """``(S + shift I)^-1 B`` (noise eigenvalues as zeros), in ``B``'s dtype."""
+        QtB = self.Q.T @ B.double()
+        return (self.Q @ (QtB / self.den)).to(B.dtype)
+
+    def ridge(self, data: torch.Tensor, anchor_t: torch.Tensor, lam: float) -> torch.Tensor:
+        """``(S + shift I)^-1 (data + lam anchor_t)`` with ``data``'s components on the noise
+        subspace dropped (they are rounding noise of ``S``'s dtype, which ``1 / shift`` would
+        blow up). In ``S``'s dtype."""
+        Qd, Qa = self.Q.T @ data.double(), self.Q.T @ anchor_t.double()  # (d, o)
+        Qd[self.noise] = 0.0
+        return (self.Q @ ((Qd + lam * Qa) / self.den)).to(self.dtype)
+
+
 def spd_factor(
     S: torch.Tensor,
     shift: float = 0.0,
     what: str = "system",
     take: Callable | None = None,
     lapack_min_d: int | None = FastPaths.lapack_min_d,
+    notes: list | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """A solver ``B -> (S + shift I)^-1 B`` for the symmetric matrix whose upper triangle is
     ``S``'s (``S + shift I`` positive definite): Cholesky (in place by LAPACK on a copy for
-    CPU systems ``lapack_min_d`` wide or wider, else torch's), or LU (logged) when the
-    factorisation fails numerically. ``S`` is left as it is; ``take(shape, dtype, device, zero)``:
-    where that copy's buffer comes from (a fresh big tensor costs its page faults; the
-    solver keeps it)."""
+    CPU systems ``lapack_min_d`` wide or wider, else torch's). When the factorisation fails,
+    or succeeds only on a pivot within the rounding noise of ``S``'s dtype (:func:`noise_floor`:
+    ``shift`` too small for the statistics' precision, e.g. ``lam = 0`` with fewer rows than
+    width), an :class:`EigenSolve` in float64 instead, logged and noted in ``notes``. ``S`` is
+    left as it is; ``take(shape, dtype, device, zero)``: where that copy's buffer comes from (a
+    fresh big tensor costs its page faults; the solver keeps it)."""
     lapack = (
         lapack_min_d is not None
         and S.shape[0] >= lapack_min_d
         and S.device.type == "cpu"
         and S.dtype in (torch.float32, torch.float64)
     )
+    floor = noise_floor(S) if S.dtype != torch.float64 else 0.0
+    L = None
     if lapack:
         A = S.clone() if take is None else take(S.shape, S.dtype, S.device, zero=False).copy_(S)
         A.diagonal().add_(shift)
         L = _lapack_cholesky(A)
-        if L is not None:
-            return functools.partial(_triangular_solves, L)
-    A = symmetric(S)
-    A.diagonal().add_(shift)
-    if not lapack:
+        solver = None if L is None else functools.partial(_triangular_solves, L)
+    else:
+        A = symmetric(S)
+        A.diagonal().add_(shift)
         L, info = torch.linalg.cholesky_ex(A)
-        if int(info) == 0:
-            return lambda B: torch.cholesky_solve(B, L)
-    log.warning("%s: Cholesky failed (matrix not numerically positive definite); using LU.", what)
-
-    def lu(B: torch.Tensor) -> torch.Tensor:
-        try:
-            return torch.linalg.solve(A, B)
-        except RuntimeError as err:  # singular
-            raise FloatingPointError(f"{what}: the FeatCal system is singular ({err}); raise lam or eps.") from None
-
-    return lu
+        L = L if int(info) == 0 else None
+        solver = None if L is None else (lambda B: torch.cholesky_solve(B, L))
+    if L is not None and float(L.diagonal().min()) ** 2 > floor:
+        return solver
+    reason = "fails" if L is None else "rests on pivots within its rounding noise"
+    msg = (
+        f"{what}: the {str(S.dtype).removeprefix('torch.')} Cholesky factorisation of S + (lam + eps) I {reason} "
+        f"(lam + eps = {shift:.3g}; fewer rows than width, or lam too small for these statistics); "
+        "re-solved in float64 by eigendecomposition, the directions the data leave undetermined taken from "
+        "the anchor. stats_dtype=torch.float64 or a larger lam avoids this."
+    )
+    log.warning(msg)
+    if notes is not None:
+        notes.append(msg)
+    return EigenSolve(S, shift, what)
 
 
 class Factors:
@@ -274,6 +322,7 @@ class Factors:
 
     def __init__(self, lapack_min_d: int | None = FastPaths.lapack_min_d, take: Callable | None = None):
         self.lapack_min_d = lapack_min_d
+        self.notes: list[str] = []  # one line per factorisation that fell back to float64 (spd_factor)
         self._take = take
         self._solvers: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}
         self._taken: list[torch.Tensor] = []
@@ -287,7 +336,7 @@ class Factors:
         key = (id(S), shift)
         if key not in self._solvers:
             take = None if self._take is None else self._take_kept
-            self._solvers[key] = spd_factor(S, shift, what, take, self.lapack_min_d)
+            self._solvers[key] = spd_factor(S, shift, what, take, self.lapack_min_d, self.notes)
         return self._solvers[key]
 
     def close(self) -> list[torch.Tensor]:
@@ -357,7 +406,11 @@ def solve_linear(
     the other systems sharing this ``S``); default: a new one with the default fast paths."""
     solver = (factors or Factors()).solver(sys.S, lam + eps, what)
     R = linear_rhs(sys, W_mer, W_0, lam, rho, alpha)
-    Wt = solver(R)  # (d, o)
+    if isinstance(solver, EigenSolve):  # the data's and the anchor's parts of R apart (EigenSolve.ridge)
+        W_anc = anchor(W_mer.to(R.dtype), W_0.to(R.dtype), rho)
+        Wt = solver.ridge(R - lam * W_anc.T, W_anc.T, lam)
+    else:
+        Wt = solver(R)  # (d, o)
     W = Wt.T
     if b_mer is None:
         b = None

@@ -42,8 +42,122 @@ def _same_params(ref: dict, oth: dict, role: str) -> None:
 
 
 def check_same_params(reference: nn.Module, other: nn.Module, role: str) -> None:
-    """``other`` must have the merged model's parameter names and shapes."""
+    """``other`` must have the merged model's parameter names and shapes, and its architecture
+    where shapes cannot tell (:func:`check_same_architecture`)."""
     _same_params(dict(reference.named_parameters()), dict(other.named_parameters()), role)
+    check_same_architecture(reference, other, role)
+
+
+# Config fields that do not change what the model computes in eval mode: names and paths,
+# dtypes, versions, labels, token ids, output switches, dropout and initialisation.
+CONFIG_IGNORED = {
+    "_name_or_path",
+    "name_or_path",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "architectures",
+    "_commit_hash",
+    "id2label",
+    "label2id",
+    "finetuning_task",
+    "problem_type",
+    "return_dict",
+    "output_hidden_states",
+    "output_attentions",
+    "use_cache",
+    "torchscript",
+    "tokenizer_class",
+    "task_specific_params",
+    "prefix",
+    "_attn_implementation",
+    "attn_implementation",
+    "_attn_implementation_autoset",
+    "_experts_implementation",
+    "use_return_dict",
+    "chunk_size_feed_forward",
+    "gradient_checkpointing",
+}
+CONFIG_IGNORED_SUFFIXES = ("_token_id", "_token_ids", "dropout", "dropout_prob", "dropout_rate", "initializer_range")
+CONFIG_IGNORED_PREFIXES = ("initializer_", "_")
+# Module attributes that change the computation but no parameter's shape (heads, epsilons, layouts).
+MODULE_ATTRS = (
+    "num_heads",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_key_value_groups",
+    "head_dim",
+    "eps",
+    "variance_epsilon",
+    "batch_first",
+    "is_causal",
+    "scale",
+    "scaling",
+    "approximate",
+)
+
+
+def _config_ignored(name: str) -> bool:
+    return name in CONFIG_IGNORED or name.endswith(CONFIG_IGNORED_SUFFIXES) or name.startswith(CONFIG_IGNORED_PREFIXES)
+
+
+def config_diffs(a: Mapping, b: Mapping, where: str = "") -> list[str]:
+    """``field: merged value vs other value`` for every differing config field (nested configs
+    by dotted name), the fields of :data:`CONFIG_IGNORED` left out."""
+    out = []
+    for k in sorted(set(a) | set(b), key=str):
+        if _config_ignored(str(k)):
+            continue
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, Mapping) and isinstance(vb, Mapping):
+            out += config_diffs(va, vb, f"{where}{k}.")
+        elif va != vb:
+            out.append(f"{where}{k}: {va!r} vs {vb!r}")
+    return out
+
+
+def _plain(v) -> bool:
+    return isinstance(v, (bool, int, float, str)) or (isinstance(v, tuple) and all(_plain(x) for x in v))
+
+
+def _module_diffs(reference: nn.Module, other: nn.Module) -> list[str]:
+    """Per submodule: its class, and the attributes of :data:`MODULE_ATTRS` it has."""
+    out = []
+    others = dict(other.named_modules())
+    for name, mod in reference.named_modules():
+        om = others.get(name)
+        if om is None:
+            continue  # a module without parameters the other lacks: its parameters were checked
+        label = name or "the model"
+        if type(mod).__name__ != type(om).__name__:
+            out.append(f"{label}: {type(mod).__name__} vs {type(om).__name__}")
+            continue
+        for attr in MODULE_ATTRS:
+            va, vb = getattr(mod, attr, None), getattr(om, attr, None)
+            if _plain(va) and va != vb:
+                out.append(f"{label}.{attr}: {va!r} vs {vb!r}")
+    return out
+
+
+def check_same_architecture(reference: nn.Module, other: nn.Module, role: str) -> None:
+    """What shapes cannot see: the Hugging Face configs (``.config``, fields that change the
+    computation) and, for any model, each submodule's class and head counts, epsilons and
+    layouts (:data:`MODULE_ATTRS`); e.g. 2 attention heads instead of 4. The error names the
+    differing fields (merged vs ``role``)."""
+    diffs = []
+    ca, cb = getattr(reference, "config", None), getattr(other, "config", None)
+    if hasattr(ca, "to_dict") and hasattr(cb, "to_dict"):
+        diffs += [f"config.{d}" for d in config_diffs(ca.to_dict(), cb.to_dict())]
+    diffs += _module_diffs(reference, other)
+    if diffs:
+        more = f" and {len(diffs) - 6} more" if len(diffs) > 6 else ""
+        raise ValueError(
+            f"{role} differs from the merged model where the weights' shapes cannot tell ("
+            + "; ".join(diffs[:6])
+            + more
+            + "): merged vs this one. Base and experts must share the merged model's architecture "
+            "(build them from one config)."
+        )
 
 
 def _nonfinite(name: str, role: str, blocks_path: str) -> FloatingPointError:
@@ -82,8 +196,9 @@ def check_models(merged: nn.Module, others: list[tuple[str, nn.Module]], blocks_
     (after the float checks, before the finiteness ones, which name the block); returned."""
     ref = _params(merged, "the merged model")
     named = [(role, _params(m, role)) for role, m in others]
-    for role, params in named:
+    for (role, params), (_, m) in zip(named, others):
         _same_params(ref, params, role)
+        check_same_architecture(merged, m, role)
     path = blocks_path_of(merged)
     for role, params in [("the merged model", ref), *named]:
         _finite_params(params, role, path)

@@ -169,9 +169,6 @@ def test_norm_scale_is_the_least_squares_fit():
         assert torch.allclose(fit, gamma[c], atol=1e-12), c
 
 
-@pytest.mark.xfail(
-    strict=True, raises=TypeError, reason="ExpertTrace with dict batches (issue 16 item 7): remove once it is fixed"
-)
 @pytest.mark.filterwarnings("ignore:task .* token rows")
 def test_t5_expert_trace_keeps_both_stacks_apart(t5):
     """An ExpertTrace over the two stacks: the second call reuses it and gives the same model."""

@@ -204,7 +204,7 @@ def test_singular_system_fails_clearly():
         solve.spd_solve(torch.zeros(2, 2), torch.ones(2, 1), "block 0 fc")
 
 
-def test_indefinite_system_falls_back_to_lu():
+def test_indefinite_system_falls_back_to_an_eigen_solve():
     A = torch.tensor([[1.0, 0.0], [0.0, -2.0]])
     X = solve.spd_solve(A, torch.ones(2, 1), "indefinite")
     assert torch.allclose(A @ X, torch.ones(2, 1))
