@@ -1,7 +1,7 @@
 """Task Arithmetic and the trained post-merging calibrators on top of it, on a zoo.
 
-    python benchmarks/calibrators_table.py                          # the embedded demo zoo
-    python benchmarks/calibrators_table.py --escal-epochs 200 --surgery-steps 500 --device cuda
+    python benchmarks/calibrators_table.py --escal-epochs 50 --surgery-v2-steps 250  # 2 CPU cores
+    python benchmarks/calibrators_table.py --device cuda  # the methods' defaults
 
 Prints one markdown table: per task and on average, the test accuracy of the experts, TA (0.3),
 TA + ESCal, TA + Surgery and TA + SurgeryV2 (each task scored with its own modules), with each
@@ -33,7 +33,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=42, help="calibration draw and training seed")
     ap.add_argument("--escal-rank", type=int, default=128)
     ap.add_argument("--escal-epochs", type=int, default=200)
-    ap.add_argument("--surgery-steps", type=int, default=500, help="Surgery and SurgeryV2 steps")
+    ap.add_argument("--escal-lr", type=float, default=None, help="default: escal's")
+    ap.add_argument("--surgery-steps", type=int, default=500)
+    ap.add_argument("--surgery-v2-steps", type=int, default=500)
+    ap.add_argument("--tokens", default="all", help="the tokens the losses read: all, or cls (the first)")
     ap.add_argument("--methods", default="escal,surgery,surgery_v2")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
@@ -46,11 +49,14 @@ def main(argv: list[str] | None = None) -> None:
     ta = zoo.merged("task_arithmetic", scale=0.3)
     experts = expert_accuracies(zoo)
     rows = {"experts": (experts, None), "TA (0.3)": (evaluate(ta, zoo), None)}
-    common = dict(seed=args.seed, device=args.device, progress=True)
+    common = dict(seed=args.seed, device=args.device, tokens=args.tokens, progress=True)
+    escal_lr = {} if args.escal_lr is None else {"lr": args.escal_lr}
     runs = {
-        "escal": lambda: escal(ta, zoo.experts, data, rank=args.escal_rank, epochs=args.escal_epochs, **common),
+        "escal": lambda: escal(
+            ta, zoo.experts, data, rank=args.escal_rank, epochs=args.escal_epochs, **escal_lr, **common
+        ),
         "surgery": lambda: surgery(ta, zoo.experts, data, steps=args.surgery_steps, **common),
-        "surgery_v2": lambda: surgery_v2(ta, zoo.experts, data, steps=args.surgery_steps, **common),
+        "surgery_v2": lambda: surgery_v2(ta, zoo.experts, data, steps=args.surgery_v2_steps, **common),
     }
     names = {"escal": "TA + ESCal", "surgery": "TA + Surgery", "surgery_v2": "TA + SurgeryV2"}
     probe = zoo.split(zoo.tasks[0], "test")[0][: args.overhead_batch]
@@ -75,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"- zoo {zoo.name}: {len(zoo.tasks)} tasks, test split, model {n_params:,} parameters; "
         f"{args.n_per_task} calibration examples per task (seed {args.seed}); device {args.device}, "
-        f"{args.threads} torch thread(s); overhead on a batch of {len(probe)} test images"
+        f"{args.threads} torch thread(s); losses on {args.tokens} tokens; "
+        f"overhead on a batch of {len(probe)} test images"
     )
 
 
