@@ -108,18 +108,23 @@ class TaskCalibrated:
     @torch.no_grad()
     def measure_overhead(self, batch: Any, task: str | None = None, repeats: int = 5) -> dict[str, float]:
         """Time one forward pass on ``batch`` without and with ``task``'s modules (default: the
-        first task): medians of ``repeats`` calls after one warm-up call each. Returns (and
+        first task): medians of ``repeats`` calls each, the two models taking turns, after one
+        warm-up call each. Returns (and
         keeps as :attr:`inference_overhead`) ``seconds_merged``, ``seconds_calibrated`` and
         ``overhead`` (their ratio minus 1)."""
         if repeats < 1:
             raise ValueError(f"repeats must be at least 1, got {repeats}.")
         with_mods = self.for_task(task or self.tasks[0])
         batch = to_device(batch, device_of(self.merged))
-        seconds = {}
+        models = {"seconds_merged": self.merged, "seconds_calibrated": with_mods}
+        times: dict[str, list[float]] = {name: [] for name in models}
         with eval_mode(self.merged):
-            for name, model in (("seconds_merged", self.merged), ("seconds_calibrated", with_mods)):
+            for model in models.values():
                 call_model(model, batch)
-                seconds[name] = statistics.median(_timed(model, batch) for _ in range(repeats))
+            for _ in range(repeats):  # interleaved, so a change in the machine's load hits both
+                for name, model in models.items():
+                    times[name].append(_timed(model, batch))
+        seconds = {name: statistics.median(ts) for name, ts in times.items()}
         seconds["overhead"] = seconds["seconds_calibrated"] / seconds["seconds_merged"] - 1.0
         self.inference_overhead = seconds
         return seconds

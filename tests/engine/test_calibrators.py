@@ -289,3 +289,21 @@ def test_on_the_gpu_the_modules_match_the_cpus():
         assert next(gpu.for_task("t0").parameters()).device.type == "cuda"
         assert next(merged.parameters()).device.type == "cpu"
         assert gpu.runs["t0"].losses == pytest.approx(cpu.runs["t0"].losses, rel=1e-3, abs=1e-6)
+
+
+def test_evaluate_scores_each_task_with_its_own_modules(tiny_zoo_dir):
+    """featcal.evaluate reads a zoo's features through the blocks: the modules act there."""
+    import featcal
+    from featcal.zoo import store
+
+    tzoo = store.read_zoo_dir(tiny_zoo_dir)
+    merged = tzoo.merged("task_arithmetic", scale=0.3)
+    data = tzoo.calib_data(8, batch_size=4)
+    cal = surgery_v2(merged, tzoo.experts, data, steps=2, progress=False)
+    task = tzoo.tasks[0]
+    x, _ = tzoo.split(task, "test")
+    feats = tzoo.features(cal.for_task(task), x[:6])
+    assert not torch.allclose(feats, tzoo.features(merged, x[:6]))  # trained modules change the features
+    assert torch.allclose(tzoo.features(zeroed(cal).for_task(task), x[:6]), tzoo.features(merged, x[:6]))
+    acc = featcal.evaluate(cal.for_task(task), tzoo, tasks=[task])
+    assert list(acc) == [task] and 0.0 <= acc[task] <= 100.0
