@@ -109,9 +109,8 @@ class TaskCalibrated:
     def measure_overhead(self, batch: Any, task: str | None = None, repeats: int = 5) -> dict[str, float]:
         """Time one forward pass on ``batch`` without and with ``task``'s modules (default: the
         first task): medians of ``repeats`` calls each, the two models taking turns, after one
-        warm-up call each. Returns (and
-        keeps as :attr:`inference_overhead`) ``seconds_merged``, ``seconds_calibrated`` and
-        ``overhead`` (their ratio minus 1)."""
+        warm-up call each. Returns (and keeps as :attr:`inference_overhead`) ``seconds_merged``,
+        ``seconds_calibrated`` and ``overhead`` (their ratio minus 1)."""
         if repeats < 1:
             raise ValueError(f"repeats must be at least 1, got {repeats}.")
         with_mods = self.for_task(task or self.tasks[0])
