@@ -275,6 +275,8 @@ def test_bad_input_is_named():
         surgery(merged, experts, data, tokens="mean", progress=False)
     with pytest.raises(ValueError, match="tasks of experts"):
         surgery(merged, experts, {"t0": data["t0"]}, progress=False)
+    with pytest.raises(FloatingPointError, match="lower lr"):
+        run("surgery_v2", "toy", merged, experts, data, steps=5, lr=1e30)
     cal = run("surgery", "toy", merged, experts, data, steps=1)
     with pytest.raises(KeyError, match="t9"):
         cal.for_task("t9")
