@@ -129,7 +129,9 @@ def _module_diffs(reference: nn.Module, other: nn.Module) -> list[str]:
         if om is None:
             continue  # a module without parameters the other lacks: its parameters were checked
         label = name or "the model"
-        if type(mod).__name__ != type(om).__name__:
+        # same class (by name: a reloaded module is fine), or a subclass that extends it (a block
+        # with a trained calibrator's module added, featcal.calibrators)
+        if type(mod).__name__ != type(om).__name__ and not (isinstance(om, type(mod)) or isinstance(mod, type(om))):
             out.append(f"{label}: {type(mod).__name__} vs {type(om).__name__}")
             continue
         for attr in MODULE_ATTRS:
