@@ -57,13 +57,16 @@ def cpu_threads(zoo, device: str, alone: bool = False) -> int:
     (``alone``: the exact run, which nothing runs beside until the preview's deadline);
     else 1 for small models on the CPU, whose work runs in pairs (output scores beside
     the drift): their ops are too small to split, so two one-thread jobs side by side beat
-    two-thread jobs one after the other (measured: benchmarks/README.md, 'App latency')."""
+    two-thread jobs one after the other (measured: benchmarks/README.md, 'App latency');
+    "every core" is those the load leaves free (:func:`featcal.threads.free_cores`)."""
+    from featcal.threads import free_cores, load_average, usable_cores
+
     env = os.environ.get("FEATCAL_APP_THREADS")
     if env:
         return max(1, int(env))
     if device == "cpu" and not alone and model_size(zoo.base)[0] < SMALL_MODEL:
         return 1
-    return os.cpu_count() or 1
+    return free_cores(usable_cores(), load_average())
 
 
 def explain_load_error(source: str, exc: BaseException) -> str:

@@ -330,10 +330,49 @@ def test_drift_figures_from_a_tidy_frame():
     assert sum(t.type == "scatter" for t in fig.data) == 3
     hm = figures.drift_heatmap(df, "t")
     assert len(hm.data[0].z) == 3 and len(hm.data[0].z[0]) == 2
-    assert len(hm.data[1].x) == 6  # the clickable cell centres
+    cells = hm.data[1]  # the clickable cells: one bar per cell, exactly its size
+    assert cells.type == "bar" and len(cells.x) == 6 and cells.width == 1.0
+    spans = sorted(zip(cells.x, cells.base))
+    assert spans == [(t, b - 0.5) for t in ("a", "b") for b in range(3)]
+    assert [c[1] for c in cells.customdata] == pytest.approx([v for row in hm.data[0].z for v in row])
+    assert hm.layout.yaxis.title.text == "block" and "relative drift" in hm.data[0].colorbar.title.text
     lo, hi = figures.value_range([df, df.assign(value=df.value * 2)], figures.SQUARED, stacked=True)
     assert hi >= 18.0 and lo == 0.0
     assert "<html" in figures.to_html(fig)[:200].lower()
+
+
+def test_the_difference_heatmap_is_calibrated_minus_merged_centred_at_zero():
+    from app import figures
+
+    merged = _drift_frame()
+    rel = merged.metric == "drift_rel"
+    factor = merged.task.map({"a": 0.5, "b": 1.5}).where(rel, 1.0)
+    calibrated = merged.assign(value=merged.value * factor)
+    fig = figures.drift_difference_heatmap(calibrated, merged, "d")
+    diff = figures.drift_difference(calibrated, merged)
+    want = figures.block_task_grid(calibrated, "drift_rel") - figures.block_task_grid(merged, "drift_rel")
+    pd.testing.assert_frame_equal(diff, want)
+    assert (diff["a"] < 0).all() and (diff["b"] > 0).all()  # a helped, b hurt
+    heat = fig.data[0]
+    assert heat.zmid == 0.0 and heat.zmin == -heat.zmax == pytest.approx(-float(diff.abs().max().max()))
+    assert heat.colorscale[0][1] != heat.colorscale[-1][1]  # diverging: two ends, two colours
+
+
+def test_cosine_figures_show_every_task_and_model():
+    from app import figures
+
+    df = _drift_frame()
+    cos = pd.concat([df, df.assign(metric="expert_cosine", value=0.9)])
+    fig = figures.expert_cosine_per_block({"merged": cos, "calibrated": cos.assign(value=0.95)}, "c")
+    assert len(fig.data) == 4  # 2 tasks x 2 models
+    assert {t.line.dash for t in fig.data} == {"dot", "solid"} and fig.layout.hovermode == "x unified"
+    mat = pd.DataFrame(
+        [(a, b, blk, 1.0 if a == b else 0.2) for blk in (-1, 0) for a in "xy" for b in "xy"],
+        columns=["task", "other", "block", "value"],
+    )
+    hm = figures.task_vector_matrix_heatmap(mat, 0, "m")
+    assert [list(r) for r in hm.data[0].z] == [[1.0, 0.2], [0.2, 1.0]]
+    assert hm.data[0].zmax == pytest.approx(0.2)  # the scale from the off-diagonal cells
 
 
 def test_a_reference_models_drift_is_drawn_over_the_bars():
@@ -342,7 +381,7 @@ def test_a_reference_models_drift_is_drawn_over_the_bars():
     df = _drift_frame()
     ref = df.assign(value=df.value * 2)
     fig = figures.drift_decomposition(df, "t", reference=("merged", ref))
-    marks = next(t for t in fig.data if t.name == "merged: |e|^2")
+    marks = next(t for t in fig.data if t.name == "merged: |e|²")
     assert list(marks.y) == pytest.approx([2.0, 8.0, 18.0])  # 2 x (0.4 + 0.6) e^2, e = 1, 2, 3
     line = next(t for t in fig.data if t.name == "merged: |e|")
     assert list(line.y) == pytest.approx([2.0, 4.0, 6.0]) and line.yaxis == "y2"
