@@ -376,3 +376,38 @@ def accuracy_frame(named: dict[str, pd.DataFrame], expert_from: str | None = Non
         tables.insert(expert_at, ("expert", src[src.metric == "expert_accuracy"]))
     frames = [pd.DataFrame({"task": t.task.values, "model": name, "accuracy": t.value.values}) for name, t in tables]
     return pd.concat(frames, ignore_index=True)
+
+
+def _plain(value: float) -> float | None:
+    """A float for JSON: rounded to 6 digits, None for NaN."""
+    value = float(value)
+    return None if value != value else round(value, 6)
+
+
+def scores_summary(named: dict[str, dict[str, pd.DataFrame]], scored_on: str) -> dict:
+    """For a report: per model (``{name: scores}``, :func:`scores`), the mean and per-task
+    accuracy, KL, top-1 agreement, expert and task-vector cosines; ``scored_on`` says which
+    examples (the live subset or the full split)."""
+    out: dict = {"scored_on": scored_on}
+    for name, sc in named.items():
+        summary = task_summary(sc)
+        out[name] = {
+            "mean": {col: _plain(summary[col].mean()) for col in summary.columns},
+            "per_task": {t: {col: _plain(v) for col, v in row.items()} for t, row in summary.iterrows()},
+        }
+    return out
+
+
+def drift_summary(named: dict[str, pd.DataFrame], examples: int) -> dict:
+    """For a report: per model (``{name: drift table}``), per block the mean over tasks of the
+    relative drift, local mismatch and propagation and the expert cosine, and the squared
+    drift's share from local mismatch; ``examples`` held-out examples per task."""
+    metrics = ("drift_rel", "mismatch_rel", "propagation_rel", "drift_sq_mismatch_share", "expert_cosine")
+    out: dict = {"held_out_examples_per_task": examples, "mean_over_tasks_per_block": {}}
+    for name, df in named.items():
+        sel = df[df.metric.isin(metrics) & (df.block >= 0)]
+        wide = sel.groupby(["block", "metric"])["value"].mean().unstack("metric")
+        out["mean_over_tasks_per_block"][name] = {
+            int(b): {m: _plain(v) for m, v in row.items()} for b, row in wide.iterrows()
+        }
+    return out

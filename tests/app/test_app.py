@@ -5,6 +5,7 @@ overwrites silently. Most tests use a tiny zoo directory (tests/app_zoo.py); the
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -168,10 +169,16 @@ def test_a_malformed_spec_is_an_error_message(tmp_path):
 def test_export_never_overwrites_without_confirmation(tiny_zoo_dir, tmp_path):
     out = tmp_path / "out"
     at = _page(_app(tiny_zoo_dir).run(), "export")
+    assert Path(at.text_input(key="export_dir").value).is_absolute()  # the default: a visible, absolute path
     at.text_input(key="export_dir").set_value(str(out)).run()
     save = next(b for b in at.button if b.label.startswith("Save"))
     _ok(save.click().run())
     assert (out / "report.json").is_file() and (out / "featcal_model.json").is_file()
+    report = json.loads((out / "report.json").read_text())
+    for model in ("merged", "calibrated"):  # the results travel with the settings
+        assert 0.0 <= report["scores"][model]["mean"]["accuracy"] <= 100.0
+        assert set(report["scores"][model]["per_task"]) == set(report["scores"]["merged"]["per_task"]) != set()
+        assert report["drift"]["mean_over_tasks_per_block"][model]["0"]["drift_rel"] >= 0.0
     stamp = (out / "report.json").stat().st_mtime_ns
     at.run()
     save = next(b for b in at.button if b.label.startswith("Save"))
