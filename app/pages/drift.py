@@ -25,7 +25,11 @@ st.caption(
     f"Merged: **{merger.label}** (Zoo page) · calibrated: exact FeatCal, **{cal.label}** (Calibrate page). "
     f"Measured on {state.DIAG_N} held-out examples per task, every token."
 )
-with st.expander("What is plotted: drift e = local mismatch m + propagation p", expanded=True):
+st.markdown(
+    "**Drift** $e$ = **local mismatch** $m$ (what block l alone gets wrong when fed the expert's own input) "
+    "+ **propagation** $p$ (what it inherits from the blocks before), token by token."
+)
+with st.expander("What is plotted: the formulas"):
     st.markdown(
         "At block l, for task i, the **drift** is how far the model's block output is from expert i's, "
         "$e_l = h_{\\mathrm{mod},l} - h_{\\mathrm{exp},l}$. The **local mismatch** $m_l$ is what block l "

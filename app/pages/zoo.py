@@ -63,3 +63,4 @@ with right:
 st.plotly_chart(figures.accuracy_bars(acc, f"accuracy per task (%): base, experts, {merger.label}"), key="zoo_acc")
 table = wide.join(summary[["kl", "agreement", "expert_cosine"]].add_prefix("merged "))
 st.dataframe(table.round(3), width="stretch")
+ui.downloads(acc, "accuracy", "the accuracy per task of base, experts and merged (tidy: task, model, accuracy)")
