@@ -48,7 +48,7 @@ LABELS = {
     "task_vector_cosine": "task-vector cosine",
     "cka": "linear CKA",
 }
-TICKS = ".3~g"  # axis ticks: three significant digits, no trailing zeros
+TICKS = ".3~r"  # axis ticks: three significant digits, no trailing zeros, no exponent
 
 
 def label(metric: str) -> str:
@@ -257,6 +257,8 @@ def drift_decomposition(
             "yaxis2": {
                 "title": {"text": "norm (mean over tokens)"},
                 "tickformat": TICKS,
+                "tickmode": "auto",  # its own round ticks, not the left axis' grid lines
+                "nticks": 6,
                 "overlaying": "y",
                 "side": "right",
                 "showgrid": False,

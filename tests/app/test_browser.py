@@ -269,9 +269,7 @@ def _goto(page, url: str, ready: str = '[data-testid="stMainBlockContainer"] h1'
     _idle(page, LOAD_MS)
     name = url.rstrip("/").rsplit("/", 1)[-1]
     if name in PLOTS:  # every chart drawn (on a busy machine the run can outlast the first idle)
-        page.wait_for_function(
-            f"document.querySelectorAll('.js-plotly-plot').length >= {PLOTS[name]}", timeout=LOAD_MS
-        )
+        page.wait_for_function(f"document.querySelectorAll('.js-plotly-plot').length >= {PLOTS[name]}", timeout=LOAD_MS)
         _idle(page, LOAD_MS)
     page.wait_for_timeout(800)  # plotly draws after the run
 
@@ -346,6 +344,8 @@ def test_apply_to_calibrate_moves_the_sliders(server, browser):
     page.get_by_role("button", name="Run sweep").click()
     page.wait_for_selector("text=chosen setting", timeout=LOAD_MS)
     _idle(page, LOAD_MS)
+    page.wait_for_timeout(800)
+    page.screenshot(path=str(SHOTS / "tune-swept-1280.png"))
     chosen = page.locator('[data-testid="stMetric"]', has_text="chosen setting").locator(METRIC).inner_text()
     lam, rho, alpha = (float(v) for v in re.findall(r"=\s*([-0-9.e]+)", chosen))
     page.get_by_role("button", name="Apply to Calibrate").click()
