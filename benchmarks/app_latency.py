@@ -358,7 +358,7 @@ def main() -> None:
 
     compute.LIVE_TEST = args.live or compute.LIVE_TEST
     compute.DIAG_N = args.diag or compute.DIAG_N
-    n = args.n or 8  # app.settings.DEFAULT_N (not imported: it needs streamlit)
+    n = args.n or 16  # app.settings.DEFAULT_N (not imported: it needs streamlit)
     rows = []
     for name, bench in (("parts", bench_parts), ("apptest", bench_apptest), ("browser", bench_browser)):
         if name in args.skip or (name == "browser" and not args.browser):
