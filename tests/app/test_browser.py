@@ -284,7 +284,7 @@ def test_every_page_renders_without_exception(server, browser, width):
     (the title's box lies below the modebar's). Screenshots in artifacts/screenshots/."""
     url, _ = server
     SHOTS.mkdir(parents=True, exist_ok=True)
-    context = browser.new_context(viewport={"width": width, "height": 1500})
+    context = browser.new_context(viewport={"width": width, "height": 2000})
     page = context.new_page()
     for name in PAGES:
         _goto(page, f"{url}/{name}")
