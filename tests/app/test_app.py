@@ -88,11 +88,12 @@ def test_preview_then_exact_result_is_shown(tiny_zoo_dir):
 
 def test_the_table_and_residuals_are_drawn_only_when_opened(tiny_zoo_dir):
     at = _page(_app(tiny_zoo_dir).run(), "calibrate")
-    assert len(at.get("plotly_chart")) == 1 and not at.dataframe  # the drift chart only
+    # The drift chart, the two cosine charts and the experts' task-vector matrix; no table.
+    assert len(at.get("plotly_chart")) == 4 and not at.dataframe
     at.session_state["cal_residuals_open"] = True  # what a click on them does
     at.session_state["cal_table_exact"] = True
     _ok(at.run())
-    assert len(at.get("plotly_chart")) == 2 and len(at.dataframe) == 1
+    assert len(at.get("plotly_chart")) == 5 and len(at.dataframe) == 1
     assert any("Exact FeatCal done" in c.value for c in at.caption)  # the status line
 
 
@@ -507,11 +508,16 @@ def test_small_models_pair_work_on_one_thread_each_and_run_alone_on_every_core(t
     from app import compute
 
     zoo = compute.load_zoo(tiny_zoo_dir, "cpu")
+    from featcal import threads
+
     monkeypatch.delenv("FEATCAL_APP_THREADS", raising=False)
-    monkeypatch.setattr(compute.os, "cpu_count", lambda: 6)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 6)
+    monkeypatch.setattr(threads, "load_average", lambda: 0.0)
     assert compute.cpu_threads(zoo, "cpu") == 1
     assert compute.cpu_threads(zoo, "cpu", alone=True) == 6
     monkeypatch.setattr(compute, "SMALL_MODEL", 0)  # a big model: every core either way
     assert compute.cpu_threads(zoo, "cpu") == 6
+    monkeypatch.setattr(threads, "load_average", lambda: 4.2)  # a busy machine: the free cores only
+    assert compute.cpu_threads(zoo, "cpu") == compute.cpu_threads(zoo, "cpu", alone=True) == 2
     monkeypatch.setenv("FEATCAL_APP_THREADS", "3")  # the user's choice wins for both
     assert compute.cpu_threads(zoo, "cpu") == compute.cpu_threads(zoo, "cpu", alone=True) == 3
