@@ -419,8 +419,9 @@ def expert_cosine_per_block(frames: dict[str, pd.DataFrame], title: str) -> go.F
                     "type": "scatter",
                     "x": [int(b) for b in grid.index],
                     "y": grid[task].tolist(),
-                    "name": f"{task} ({name})",
+                    "name": task,
                     "legendgroup": task,
+                    "showlegend": k == len(frames) - 1,  # one legend entry per task (the dash tells the model)
                     "mode": "lines+markers",
                     "line": {"color": TASK_COLORS[i % len(TASK_COLORS)], "dash": "dot" if k == 0 else "solid"},
                     "marker": {"size": 5},

@@ -66,8 +66,8 @@ def downloads(df: pd.DataFrame, name: str, what: str, container=None) -> None:
     caption saying ``what`` it holds (the Parquet file is made only when downloaded; a click
     does not rerun the page)."""
     where = st if container is None else container
-    c1, c2, c3 = where.columns([1, 1, 4])
-    c1.download_button(
+    row = where.container(horizontal=True, vertical_alignment="center")  # buttons as wide as their labels
+    row.download_button(
         f"{name}.csv",
         df.to_csv(index=False),
         f"{name}.csv",
@@ -76,7 +76,7 @@ def downloads(df: pd.DataFrame, name: str, what: str, container=None) -> None:
         icon=":material/download:",
         on_click="ignore",
     )
-    c2.download_button(
+    row.download_button(
         f"{name}.parquet",
         lambda: parquet_bytes(df),
         f"{name}.parquet",
@@ -85,4 +85,4 @@ def downloads(df: pd.DataFrame, name: str, what: str, container=None) -> None:
         icon=":material/download:",
         on_click="ignore",
     )
-    c3.caption(f"Download {what}.")
+    row.caption(f"Download {what}.")

@@ -140,7 +140,7 @@ def apply_to_calibrate(lam: float, rho: float, alpha: float) -> None:
 
 # 3. Results.
 b, unit = res.best, ("%" if res.score == "accuracy" else "")
-m1, m2, m3 = st.columns(3)
+m1, m2, m3 = st.columns([2, 1, 1])  # the chosen setting's three values need the room
 m1.metric(
     "chosen setting",
     f"λ={b['lam']:.3g}, ρ={b['rho']:g}, α={b['alpha']:g}",

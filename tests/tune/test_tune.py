@@ -207,7 +207,7 @@ def test_sweep_heatmap_labels_are_rounded_and_the_star_explained():
     ]
     fig = sweep_heatmap(pd.DataFrame(rows), lam=0.05)
     assert list(fig.data[0].x) == ["0.3", "0.5"] and list(fig.data[0].y) == ["1", "2.12"]
-    assert "chosen" in fig.layout.title.text and fig.data[-1].marker.symbol == "star"
+    assert "chosen" in fig.data[-1].hovertemplate and fig.data[-1].marker.symbol == "star"
     assert (fig.data[-1].x, fig.data[-1].y) == (("0.3",), ("2.12",))  # the best exact run, not the best preview
 
 
