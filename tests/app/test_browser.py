@@ -346,7 +346,8 @@ def test_apply_to_calibrate_moves_the_sliders(server, browser):
     page.get_by_role("button", name="Run sweep").click()
     page.wait_for_selector("text=chosen setting", timeout=LOAD_MS)
     _idle(page, LOAD_MS)
-    page.wait_for_timeout(800)
+    page.wait_for_function("document.querySelectorAll('.js-plotly-plot .main-svg').length >= 2", timeout=RUN_MS)
+    page.wait_for_timeout(1500)  # plotly draws after the run
     page.screenshot(path=str(SHOTS / "tune-swept-1280.png"))
     chosen = page.locator('[data-testid="stMetric"]', has_text="chosen setting").locator(METRIC).inner_text()
     lam, rho, alpha = (float(v) for v in re.findall(r"=\s*([-0-9.e]+)", chosen))
