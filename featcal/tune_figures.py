@@ -83,11 +83,18 @@ def sweep_parallel(
     """Parallel coordinates: log10 lambda, rho, alpha and the preview score, coloured by the
     score; a last axis marks the points re-run exactly."""
     t = table.sort_values("point")
+    lams = sorted(t["lam"].astype(float).unique())
     dims = [
-        dict(label="log10 λ", values=np.log10(t["lam"].astype(float))),
-        dict(label="ρ", values=t["rho"]),
-        dict(label="α", values=t["alpha"]),
-        dict(label="preview score", values=t["preview"]),
+        # λ on a log axis, its ticks at the values tried (labelled in λ, not log10 λ)
+        dict(
+            label="λ (log scale)",
+            values=np.log10(t["lam"].astype(float)),
+            tickvals=np.log10(lams).tolist(),
+            ticktext=[tick(v) for v in lams],
+        ),
+        dict(label="ρ", values=t["rho"], tickformat=".3~r"),
+        dict(label="α", values=t["alpha"], tickformat=".3~r"),
+        dict(label="preview score", values=t["preview"], tickformat=".3~r"),
         dict(label="exact run", values=t["confirmed"].astype(int), tickvals=[0, 1], ticktext=["no", "yes"]),
     ]
     fig = go.Figure(

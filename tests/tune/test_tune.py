@@ -182,6 +182,17 @@ def test_tune_page_runs_a_sweep_on_a_tiny_zoo(tmp_path):
     assert at.slider(key="alpha").value == pytest.approx(on_slider("alpha", best["alpha"]))
 
 
+def test_sweep_parallel_labels_lambda_at_the_values_tried():
+    from featcal.tune_figures import sweep_parallel
+
+    table = pd.DataFrame(
+        {"point": range(3), "lam": [0.005, 0.05, 0.3], "rho": 2.0, "alpha": 0.3, "preview": [1.0, 2.0, 3.0]}
+    ).assign(confirmed=[False, True, False])
+    lam_axis = sweep_parallel(table).data[0].dimensions[0]
+    assert list(lam_axis.ticktext) == ["0.005", "0.05", "0.3"]
+    assert list(lam_axis.tickvals) == pytest.approx([math.log10(v) for v in (0.005, 0.05, 0.3)])
+
+
 def test_grid_edges_and_widening():
     from featcal.tune_figures import grid_edges, widen
 
