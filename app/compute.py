@@ -57,13 +57,16 @@ def cpu_threads(zoo, device: str, alone: bool = False) -> int:
     (``alone``: the exact run, which nothing runs beside until the preview's deadline);
     else 1 for small models on the CPU, whose work runs in pairs (output scores beside
     the drift): their ops are too small to split, so two one-thread jobs side by side beat
-    two-thread jobs one after the other (measured: benchmarks/README.md, 'App latency')."""
+    two-thread jobs one after the other (measured: benchmarks/README.md, 'App latency');
+    "every core" is those the load leaves free (:func:`featcal.threads.free_cores`)."""
+    from featcal.threads import free_cores, load_average, usable_cores
+
     env = os.environ.get("FEATCAL_APP_THREADS")
     if env:
         return max(1, int(env))
     if device == "cpu" and not alone and model_size(zoo.base)[0] < SMALL_MODEL:
         return 1
-    return os.cpu_count() or 1
+    return free_cores(usable_cores(), load_average())
 
 
 def explain_load_error(source: str, exc: BaseException) -> str:
@@ -373,3 +376,38 @@ def accuracy_frame(named: dict[str, pd.DataFrame], expert_from: str | None = Non
         tables.insert(expert_at, ("expert", src[src.metric == "expert_accuracy"]))
     frames = [pd.DataFrame({"task": t.task.values, "model": name, "accuracy": t.value.values}) for name, t in tables]
     return pd.concat(frames, ignore_index=True)
+
+
+def _plain(value: float) -> float | None:
+    """A float for JSON: rounded to 6 digits, None for NaN."""
+    value = float(value)
+    return None if value != value else round(value, 6)
+
+
+def scores_summary(named: dict[str, dict[str, pd.DataFrame]], scored_on: str) -> dict:
+    """For a report: per model (``{name: scores}``, :func:`scores`), the mean and per-task
+    accuracy, KL, top-1 agreement, expert and task-vector cosines; ``scored_on`` says which
+    examples (the live subset or the full split)."""
+    out: dict = {"scored_on": scored_on}
+    for name, sc in named.items():
+        summary = task_summary(sc)
+        out[name] = {
+            "mean": {col: _plain(summary[col].mean()) for col in summary.columns},
+            "per_task": {t: {col: _plain(v) for col, v in row.items()} for t, row in summary.iterrows()},
+        }
+    return out
+
+
+def drift_summary(named: dict[str, pd.DataFrame], examples: int) -> dict:
+    """For a report: per model (``{name: drift table}``), per block the mean over tasks of the
+    relative drift, local mismatch and propagation and the expert cosine, and the squared
+    drift's share from local mismatch; ``examples`` held-out examples per task."""
+    metrics = ("drift_rel", "mismatch_rel", "propagation_rel", "drift_sq_mismatch_share", "expert_cosine")
+    out: dict = {"held_out_examples_per_task": examples, "mean_over_tasks_per_block": {}}
+    for name, df in named.items():
+        sel = df[df.metric.isin(metrics) & (df.block >= 0)]
+        wide = sel.groupby(["block", "metric"])["value"].mean().unstack("metric")
+        out["mean_over_tasks_per_block"][name] = {
+            int(b): {m: _plain(v) for m, v in row.items()} for b, row in wide.iterrows()
+        }
+    return out

@@ -15,6 +15,15 @@ from app.settings import CAL_DEFAULTS, CAL_SIZES, MERGE_METHODS, MERGE_PARAMS, A
 
 BIND = dict(bind="query-params", persist_state="session")
 OTHER = "other (path)…"
+# (min, max, step) of the Calibrate page's sliders.
+SLIDERS = {"log_lam": (-6.0, 2.0, 0.1), "rho": (-1.0, 3.0, 0.05), "alpha": (0.0, 1.0, 0.05)}
+
+
+def on_slider(key: str, value: float) -> float:
+    """``value`` as slider ``key`` can show it: clipped to its range, rounded to its step."""
+    lo, hi, step = SLIDERS[key]
+    v = lo + round((min(max(float(value), lo), hi) - lo) / step) * step
+    return round(v, 4)
 
 
 def _setting(key: str, default, cast):
@@ -101,23 +110,27 @@ def calibration_controls(max_n: int) -> AppCal:
     c1, c2, c3 = st.columns(3)
     log_lam = c1.slider(
         "log₁₀ λ  (ridge strength)",
-        -6.0,
-        2.0,
+        *SLIDERS["log_lam"][:2],
         CAL_DEFAULTS["log_lam"],
-        0.1,
+        SLIDERS["log_lam"][2],
         key="log_lam",
         help="λ pulls every calibrated weight toward the anchor W_anc.",
         **BIND,
     )
     rho = c2.slider(
-        "ρ  (anchor blend)", -1.0, 3.0, CAL_DEFAULTS["rho"], 0.05, key="rho", help="W_anc = ρ·W_mer + (1-ρ)·W_0", **BIND
+        "ρ  (anchor blend)",
+        *SLIDERS["rho"][:2],
+        CAL_DEFAULTS["rho"],
+        SLIDERS["rho"][2],
+        key="rho",
+        help="W_anc = ρ·W_mer + (1-ρ)·W_0",
+        **BIND,
     )
     alpha = c3.slider(
         "α  (target interpolation)",
-        0.0,
-        1.0,
+        *SLIDERS["alpha"][:2],
         CAL_DEFAULTS["alpha"],
-        0.05,
+        SLIDERS["alpha"][2],
         key="alpha",
         help="x_t = α·x_expert + (1-α)·x_calibrating",
         **BIND,

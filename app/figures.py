@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from featcal.tune_figures import LAYOUT  # one layout for the app's and the command line's figures
+from featcal.tune_figures import LAYOUT, title_layout  # one layout for the app's and the command line's figures
 
 # One colour per quantity, the same in every figure.
 COLORS = {
@@ -37,6 +37,23 @@ COLORS = {
 }
 SQUARED = {"drift_sq_mismatch": "local mismatch <e, m>", "drift_sq_propagation": "upstream propagation <e, p>"}
 NORMS = {"drift": "|e| drift", "mismatch": "|m| mismatch", "propagation": "|p| propagation"}
+# Human names of the diagnostics' metrics (diagnostics.drift_metrics and friends), for axes and hovers.
+LABELS = {
+    "drift_rel": "relative drift |e| / |h_exp|",
+    "drift": "drift |e|",
+    "drift_sq_mismatch_share": "share of |e|² from local mismatch",
+    "mismatch_rel": "relative local mismatch |m| / |h_exp|",
+    "propagation_rel": "relative propagation |p| / |h_exp|",
+    "expert_cosine": "expert cosine",
+    "task_vector_cosine": "task-vector cosine",
+    "cka": "linear CKA",
+}
+TICKS = ".3~r"  # axis ticks: three significant digits, no trailing zeros, no exponent
+
+
+def label(metric: str) -> str:
+    """The human name of a diagnostics metric (the metric's own name when it has none)."""
+    return LABELS.get(metric, metric)
 
 
 # ----------------------------------------------------------------------------- shaping
@@ -108,7 +125,12 @@ def _figure(data: list[dict], layout: dict) -> go.Figure:
 
 
 def _title(text: str) -> dict:
-    return {"text": text, "font": {"size": 15}}
+    return title_layout(text)
+
+
+def _axis(text: str, **kw) -> dict:
+    """A numeric axis with a title and rounded ticks."""
+    return {"title": {"text": text}, "tickformat": TICKS, **kw}
 
 
 # ----------------------------------------------------------------------------- tables
@@ -171,7 +193,10 @@ def drift_decomposition(
                         "color": COLORS[metric],
                         "opacity": [1.0 if selected_block in (None, b) else 0.35 for b in blocks],
                     },
-                    "hovertemplate": "block %{x}<br>" + label + " %{y:.4g}<extra></extra>",
+                    # Plotly's own selection fades nothing: the chosen block is shown by the opacities.
+                    "selected": {"marker": {"opacity": 1.0}},
+                    "unselected": {"marker": {"opacity": 1.0}},
+                    "hovertemplate": label + " %{y:.4g}<extra></extra>",
                 }
             )
     for metric, label in NORMS.items():
@@ -185,7 +210,7 @@ def drift_decomposition(
                     "mode": "lines+markers",
                     "yaxis": "y2",
                     "line": {"color": COLORS[metric], "dash": "solid" if metric == "drift" else "dot"},
-                    "hovertemplate": "block %{x}<br>" + label + " %{y:.4g}<extra></extra>",
+                    "hovertemplate": label + " %{y:.4g}<extra></extra>",
                 }
             )
     if reference is not None:
@@ -196,7 +221,7 @@ def drift_decomposition(
                 "type": "scatter",
                 "x": [int(b) for b in sq_ref.index],
                 "y": sq_ref.tolist(),
-                "name": f"{name}: |e|^2",
+                "name": f"{name}: |e|²",
                 "mode": "markers",
                 "marker": {
                     "symbol": "line-ew-open",
@@ -204,7 +229,7 @@ def drift_decomposition(
                     "color": COLORS["merged"],
                     "line": {"width": 3, "color": COLORS["merged"]},
                 },
-                "hovertemplate": "block %{x}<br>" + name + " |e|^2 %{y:.4g}<extra></extra>",
+                "hovertemplate": name + " |e|² %{y:.4g}<extra></extra>",
             }
         )
         if "drift" in nm_ref:
@@ -217,7 +242,7 @@ def drift_decomposition(
                     "mode": "lines",
                     "yaxis": "y2",
                     "line": {"color": COLORS["base"], "dash": "dash"},
-                    "hovertemplate": "block %{x}<br>" + name + " |e| %{y:.4g}<extra></extra>",
+                    "hovertemplate": name + " |e| %{y:.4g}<extra></extra>",
                 }
             )
     return _figure(
@@ -226,10 +251,14 @@ def drift_decomposition(
             "title": _title(title),
             "barmode": "relative",
             "clickmode": "event+select",
-            "xaxis": {"title": {"text": "block"}, "dtick": 1},
-            "yaxis": {"title": {"text": "squared drift (mean over tokens)"}, "range": sq_range},
+            "hovermode": "x unified",  # one box: every series of the block under the pointer
+            "xaxis": {"title": {"text": "block"}, "dtick": 1, "hoverformat": "d"},
+            "yaxis": _axis("squared drift |e|² (mean over tokens)", range=sq_range),
             "yaxis2": {
                 "title": {"text": "norm (mean over tokens)"},
+                "tickformat": TICKS,
+                "tickmode": "auto",  # its own round ticks, not the left axis' grid lines
+                "nticks": 6,
                 "overlaying": "y",
                 "side": "right",
                 "showgrid": False,
@@ -240,46 +269,85 @@ def drift_decomposition(
     )
 
 
-def drift_heatmap(
-    df: pd.DataFrame, title: str, metric: str = "drift_rel", z_range: tuple[float, float] | None = None
-) -> go.Figure:
-    """``block x task`` heatmap of one drift metric (default: relative drift ``|e| / |h_exp|``)."""
-    grid = block_task_grid(df, metric)
-    trace = {
+def _heatmap(grid: pd.DataFrame, title: str, name: str, trace: dict, fmt: str = ".4f") -> go.Figure:
+    """``grid`` (block x task) as a heatmap whose every cell is clickable over its whole area:
+    plotly reports no clicks (selections) on heatmap cells, so near-invisible bars, one per
+    cell and exactly its size, lie over them and carry the hover and the click (the click's
+    ``customdata`` is ``[block, value]``, its ``x`` the task)."""
+    heat = {
         "type": "heatmap",
         "z": grid.values.tolist(),
         "x": list(grid.columns),
         "y": [int(b) for b in grid.index],
-        "colorscale": "Reds",
-        "colorbar": {"title": {"text": metric, "side": "right"}, "thickness": 12},
-        "hovertemplate": "task %{x}<br>block %{y}<br>" + metric + " %{z:.4f}<extra></extra>",
+        "hoverinfo": "skip",
+        **trace,
     }
-    if z_range is not None:
-        trace.update(zmin=z_range[0], zmax=z_range[1])
-    # Plotly reports no clicks on heatmap cells; near-invisible markers at the cell centres do.
-    cells = [(t, int(b), v) for j, b in enumerate(grid.index) for t, v in zip(grid.columns, grid.values[j])]
-    points = {
-        "type": "scatter",
-        "mode": "markers",
-        "x": [c[0] for c in cells],
-        "y": [c[1] for c in cells],
-        "customdata": [c[2] for c in cells],
+    tasks = [t for _ in grid.index for t in grid.columns]
+    cells = {
+        "type": "bar",
+        "x": tasks,
+        "y": [1.0] * len(tasks),
+        "base": [int(b) - 0.5 for b in grid.index for _ in grid.columns],
+        "width": 1.0,
+        "customdata": [[int(b), v] for b, row in zip(grid.index, grid.values.tolist()) for v in row],
         "showlegend": False,
         "name": "cells",
-        "marker": {"size": 28, "symbol": "square", "opacity": 0.01, "color": "#000"},
-        "hovertemplate": "task %{x}<br>block %{y}<br>" + metric + " %{customdata:.4f}<extra></extra>",
+        "marker": {"color": "#000", "opacity": 0.01, "line": {"width": 0}},
+        "selected": {"marker": {"opacity": 0.01}},
+        "unselected": {"marker": {"opacity": 0.01}},
+        "hovertemplate": "task %{x}<br>block %{customdata[0]}<br>"
+        + name
+        + " %{customdata[1]:"
+        + fmt
+        + "}<extra></extra>",
     }
-    trace["hoverinfo"] = "skip"
-    trace.pop("hovertemplate")
     return _figure(
-        [trace, points],
+        [heat, cells],
         {
             "title": _title(title),
             "clickmode": "event+select",
-            "yaxis": {"title": {"text": "block"}, "dtick": 1, "autorange": "reversed"},
+            "barmode": "overlay",
+            "yaxis": {"title": {"text": "block"}, "dtick": 1, "autorange": "reversed", "zeroline": False},
             "xaxis": {"title": {"text": "task"}},
         },
     )
+
+
+def drift_heatmap(
+    df: pd.DataFrame, title: str, metric: str = "drift_rel", z_range: tuple[float, float] | None = None
+) -> go.Figure:
+    """``block x task`` heatmap of one drift metric (default: relative drift ``|e| / |h_exp|``)."""
+    trace = {
+        "colorscale": "Reds",
+        "colorbar": {"title": {"text": label(metric), "side": "right"}, "thickness": 12, "tickformat": TICKS},
+    }
+    if z_range is not None:
+        trace.update(zmin=z_range[0], zmax=z_range[1])
+    return _heatmap(block_task_grid(df, metric), title, label(metric), trace)
+
+
+def drift_difference(after: pd.DataFrame, before: pd.DataFrame, metric: str = "drift_rel") -> pd.DataFrame:
+    """``block x task`` of ``after``'s metric minus ``before``'s (e.g. calibrated minus merged)."""
+    a, b = block_task_grid(after, metric), block_task_grid(before, metric)
+    return a - b.reindex(index=a.index, columns=a.columns)
+
+
+def drift_difference_heatmap(
+    after: pd.DataFrame, before: pd.DataFrame, title: str, metric: str = "drift_rel"
+) -> go.Figure:
+    """``block x task`` heatmap of ``after`` minus ``before`` (:func:`drift_difference`) in
+    diverging colours centred at 0: blue where the drift fell (calibration helps), red where
+    it rose (it hurts)."""
+    diff = drift_difference(after, before, metric)
+    top = float(np.nanmax(np.abs(diff.values))) if diff.size and np.isfinite(diff.values).any() else 1.0
+    trace = {
+        "colorscale": "RdBu_r",
+        "zmid": 0.0,
+        "zmin": -top,
+        "zmax": top,
+        "colorbar": {"title": {"text": f"Δ {label(metric)}", "side": "right"}, "thickness": 12, "tickformat": TICKS},
+    }
+    return _heatmap(diff, title, f"Δ {label(metric)}", trace, fmt="+.4f")
 
 
 def block_by_task(frames: dict[str, pd.DataFrame], block: int, metric: str = "drift_rel") -> go.Figure:
@@ -294,15 +362,15 @@ def block_by_task(frames: dict[str, pd.DataFrame], block: int, metric: str = "dr
                 "y": sel.value.tolist(),
                 "name": name,
                 "marker": {"color": COLORS.get(name)},
-                "hovertemplate": "%{x}<br>" + metric + " %{y:.4f}<extra>" + name + "</extra>",
+                "hovertemplate": "%{x}<br>" + label(metric) + " %{y:.4f}<extra>" + name + "</extra>",
             }
         )
     return _figure(
         data,
         {
-            "title": _title(f"block {block}: {metric} per task"),
+            "title": _title(f"block {block}: {label(metric)} per task"),
             "barmode": "group",
-            "yaxis": {"title": {"text": metric}, "rangemode": "tozero"},
+            "yaxis": _axis(label(metric), rangemode="tozero"),
         },
     )
 
@@ -325,10 +393,99 @@ def task_by_block(frames: dict[str, pd.DataFrame], task: str, metric: str = "dri
     return _figure(
         data,
         {
-            "title": _title(f"task {task}: {metric} per block"),
+            "title": _title(f"task {task}: {label(metric)} per block"),
+            "hovermode": "x unified",
             "xaxis": {"title": {"text": "block"}, "dtick": 1},
-            "yaxis": {"title": {"text": metric}, "rangemode": "tozero"},
+            "yaxis": _axis(label(metric), rangemode="tozero"),
         },
+    )
+
+
+# ----------------------------------------------------------------------------- cosines
+
+TASK_COLORS = ("#2563eb", "#16a34a", "#f97316", "#0891b2", "#db2777", "#7c3aed", "#a16207", "#4b5563", "#dc2626")
+
+
+def expert_cosine_per_block(frames: dict[str, pd.DataFrame], title: str) -> go.Figure:
+    """Per block and task, the cosine of the model's pooled block output with the expert's
+    (the drift tables' ``expert_cosine``): one colour per task, one dash per model
+    (``frames``: ``{model name: drift table}``, the first drawn dashed)."""
+    data = []
+    for k, (name, df) in enumerate(frames.items()):
+        grid = block_task_grid(df, "expert_cosine")
+        for i, task in enumerate(grid.columns):
+            data.append(
+                {
+                    "type": "scatter",
+                    "x": [int(b) for b in grid.index],
+                    "y": grid[task].tolist(),
+                    "name": task,
+                    "legendgroup": task,
+                    "showlegend": k == len(frames) - 1,  # one legend entry per task (the dash tells the model)
+                    "mode": "lines+markers",
+                    "line": {"color": TASK_COLORS[i % len(TASK_COLORS)], "dash": "dot" if k == 0 else "solid"},
+                    "marker": {"size": 5},
+                    "hovertemplate": f"{task} ({name})" + " %{y:.4f}<extra></extra>",
+                }
+            )
+    return _figure(
+        data,
+        {
+            "title": _title(title),
+            "hovermode": "x unified",
+            "xaxis": {"title": {"text": "block"}, "dtick": 1},
+            "yaxis": _axis("expert cosine of the block output"),
+        },
+    )
+
+
+def task_vector_matrix_heatmap(mat: pd.DataFrame, block: int, title: str) -> go.Figure:
+    """``task x task`` cosines of the experts' task vectors at ``block`` (-1: whole model),
+    from :func:`diagnostics.task_vector_matrix`'s table; diverging colours centred at 0, the
+    scale set by the off-diagonal cells (the diagonal, 1, saturates)."""
+    sel = mat[mat.block == block]
+    tasks = list(dict.fromkeys(sel.task))
+    grid = sel.pivot(index="task", columns="other", values="value").loc[tasks, tasks]
+    off = grid.values[~np.eye(len(tasks), dtype=bool)]
+    top = float(np.nanmax(np.abs(off))) if off.size and np.isfinite(off).any() else 1.0
+    trace = {
+        "type": "heatmap",
+        "z": grid.values.tolist(),
+        "x": tasks,
+        "y": tasks,
+        "colorscale": "RdBu_r",
+        "zmid": 0.0,
+        "zmin": -top,
+        "zmax": top,
+        "colorbar": {"title": {"text": "cos(τ_i, τ_j)", "side": "right"}, "thickness": 12, "tickformat": TICKS},
+        "hovertemplate": "%{y} · %{x}<br>cos %{z:.4f}<extra></extra>",
+    }
+    return _figure(
+        [trace],
+        {"title": _title(title), "yaxis": {"autorange": "reversed"}, "xaxis": {"tickangle": -30}},
+    )
+
+
+def task_vector_bars(tables: dict[str, pd.DataFrame], block: int, title: str) -> go.Figure:
+    """Per task, the cosine of each model's displacement ``theta - theta_0`` with the expert's
+    task vector at ``block`` (-1: whole model), one bar group per model (``tables``:
+    ``{model name: diagnostics.task_vector_cosine table}``)."""
+    data = []
+    for name, tv in tables.items():
+        sel = tv[(tv.metric == "task_vector_cosine") & (tv.block == block)]
+        data.append(
+            {
+                "type": "bar",
+                "x": sel.task.tolist(),
+                "y": sel.value.tolist(),
+                "name": name,
+                "marker": {"color": COLORS.get(name)},
+                "hovertemplate": "%{x}<br>task-vector cosine %{y:.4f}<extra>" + name + "</extra>",
+            }
+        )
+    return _figure(
+        data,
+        {"title": _title(title), "barmode": "group", "yaxis": _axis("cos(θ − θ₀, τ_task)", rangemode="tozero")},
     )
 
 
@@ -386,7 +543,7 @@ def residuals(modules: pd.DataFrame, title: str = "relative residual per module"
             "title": _title(title),
             "barmode": "group",
             "xaxis": {"title": {"text": "block"}, "dtick": 1},
-            "yaxis": {"title": {"text": "mean relative residual"}, "rangemode": "tozero"},
+            "yaxis": _axis("mean relative residual", rangemode="tozero"),
         },
     )
 

@@ -332,3 +332,13 @@ def live_note(zoo) -> str:
 
 def short_hash(*parts) -> str:
     return hashlib.sha1(repr(parts).encode()).hexdigest()[:8]
+
+
+@st.cache_data(max_entries=4, show_spinner=False)
+def expert_task_vectors(source: str, fp: str) -> pd.DataFrame:
+    """:func:`diagnostics.task_vector_matrix` of the zoo's experts (constant for a zoo)."""
+    from diagnostics import task_vector_matrix
+
+    zoo = _zoo(source, device())
+    with workers.torch_lock():
+        return task_vector_matrix(zoo.base, zoo.experts)

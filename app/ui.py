@@ -9,8 +9,10 @@ replaced in place (each replacement is one delta to the same element: nothing to
 from __future__ import annotations
 
 import contextlib
+import io
 from typing import Iterator
 
+import pandas as pd
 import streamlit as st
 
 ICONS = {"running": ":material/hourglass_top:", "complete": ":material/check_circle:", "error": ":material/error:"}
@@ -50,3 +52,37 @@ def status(label: str, slot=None) -> Iterator[StatusLine]:
         raise
     if line.state == "running":
         line.update(state="complete")
+
+
+def parquet_bytes(df: pd.DataFrame) -> bytes:
+    """``df`` as Parquet file bytes (pyarrow)."""
+    buf = io.BytesIO()
+    df.to_parquet(buf, index=False)
+    return buf.getvalue()
+
+
+def downloads(df: pd.DataFrame, name: str, what: str, container=None) -> None:
+    """Two download buttons for a tidy table: ``{name}.csv`` and ``{name}.parquet``, with a
+    caption saying ``what`` it holds (the Parquet file is made only when downloaded; a click
+    does not rerun the page)."""
+    where = st if container is None else container
+    row = where.container(horizontal=True, vertical_alignment="center")  # buttons as wide as their labels
+    row.download_button(
+        f"{name}.csv",
+        df.to_csv(index=False),
+        f"{name}.csv",
+        "text/csv",
+        key=f"dl_{name}_csv",
+        icon=":material/download:",
+        on_click="ignore",
+    )
+    row.download_button(
+        f"{name}.parquet",
+        lambda: parquet_bytes(df),
+        f"{name}.parquet",
+        "application/vnd.apache.parquet",
+        key=f"dl_{name}_parquet",
+        icon=":material/download:",
+        on_click="ignore",
+    )
+    row.caption(f"Download {what}.")

@@ -12,6 +12,8 @@ Tables and their ``block`` column (``-1`` = the whole model):
 - ``expert_cosine`` (:func:`expert_cosine`): per example, cosine of final features;
 - ``task_vector`` (:func:`task_vector_cosine`): ``cos(theta - theta_0, theta_i - theta_0)``,
   whole model and per block;
+- ``task_vector_matrix`` (:func:`task_vector_matrix`): ``cos(tau_i, tau_j)`` between the
+  experts' task vectors, whole model and per block;
 - ``output`` (:func:`output_drift`): KL(expert || model), top-1 agreement, accuracy.
 """
 
@@ -31,7 +33,7 @@ from diagnostics.drift import (
     streams_while,
 )
 from diagnostics.output import default_features, expert_cosine, output_drift
-from diagnostics.similarity import WHOLE, linear_cka, task_vector_cosine
+from diagnostics.similarity import WHOLE, linear_cka, task_vector_cosine, task_vector_matrix
 from featcal.metrics import kl_rows
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "expert_cosine",
     "default_features",
     "task_vector_cosine",
+    "task_vector_matrix",
     "output_drift",
     "kl_rows",
     "linear_cka",

@@ -192,3 +192,49 @@ def task_vector_cosine(
                 (task, l, "expert_task_vector_norm", s.bb**0.5),
             ]
     return pd.DataFrame(rows, columns=["task", "block", "metric", "value"])
+
+
+@torch.no_grad()
+def task_vector_matrix(base: nn.Module, models: Mapping[str, nn.Module], blocks: str | None = None) -> pd.DataFrame:
+    """Pairwise cosines of the task vectors ``tau_i = theta_i - theta_0`` of ``models`` (the
+    experts, usually): ``cos(tau_i, tau_j)`` for every pair, whole model and per block.
+
+    How aligned the experts' weight changes are: near 0 they are nearly orthogonal (merging
+    interferes little in weight space), positive they pull the same way. Rows with ``block =
+    -1`` (:data:`WHOLE`) use every floating entry, rows with ``block = l`` the entries named
+    ``<blocks_path>.<l>.*``; the diagonal is 1 (NaN for a zero task vector).
+
+    Returns a tidy DataFrame: ``task``, ``other``, ``block``, ``value`` (both orders of a pair).
+    """
+    names = list(models)
+    first = models[names[0]] if names else base
+    path, blks = resolve_blocks(first, blocks)
+    theta0 = base.state_dict()
+    thetas = {name: m.state_dict() for name, m in models.items()}
+    n, nb = len(names), len(blks)
+    gram = torch.zeros(nb + 1, n, n, dtype=torch.float64)  # [0]: whole model, [1 + l]: block l
+    for key, w0 in theta0.items():
+        if not torch.is_floating_point(w0):
+            continue
+        missing = next((name for name, th in thetas.items() if key not in th), None)
+        if missing is not None:
+            raise ValueError(
+                f"parameter {key!r} of the base is missing from {missing!r}; they must share one architecture."
+            )
+        w0 = w0.double().reshape(-1)
+        taus = torch.stack([thetas[name][key].to(w0.device, torch.float64).reshape(-1) - w0 for name in names])
+        g = taus @ taus.T  # (n, n) dot products of this entry's task vectors
+        gram[0] += g.cpu()
+        l = block_of(key, path)
+        if l is not None and l < nb:
+            gram[1 + l] += g.cpu()
+    norms = gram.diagonal(dim1=1, dim2=2).clamp_min(0).sqrt()  # (nb + 1, n)
+    den = norms.unsqueeze(2) * norms.unsqueeze(1)  # (nb + 1, n, n)
+    cos = torch.where(den > EPS, gram / den.clamp_min(EPS), torch.full_like(gram, float("nan")))
+    rows = [
+        (names[i], names[j], WHOLE if k == 0 else k - 1, float(cos[k, i, j]))
+        for k in range(nb + 1)
+        for i in range(n)
+        for j in range(n)
+    ]
+    return pd.DataFrame(rows, columns=["task", "other", "block", "value"])

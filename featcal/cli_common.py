@@ -18,6 +18,7 @@ import torch
 
 from featcal.merging import MERGERS
 from featcal.regmean import MERGERS_WITH_DATA
+from featcal.threads import default_threads
 from featcal.zoo import Zoo, load_any
 
 
@@ -46,9 +47,11 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device for the models (default: cpu)")
     p.add_argument(
         "--threads",
-        type=int,
+        type=_threads,
+        default="auto",
         metavar="N",
-        help="torch CPU threads (default: torch's; 1 is fastest for the demo zoo on a busy machine)",
+        help="torch CPU threads, or 'auto' (default): 1 for small models, else the cores the load "
+        "leaves free (featcal.threads.default_threads; $FEATCAL_THREADS overrides it)",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
@@ -107,13 +110,36 @@ def check_out(out: str, force: bool) -> None:
 # ------------------------------------------------------------------ the zoo
 
 
-def apply_threads(args: argparse.Namespace) -> None:
-    """Honour ``--threads`` (see :func:`add_common`)."""
-    if getattr(args, "threads", None):
-        torch.set_num_threads(args.threads)
+def _threads(text: str) -> int | str:
+    """``--threads``: a positive whole number or ``auto``."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number or 'auto', got {text!r}")
+    return n
+
+
+def apply_threads(args: argparse.Namespace, model=None) -> int | None:
+    """Honour ``--threads`` (see :func:`add_common`): a number as given; ``auto`` (or none)
+    from ``model`` and the machine (:func:`featcal.threads.default_threads`) once a model is
+    known. Returns the threads set, None when nothing was set."""
+    threads = getattr(args, "threads", None)
+    if threads in (None, "auto"):
+        if model is None:
+            return None
+        threads = default_threads(model, getattr(args, "device", "cpu"))
+    torch.set_num_threads(threads)
+    return threads
 
 
 def zoo_from_args(args: argparse.Namespace) -> Zoo:
-    """The zoo ``--zoo`` names, on ``--device``, after applying ``--threads``."""
+    """The zoo ``--zoo`` names, on ``--device``, with ``--threads`` applied (an explicit number
+    before loading, ``auto`` after, from the zoo's base model)."""
     apply_threads(args)
-    return load_any(args.zoo, progress=not args.quiet, device=args.device)
+    zoo = load_any(args.zoo, progress=not args.quiet, device=args.device)
+    apply_threads(args, zoo.base)
+    return zoo

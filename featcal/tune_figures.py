@@ -14,6 +14,7 @@ new ``go.Figure``.
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import numpy as np
 import pandas as pd
@@ -23,7 +24,7 @@ from featcal.studies import summarize
 
 # No template here: in the app Streamlit's theme styles the charts; exports add plotly_white.
 LAYOUT = {
-    "margin": {"l": 10, "r": 10, "t": 45, "b": 10},
+    "margin": {"l": 10, "r": 10, "t": 70, "b": 10},  # the title sits below the chart's toolbar (modebar)
     "height": 400,
     "legend": {"orientation": "h", "yanchor": "top", "y": -0.22, "x": 0.0, "font": {"size": 11}},
 }
@@ -32,6 +33,28 @@ SCORE_LABEL = {"accuracy": "val accuracy (%)", "kl": "-KL(expert || model), val"
 METHOD_COLORS = {"task_arithmetic": "#dc2626", "average": "#9ca3af", "ties": "#a16207", "dare": "#7c3aed"}
 CYCLE = ("#2563eb", "#16a34a", "#f97316", "#0891b2", "#db2777", "#4b5563")
 SEVERITY_COLORS = ("#bfdbfe", "#93c5fd", "#60a5fa", "#3b82f6", "#2563eb", "#1d4ed8", "#1e3a8a")
+
+
+def title_layout(text: str, size: int = 15) -> dict:
+    """A figure title, left-aligned and 30 px below the top edge: the chart's toolbar (plotly's
+    modebar, top right) then never covers it, however narrow the chart."""
+    return {
+        "text": text,
+        "font": {"size": size},
+        "x": 0.0,
+        "xanchor": "left",
+        "xref": "paper",
+        "yref": "container",
+        "y": 1.0,
+        "yanchor": "top",
+        "pad": {"t": 30},
+    }
+
+
+def tick(value: float) -> str:
+    """An axis label for a grid value: three significant digits (a refined grid's values are
+    not round)."""
+    return f"{value:.3g}"
 
 
 def _color(method: str, i: int) -> str:
@@ -60,11 +83,18 @@ def sweep_parallel(
     """Parallel coordinates: log10 lambda, rho, alpha and the preview score, coloured by the
     score; a last axis marks the points re-run exactly."""
     t = table.sort_values("point")
+    lams = sorted(t["lam"].astype(float).unique())
     dims = [
-        dict(label="log10 λ", values=np.log10(t["lam"].astype(float))),
-        dict(label="ρ", values=t["rho"]),
-        dict(label="α", values=t["alpha"]),
-        dict(label="preview score", values=t["preview"]),
+        # λ on a log axis, its ticks at the values tried (labelled in λ, not log10 λ)
+        dict(
+            label="λ (log scale)",
+            values=np.log10(t["lam"].astype(float)),
+            tickvals=np.log10(lams).tolist(),
+            ticktext=[tick(v) for v in lams],
+        ),
+        dict(label="ρ", values=t["rho"], tickformat=".3~r"),
+        dict(label="α", values=t["alpha"], tickformat=".3~r"),
+        dict(label="preview score", values=t["preview"], tickformat=".3~r"),
         dict(label="exact run", values=t["confirmed"].astype(int), tickvals=[0, 1], ticktext=["no", "yes"]),
     ]
     fig = go.Figure(
@@ -78,7 +108,7 @@ def sweep_parallel(
             dimensions=dims,
         )
     )
-    fig.update_layout(**{**LAYOUT, "margin": dict(l=60, r=40, t=100, b=30)}, title=title)
+    fig.update_layout(**{**LAYOUT, "margin": dict(l=60, r=40, t=110, b=30)}, title=title_layout(title))
     return fig
 
 
@@ -91,18 +121,19 @@ def best_lam(table: pd.DataFrame) -> float:
 def sweep_heatmap(
     table: pd.DataFrame, lam: float | None = None, value: str = "preview", score: str = "accuracy"
 ) -> go.Figure:
-    """The ``value`` score over (rho, alpha) at one lambda (default :func:`best_lam`);
-    exactly confirmed points are circled, the best one starred."""
+    """The ``value`` score over (rho, alpha) at one lambda (default :func:`best_lam`): the
+    previews colour the cells; the exactly confirmed points are circled and the best of them,
+    the chosen one, starred (the exact runs choose, not the previews)."""
     lam = best_lam(table) if lam is None else lam
     at = table[np.isclose(table["lam"].astype(float), lam, rtol=1e-6)]
     grid = at.pivot_table(index="rho", columns="alpha", values=value, aggfunc="mean").sort_index()
     fig = go.Figure(
         go.Heatmap(
             z=grid.values,
-            x=[f"{a:g}" for a in grid.columns],
-            y=[f"{r:g}" for r in grid.index],
+            x=[tick(a) for a in grid.columns],
+            y=[tick(r) for r in grid.index],
             colorscale="Viridis",
-            colorbar=dict(title=dict(text=SCORE_LABEL.get(score, score), side="right")),
+            colorbar=dict(title=dict(text=SCORE_LABEL.get(score, score), side="right"), tickformat=".3~g"),
             hovertemplate="ρ=%{y}, α=%{x}<br>" + value + " %{z:.4g}<extra></extra>",
         )
     )
@@ -110,32 +141,71 @@ def sweep_heatmap(
     if len(conf):
         fig.add_trace(
             go.Scatter(
-                x=[f"{a:g}" for a in conf["alpha"]],
-                y=[f"{r:g}" for r in conf["rho"]],
+                x=[tick(a) for a in conf["alpha"]],
+                y=[tick(r) for r in conf["rho"]],
                 mode="markers",
                 name="exact run",
                 showlegend=False,
                 marker=dict(symbol="circle-open", size=16, color="white", line=dict(width=2)),
-                text=[f"exact {e:.4g}" for e in conf["exact"]],
+                text=[f"exact run: {e:.4g}" for e in conf["exact"]],
                 hoverinfo="text",
             )
         )
         top = conf.loc[conf["exact"].idxmax()]
         fig.add_trace(
             go.Scatter(
-                x=[f"{top['alpha']:g}"],
-                y=[f"{top['rho']:g}"],
+                x=[tick(top["alpha"])],
+                y=[tick(top["rho"])],
                 mode="markers",
                 name="best exact",
                 showlegend=False,
                 marker=dict(symbol="star", size=14, color="#f97316"),
+                hovertemplate=f"chosen: best exact run, {top['exact']:.4g}<extra></extra>",
             )
         )
-    marks = " (○ exact runs, ★ best)" if len(conf) else ""
-    fig.update_layout(**LAYOUT, title=f"{value} score over (ρ, α) at λ = {lam:.3g}{marks}")
+    # Short enough for a half-width chart; the marks are named in their hover texts (and the app's caption).
+    fig.update_layout(**LAYOUT, title=title_layout(f"{value} score over (ρ, α), λ = {lam:.3g}"))
     fig.update_xaxes(title="α (target interpolation)", type="category")
     fig.update_yaxes(title="ρ (anchor blend)", type="category")
     return fig
+
+
+def grid_edges(point: dict, axes: dict[str, Sequence[float]]) -> dict[str, str]:
+    """Where ``point`` (``{axis: value}``) lies on the edge of a grid (``{axis: values}``):
+    ``{axis: "low" | "high"}`` for every axis with more than one value on which it takes the
+    smallest or the largest value (the optimum may lie beyond it)."""
+    out = {}
+    for name, values in axes.items():
+        values = sorted(float(v) for v in values)
+        if len(values) < 2:
+            continue
+        v = float(point[name])
+        if math.isclose(v, values[0], rel_tol=1e-6, abs_tol=1e-12):
+            out[name] = "low"
+        elif math.isclose(v, values[-1], rel_tol=1e-6, abs_tol=1e-12):
+            out[name] = "high"
+    return out
+
+
+def widen(
+    values: Sequence[float], side: str, log: bool = False, bounds: tuple[float, float] | None = None
+) -> tuple[float, ...]:
+    """``values`` with one more value past their ``side`` (``low`` / ``high``) end, one step
+    beyond it (the end step; a ratio on a ``log`` axis such as lambda), kept within ``bounds``
+    (alpha's [0, 1]): unchanged when the end already is the bound."""
+    v = sorted(float(x) for x in values)
+    if len(v) < 2:
+        raise ValueError("a grid axis needs two values to be widened by its end step.")
+    if side not in ("low", "high"):
+        raise ValueError(f"side must be 'low' or 'high', not {side!r}.")
+    if log:
+        new = v[0] * v[0] / v[1] if side == "low" else v[-1] * v[-1] / v[-2]
+    else:
+        new = v[0] - (v[1] - v[0]) if side == "low" else v[-1] + (v[-1] - v[-2])
+    if bounds is not None:
+        new = min(max(new, bounds[0]), bounds[1])
+    new = float(f"{new:.3g}")
+    return tuple(sorted({*v, new}))
 
 
 # ----------------------------------------------------------------------------- studies
@@ -185,7 +255,7 @@ def sample_efficiency_curve(
     cal = s[s["featcal"]]
     ys = [*(cal["mean"] - cal["std"]), *(cal["mean"] + cal["std"]), *base]
     pad = 0.05 * ((max(ys) - min(ys)) or 1.0)
-    fig.update_layout(**{**LAYOUT, "margin": dict(l=10, r=10, t=90, b=10)}, title=title)
+    fig.update_layout(**{**LAYOUT, "margin": dict(l=10, r=10, t=100, b=10)}, title=title_layout(title))
     fig.update_yaxes(range=[min(ys) - pad, max(ys) + pad])
     fig.update_xaxes(
         type="log", title="calibration examples per task (n)", tickvals=ns, ticktext=[str(int(n)) for n in ns]
@@ -219,7 +289,7 @@ def robustness_bars(df: pd.DataFrame, title: str = "FeatCal with corrupted calib
     for i, (method, acc) in enumerate(plain.items()):
         _reference_line(fig, acc, f"{method} {acc:.1f}%", _color(method, i), "dot")
     lo = min([float(cal["mean"].min()) if len(cal) else 100.0, *plain.tolist()])
-    fig.update_layout(**LAYOUT, title=title, barmode="group")
+    fig.update_layout(**LAYOUT, title=title_layout(title), barmode="group")
     fig.update_yaxes(title="test accuracy, task average (%)", range=[max(0.0, math.floor(lo - 10)), 100])
     fig.update_xaxes(title="corruption of the calibration images")
     return fig

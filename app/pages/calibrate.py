@@ -23,6 +23,14 @@ st.caption(
     "FeatCal re-solves every Linear and LayerNorm of every block in forward order, in closed form."
 )
 cal = controls.calibration_controls(compute.split_size(zoo, "calib"))
+if source == "demo":  # measured on this zoo only
+    gains = " · ".join(f"{n}: **{g:+.1f} pp** ({s:.2f} s of compute)" for n, (g, s) in settings.DEMO_N_GAINS.items())
+    st.caption(
+        "More calibration examples per task give FeatCal more of each expert's features to match, at the "
+        f"cost of a slower exact run. On this demo zoo (default setting, vs merged, live test subset): {gains}. "
+        f"{settings.DEFAULT_N} per task is the most that keeps the exact result within about 1 s of a slider "
+        "change; the gain grows little beyond it here."
+    )
 note, full = st.columns([4, 1])
 full = full.toggle(
     "full test split",
@@ -78,10 +86,17 @@ def show(kind: str, sc: dict, ref_summary: pd.DataFrame, note: str):
             "per-task table (accuracy, KL, agreement, cosines)", key=f"cal_table_{kind}", on_change="rerun"
         )
         if box.open:  # drawn only when open: the browser's rendering is part of the 1 s
-            table = pd.concat({"merged": before, kind: after}, axis=1).swaplevel(axis=1).sort_index(axis=1, level=0)
-            table.columns = [f"{metric} ({model})" for metric, model in table.columns]
-            box.dataframe(table.round(4), width="stretch")
-        return st.empty()
+            box.dataframe(per_task_table(before, after, kind).round(4), width="stretch")
+        # The charts are appended to this container when they are ready: until then the previous
+        # run's charts stay where they are (greyed by Streamlit as stale), so the page does not jump.
+        return st.container()
+
+
+def per_task_table(before: pd.DataFrame, after: pd.DataFrame, kind: str) -> pd.DataFrame:
+    """Per task, every score of the merged and the ``kind`` model side by side."""
+    table = pd.concat({"merged": before, kind: after}, axis=1).swaplevel(axis=1).sort_index(axis=1, level=0)
+    table.columns = [f"{metric} ({model})" for metric, model in table.columns]
+    return table
 
 
 def show_drift(slot, kind: str, drift: pd.DataFrame) -> None:
@@ -99,6 +114,36 @@ def show_drift(slot, kind: str, drift: pd.DataFrame) -> None:
             reference=("merged", merged_drift),
         ),
         key=f"cal_drift_{kind}",
+    )
+
+
+def show_cosines(slot, drift: pd.DataFrame, sc: dict) -> None:
+    """Expert cosine per block and task, merged vs calibrated, and each model's task-vector
+    cosine with every expert, each with the sentence that says what it measures."""
+    left, right = slot.columns(2)
+    left.plotly_chart(
+        figures.expert_cosine_per_block(
+            {"merged": merged_drift, "calibrated": drift}, "expert cosine per block and task (merged dotted)"
+        ),
+        key="cal_cos_blocks",
+    )
+    left.caption(
+        "Cosine between the model's and the expert's block output (pooled over tokens, mean over "
+        f"{state.DIAG_N} held-out examples per task): 1 means the block computes the expert's features."
+    )
+    right.plotly_chart(
+        figures.task_vector_bars(
+            {"merged": merged_scores["task_vector"], "calibrated": sc["task_vector"]},
+            -1,
+            "task-vector cosine with each expert (whole model)",
+        ),
+        key="cal_cos_tv",
+    )
+    right.caption(
+        "Cosine between the model's displacement from the base, θ − θ₀, and the expert's, τ = θ_task − θ₀: "
+        "a **weight-space** measure. It can fall while the features improve, since FeatCal moves the "
+        "weights toward whatever reproduces the experts' outputs on the data, which need not be any "
+        "expert's direction in weight space."
     )
 
 
@@ -146,7 +191,9 @@ with ui.status(f"Running exact forward-order FeatCal: {cal.label}…", status_sl
     heldout_job = state.start_heldout(source, fp, ref)
     cal_scores = state.scores(source, fp, ref, limit)
     charts = show("exact", cal_scores, merged_summary, f"{cal.label} · {run.report.summary()}")
-    show_drift(charts, "exact", heldout_job.result())
+    cal_drift = heldout_job.result()
+    show_drift(charts, "exact", cal_drift)
+    show_cosines(charts, cal_drift, cal_scores)
     # Written after the drift chart: benchmarks/app_latency.py stops its clock on "Exact FeatCal done".
     s.update(
         label=f"Exact FeatCal done: {cal.label} · {len(run.report.modules)} modules in "
@@ -159,3 +206,47 @@ if box.open:
     box.plotly_chart(figures.residuals(run.report.to_frame()), key="cal_residuals")
     for w in run.report.warnings:
         box.warning(w)
+
+# 4. The experts' task vectors (constant for a zoo) and the tables to take away.
+st.subheader("Task vectors of the experts")
+tv = state.expert_task_vectors(source, fp)
+c1, c2 = st.columns([2, 3])
+blocks_tv = sorted(int(b) for b in tv.block.unique())
+tv_block = c2.selectbox(
+    "over",
+    blocks_tv,
+    format_func=lambda b: "the whole model" if b < 0 else f"block {b}",
+    key="cal_tv_block",
+)
+c1.plotly_chart(
+    figures.task_vector_matrix_heatmap(
+        tv, tv_block, f"cos(τ_i, τ_j), {'whole model' if tv_block < 0 else f'block {tv_block}'}"
+    ),
+    key="cal_tv_matrix",
+)
+c2.markdown(
+    "Each cell is the cosine between two experts' task vectors τ = θ_expert − θ₀ (weights only, no "
+    "data). Near 0 the experts changed the base in unrelated directions and merging interferes little in "
+    "weight space; larger cosines mean they pull the same weights the same way. Like the task-vector "
+    "cosine above it is a weight-space measure: feature drift (Drift page) is what FeatCal repairs."
+)
+
+st.subheader("Tables")
+scores_tidy = pd.concat(
+    [
+        compute.task_summary(merged_scores).assign(model="merged"),
+        compute.task_summary(cal_scores).assign(model="calibrated"),
+    ]
+).reset_index(names="task")
+ui.downloads(scores_tidy, "scores", "accuracy, KL, top-1 agreement and cosines per task (merged and calibrated)")
+cos_tidy = pd.concat(
+    [
+        merged_drift[merged_drift.metric == "expert_cosine"].assign(model="merged"),
+        cal_drift[cal_drift.metric == "expert_cosine"].assign(model="calibrated"),
+        merged_scores["task_vector"].assign(model="merged"),
+        cal_scores["task_vector"].assign(model="calibrated"),
+    ],
+    ignore_index=True,
+)
+ui.downloads(cos_tidy, "cosines", "expert cosine per block and task-vector cosines (tidy: task, block, metric)")
+ui.downloads(tv, "expert_task_vectors", "the experts' task-vector cosine matrix, whole model and per block")

@@ -23,16 +23,26 @@ st.caption(
 with ui.status(f"Running exact FeatCal: {cal.label}…") as s:
     run = state.calibrated(source, fp, merger, cal)
     s.update(label=f"Calibrated model ready ({run.report.summary()})", state="complete")
+mer_ref, cal_ref = ModelRef.merged(merger), ModelRef.calibrated(merger, cal)
+with ui.status("Scoring the merged and the calibrated model, measuring their drift…") as s:
+    d_mer, d_cal = state.drift(source, fp, mer_ref), state.drift(source, fp, cal_ref)
+    mer_scores, cal_scores = state.scores(source, fp, mer_ref), state.scores(source, fp, cal_ref)
+    s.update(label="Scores and drift ready", state="complete")
 report = run.report.to_dict() | {
     "zoo": {"name": zoo.name, "source": source, "fingerprint": fp},
     "merger": {"method": merger.method, **merger.kwargs},
+    "n_per_task": cal.n,
+    "scores": compute.scores_summary({"merged": mer_scores, "calibrated": cal_scores}, state.live_note(zoo)),
+    "drift": compute.drift_summary({"merged": d_mer, "calibrated": d_cal}, state.DIAG_N),
 }
 
 # 1. The model and its report, written atomically by featcal.zoo.io.save_model.
 st.subheader("Model")
-default_dir = f"featcal-out/{zoo.name}-{merger.method}-featcal-{state.short_hash(ModelRef.calibrated(merger, cal))}"
+# An absolute default, shown in full: the user sees where the files go (the server's working directory).
+default_dir = str(Path("featcal-out").resolve() / f"{zoo.name}-{merger.method}-featcal-{state.short_hash(cal_ref)}")
 out_dir = st.text_input("output directory", default_dir, key="export_dir")
-target = Path(out_dir).expanduser()
+target = Path(out_dir).expanduser().resolve()
+st.caption(f"Writes to `{target}`")
 exists = target.exists()
 replace = False
 if exists:
@@ -72,9 +82,6 @@ st.download_button(
 
 # 2. Figures.
 st.subheader("Figures")
-mer_ref, cal_ref = ModelRef.merged(merger), ModelRef.calibrated(merger, cal)
-d_mer, d_cal = state.drift(source, fp, mer_ref), state.drift(source, fp, cal_ref)
-mer_scores, cal_scores = state.scores(source, fp, mer_ref), state.scores(source, fp, cal_ref)
 sq = figures.value_range([d_mer, d_cal], figures.SQUARED, stacked=True)
 nm = figures.value_range([d_mer, d_cal], figures.NORMS)
 FIGS = {

@@ -8,7 +8,7 @@ wrote. Both draw the same figures (:mod:`featcal.tune_figures`) and summary tabl
 import pandas as pd
 import streamlit as st
 
-from app import compute, settings, state, workers
+from app import compute, controls, settings, state, ui, workers
 from featcal import studies, tune_figures
 from featcal.config import FeatCalConfig
 
@@ -16,18 +16,35 @@ zoo, source = state.active_zoo(), state.active_source()
 fp = state.fingerprint(source)
 
 
-@st.cache_data(max_entries=8, show_spinner=False)
-def _sample_efficiency(source: str, fp: str, budgets: tuple, seeds: tuple, max_test: int | None) -> pd.DataFrame:
+@st.cache_data(max_entries=8, show_spinner=False, hash_funcs=settings.HASH_FUNCS)
+def _sample_efficiency(
+    source: str, fp: str, merger: settings.Merger, budgets: tuple, seeds: tuple, max_test: int | None
+) -> pd.DataFrame:
     z = state.active_zoo()
+    # The plain mergers as baselines, the Zoo page's one (with its parameters) calibrated.
+    mergers = {**{name: {} for name in studies.BASELINES}, merger.method: merger.kwargs}
     with workers.torch_lock():
         return studies.sample_efficiency(
-            z, budgets=budgets, seeds=seeds, config=FeatCalConfig.clip(), max_per_task=max_test
+            z,
+            budgets=budgets,
+            seeds=seeds,
+            mergers=mergers,
+            calibrate_on=(merger.method,),
+            config=FeatCalConfig.clip(),
+            max_per_task=max_test,
         )
 
 
-@st.cache_data(max_entries=8, show_spinner=False)
+@st.cache_data(max_entries=8, show_spinner=False, hash_funcs=settings.HASH_FUNCS)
 def _robustness(
-    source: str, fp: str, corruptions: tuple, severities: tuple, n: int, seeds: tuple, max_test: int | None
+    source: str,
+    fp: str,
+    merger: settings.Merger,
+    corruptions: tuple,
+    severities: tuple,
+    n: int,
+    seeds: tuple,
+    max_test: int | None,
 ) -> pd.DataFrame:
     z = state.active_zoo()
     with workers.torch_lock():
@@ -37,6 +54,8 @@ def _robustness(
             severities=severities,
             n_calib=n,
             seeds=seeds,
+            merger=merger.method,
+            merge_params=merger.kwargs,
             config=FeatCalConfig.clip(),
             max_per_task=max_test,
         )
@@ -55,13 +74,14 @@ def _rows(kind: str, run, args: tuple) -> pd.DataFrame | None:
         return run(*args)
 
 
+merger = controls.current_merger()
 st.title("Studies")
 st.caption(
-    "FeatCal at the paper's CLIP setting (λ=0.05, ρ=2, α=0.3) on Task Arithmetic (scale 0.3); "
-    "accuracies on the test split, task average, mean ± std over the seeds of the calibration draw."
+    f"FeatCal at the paper's CLIP setting (λ=0.05, ρ=2, α=0.3) on **{merger.label}** (change it on the "
+    "Zoo page); accuracies on the test split, task average, mean ± std over the seeds of the calibration draw."
 )
 n_calib = compute.split_size(zoo, "calib")
-max_test = st.sidebar.select_slider("test examples per task", [50, 100, 200, "all"], 100, key="study_test")
+max_test = st.select_slider("test examples per task", [50, 100, 200, "all"], 100, key="study_test")
 max_test = None if max_test == "all" else int(max_test)
 se_tab, rb_tab = st.tabs(["Sample efficiency", "Robustness"])
 
@@ -74,11 +94,12 @@ with se_tab:
         key="se_budgets",
     )
     n_seeds = c2.number_input("seeds", 1, 5, 3, key="se_seeds")
-    args = (source, fp, tuple(sorted(budgets)), tuple(range(int(n_seeds))), max_test)
+    args = (source, fp, merger, tuple(sorted(budgets)), tuple(range(int(n_seeds))), max_test)
     rows = _rows("sample-efficiency", _sample_efficiency, args) if budgets else None
     if rows is not None:
         st.plotly_chart(tune_figures.sample_efficiency_curve(rows), key="se_curve")
         st.dataframe(studies.summarize(rows, by=("method", "n")).round(2), hide_index=True, width="stretch")
+        ui.downloads(rows, "sample_efficiency", "every row (method, n, seed, task, accuracy)")
 
 with rb_tab:
     c1, c2, c3, c4 = st.columns(4)
@@ -91,6 +112,7 @@ with rb_tab:
     args = (
         source,
         fp,
+        merger,
         tuple(corruptions),
         tuple(float(s) for s in sorted(severities)),
         int(n),
@@ -103,3 +125,4 @@ with rb_tab:
         st.dataframe(
             studies.summarize(rows, by=("method", "corruption", "severity")).round(2), hide_index=True, width="stretch"
         )
+        ui.downloads(rows, "robustness", "every row (method, corruption, severity, seed, task, accuracy)")

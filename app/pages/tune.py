@@ -7,6 +7,9 @@ choose on the validation split; the test split only on request, after the choice
    (rho, alpha) heatmap at a chosen lambda; a button scores anchor and tuned on test.
 """
 
+import dataclasses
+import math
+
 import pandas as pd
 import streamlit as st
 
@@ -19,6 +22,11 @@ GRIDS = {
     "quick · 3 × 3 × 3": Grid(lam=(0.01, 0.05, 0.3), rho=(1.0, 2.0, 2.5), alpha=(0.15, 0.3, 0.5)),
     "default · 5 × 5 × 5": Grid(),
 }
+WIDENED = "widened"  # the grid the edge warning's buttons grow (kept for the session)
+AXES = {"lam": "λ", "rho": "ρ", "alpha": "α"}
+ALPHA_BOUNDS = (0.0, 1.0)  # alpha interpolates between two targets: never widened past these
+if st.session_state.get("tune_widened") is not None:
+    GRIDS[WIDENED] = st.session_state["tune_widened"]
 
 zoo, source = state.active_zoo(), state.active_source()
 fp = state.fingerprint(source)
@@ -69,7 +77,14 @@ st.caption(
 c1, c2, c3, c4 = st.columns(4)
 sizes = [n for n in settings.CAL_SIZES if n <= compute.split_size(zoo, "calib")]
 n = c1.select_slider("calibration examples per task", sizes, 64 if 64 in sizes else sizes[-1], key="tune_n")
-grid_name = c2.selectbox("grid", list(GRIDS), key="tune_grid")
+grid_name = c2.selectbox(
+    "grid",
+    list(GRIDS),
+    key="tune_grid",
+    format_func=lambda name: (
+        f"widened · {' × '.join(str(len(getattr(GRIDS[name], a))) for a in AXES)}" if name == WIDENED else name
+    ),
+)
 search = c3.selectbox(
     "search",
     ["grid", "adaptive"],
@@ -103,9 +118,29 @@ with ui.status("Sweeping: one exact run, previews of every point, exact confirma
         state="complete",
     )
 
+
+def widen_grid(grid: Grid, axis: str, side: str) -> None:
+    """Callback of an edge warning's button: the current grid with ``axis`` one step wider on
+    ``side``, selected as the sweep's grid (the next "Run sweep" uses it)."""
+    values = tune_figures.widen(
+        getattr(grid, axis), side, log=axis == "lam", bounds=ALPHA_BOUNDS if axis == "alpha" else None
+    )
+    st.session_state["tune_widened"] = dataclasses.replace(grid, **{axis: values})
+    st.session_state["tune_grid"] = WIDENED
+
+
+def apply_to_calibrate(lam: float, rho: float, alpha: float) -> None:
+    """Callback of "apply to Calibrate": the Calibrate page's sliders (URL-bound session
+    values, :mod:`app.controls`) take the chosen setting, on their steps and in their ranges."""
+    st.session_state["log_lam"] = controls.on_slider("log_lam", math.log10(lam))
+    st.session_state["rho"] = controls.on_slider("rho", rho)
+    st.session_state["alpha"] = controls.on_slider("alpha", alpha)
+    st.session_state["_tune_applied"] = True
+
+
 # 3. Results.
 b, unit = res.best, ("%" if res.score == "accuracy" else "")
-m1, m2, m3 = st.columns(3)
+m1, m2, m3 = st.columns([2, 1, 1])  # the chosen setting's three values need the room
 m1.metric(
     "chosen setting",
     f"λ={b['lam']:.3g}, ρ={b['rho']:g}, α={b['alpha']:g}",
@@ -115,6 +150,37 @@ m2.metric(
     f"val {res.score}, chosen", f"{b['score']:.3f}{unit}", f"{b['score'] - b['anchor_score']:+.3f} vs paper setting"
 )
 m3.metric(f"val {res.score}, paper setting", f"{b['anchor_score']:.3f}{unit}")
+st.button(
+    "Apply to Calibrate",
+    type="primary",
+    icon=":material/arrow_forward:",
+    on_click=apply_to_calibrate,
+    args=(float(b["lam"]), float(b["rho"]), float(b["alpha"])),
+    help="Set the Calibrate page's λ, ρ, α to the chosen setting (on the sliders' steps) and open it.",
+    key="tune_apply",
+)
+if st.session_state.pop("_tune_applied", False):
+    st.switch_page("pages/calibrate.py")
+grid = GRIDS[grid_name]
+edges = tune_figures.grid_edges(b, {axis: getattr(grid, axis) for axis in AXES})
+if b["stage"] == "refine":  # adaptive refinements can leave the grid: judge the points tried
+    edges = tune_figures.grid_edges(b, {axis: res.table[axis].unique() for axis in AXES})
+if edges:
+    where = ", ".join(f"{AXES[a]} = {b[a]:.3g} (the {side}est value tried)" for a, side in edges.items())
+    st.warning(
+        f"The chosen point lies on the grid's edge: {where}. The best setting may lie beyond it; "
+        "widen that axis and run the sweep again.",
+        icon=":material/border_outer:",
+    )
+    cols = st.columns(len(edges) + 2)
+    for col, (axis, side) in zip(cols, edges.items()):
+        col.button(
+            f"Widen {AXES[axis]} ({'lower' if side == 'low' else 'higher'})",
+            on_click=widen_grid,
+            args=(grid, axis, side),
+            key=f"tune_widen_{axis}",
+            disabled=axis == "alpha" and b[axis] == ALPHA_BOUNDS[0 if side == "low" else 1],
+        )
 left, right = st.columns(2)
 left.plotly_chart(tune_figures.sweep_parallel(res.table, res.score), key="tune_parcoords")
 lams = sorted(res.table["lam"].unique())
@@ -122,9 +188,14 @@ lam = min(lams, key=lambda v: abs(v - b["lam"]))
 if len(lams) > 1:
     lam = right.select_slider("λ of the heatmap", lams, lam, format_func=lambda v: f"{v:.3g}", key="tune_heat_lam")
 right.plotly_chart(tune_figures.sweep_heatmap(res.table, lam=lam, score=res.score), key="tune_heatmap")
+right.caption(
+    "The colours are the **previews** (every grid point, re-solved from one run's kept statistics); "
+    "the circles are the points re-run **exactly**, and the star the best exact run: the chosen setting. "
+    "The exact runs choose, so the star need not sit on the brightest cell."
+)
 st.subheader("Every point tried")
 st.dataframe(res.table, hide_index=True, width="stretch")
-st.download_button("table.csv", res.table.to_csv(index=False), "table.csv", "text/csv")
+ui.downloads(res.table, "tune_table", "every point tried (preview and exact scores)")
 
 st.subheader("Test split")
 if st.button("Score the paper's and the chosen setting on the test split"):

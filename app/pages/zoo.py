@@ -61,5 +61,14 @@ with right:
     c.metric("merged, expert cosine", f"{summary.expert_cosine.mean():.4f}")
 
 st.plotly_chart(figures.accuracy_bars(acc, f"accuracy per task (%): base, experts, {merger.label}"), key="zoo_acc")
-table = wide.join(summary[["kl", "agreement", "expert_cosine"]].add_prefix("merged "))
+table = wide.join(
+    summary[["kl", "agreement", "expert_cosine"]].rename(
+        columns={
+            "kl": "merged: KL(expert ‖ merged)",
+            "agreement": "merged: top-1 agreement (%)",
+            "expert_cosine": "merged: expert cosine",
+        }
+    )
+).rename(columns={"base": "base (%)", "expert": "expert (%)", "merged": "merged (%)"})
 st.dataframe(table.round(3), width="stretch")
+ui.downloads(acc, "accuracy", "the accuracy per task of base, experts and merged (tidy: task, model, accuracy)")

@@ -5,6 +5,7 @@ overwrites silently. Most tests use a tiny zoo directory (tests/app_zoo.py); the
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -68,7 +69,7 @@ def test_each_calibration_slider_changes_the_numbers(tiny_zoo_dir, key, value):
 def test_calibration_size_and_switches_change_the_numbers(tiny_zoo_dir):
     at = _page(_app(tiny_zoo_dir).run(), "calibrate")
     seen = [_numbers(at)]
-    _ok(at.select_slider(key="n_cal").set_value(16).run())
+    _ok(at.select_slider(key="n_cal").set_value(8).run())
     seen.append(_numbers(at))
     _ok(at.toggle(key="bias").set_value(False).run())
     seen.append(_numbers(at))
@@ -87,11 +88,12 @@ def test_preview_then_exact_result_is_shown(tiny_zoo_dir):
 
 def test_the_table_and_residuals_are_drawn_only_when_opened(tiny_zoo_dir):
     at = _page(_app(tiny_zoo_dir).run(), "calibrate")
-    assert len(at.get("plotly_chart")) == 1 and not at.dataframe  # the drift chart only
+    # The drift chart, the two cosine charts and the experts' task-vector matrix; no table.
+    assert len(at.get("plotly_chart")) == 4 and not at.dataframe
     at.session_state["cal_residuals_open"] = True  # what a click on them does
     at.session_state["cal_table_exact"] = True
     _ok(at.run())
-    assert len(at.get("plotly_chart")) == 2 and len(at.dataframe) == 1
+    assert len(at.get("plotly_chart")) == 5 and len(at.dataframe) == 1
     assert any("Exact FeatCal done" in c.value for c in at.caption)  # the status line
 
 
@@ -175,10 +177,16 @@ def test_a_malformed_spec_is_an_error_message(tmp_path):
 def test_export_never_overwrites_without_confirmation(tiny_zoo_dir, tmp_path):
     out = tmp_path / "out"
     at = _page(_app(tiny_zoo_dir).run(), "export")
+    assert Path(at.text_input(key="export_dir").value).is_absolute()  # the default: a visible, absolute path
     at.text_input(key="export_dir").set_value(str(out)).run()
     save = next(b for b in at.button if b.label.startswith("Save"))
     _ok(save.click().run())
     assert (out / "report.json").is_file() and (out / "featcal_model.json").is_file()
+    report = json.loads((out / "report.json").read_text())
+    for model in ("merged", "calibrated"):  # the results travel with the settings
+        assert 0.0 <= report["scores"][model]["mean"]["accuracy"] <= 100.0
+        assert set(report["scores"][model]["per_task"]) == set(report["scores"]["merged"]["per_task"]) != set()
+        assert report["drift"]["mean_over_tasks_per_block"][model]["0"]["drift_rel"] >= 0.0
     stamp = (out / "report.json").stat().st_mtime_ns
     at.run()
     save = next(b for b in at.button if b.label.startswith("Save"))
@@ -337,10 +345,49 @@ def test_drift_figures_from_a_tidy_frame():
     assert sum(t.type == "scatter" for t in fig.data) == 3
     hm = figures.drift_heatmap(df, "t")
     assert len(hm.data[0].z) == 3 and len(hm.data[0].z[0]) == 2
-    assert len(hm.data[1].x) == 6  # the clickable cell centres
+    cells = hm.data[1]  # the clickable cells: one bar per cell, exactly its size
+    assert cells.type == "bar" and len(cells.x) == 6 and cells.width == 1.0
+    spans = sorted(zip(cells.x, cells.base))
+    assert spans == [(t, b - 0.5) for t in ("a", "b") for b in range(3)]
+    assert [c[1] for c in cells.customdata] == pytest.approx([v for row in hm.data[0].z for v in row])
+    assert hm.layout.yaxis.title.text == "block" and "relative drift" in hm.data[0].colorbar.title.text
     lo, hi = figures.value_range([df, df.assign(value=df.value * 2)], figures.SQUARED, stacked=True)
     assert hi >= 18.0 and lo == 0.0
     assert "<html" in figures.to_html(fig)[:200].lower()
+
+
+def test_the_difference_heatmap_is_calibrated_minus_merged_centred_at_zero():
+    from app import figures
+
+    merged = _drift_frame()
+    rel = merged.metric == "drift_rel"
+    factor = merged.task.map({"a": 0.5, "b": 1.5}).where(rel, 1.0)
+    calibrated = merged.assign(value=merged.value * factor)
+    fig = figures.drift_difference_heatmap(calibrated, merged, "d")
+    diff = figures.drift_difference(calibrated, merged)
+    want = figures.block_task_grid(calibrated, "drift_rel") - figures.block_task_grid(merged, "drift_rel")
+    pd.testing.assert_frame_equal(diff, want)
+    assert (diff["a"] < 0).all() and (diff["b"] > 0).all()  # a helped, b hurt
+    heat = fig.data[0]
+    assert heat.zmid == 0.0 and heat.zmin == -heat.zmax == pytest.approx(-float(diff.abs().max().max()))
+    assert heat.colorscale[0][1] != heat.colorscale[-1][1]  # diverging: two ends, two colours
+
+
+def test_cosine_figures_show_every_task_and_model():
+    from app import figures
+
+    df = _drift_frame()
+    cos = pd.concat([df, df.assign(metric="expert_cosine", value=0.9)])
+    fig = figures.expert_cosine_per_block({"merged": cos, "calibrated": cos.assign(value=0.95)}, "c")
+    assert len(fig.data) == 4  # 2 tasks x 2 models
+    assert {t.line.dash for t in fig.data} == {"dot", "solid"} and fig.layout.hovermode == "x unified"
+    mat = pd.DataFrame(
+        [(a, b, blk, 1.0 if a == b else 0.2) for blk in (-1, 0) for a in "xy" for b in "xy"],
+        columns=["task", "other", "block", "value"],
+    )
+    hm = figures.task_vector_matrix_heatmap(mat, 0, "m")
+    assert [list(r) for r in hm.data[0].z] == [[1.0, 0.2], [0.2, 1.0]]
+    assert hm.data[0].zmax == pytest.approx(0.2)  # the scale from the off-diagonal cells
 
 
 def test_a_reference_models_drift_is_drawn_over_the_bars():
@@ -349,7 +396,7 @@ def test_a_reference_models_drift_is_drawn_over_the_bars():
     df = _drift_frame()
     ref = df.assign(value=df.value * 2)
     fig = figures.drift_decomposition(df, "t", reference=("merged", ref))
-    marks = next(t for t in fig.data if t.name == "merged: |e|^2")
+    marks = next(t for t in fig.data if t.name == "merged: |e|²")
     assert list(marks.y) == pytest.approx([2.0, 8.0, 18.0])  # 2 x (0.4 + 0.6) e^2, e = 1, 2, 3
     line = next(t for t in fig.data if t.name == "merged: |e|")
     assert list(line.y) == pytest.approx([2.0, 4.0, 6.0]) and line.yaxis == "y2"
@@ -468,11 +515,16 @@ def test_small_models_pair_work_on_one_thread_each_and_run_alone_on_every_core(t
     from app import compute
 
     zoo = compute.load_zoo(tiny_zoo_dir, "cpu")
+    from featcal import threads
+
     monkeypatch.delenv("FEATCAL_APP_THREADS", raising=False)
-    monkeypatch.setattr(compute.os, "cpu_count", lambda: 6)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 6)
+    monkeypatch.setattr(threads, "load_average", lambda: 0.0)
     assert compute.cpu_threads(zoo, "cpu") == 1
     assert compute.cpu_threads(zoo, "cpu", alone=True) == 6
     monkeypatch.setattr(compute, "SMALL_MODEL", 0)  # a big model: every core either way
     assert compute.cpu_threads(zoo, "cpu") == 6
+    monkeypatch.setattr(threads, "load_average", lambda: 4.2)  # a busy machine: the free cores only
+    assert compute.cpu_threads(zoo, "cpu") == compute.cpu_threads(zoo, "cpu", alone=True) == 2
     monkeypatch.setenv("FEATCAL_APP_THREADS", "3")  # the user's choice wins for both
     assert compute.cpu_threads(zoo, "cpu") == compute.cpu_threads(zoo, "cpu", alone=True) == 3

@@ -22,6 +22,7 @@ from diagnostics import (
     kl_rows,
     output_drift,
     task_vector_cosine,
+    task_vector_matrix,
 )
 from diagnostics.drift import batch_first, select_rows
 from diagnostics.similarity import CKASums, accumulate_cka, linear_cka
@@ -410,6 +411,23 @@ def test_task_vector_cosine_per_block_matches_the_blocks_own_vectors():
         sel = tv[(tv.task == t) & (tv.block == 1)].set_index("metric").value
         assert sel["task_vector_cosine"] == pytest.approx(float(tau @ tau_i / (tau.norm() * tau_i.norm())), rel=1e-10)
         assert sel["expert_task_vector_norm"] == pytest.approx(float(tau_i.norm()), rel=1e-12)
+
+
+def test_task_vector_matrix_is_task_vector_cosine_of_each_expert_against_the_others():
+    """cos(tau_i, tau_j) per block and whole model: expert j diagnosed as the model gives
+    column j; the matrix is symmetric with a unit diagonal."""
+    base, experts, _ = toy_zoo(n_tasks=3)
+    mat = task_vector_matrix(base, experts)
+    assert set(mat.block) == {WHOLE, 0, 1, 2}
+    for other, model in experts.items():
+        tv = task_vector_cosine(model, base, experts)
+        tv = tv[tv.metric == "task_vector_cosine"].set_index(["task", "block"]).value
+        col = mat[mat.other == other].set_index(["task", "block"]).value
+        pd.testing.assert_series_equal(col.sort_index(), tv.sort_index(), check_names=False, rtol=1e-10)
+    wide = mat[mat.block == 1].pivot(index="task", columns="other", values="value")
+    torch.testing.assert_close(torch.tensor(wide.values), torch.tensor(wide.values.T))
+    assert wide.values.diagonal() == pytest.approx([1.0] * 3)
+    assert (wide.values < 1 - 1e-6).sum() == 6  # distinct experts: off-diagonal cosines below 1
 
 
 def test_row_selection_and_layout():

@@ -92,7 +92,10 @@ def test_studies_page_runs_both_studies_on_a_tiny_zoo(tmp_path):
     pytest.importorskip("streamlit")
     from app_zoo import app_page_on_tiny_zoo
 
-    at = app_page_on_tiny_zoo(tmp_path, "pages/studies.py")
+    at = app_page_on_tiny_zoo(tmp_path, "pages/zoo.py")
+    at.selectbox(key="merge").set_value("average").run()  # the merger chosen on the Zoo page
+    at.switch_page("pages/studies.py").run()
+    at.select_slider(key="study_test").set_value(50)  # the page's own control, not the sidebar's
     at.multiselect(key="se_budgets").set_value([4, 8])
     at.number_input(key="se_seeds").set_value(2)
     at.multiselect(key="rb_kinds").set_value(["blur"])
@@ -104,3 +107,6 @@ def test_studies_page_runs_both_studies_on_a_tiny_zoo(tmp_path):
     se, rb = (d.value for d in at.dataframe)
     assert len(se) == 2 * 4 and set(se["n"]) == {4, 8}  # 3 mergers + FeatCal, 2 budgets
     assert set(rb["corruption"]) == {"none", "blur"}
+    # FeatCal runs on the merger the Zoo page chose, the other mergers stay as baselines.
+    assert "average+featcal" in set(se["method"]) and "task_arithmetic+featcal" not in set(se["method"])
+    assert {"average", "average+featcal"} == set(rb["method"])

@@ -2,6 +2,7 @@
 
 import collections
 import copy
+import math
 import os
 
 import pandas as pd
@@ -170,6 +171,55 @@ def test_tune_page_runs_a_sweep_on_a_tiny_zoo(tmp_path):
     assert not at.exception and not at.error, [e.value for e in [*at.exception, *at.error]]
     assert {"chosen setting", "val accuracy, chosen"} <= {m.label for m in at.metric}
     assert len(at.dataframe[0].value) == 27  # the quick grid holds the anchor
+    best = at.dataframe[0].value.query("confirmed").sort_values("exact").iloc[-1]  # the chosen point
+    at.button(key="tune_apply").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    from app.controls import on_slider
+
+    # The Calibrate page opened, its sliders on the chosen setting (on their steps).
+    assert at.slider(key="log_lam").value == pytest.approx(on_slider("log_lam", math.log10(best["lam"])))
+    assert at.slider(key="rho").value == pytest.approx(on_slider("rho", best["rho"]))
+    assert at.slider(key="alpha").value == pytest.approx(on_slider("alpha", best["alpha"]))
+
+
+def test_sweep_parallel_labels_lambda_at_the_values_tried():
+    from featcal.tune_figures import sweep_parallel
+
+    table = pd.DataFrame(
+        {"point": range(3), "lam": [0.005, 0.05, 0.3], "rho": 2.0, "alpha": 0.3, "preview": [1.0, 2.0, 3.0]}
+    ).assign(confirmed=[False, True, False])
+    lam_axis = sweep_parallel(table).data[0].dimensions[0]
+    assert list(lam_axis.ticktext) == ["0.005", "0.05", "0.3"]
+    assert list(lam_axis.tickvals) == pytest.approx([math.log10(v) for v in (0.005, 0.05, 0.3)])
+
+
+def test_grid_edges_and_widening():
+    from featcal.tune_figures import grid_edges, widen
+
+    axes = {"lam": (0.01, 0.05, 0.3), "rho": (1.0, 2.0, 2.5), "alpha": (0.3,)}
+    assert grid_edges({"lam": 0.05, "rho": 2.0, "alpha": 0.3}, axes) == {}  # one-value axes have no edge
+    assert grid_edges({"lam": 0.01, "rho": 2.5, "alpha": 0.3}, axes) == {"lam": "low", "rho": "high"}
+    assert widen((0.01, 0.05, 0.3), "low", log=True) == (0.002, 0.01, 0.05, 0.3)  # one ratio step below
+    assert widen((1.0, 2.0, 2.5), "high") == (1.0, 2.0, 2.5, 3.0)
+    assert widen((0.5, 0.7), "high", bounds=(0.0, 1.0)) == (0.5, 0.7, 0.9)
+    assert widen((0.0, 0.15), "low", bounds=(0.0, 1.0)) == (0.0, 0.15)  # at the bound: unchanged
+    with pytest.raises(ValueError, match="two values"):
+        widen((0.3,), "high")
+
+
+def test_sweep_heatmap_labels_are_rounded_and_the_star_explained():
+    from featcal.tune_figures import sweep_heatmap
+
+    alphas = (0.1 + 0.2, 0.5)  # 0.30000000000000004: a value as a refinement makes it
+    rows = [
+        {"lam": 0.05, "rho": r, "alpha": a, "preview": r + a, "exact": r + a, "confirmed": a == alphas[0]}
+        for r in (1.0, 2.123456)
+        for a in alphas
+    ]
+    fig = sweep_heatmap(pd.DataFrame(rows), lam=0.05)
+    assert list(fig.data[0].x) == ["0.3", "0.5"] and list(fig.data[0].y) == ["1", "2.12"]
+    assert "chosen" in fig.data[-1].hovertemplate and fig.data[-1].marker.symbol == "star"
+    assert (fig.data[-1].x, fig.data[-1].y) == (("0.3",), ("2.12",))  # the best exact run, not the best preview
 
 
 def test_tune_and_study_command_lines_write_their_files(tmp_path, capsys):
