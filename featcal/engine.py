@@ -54,9 +54,10 @@ class ExpertTrace:
     (the merged model, lam, rho or alpha changed) runs no expert block again.
 
     Bound to the very expert modules, batches, blocks and modules of its first use (held by
-    weak references): any other ones clear it. The experts and the batches must not be
-    changed in place while it is used. It holds every block's expert captures (about one
-    forward pass of activations per task), so keep it for small models.
+    weak references; dict batches, which take none, by plain ones): any other ones clear it.
+    The experts and the batches must not be changed in place while it is used. It holds every
+    block's expert captures (about one forward pass of activations per task), so keep it for
+    small models.
     """
 
     def __init__(self) -> None:
@@ -78,8 +79,17 @@ class ExpertTrace:
         if self._key != key or len(alive) != len(objs) or any(a is not o for a, o in zip(alive, objs)):
             self.__init__()
             self._key = key
-            self._refs = [weakref.ref(o) for o in objs]
+            self._refs = [_ref(o) for o in objs]
         return self
+
+
+def _ref(obj):
+    """A weak reference to ``obj``; a plain dict batch takes none, so it is held as it is
+    (its tensors are the caller's anyway)."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
 
 
 @dataclass
