@@ -23,6 +23,7 @@ KNOWN_BLOCK_PATHS = (
     "visual.transformer.resblocks",  # open_clip CLIP
     "transformer.resblocks",  # open_clip VisionTransformer
     "model.layers",  # Llama-family causal LMs
+    "encoder.layer",  # HF BERT-style encoders (BertModel, RobertaModel, ...)
     "layers",
     "blocks",
 )
