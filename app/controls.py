@@ -51,7 +51,7 @@ def zoo_picker() -> str:
         index=0,
         key="zoo",
         **BIND,
-        help="The embedded demo builds offline on first use. A spec YAML names a base, "
+        help="The embedded demo and the real text zoo build offline on first use. A spec YAML names a base, "
         "experts, heads and data found locally or in the HF cache (never downloaded).",
     )
     if pick != OTHER:

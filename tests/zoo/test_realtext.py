@@ -85,6 +85,17 @@ def test_missing_packages_are_listed_together_with_their_install_commands(monkey
         assert needed in msg
 
 
+def test_zoo_build_without_the_packages_is_one_clear_error(monkeypatch, tmp_path, capsys):
+    from featcal.cli import main
+
+    monkeypatch.setenv("FEATCAL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(text_data, "FORTUNES_DIR", tmp_path / "no-fortunes")
+    assert main(["zoo", "build", "real-text", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "apt-get install fortunes" in err and "Traceback" not in err
+    assert not (tmp_path / "cache" / "zoos").exists() or not any((tmp_path / "cache" / "zoos").iterdir())
+
+
 # ----------------------------------------------------------------------------- with them
 
 
@@ -152,6 +163,7 @@ def test_a_corrupted_cache_is_reported(micro_zoo, tmp_path):
 
 
 @needs_packages
+@pytest.mark.filterwarnings("ignore:.*fewer than its input width")
 def test_the_app_opens_on_the_micro_zoo_and_draws_the_drift(micro_zoo):
     pytest.importorskip("streamlit")
     from streamlit.testing.v1 import AppTest
