@@ -128,6 +128,7 @@ def _build(path: Path, recipe: TextRecipe, progress: bool, force: bool, threads:
         "recipe_sha256": recipe.sha256(),
         "version": REALTEXT_VERSION,
         "sources": {t: TASKS[t][0] for t in recipe.tasks},
+        "model_kwargs": {"add_pooling_layer": False},  # the base has no pooler: features are mean-pooled
         "threads": threads,
         "build_seconds": round(time.perf_counter() - t0, 1),
         "built_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -200,9 +200,10 @@ def read_zoo_dir(path: str | os.PathLike, verify: bool = True) -> Zoo:
         verify_zoo_dir(path)
     meta = read_meta(path)
     cls = getattr(transformers, meta["model_class"])
+    kw = {"use_safetensors": True, **meta.get("model_kwargs", {})}  # e.g. a BertModel without its pooler
     with quiet_transformers():
-        base = cls.from_pretrained(path / "base", use_safetensors=True).eval()
-        experts = {t: cls.from_pretrained(path / "experts" / t, use_safetensors=True).eval() for t in meta["tasks"]}
+        base = cls.from_pretrained(path / "base", **kw).eval()
+        experts = {t: cls.from_pretrained(path / "experts" / t, **kw).eval() for t in meta["tasks"]}
     heads = _read_heads(load_file(str(path / "heads.safetensors")), meta["tasks"])
     pix = meta.get("pixels", {"mean": 0.5, "std": 0.5})
     data: dict[str, TaskData] = {}
