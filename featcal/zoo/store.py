@@ -184,7 +184,7 @@ def verify_zoo_dir(path: str | os.PathLike) -> None:
         first = changed[0][0] if changed else "?"
         raise ZooCorruptedError(
             f"zoo at {str(path)!r} does not match its recorded content hash (first difference: "
-            f"{first}); rebuild it (featcal zoo build-demo --rebuild) or delete the directory."
+            f"{first}); rebuild it (featcal zoo build {meta.get('name', 'demo')} --rebuild) or delete the directory."
         )
 
 

@@ -158,7 +158,7 @@ def test_a_corrupted_cache_is_reported(micro_zoo, tmp_path):
     copy = Path(shutil.copytree(micro_zoo.meta["path"], tmp_path / "z"))
     with open(copy / "heads.safetensors", "ab") as f:
         f.write(b"x")
-    with pytest.raises(ZooCorruptedError):
+    with pytest.raises(ZooCorruptedError, match="featcal zoo build real-text --rebuild"):
         read_zoo_dir(copy)
 
 
