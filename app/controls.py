@@ -48,7 +48,7 @@ def _bool(raw) -> bool:
 
 def zoo_choices() -> list[str]:
     specs = sorted(str(p.relative_to(REPO)) for p in (REPO / "assets" / "zoos").glob("*.yaml"))
-    return ["demo", "demo-fashion", *specs, OTHER]  # the first is the default
+    return ["demo", "demo-fashion", "real-text", *specs, OTHER]  # the first is the default
 
 
 def zoo_picker() -> str:
@@ -60,7 +60,7 @@ def zoo_picker() -> str:
         index=0,
         key="zoo",
         **BIND,
-        help="The embedded demo builds offline on first use. A spec YAML names a base, "
+        help="The embedded demo and the real text zoo build offline on first use. A spec YAML names a base, "
         "experts, heads and data found locally or in the HF cache (never downloaded).",
     )
     if pick != OTHER:

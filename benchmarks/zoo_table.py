@@ -2,10 +2,11 @@
 
     python benchmarks/zoo_table.py                      # the embedded demo zoo
     python benchmarks/zoo_table.py --zoo demo-fashion --n-per-task 128
+    python benchmarks/zoo_table.py --zoo real-text --preset default --tuned none
 
 Prints one markdown table (rows: base, experts, simple average, Task
 Arithmetic 0.3, TIES, TA + FeatCal with the CLIP preset and with the best
-setting found for the demo) with the average and the expert-normalised
+setting found for the demo; ``--preset`` and ``--tuned`` change these two) with the average and the expert-normalised
 average, then the zoo's build time, size and the timings of this run.
 """
 
@@ -25,6 +26,7 @@ from featcal.zoo.scores import average, expert_accuracies, normalized
 # grid around the paper's setting, 256 calibration examples per task, seed 42; README,
 # "Automatic selection"), with the CLIP preset's switches and token weights.
 BEST = dict(lam=0.005, rho=2.5, alpha=0.3)
+PRESETS = {"clip": FeatCalConfig.clip, "default": FeatCalConfig}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,8 +41,21 @@ def main(argv: list[str] | None = None) -> None:
         default=1,
         help="torch CPU threads (default 1: fastest for this small model on a shared machine)",
     )
+    ap.add_argument(
+        "--preset",
+        default="clip",
+        choices=sorted(PRESETS),
+        help="FeatCal's preset: clip (FeatCalConfig.clip(), the default) or default (FeatCalConfig())",
+    )
+    ap.add_argument(
+        "--tuned",
+        default=",".join(f"{k}={v:g}" for k, v in BEST.items()),
+        help="the tuned row's lam, rho, alpha over the preset (default: the demo's), or 'none' for no such row",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    preset = PRESETS[args.preset]
+    tuned = None if args.tuned == "none" else {k: float(v) for k, v in (kv.split("=") for kv in args.tuned.split(","))}
 
     t0 = time.perf_counter()
     zoo = load_any(args.zoo, progress=False)
@@ -56,8 +71,12 @@ def main(argv: list[str] | None = None) -> None:
     rows["average"] = evaluate(zoo.merged("average"), zoo, split=args.split)
     rows["TA (0.3)"] = evaluate(ta, zoo, split=args.split)
     rows["TIES (0.2, 0.3)"] = evaluate(zoo.merged("ties", density=0.2, scale=0.3), zoo, split=args.split)
-    best = "TA + FeatCal (tuned on val: " + ", ".join(f"{k}={v:g}" for k, v in BEST.items()) + ")"
-    for name, cfg in (("TA + FeatCal (CLIP preset)", FeatCalConfig.clip()), (best, FeatCalConfig.clip(**BEST))):
+    settings = [(f"TA + FeatCal ({args.preset} preset)", preset())]
+    if tuned is not None:
+        settings.append(
+            ("TA + FeatCal (tuned on val: " + ", ".join(f"{k}={v:g}" for k, v in tuned.items()) + ")", preset(**tuned))
+        )
+    for name, cfg in settings:
         t0 = time.perf_counter()
         model, _ = calibrate(ta, base=zoo.base, experts=zoo.experts, calib_data=data, config=cfg, progress=False)
         timings[f"calibrate {name}"] = time.perf_counter() - t0

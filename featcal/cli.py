@@ -1,6 +1,7 @@
 """The ``featcal`` command line (also ``python -m featcal``).
 
     featcal zoo build-demo [--variant default|fashion] [--rebuild]
+    featcal zoo build real-text [--rebuild]
     featcal zoo info --zoo demo
     featcal merge --zoo demo --method task_arithmetic --param scale=0.3 --out runs/ta
     featcal merge --zoo demo --method regmean_plusplus --n-per-task 256 --out runs/rmpp
@@ -49,7 +50,7 @@ from featcal.config import FeatCalConfig
 from featcal.engine import calibrate
 from featcal.regmean import MERGERS_WITH_DATA, merge_with_data
 from featcal.streams import device_of
-from featcal.zoo import evaluate, load_any, load_demo
+from featcal.zoo import BUILT, NAMES, evaluate, load_any, load_demo
 from featcal.zoo.io import load_model, save_model
 from featcal.zoo.scores import average, expert_accuracies, markdown_table, normalized, write_scores
 
@@ -72,13 +73,19 @@ Run = Callable[[argparse.Namespace], "int | None"]
 
 # ------------------------------------------------------------------ zoo
 
+BUILTIN = (*NAMES, *BUILT)  # the zoos `featcal zoo build NAME` makes
+
 
 def add_zoo_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="zoo_command", required=True, metavar="{build-demo,info}")
+    sub = p.add_subparsers(dest="zoo_command", required=True, metavar="{build,build-demo,info}")
     b = sub.add_parser("build-demo", help="build (or rebuild) the embedded demo zoo in the cache")
     b.add_argument("--variant", default="default", choices=("default", "fashion"))
     b.add_argument("--rebuild", action="store_true", help="build afresh even if cached")
     b.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    n = sub.add_parser("build", help="build (or rebuild) a built-in zoo in the cache: " + ", ".join(BUILTIN))
+    n.add_argument("name", choices=BUILTIN, help="the zoo")
+    n.add_argument("--rebuild", action="store_true", help="build afresh even if cached")
+    n.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     i = sub.add_parser("info", help="where a zoo is and what it holds")
     add_zoo(i)
     i.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
@@ -88,6 +95,8 @@ def run_zoo(args) -> int:
     t0 = time.perf_counter()
     if args.zoo_command == "build-demo":
         zoo = load_demo(rebuild=args.rebuild, progress=not args.quiet, variant=args.variant)
+    elif args.zoo_command == "build":
+        zoo = load_any(args.name, progress=not args.quiet, rebuild=args.rebuild)
     else:
         zoo = load_any(args.zoo, progress=not args.quiet)
     _print_zoo_info(zoo, time.perf_counter() - t0)

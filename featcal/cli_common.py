@@ -32,7 +32,9 @@ class UserError(Exception):
 def add_zoo(p: argparse.ArgumentParser) -> None:
     """``--zoo``: a zoo by name or path (:func:`featcal.zoo.load_any`)."""
     p.add_argument(
-        "--zoo", default="demo", help="'demo', 'demo-fashion', a YAML spec or a zoo directory (default: demo)"
+        "--zoo",
+        default="demo",
+        help="'demo', 'demo-fashion', 'real-text', a YAML spec or a zoo directory (default: demo)",
     )
 
 

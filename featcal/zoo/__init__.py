@@ -3,6 +3,7 @@
     from featcal.zoo import load_any, load_demo
     zoo = load_demo()                    # the embedded demo, built offline on first use
     zoo = load_any("demo-fashion")       # plus two Fashion-MNIST tasks (apt: dataset-fashion-mnist)
+    zoo = load_any("real-text")          # a real MiniLM text encoder on real text tasks (packages: README)
     zoo = load_any("assets/zoos/clip-vit-b32-ta8.yaml")   # real models, from a YAML spec
     zoo = load_any("path/to/zoo-dir")    # any directory in the demo's on-disk layout
 
@@ -12,8 +13,10 @@ The modules import one way: the spec's schema (:mod:`~featcal.zoo.schema`) <- fi
 what it names (:mod:`~featcal.zoo.resolve`, :mod:`~featcal.zoo.locate`) <- loading it
 (:mod:`~featcal.zoo.loaders`, :mod:`~featcal.zoo.heads`, :mod:`~featcal.zoo.data`,
 :mod:`~featcal.zoo.spec`) <- building the demo zoos (:mod:`~featcal.zoo.demo_recipe`,
-:mod:`~featcal.zoo.fashion`, :mod:`~featcal.zoo.demo`); :mod:`~featcal.zoo.core` (the
-``Zoo``) and the on-disk layout (:mod:`~featcal.zoo.io`, :mod:`~featcal.zoo.store`) sit below.
+:mod:`~featcal.zoo.fashion`, :mod:`~featcal.zoo.demo`) and the real text zoo
+(:mod:`~featcal.zoo.text_data`, :mod:`~featcal.zoo.realtext`); :mod:`~featcal.zoo.core` (the
+``Zoo``), text inputs (:mod:`~featcal.zoo.tokens`) and the on-disk layout
+(:mod:`~featcal.zoo.io`, :mod:`~featcal.zoo.store`) sit below.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from featcal.zoo import spec
 from featcal.zoo.core import SPLITS, TaskData, Zoo, evaluate
 from featcal.zoo.demo import DEMO_VERSION, build_demo, cache_dir, demo_path, load_demo
 from featcal.zoo.io import OutputExistsError, load_model, save_model
+from featcal.zoo.realtext import load_realtext
 from featcal.zoo.scores import average, expert_accuracies, normalized, summary, write_scores
 from featcal.zoo.store import is_zoo_dir, read_zoo_dir
 
@@ -38,8 +42,10 @@ __all__ = [
     "cache_dir",
     "demo_path",
     "load_demo",
+    "load_realtext",
     "load_any",
     "NAMES",
+    "BUILT",
     "OutputExistsError",
     "load_model",
     "save_model",
@@ -52,24 +58,29 @@ __all__ = [
     "read_zoo_dir",
 ]
 
-# Built-in zoo names and the ``load_demo`` variant each stands for.
+# Built-in zoo names and the ``load_demo`` variant each stands for ...
 NAMES = {"demo": "default", "demo-fashion": "fashion"}
+# ... and the built-in zoos made by other builders.
+BUILT = {"real-text": load_realtext}
 
 
 def load_any(name_or_path: str | os.PathLike, progress: bool = True, rebuild: bool = False, device: str = "cpu") -> Zoo:
     """A zoo from a name or a path, its models and heads on ``device`` in eval mode:
 
     - ``demo`` / ``demo-fashion``: the embedded demo zoo (built and cached on first use);
+    - ``real-text``: the real text zoo (built and cached on first use from installed packages);
     - a ``.yaml`` / ``.yml`` file: a spec of real models (:func:`featcal.zoo.spec.load`);
     - a directory in the demo's layout (``meta.json`` of kind ``featcal-zoo``).
 
-    ``~`` and ``$VARS`` in a path are expanded. ``rebuild`` applies to the demo zoos
-    only; ``progress`` shows their build's progress bars. Raises ``FileNotFoundError``
+    ``~`` and ``$VARS`` in a path are expanded. ``rebuild`` applies to the built-in
+    zoos only; ``progress`` shows their build's progress bars. Raises ``FileNotFoundError``
     naming the accepted forms when nothing matches.
     """
     key = str(name_or_path)
     if key in NAMES:
         return _on(load_demo(rebuild=rebuild, progress=progress, variant=NAMES[key]), device)
+    if key in BUILT:
+        return _on(BUILT[key](rebuild=rebuild, progress=progress), device)
     path = Path(os.path.expandvars(key)).expanduser()
     if path.suffix.lower() in (".yaml", ".yml"):
         if not path.is_file():
@@ -79,7 +90,7 @@ def load_any(name_or_path: str | os.PathLike, progress: bool = True, rebuild: bo
         return _on(read_zoo_dir(path), device)
     what = "is a directory but not a featcal zoo (no meta.json)" if path.is_dir() else "does not exist"
     raise FileNotFoundError(
-        f"zoo {key!r} {what}; give {' or '.join(repr(n) for n in NAMES)}, a .yaml spec, or a zoo directory."
+        f"zoo {key!r} {what}; give {', '.join(repr(n) for n in [*NAMES, *BUILT])}, a .yaml spec, or a zoo directory."
     )
 
 

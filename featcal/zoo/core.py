@@ -20,6 +20,7 @@ from torch import nn
 
 from featcal.merging import merge
 from featcal.streams import device_of
+from featcal.zoo.tokens import as_batch
 
 SPLITS = ("calib", "val", "test")
 
@@ -29,7 +30,8 @@ class TaskData:
     """One task's classes and splits.
 
     ``splits`` maps a split name (``calib``, ``val``, ``test``) to a pair
-    ``(inputs, labels)``: inputs ``(n, C, H, W)`` float, labels ``(n,)`` long.
+    ``(inputs, labels)``: inputs ``(n, C, H, W)`` float (images) or
+    :class:`~featcal.zoo.tokens.TokenRows` (text), labels ``(n,)`` long.
     ``calib`` and ``val`` are carved from the task's train data and never
     overlap ``test``. Any mapping will do: a dict, or a lazy one that decodes a
     split's images on first access (:class:`featcal.zoo.data.LazySplits`).
@@ -87,20 +89,21 @@ class Zoo:
     ) -> dict[str, list[torch.Tensor]]:
         """The ``calib_data`` mapping that :func:`featcal.calibrate` takes:
         ``{task: [batch, ...]}`` with ``n_per_task`` examples drawn without
-        replacement from the task's ``split`` (seeded), in batches of ``batch_size``."""
+        replacement from the task's ``split`` (seeded), in batches of ``batch_size`` (a text
+        task's batches are dicts ``{input_ids, attention_mask}``)."""
         if n_per_task < 1:
             raise ValueError(f"n_per_task must be at least 1, got {n_per_task}.")
         out: dict[str, list[torch.Tensor]] = {}
         for task in self.tasks:
-            x, _ = self.split(task, split)
-            if n_per_task > len(x):
+            x, y = self.split(task, split)
+            if n_per_task > len(y):
                 raise ValueError(
                     f"task {task!r}: asked for {n_per_task} calibration examples but its "
-                    f"{split!r} split has {len(x)}; lower n_per_task."
+                    f"{split!r} split has {len(y)}; lower n_per_task."
                 )
             gen = torch.Generator().manual_seed(seed)
             idx = torch.randperm(len(x), generator=gen)[:n_per_task]
-            out[task] = list(x[idx].split(batch_size))
+            out[task] = [as_batch(b) for b in x[idx].split(batch_size)]
         return out
 
     @torch.no_grad()

@@ -7,6 +7,8 @@
     <zoo>/experts/<task>/        one fine-tuned expert per task (same format)
     <zoo>/heads.safetensors      ``<task>.weight`` (classes, d) and ``<task>.bias`` (classes,)
     <zoo>/data.npz               ``<task>/<split>/x`` (n, H, W, 3) uint8, ``<task>/<split>/y`` (n,) int64
+                                 (text zoos: ``x`` (n, L) int32 token ids and ``mask`` (n, L) uint8)
+    <zoo>/tokenizer/             text zoos: the tokenizer the token ids come from
 
 ``meta["content_sha256"]`` is the sha256 over the paths and sha256s of every
 file except ``meta.json``; :func:`read_zoo_dir` checks it, so a corrupted
@@ -30,6 +32,7 @@ from torch import nn
 
 from featcal.zoo.core import SPLITS, TaskData, Zoo
 from featcal.zoo.io import atomic_dir, quiet_transformers, tree_sha256
+from featcal.zoo.tokens import TokenRows, as_batch, masked_mean
 
 KIND = "featcal-zoo"
 LAYOUT_VERSION = 1
@@ -48,7 +51,18 @@ def pooler_output(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
     return model(pixel_values=inputs).pooler_output
 
 
-FEATURES = {"pooler_output": pooler_output}
+def mean_pooled(model: nn.Module, inputs) -> torch.Tensor:
+    """``(n, d)``: a text encoder's last hidden states averaged over each example's tokens
+    (padding left out), L2-normalised: the sentence embedding of sentence-transformers'
+    MiniLM models. ``inputs``: :class:`~featcal.zoo.tokens.TokenRows` or a dict batch."""
+    batch = as_batch(inputs)
+    device = next(model.parameters()).device
+    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state  # (n, T, d)
+    return torch.nn.functional.normalize(masked_mean(hidden, mask), dim=-1)
+
+
+FEATURES = {"pooler_output": pooler_output, "mean_pooled": mean_pooled}
 
 
 # ------------------------------------------------------------------ pixels
@@ -78,10 +92,12 @@ def write_zoo_dir(
     features: str = "pooler_output",
     extra_meta: dict | None = None,
     force: bool = False,
+    tokenizer=None,
 ) -> Path:
     """Write a zoo atomically (see the module docstring for the layout).
 
-    ``arrays[task][split] = (images uint8 (n, H, W, 3), labels int64 (n,))``.
+    ``arrays[task][split] = (images uint8 (n, H, W, 3), labels int64 (n,))``, or for a
+    text zoo ``(TokenRows, labels)`` (then pass the ``tokenizer`` the ids come from).
     """
     from safetensors.torch import save_file
 
@@ -95,10 +111,16 @@ def write_zoo_dir(
             {f"{t}.{k}": v.detach().contiguous().float() for t, h in heads.items() for k, v in h.state_dict().items()},
             str(tmp / "heads.safetensors"),
         )
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp / "tokenizer"))
         flat = {}
         for task, splits in arrays.items():
             for split, (x, y) in splits.items():
-                flat[f"{task}/{split}/x"] = np.asarray(x, dtype=np.uint8)
+                if isinstance(x, TokenRows):
+                    flat[f"{task}/{split}/x"] = x.input_ids.numpy().astype(np.int32)
+                    flat[f"{task}/{split}/mask"] = x.attention_mask.numpy().astype(np.uint8)
+                else:
+                    flat[f"{task}/{split}/x"] = np.asarray(x, dtype=np.uint8)
                 flat[f"{task}/{split}/y"] = np.asarray(y, dtype=np.int64)
         save_npz(tmp / "data.npz", flat)
         digest, files = tree_sha256(tmp)
@@ -109,7 +131,7 @@ def write_zoo_dir(
             "fmt": "hf",
             "model_class": type(base).__name__,
             "features": features,
-            "pixels": {"mean": 0.5, "std": 0.5},
+            **({"inputs": "tokens"} if tokenizer is not None else {"pixels": {"mean": 0.5, "std": 0.5}}),
             "tasks": {
                 t: {"classes": list(classes[t]), "sizes": {s: int(len(arrays[t][s][1])) for s in arrays[t]}}
                 for t in experts
@@ -162,7 +184,7 @@ def verify_zoo_dir(path: str | os.PathLike) -> None:
         first = changed[0][0] if changed else "?"
         raise ZooCorruptedError(
             f"zoo at {str(path)!r} does not match its recorded content hash (first difference: "
-            f"{first}); rebuild it (featcal zoo build-demo --rebuild) or delete the directory."
+            f"{first}); rebuild it (featcal zoo build {meta.get('name', 'demo')} --rebuild) or delete the directory."
         )
 
 
@@ -178,9 +200,10 @@ def read_zoo_dir(path: str | os.PathLike, verify: bool = True) -> Zoo:
         verify_zoo_dir(path)
     meta = read_meta(path)
     cls = getattr(transformers, meta["model_class"])
+    kw = {"use_safetensors": True, **meta.get("model_kwargs", {})}  # e.g. a BertModel without its pooler
     with quiet_transformers():
-        base = cls.from_pretrained(path / "base", use_safetensors=True).eval()
-        experts = {t: cls.from_pretrained(path / "experts" / t, use_safetensors=True).eval() for t in meta["tasks"]}
+        base = cls.from_pretrained(path / "base", **kw).eval()
+        experts = {t: cls.from_pretrained(path / "experts" / t, **kw).eval() for t in meta["tasks"]}
     heads = _read_heads(load_file(str(path / "heads.safetensors")), meta["tasks"])
     pix = meta.get("pixels", {"mean": 0.5, "std": 0.5})
     data: dict[str, TaskData] = {}
@@ -188,7 +211,7 @@ def read_zoo_dir(path: str | os.PathLike, verify: bool = True) -> Zoo:
         for task, info in meta["tasks"].items():
             splits = {
                 s: (
-                    to_pixels(npz[f"{task}/{s}/x"], pix["mean"], pix["std"]),
+                    _inputs(npz, f"{task}/{s}", meta, pix),
                     torch.from_numpy(npz[f"{task}/{s}/y"]).long(),
                 )
                 for s in SPLITS
@@ -208,13 +231,20 @@ def read_zoo_dir(path: str | os.PathLike, verify: bool = True) -> Zoo:
     )
 
 
+def _inputs(npz, key: str, meta: dict, pix: dict):
+    """One split's inputs: normalised pixels, or token rows in a text zoo."""
+    if meta.get("inputs") == "tokens":
+        return TokenRows(torch.from_numpy(npz[f"{key}/x"]).long(), torch.from_numpy(npz[f"{key}/mask"]).long())
+    return to_pixels(npz[f"{key}/x"], pix["mean"], pix["std"])
+
+
 def read_arrays(path: str | os.PathLike) -> dict[str, dict[str, tuple[np.ndarray, np.ndarray]]]:
     """The stored uint8 images and labels: ``{task: {split: (x, y)}}``."""
     out: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
     with np.load(Path(path) / "data.npz") as npz:
         for key in npz.files:
             task, split, kind = key.rsplit("/", 2)
-            if kind == "x":
+            if kind == "x":  # (text zoos: token ids; their masks are left out)
                 out.setdefault(task, {})[split] = (npz[key], npz[f"{task}/{split}/y"])
     return out
 

@@ -294,3 +294,27 @@ def test_an_expert_trace_reruns_no_expert_block_and_changes_nothing(kind, per_ta
     assert [m.residual_after for m in rep.modules] == [m.residual_after for m in rep_want.modules]
     copies = {t: copy.deepcopy(e) for t, e in experts.items()}
     assert trace.bind(copies, data, list(copies), trace._key[0]).steps == {} and not trace.stacked
+
+
+def test_an_expert_trace_takes_dict_batches():
+    """Dict batches (``model(**batch)``, as text zoos give) cannot be weakly referenced; the
+    trace holds them and still reruns no expert block, with the same result."""
+    from featcal import ExpertTrace
+
+    base, experts, merged, data = tiny.zoo("hf_clip", n=8)
+    data = {t: [{"pixel_values": x} for x in batches] for t, batches in data.items()}
+    calls = []
+    handles = [m.register_forward_pre_hook(lambda *_: calls.append(1)) for e in experts.values() for m in e.modules()]
+    trace = ExpertTrace()
+    try:
+        calibrate(merged, base=base, experts=experts, calib_data=data, progress=False, expert_trace=trace)
+        calls.clear()
+        got, _ = calibrate(merged, base=base, experts=experts, calib_data=data, progress=False, expert_trace=trace)
+        assert calls == []
+    finally:
+        for h in handles:
+            h.remove()
+    want, _ = calibrate(merged, base=base, experts=experts, calib_data=data, progress=False)
+    ref = tiny.all_target_params(want)
+    for name, (W, _b) in tiny.all_target_params(got).items():
+        assert torch.equal(W, ref[name][0]), name

@@ -40,6 +40,7 @@ ZOO_LAYERS = {
         "featcal.zoo.classnames",
         "featcal.zoo.demo_data",
         "featcal.zoo.resolve",
+        "featcal.zoo.tokens",
     ),
     "schema": ("featcal.zoo.schema",),
     "locate": ("featcal.zoo.locate",),
@@ -51,7 +52,13 @@ ZOO_LAYERS = {
         "featcal.zoo.store",
         "featcal.zoo.scores",
     ),
-    "build": ("featcal.zoo.demo_recipe", "featcal.zoo.fashion", "featcal.zoo.demo"),
+    "build": (
+        "featcal.zoo.demo_recipe",
+        "featcal.zoo.fashion",
+        "featcal.zoo.demo",
+        "featcal.zoo.text_data",
+        "featcal.zoo.realtext",
+    ),
     "package": ("featcal.zoo",),
 }
 
