@@ -41,7 +41,16 @@ from diagnostics.similarity import TOKENS, CKASums, accumulate_cka, cosine_rows,
 from featcal.arch import resolve_blocks
 from featcal.modes import eval_mode
 from featcal.progress import bar as progress_bar
-from featcal.streams import BlockCall, advance, block_call, block_output, catch_block_inputs, device_of, run_block
+from featcal.streams import (
+    BlockCall,
+    ExpertStreams,
+    advance,
+    block_call,
+    block_output,
+    catch_block_inputs,
+    device_of,
+    run_block,
+)
 from featcal.validate import batch_len, check_same_params, check_tasks
 
 COLUMNS = ["task", "block", "metric", "value"]
@@ -302,26 +311,6 @@ def _task_rows(
         rows += [(task, l, k, v) for k, v in acc.metrics().items()]
         bar.update()
     return rows
-
-
-@dataclass
-class ExpertStreams:
-    """Every expert's stream on its data at every block (its block inputs, and the last
-    block's output): what :func:`drift_table` needs of the experts, which does not depend
-    on the diagnosed model. Holds ``tasks x batches x (blocks + 1)`` hidden states.
-    :func:`streams_while` keeps one model's streams on every task's data the same way."""
-
-    blocks: str
-    calls: dict[str, list[list[BlockCall]]]  # task -> [l = 0..L] -> batch -> expert i's block-l input
-
-    @property
-    def nbytes(self) -> int:
-        return sum(
-            c.hidden.numel() * c.hidden.element_size()
-            for per_task in self.calls.values()
-            for per_block in per_task
-            for c in per_block
-        )
 
 
 @torch.no_grad()

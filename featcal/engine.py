@@ -42,15 +42,26 @@ from featcal.config import FastPaths, FeatCalConfig
 from featcal.modes import to_eval
 from featcal.progress import bar as progress_bar
 from featcal.report import BlockRecord, CalibrationReport, ModuleRecord
-from featcal.streams import BlockCall, block_output, catch_block_inputs, device_of, pool_spans, pooled, run_block
+from featcal.streams import (
+    BlockCall,
+    ExpertStreams,
+    block_output,
+    catch_block_inputs,
+    device_of,
+    pool_spans,
+    pooled,
+    run_block,
+)
 
 log = logging.getLogger(__name__)
 
 
 class ExpertTrace:
     """What :func:`calibrate` computes of the experts, kept for the next call on the same
-    experts and calibration data: their stems' outputs, and per block their captures, stacked
-    parameters and next streams. None of it depends on the merged model or the
+    experts and calibration data: their streams at every block (:attr:`streams`, one
+    :class:`featcal.streams.ExpertStreams` per stack, the same type the diagnostics keep of
+    the experts) and per block their captured inputs (and, when all tasks are reduced as one
+    stack, the stacked captures and parameters). None of it depends on the merged model or the
     hyper-parameters, so an app that re-runs the exact calibration for every slider move
     (the merged model, lam, rho or alpha changed) runs no expert block again.
 
@@ -64,10 +75,14 @@ class ExpertTrace:
     def __init__(self) -> None:
         self._key: tuple | None = None
         self._refs: list = []
-        self.stems: dict[str, list[BlockCall]] = {}
-        self.steps: dict[tuple, tuple[Captured, torch.Tensor]] = {}  # (block, task, batch) -> (captures, output)
-        # block -> (stacked captures, stacked params, each task's output): all tasks reduced as one stack
-        self.stacked: dict[int, tuple[Captured, dict, list[torch.Tensor]]] = {}
+        self.streams: dict[str, ExpertStreams] = {}  # stack path -> every expert's stream at every block
+        self.captures: dict[tuple, Captured] = {}  # (path, block, task, batch) -> expert i's captures
+        # (path, block) -> (stacked captures, stacked params): all tasks reduced as one stack
+        self.stacked: dict[tuple, tuple[Captured, dict]] = {}
+
+    def stream(self, path: str) -> ExpertStreams:
+        """The experts' streams through the stack at ``path`` (empty until a calibration fills it)."""
+        return self.streams.setdefault(path, ExpertStreams(path, {}))
 
     def bind(
         self, experts: Mapping[str, nn.Module], calib_data: Mapping[str, list], tasks: list[str], key: tuple
@@ -155,13 +170,14 @@ def _prepare_streams(
     streams = {}
     for task, batches in calib_data.items():
         cal = [catch_block_inputs(model, blocks[0], b) for b in batches]
-        exp = None if trace is None else trace.stems.get((path, task))
-        if exp is None:
+        kept = None if trace is None else trace.stream(path)
+        exp = None if kept is None else [kept.get(task, 0, b) for b in range(len(batches))]
+        if exp is None or any(c is None for c in exp):
             exp = [catch_block_inputs(experts[task], expert_blocks[task][0], b) for b in batches]
             if offload:
                 exp = [c.with_hidden(to_host(c.hidden)) for c in exp]
-            if trace is not None:
-                trace.stems[path, task] = exp
+            for b, call in enumerate(exp if kept is not None else []):
+                kept.put(task, 0, b, call)
         if offload:
             cal = [c.with_hidden(to_host(c.hidden)) for c in cal]
         streams[task] = _Stream(cal, list(exp))
@@ -313,15 +329,19 @@ def _expert_step(run: _Run, eblk: nn.Module, targets, st: _Stream, b: int, key: 
     it has them; ``key`` None: the trace is not used)."""
     ec = st.exp[b]
     trace = None if key is None else run.trace
-    hit = None if trace is None else trace.steps.get(key)
-    if hit is None:
+    ce = nxt = None
+    if trace is not None:
+        path, block, task, _ = key
+        ce, nxt = trace.captures.get(key), trace.stream(path).get(task, block + 1, b)
+    if ce is None or nxt is None:
         with capture(eblk, targets, outputs=True) as ce:
             nxt = ec.after(block_output(eblk, ec, run.ctx.device))
-        hit = (ce, nxt.with_hidden(to_host(nxt.hidden)) if run.offload else nxt)
+        nxt = nxt.with_hidden(to_host(nxt.hidden)) if run.offload else nxt
         if trace is not None:
-            trace.steps[key] = hit
-    st.exp[b] = hit[1]
-    return hit[0]
+            trace.captures[key] = ce
+            trace.stream(path).put(task, block + 1, b, nxt)
+    st.exp[b] = nxt
+    return ce
 
 
 def _add_stacked(run: _Run, block: int, targets, merged_params: dict, merged_cap: Captured, into: BlockSystems) -> None:
@@ -330,15 +350,19 @@ def _add_stacked(run: _Run, block: int, targets, merged_params: dict, merged_cap
     merged captures seen with one."""
     streams, trace = run.streams, run.trace
     tasks = list(streams)
+    kept = None if trace is None else trace.stream(run.path)
     hit = None if trace is None else trace.stacked.get((run.path, block))
-    if hit is None:
+    outs = None if kept is None else [kept.get(task, block + 1, 0) for task in tasks]
+    if hit is None or any(o is None for o in outs):
         eblks = [run.expert_blocks[task][block] for task in tasks]
         ces = [_expert_step(run, eblk, targets, streams[task], 0, None) for task, eblk in zip(tasks, eblks)]
         params = {t.name: _stack_params([arch.get_params(eblk, t) for eblk in eblks]) for t in targets}
-        hit = (stacked(ces), params, [streams[task].exp[0] for task in tasks])
+        hit, outs = (stacked(ces), params), [streams[task].exp[0] for task in tasks]
         if trace is not None:
             trace.stacked[run.path, block] = hit
-    ce_stack, expert_params, outs = hit
+            for task, out in zip(tasks, outs):
+                kept.put(task, block + 1, 0, out)
+    ce_stack, expert_params = hit
     for task, out in zip(tasks, outs):
         streams[task].exp[0] = out
     rows = streams[tasks[0]].cal[0].hidden.shape[:-1].numel()

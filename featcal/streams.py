@@ -160,6 +160,43 @@ def call_model(model: nn.Module, batch: Any) -> Any:
     return model(batch)
 
 
+@dataclass
+class ExpertStreams:
+    """Every task's stream of one model at every block of a stack: ``calls[task][l][b]`` is the
+    call that block ``l`` gets on batch ``b`` (``l = L``: the last block's output). What the
+    diagnostics need of the experts (:func:`diagnostics.expert_streams`), of a diagnosed model
+    (:func:`diagnostics.streams_while`), and what :class:`featcal.ExpertTrace` keeps of the
+    experts between calibrations. Holds ``tasks x batches x (blocks + 1)`` hidden states."""
+
+    blocks: str
+    calls: dict[str, list[list[BlockCall]]]  # task -> [l = 0..L] -> batch -> the block-l call
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            c.hidden.numel() * c.hidden.element_size()
+            for per_task in self.calls.values()
+            for per_block in per_task
+            for c in per_block
+            if c is not None
+        )
+
+    def get(self, task: str, block: int, batch: int) -> BlockCall | None:
+        """The call of ``block`` on ``batch`` of ``task``, or None when not kept."""
+        per_block = self.calls.get(task, [])
+        if block >= len(per_block) or batch >= len(per_block[block]):
+            return None
+        return per_block[block][batch]
+
+    def put(self, task: str, block: int, batch: int, call: BlockCall) -> None:
+        """Keep the call of ``block`` on ``batch`` of ``task`` (filled in any order)."""
+        per_block = self.calls.setdefault(task, [])
+        per_block.extend([] for _ in range(block + 1 - len(per_block)))
+        row = per_block[block]
+        row.extend([None] * (batch + 1 - len(row)))
+        row[batch] = call
+
+
 @torch.no_grad()
 def catch_block_inputs(model: nn.Module, first_block: nn.Module, batch: Any) -> BlockCall:
     """Run ``model`` on ``batch`` up to ``first_block`` and return its call."""

@@ -474,3 +474,26 @@ def test_featcal_cli_has_diagnose(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "d" / "drift.parquet").is_file()
     assert featcal_cli.main(argv) == 2  # the output exists: one error line, no traceback
     assert "already exists" in capsys.readouterr().err
+
+
+def test_an_expert_trace_keeps_the_streams_the_drift_table_reads():
+    """One type for the experts' streams at every block: what a calibration's ExpertTrace
+    kept serves drift_table as its expert cache (the same table, no expert block run)."""
+    from featcal import ExpertTrace, FeatCalConfig, calibrate
+
+    base, experts, merged = toy_zoo(n_tasks=2, n_blocks=2)
+    data = toy_data(experts, n=16)
+    trace = ExpertTrace()
+    model, report = calibrate(
+        merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig(), expert_trace=trace, progress=False
+    )
+    kept = trace.streams[report.blocks_path]
+    assert all(len(kept.calls[t]) == 3 for t in experts)  # block 0, 1 inputs and block 1's output
+    want = drift_table(model, experts, data, cka=False)
+    calls = []
+    for e in experts.values():
+        for blk in resolve_blocks(e)[1]:
+            blk.register_forward_hook(lambda *a: calls.append(1))
+    got = drift_table(model, experts, data, cka=False, expert_cache=kept)
+    pd.testing.assert_frame_equal(got, want)
+    assert calls == []  # the experts' blocks did not run again
