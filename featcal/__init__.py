@@ -7,6 +7,7 @@ Usage::
     model, report = calibrate(merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig.clip())
 """
 
+from featcal.calibrators import TaskCalibrated, escal, surgery, surgery_v2
 from featcal.config import FastPaths, FeatCalConfig, TokenWeights
 from featcal.engine import ExpertTrace, calibrate
 from featcal.merging import MERGERS, merge
@@ -25,6 +26,10 @@ __all__ = [
     "MERGERS_WITH_DATA",
     "CalibrationReport",
     "evaluate",
+    "escal",
+    "surgery",
+    "surgery_v2",
+    "TaskCalibrated",
 ]
 __version__ = "0.1.0"
 
