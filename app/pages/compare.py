@@ -60,9 +60,8 @@ calibrators = c3.multiselect("calibrators", list(cmp.CALIBRATORS), ["featcal"], 
 
 n_calib = compute.split_size(zoo, "calib")
 d1, d2, d3 = st.columns(3)
-n = d1.select_slider(
-    "calibration examples per task", [b for b in (8, 16, 32, 64, 128, 256) if b <= n_calib] or [n_calib], key="cmp_n"
-)
+budgets = [b for b in (8, 16, 32, 64, 128, 256) if b <= n_calib] or [n_calib]
+n = d1.select_slider("calibration examples per task", budgets, min(64, budgets[-1]), key="cmp_n")
 max_test = d2.select_slider("test examples per task", [50, 100, 200, "all"], 100, key="cmp_test")
 max_test = None if max_test == "all" else int(max_test)
 
@@ -125,7 +124,7 @@ with acc_tab:
     st.download_button(
         "Figure (HTML)", fig.to_html(include_plotlyjs="cdn"), "compare_accuracy.html", key="cmp_acc_html"
     )
-    table = result.accuracy.pivot(index="method", columns="task", values="accuracy").loc[summary["method"]]
+    table = result.accuracy.pivot(index="method", columns="task", values="accuracy").loc[summary["method"], zoo.tasks]
     st.dataframe(table.assign(avg=table.mean(axis=1)).style.format("{:.1f}"))
 with out_tab:
     fig = figs.output_scatter(summary)
