@@ -5,11 +5,12 @@ For one task, :func:`train_task`:
 1. catches the merged model's block-0 inputs on the task's calibration batches, and runs expert
    i once over the same batches to keep its block outputs at every boundary that gets a module
    (the targets; no gradient);
-2. runs the merged model, without gradient, up to the first block with a module (nothing before
-   it changes during training);
-3. trains the modules with Adam: each step runs the blocks from there to the last module, each
-   block's output through its module, and the loss is the weighted sum over those boundaries of
-   the distance (MSE or L1) to expert i's block outputs. The merged model's weights stay frozen.
+2. runs the merged model, without gradient, through the first block with a module (nothing up
+   to its output changes during training; Surgery's whole model);
+3. trains the modules with Adam: each step passes that output through its module and runs the
+   blocks after it up to the last module, each block's output through its module; the loss is
+   the weighted sum over those boundaries of the distance (MSE or L1) to expert i's block
+   outputs. The merged model's weights stay frozen. A loss that stops being finite is an error.
 
 Minibatches of ``batch`` examples are drawn (seeded, without replacement within an epoch) from
 all the task's examples when its batches can run as one call (tensor batches of one shape, no
@@ -151,9 +152,9 @@ def train_task(
     if spans is not None:
         calls = [pooled(calls)]
         targets = {l: [torch.cat(ts)] for l, ts in targets.items()}
-    # 2. The frozen prefix: the merged stream up to the first block with a module.
+    # 2. The frozen prefix: the merged stream through the first block with a module.
     with torch.no_grad():
-        for blk in blks[:first]:
+        for blk in blks[: first + 1]:
             calls = [c.with_hidden(run_block(blk, c)) for c in calls]
     # 3. Adam on the modules' parameters.
     params = [p for m in modules.values() for p in m.parameters()]
@@ -161,27 +162,35 @@ def train_task(
     gen = torch.Generator().manual_seed(sched.seed)
     draws = _minibatches(calls[0].hidden.shape[0], len(calls), spans is not None, sched.batch, gen)
     losses = []
-    for _ in bar(range(sched.steps), desc=desc, unit="step", show=progress):
+    for step in bar(range(sched.steps), desc=desc, unit="step", show=progress):
         j, rows = next(draws)
-        call = calls[j] if rows is None else _rows(calls[j], rows.to(device))
+        rows = None if rows is None else rows.to(device)
+        call = calls[j] if rows is None else call_rows(calls[j], rows)
         loss = _loss(blks, modules, call, {l: ts[j] for l, ts in targets.items()}, rows, first, last, sched)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
+        if not math.isfinite(losses[-1]):
+            raise FloatingPointError(
+                f"{desc}: the loss became {losses[-1]} at step {step}; lower lr (now {sched.lr:g})."
+            )
     return TaskRun(losses, time.perf_counter() - start)
 
 
-def _rows(call: BlockCall, rows: torch.Tensor) -> BlockCall:
+def call_rows(call: BlockCall, rows: torch.Tensor) -> BlockCall:
+    """The examples ``rows`` of a pooled call (whose other arguments hold no tensors)."""
     return call.with_hidden(call.hidden[rows])
 
 
 def _loss(blks, modules, call: BlockCall, targets: dict, rows, first: int, last: int, sched: Schedule) -> torch.Tensor:
-    """The weighted distance to the expert over the boundaries with a module, for one minibatch."""
+    """The weighted distance to the expert over the boundaries with a module, for one minibatch;
+    ``call.hidden`` is the merged model's output of block ``first``."""
     h = call.hidden
     loss = h.new_zeros((), dtype=torch.float32)
     for l in range(first, last + 1):
-        h = run_block(blks[l], call.with_hidden(h))
+        if l > first:
+            h = run_block(blks[l], call.with_hidden(h))
         if l in modules:
             h = modules[l](h)
             target = targets[l] if rows is None else targets[l][rows]

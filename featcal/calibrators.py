@@ -188,19 +188,20 @@ def escal(
     if rank < 1 or epochs < 1:
         raise ValueError(f"rank and epochs must be at least 1, got rank={rank}, epochs={epochs}.")
     path, blks = _checked(merged, experts, calib_data, blocks)
-    merged_w = [escal_weights(b, qkv, mlp_out) for b in blks]
-    r = min([rank] + [min(w.shape) for pair in merged_w for w in pair])
+    r = min([rank] + [min(w.shape) for b in blks for w in escal_weights(b, qkv, mlp_out)])
 
     def make(task: str, model: nn.Module) -> dict[int, nn.Module]:
+        dev = device_of(model)
+        merged_w = [escal_weights(b, qkv, mlp_out) for b in resolve_blocks(model, path)[1]]
         _, eblks = resolve_blocks(experts[task], path)
-        expert_w = [escal_weights(b, qkv, mlp_out) for b in eblks]
+        expert_w = [tuple(w.to(dev) for w in escal_weights(b, qkv, mlp_out)) for b in eblks]
         mods = {}
         for l in range(len(blks)):
             read = l + 1 if l + 1 < len(blks) else l
             U_r, U_w = error_bases(expert_w[read][0], merged_w[read][0], expert_w[l][1], merged_w[l][1], r)
             if l + 1 == len(blks) and last_read == "write":
                 U_r = U_w
-            mods[l] = Bridge(U_r.float(), U_w.float()).to(device_of(model))
+            mods[l] = Bridge(U_r.float(), U_w.float())
         return mods
 
     steps = epochs * _per_epoch(calib_data, batch)
@@ -212,16 +213,16 @@ def escal(
         calib_data,
         path,
         make,
-        "mse",
-        steps,
-        lr,
-        batch,
-        seed,
-        tokens,
-        block_weights,
-        settings,
-        device,
-        progress,
+        loss="mse",
+        steps=steps,
+        lr=lr,
+        batch=batch,
+        seed=seed,
+        tokens=tokens,
+        weights=block_weights,
+        settings=settings,
+        device=device,
+        progress=progress,
     )
 
 
@@ -260,16 +261,16 @@ def surgery(
         calib_data,
         path,
         make,
-        "l1",
-        steps,
-        lr,
-        batch,
-        seed,
-        tokens,
-        None,
-        settings,
-        device,
-        progress,
+        loss="l1",
+        steps=steps,
+        lr=lr,
+        batch=batch,
+        seed=seed,
+        tokens=tokens,
+        weights=None,
+        settings=settings,
+        device=device,
+        progress=progress,
     )
 
 
@@ -307,16 +308,16 @@ def surgery_v2(
         calib_data,
         path,
         make,
-        "l1",
-        steps,
-        lr,
-        batch,
-        seed,
-        tokens,
-        block_weights,
-        settings,
-        device,
-        progress,
+        loss="l1",
+        steps=steps,
+        lr=lr,
+        batch=batch,
+        seed=seed,
+        tokens=tokens,
+        weights=block_weights,
+        settings=settings,
+        device=device,
+        progress=progress,
     )
 
 
@@ -354,6 +355,7 @@ def _run(
     calib_data,
     path,
     make,
+    *,
     loss,
     steps,
     lr,

@@ -275,6 +275,8 @@ def test_bad_input_is_named():
         surgery(merged, experts, data, tokens="mean", progress=False)
     with pytest.raises(ValueError, match="tasks of experts"):
         surgery(merged, experts, {"t0": data["t0"]}, progress=False)
+    with pytest.raises(FloatingPointError, match="lower lr"):
+        run("surgery_v2", "toy", merged, experts, data, steps=5, lr=1e30)
     cal = run("surgery", "toy", merged, experts, data, steps=1)
     with pytest.raises(KeyError, match="t9"):
         cal.for_task("t9")
@@ -307,3 +309,20 @@ def test_evaluate_scores_each_task_with_its_own_modules(tiny_zoo_dir):
     assert torch.allclose(tzoo.features(zeroed(cal).for_task(task), x[:6]), tzoo.features(merged, x[:6]))
     acc = featcal.evaluate(cal.for_task(task), tzoo, tasks=[task])
     assert list(acc) == [task] and 0.0 <= acc[task] <= 100.0
+
+
+def test_the_loss_reads_only_the_chosen_and_unpadded_tokens():
+    from featcal.calibrator_training import distance
+
+    gen = torch.Generator().manual_seed(0)
+    h, target = torch.randn(2, 4, 3, generator=gen), torch.randn(2, 4, 3, generator=gen)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    moved = target.clone()
+    moved[0, 2:] += 100.0  # only padding differs
+    assert distance(h, moved, "mse", "all", mask) == distance(h, target, "mse", "all", mask)
+    assert distance(h, moved, "mse", "all", None) > distance(h, target, "mse", "all", None)
+    moved = target.clone()
+    moved[:, 1:] += 100.0  # only the non-first tokens differ
+    assert distance(h, moved, "l1", "cls", mask) == distance(h, target, "l1", "cls", mask)
+    want = (h[:, 0] - target[:, 0]).abs().mean()
+    assert torch.allclose(distance(h, target, "l1", "cls", None), want)
