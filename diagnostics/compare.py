@@ -163,7 +163,7 @@ def run_method(
     mp = dict((merger_params or {}).get(merger, {}))
     cp = dict((calibrator_params or {}).get(cal, {})) if cal else {}
     cache = CACHE if cache is None else cache
-    key = (_zoo_key(zoo), merger, _frozen(mp), cal, _frozen(cp), n, seed, max_test, drift_n, overhead_batch)
+    key = (_zoo_key(zoo), merger, _frozen(mp), cal, _frozen(cp), n, seed, max_test, drift_n, overhead_batch, repeats)
     if key in cache:
         return cache[key]
     data = zoo.calib_data(n, seed=seed)

@@ -99,3 +99,24 @@ def test_bad_methods_are_named():
     with pytest.raises(ValueError, match="unknown calibrator 'featcall'"):
         cmp.parse_method("ta+featcall")
     assert cmp.parse_method("TA+FeatCal") == ("task_arithmetic", "featcal")
+
+
+def test_figures_draw_every_method_and_the_reference_lines(zoo, result):
+    from diagnostics import compare_figures as figs
+
+    fig = figs.accuracy_bars(result.accuracy)
+    bars = {t.name: list(t.y) for t in fig.data if t.type == "bar"}
+    assert list(bars) == ["ta", "ties", "ta+featcal", "ta+escal", "ta+surgery_v2"]
+    ta = result.accuracy.query("method == 'ta'").set_index("task")["accuracy"]
+    assert bars["ta"] == [ta[t] for t in zoo.tasks]
+    lines = {t.name: [y for y in t.y if y is not None] for t in fig.data if t.type == "scatter"}
+    experts = result.accuracy.query("method == 'experts'").set_index("task")["accuracy"]
+    assert lines["experts"] == [v for t in zoo.tasks for v in (experts[t], experts[t])]
+    assert "base" in lines
+
+    drift = figs.drift_lines(result.drift, zoo.tasks[1])
+    names = {t.name for t in drift.data}
+    assert {"ta", "ta+escal", "ta+escal (mismatch)", "base"} <= names and "experts" not in names
+    assert all(list(t.x) == [0, 1] for t in drift.data)  # the tiny zoo's two blocks
+    scatter = figs.output_scatter(result.summary)
+    assert [t.name for t in scatter.data] == result.summary["method"].tolist()[1:]
