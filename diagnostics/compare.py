@@ -25,6 +25,8 @@ Results are cached per setting (method, its parameters, ``n``, seed, test sizes)
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -110,6 +112,37 @@ def parse_method(spec: str) -> tuple[str, str]:
     return merger, cal
 
 
+FILLED = ("base", "base_sd", "experts", "expert_sds", "merged", "calib_data", "progress")  # the runner's own
+
+
+def allowed_params(name: str) -> list[str]:
+    """The parameters a merger (any name :func:`parse_method` takes) or calibrator accepts."""
+    if name == "featcal":  # the preset's fields (lam, rho, alpha, ...) or a whole config
+        preset = [f.name for f in dataclasses.fields(FeatCalConfig)]
+        return preset + [p for p in inspect.signature(calibrate).parameters if p not in FILLED]
+    if name in CALIBRATORS:
+        fn = CALIBRATORS[name]
+    else:
+        merger, _ = parse_method(name)
+        fn = MERGERS_WITH_DATA[merger] if merger in MERGERS_WITH_DATA else MERGERS[merger]
+    return [p for p in inspect.signature(fn).parameters if p not in FILLED and not p.startswith("_")]
+
+
+def _by_merger(params: Mapping | None) -> dict:
+    """``merger_params`` keyed by the mergers' registry names (``ta`` -> ``task_arithmetic``)."""
+    return {parse_method(k)[0]: v for k, v in (params or {}).items()}
+
+
+def check_params(merger_params: Mapping | None, calibrator_params: Mapping | None) -> None:
+    """Fail before any work on a parameter a merger or calibrator does not take."""
+    for table in (merger_params or {}), (calibrator_params or {}):
+        for name, params in table.items():
+            allowed = allowed_params(name)
+            unknown = [k for k in params if k not in allowed]
+            if unknown:
+                raise ValueError(f"{name} takes no parameter {unknown[0]!r}; it takes {', '.join(allowed)}.")
+
+
 def method_name(merger: str, calibrator: str = "") -> str:
     """The canonical name: ``ta`` for Task Arithmetic, ``+calibrator`` when there is one."""
     short = {v: k for k, v in ALIASES.items()}.get(merger, merger)
@@ -155,12 +188,13 @@ def run_method(
 
     ``merger_params`` / ``calibrator_params``: ``{name: {param: value}}`` passed to the merger
     (:func:`featcal.merge` / :func:`featcal.merge_with_data`) and the calibrator (``featcal``
-    takes ``config``, a :class:`featcal.FeatCalConfig`, default the CLIP preset; the trained
-    ones their own keyword arguments: ``epochs``, ``steps``, ``rank``, ...). Cached in ``cache``
+    takes ``config``, a :class:`featcal.FeatCalConfig`, default the CLIP preset, and changes to
+    it: ``lam``, ``rho``, ``alpha``, ...; the trained ones their own keyword arguments:
+    ``epochs``, ``steps``, ``rank``, ...). Cached in ``cache``
     (default :data:`CACHE`) per setting.
     """
     merger, cal = parse_method(spec)
-    mp = dict((merger_params or {}).get(merger, {}))
+    mp = dict(_by_merger(merger_params).get(merger, {}))
     cp = dict((calibrator_params or {}).get(cal, {})) if cal else {}
     cache = CACHE if cache is None else cache
     key = (_zoo_key(zoo), merger, _frozen(mp), cal, _frozen(cp), n, seed, max_test, drift_n, overhead_batch, repeats)
@@ -192,6 +226,8 @@ def run_method(
     else:
         if cal == "featcal":
             config = cp.pop("config", None) or FeatCalConfig.clip()
+            fields = {f.name for f in dataclasses.fields(FeatCalConfig)}
+            config = config.with_(**{k: cp.pop(k) for k in list(cp) if k in fields})
             t0 = time.perf_counter()
             cp.setdefault("progress", progress)
             merged, _ = calibrate(merged, base=zoo.base, experts=zoo.experts, calib_data=data, config=config, **cp)
@@ -253,6 +289,8 @@ def compare(
     if not methods:
         raise ValueError("no methods to compare; give at least one, e.g. ['ta', 'ta+featcal'].")
     specs = list(dict.fromkeys(method_name(*parse_method(m)) for m in methods))
+    check_params(merger_params, calibrator_params)
+    merger_params = _by_merger(merger_params)
     kw = dict(
         n=n,
         seed=seed,

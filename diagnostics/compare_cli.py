@@ -32,8 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--param",
         action="append",
         metavar="NAME.KEY=VALUE",
-        help="a merger's or calibrator's parameter, e.g. ta.scale=0.3, escal.epochs=50, surgery_v2.steps=250 "
-        "(repeatable)",
+        help="a merger's or calibrator's parameter, e.g. ta.scale=0.3, featcal.lam=0.01, escal.epochs=50, "
+        "surgery_v2.steps=250 (repeatable)",
     )
     p.add_argument("--max-test", type=int, default=None, help="test examples per task (default: all)")
     p.add_argument("--drift-n", type=int, default=64, help="test examples per task for the drift per block")
@@ -75,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UserError(str(e)) from None
     merger_params, cal_params = parse_params(args.param)
+    try:
+        cmp.check_params(merger_params, cal_params)
+    except ValueError as e:
+        raise UserError(f"--param: {e}") from None
     zoo = zoo_from_args(args)
     result = cmp.compare(
         zoo,

@@ -41,3 +41,5 @@ def test_compare_names_a_bad_method(tiny_zoo_dir, capsys):
     assert rc == 2 and "unknown calibrator 'featcall'" in err
     rc, _, err = _run(capsys, "compare", "--zoo", tiny_zoo_dir, "--methods", "ta", "--param", "epochs=3", "-q")
     assert rc == 2 and "NAME.KEY=VALUE" in err
+    rc, _, err = _run(capsys, "compare", "--zoo", tiny_zoo_dir, "--methods", "ta+surgery", "--param", "surgery.step=2")
+    assert rc == 2 and "surgery takes no parameter 'step'" in err and "steps" in err

@@ -90,7 +90,9 @@ def test_cached_per_setting(zoo, result):
     a = cmp.run_method(zoo, "ta", n=16, cache=cache)
     assert cmp.run_method(zoo, "ta", n=16, cache=cache) is a
     assert cmp.run_method(zoo, "ta", n=8, cache=cache) is not a
-    assert cmp.run_method(zoo, "ta", n=16, merger_params={"task_arithmetic": {"scale": 0.5}}, cache=cache) is not a
+    b = cmp.run_method(zoo, "ta", n=16, merger_params={"task_arithmetic": {"scale": 0.5}}, cache=cache)
+    assert b is not a
+    assert cmp.run_method(zoo, "ta", n=16, merger_params={"ta": {"scale": 0.5}}, cache=cache) is b  # alias
 
 
 def test_bad_methods_are_named():
@@ -120,3 +122,18 @@ def test_figures_draw_every_method_and_the_reference_lines(zoo, result):
     assert all(list(t.x) == [0, 1] for t in drift.data)  # the tiny zoo's two blocks
     scatter = figs.output_scatter(result.summary)
     assert [t.name for t in scatter.data] == result.summary["method"].tolist()[1:]
+
+
+def test_parameters_reach_the_method_and_bad_ones_fail_first(zoo):
+    cache = {}
+    tuned = cmp.run_method(zoo, "ta+featcal", n=16, calibrator_params={"featcal": {"lam": 0.5}}, cache=cache)
+    config = FeatCalConfig.clip().with_(lam=0.5)
+    model, _ = calibrate(
+        zoo.merged("task_arithmetic"), base=zoo.base, experts=zoo.experts, calib_data=zoo.calib_data(16), config=config
+    )
+    assert tuned.accuracy == pytest.approx(evaluate(model, zoo))
+    with pytest.raises(ValueError, match="surgery takes no parameter 'step'"):
+        cmp.compare(zoo, ["ta+surgery"], calibrator_params={"surgery": {"step": 2}}, cache=cache)
+    with pytest.raises(ValueError, match="task_arithmetic takes no parameter 'density'"):
+        cmp.compare(zoo, ["ta"], merger_params={"task_arithmetic": {"density": 0.2}}, cache=cache)
+    assert list(cache) == [next(iter(cache))]  # nothing ran for the bad calls
