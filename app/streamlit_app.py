@@ -27,6 +27,7 @@ PAGES = [
     ("export.py", "Export", ":material/download:"),
     ("tune.py", "Tune", ":material/search:"),
     ("studies.py", "Studies", ":material/science:"),
+    ("compare.py", "Compare", ":material/compare:"),
 ]
 
 st.set_page_config(page_title="featcal", page_icon=":material/tune:", layout="wide")

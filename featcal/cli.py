@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Callable
 
 from diagnostics import cli as diagnose_cli
+from diagnostics import compare_cli
 from featcal import tune_cli
 from featcal.cli_common import (
     UserError,
@@ -390,6 +391,11 @@ COMMANDS: dict[str, tuple[AddArguments, Run, str]] = {
     "diagnose": (diagnose_cli.add_arguments, diagnose_cli.run, diagnose_cli.HELP),
     "tune": (tune_cli.add_tune_arguments, tune_cli.run_tune, tune_cli.TUNE_HELP),
     "study": (tune_cli.add_study_arguments, tune_cli.run_study, tune_cli.STUDY_HELP),
+    "compare": (
+        compare_cli.add_arguments,
+        compare_cli.run,
+        "run several methods on a zoo and compare them side by side",
+    ),
 }
 
 

@@ -1,0 +1,144 @@
+"""Compare page: mergers, and calibrators on top of a chosen merger, run on the zoo's
+calibration split and shown side by side (:mod:`diagnostics.compare`; figures from
+:mod:`diagnostics.compare_figures`). Each method's result is cached per setting for the
+session's server, so adding a method runs only that one.
+"""
+
+import pandas as pd
+import streamlit as st
+
+from app import compute, state, workers
+from diagnostics import compare as cmp
+from diagnostics import compare_figures as figs
+from featcal.merging import MERGERS
+from featcal.regmean import MERGERS_WITH_DATA
+
+zoo, source = state.active_zoo(), state.active_source()
+fp = state.fingerprint(source)
+MERGER_NAMES = [cmp.method_name(m) for m in [*MERGERS, *MERGERS_WITH_DATA]]
+TRAINED_STEPS = {"escal": ("epochs", 20), "surgery": ("steps", 200), "surgery_v2": ("steps", 100)}
+
+
+@st.cache_resource(max_entries=2, show_spinner=False)
+def _cache(source: str, fp: str) -> dict:
+    """The per-method results of this zoo (see :data:`diagnostics.compare.CACHE`)."""
+    return {}
+
+
+def _run(methods: tuple, n: int, cal_params: dict, max_test: int | None) -> cmp.Comparison:
+    bar = st.progress(0.0, text="Starting…")
+
+    def step(i: int, total: int, name: str) -> None:
+        bar.progress(i / total, text=f"Running {name} ({i + 1} of {total})…")
+
+    with workers.torch_lock(source):
+        result = cmp.compare(
+            zoo,
+            list(methods),
+            n=n,
+            calibrator_params=cal_params,
+            max_test=max_test,
+            cache=_cache(source, fp),
+            progress=False,
+            on_method=step,
+        )
+    bar.empty()
+    return result
+
+
+st.title("Compare")
+st.caption(
+    "Mergers alone and post-merging calibrators on top of a merger, on the same calibration examples "
+    "(the zoo's calib split); scored on the test split. FeatCal adds no module; ESCal, Surgery and "
+    "SurgeryV2 add trained modules per task (each task scored with its own)."
+)
+
+c1, c2, c3 = st.columns([2, 1, 2])
+mergers = c1.multiselect("mergers alone", MERGER_NAMES, ["ta", "ties", "iso_c"], key="cmp_mergers")
+base_merger = c2.selectbox("calibrate on top of", MERGER_NAMES, MERGER_NAMES.index("ta"), key="cmp_base")
+calibrators = c3.multiselect("calibrators", list(cmp.CALIBRATORS), ["featcal"], key="cmp_cals")
+
+n_calib = compute.split_size(zoo, "calib")
+d1, d2, d3 = st.columns(3)
+budgets = [b for b in (8, 16, 32, 64, 128, 256) if b <= n_calib] or [n_calib]
+n = d1.select_slider("calibration examples per task", budgets, min(64, budgets[-1]), key="cmp_n")
+max_test = d2.select_slider("test examples per task", [50, 100, 200, "all"], 100, key="cmp_test")
+max_test = None if max_test == "all" else int(max_test)
+
+cal_params: dict[str, dict] = {}
+trained = [c for c in calibrators if c in cmp.TRAINED]
+if trained:
+    st.info(
+        "ESCal, Surgery and SurgeryV2 train by gradient descent: minutes per method on a CPU "
+        "(each step is a forward and backward pass per task). Fewer steps run faster and calibrate less."
+    )
+    cols = st.columns(len(trained))
+    for col, cal in zip(cols, trained):
+        what, default = TRAINED_STEPS[cal]
+        cal_params[cal] = {what: int(col.number_input(f"{cal} {what}", 1, 2000, default, key=f"cmp_{cal}_{what}"))}
+
+methods = tuple(dict.fromkeys([*mergers, *(f"{base_merger}+{c}" for c in calibrators)]))
+args = (methods, n, tuple((k, tuple(v.items())) for k, v in cal_params.items()), max_test)
+if d3.button("Run", type="primary", key="cmp_run", disabled=not methods):
+    st.session_state["cmp_args"] = args
+if not methods:
+    st.warning("Choose at least one merger or calibrator.")
+    st.stop()
+if st.session_state.get("cmp_args") != args:
+    st.caption("Press **Run** to run the chosen methods (finished ones come from the cache).")
+    st.stop()
+
+result = _run(methods, n, cal_params, max_test)
+summary = result.summary
+
+st.subheader("Summary")
+st.caption(
+    "Average test accuracy; gap closed = 100·(acc − start)/(experts − start), from Task Arithmetic and "
+    "from the method's own merger; KL(expert ‖ model) and top-1 agreement with the experts; numbers "
+    "added per task; measured inference overhead; seconds to merge and to calibrate."
+)
+st.dataframe(
+    summary.drop(columns=["merger", "calibrator"]),
+    hide_index=True,
+    column_config={
+        "accuracy": st.column_config.NumberColumn("avg acc (%)", format="%.1f"),
+        "gap_closed": st.column_config.NumberColumn("gap closed vs TA (%)", format="%.1f"),
+        "gap_closed_vs_merger": st.column_config.NumberColumn("gap closed vs merger (%)", format="%.1f"),
+        "kl": st.column_config.NumberColumn("KL", format="%.3f"),
+        "agreement": st.column_config.NumberColumn("top-1 agr. (%)", format="%.1f"),
+        "added_fraction": st.column_config.NumberColumn("added / model", format="%.3f"),
+        "overhead": st.column_config.NumberColumn("overhead", format="%.2f"),
+        "merge_seconds": st.column_config.NumberColumn("merge s", format="%.1f"),
+        "calib_seconds": st.column_config.NumberColumn("calib s", format="%.1f"),
+    },
+)
+e1, e2, e3 = st.columns(3)
+e1.download_button("Summary (CSV)", summary.to_csv(index=False), "compare_summary.csv", "text/csv")
+e2.download_button("Per-task accuracy (CSV)", result.accuracy.to_csv(index=False), "compare_accuracy.csv", "text/csv")
+e3.download_button("Drift per block (CSV)", result.drift.to_csv(index=False), "compare_drift.csv", "text/csv")
+
+acc_tab, out_tab, drift_tab = st.tabs(["Accuracy per task", "Output drift", "Drift per block"])
+with acc_tab:
+    fig = figs.accuracy_bars(result.accuracy)
+    st.plotly_chart(fig, key="cmp_acc")
+    st.download_button(
+        "Figure (HTML)", fig.to_html(include_plotlyjs="cdn"), "compare_accuracy.html", key="cmp_acc_html"
+    )
+    table = result.accuracy.pivot(index="method", columns="task", values="accuracy").loc[summary["method"], zoo.tasks]
+    st.dataframe(table.assign(avg=table.mean(axis=1)).style.format("{:.1f}"))
+with out_tab:
+    fig = figs.output_scatter(summary)
+    st.plotly_chart(fig, key="cmp_out")
+    st.download_button("Figure (HTML)", fig.to_html(include_plotlyjs="cdn"), "compare_output.html", key="cmp_out_html")
+    out = result.output.pivot_table(index="method", columns=["metric", "task"], values="value")
+    st.dataframe(out.loc[summary["method"]].style.format("{:.3f}"))
+with drift_tab:
+    task = st.selectbox("task", zoo.tasks, key="cmp_task")
+    fig = figs.drift_lines(result.drift, task)
+    st.plotly_chart(fig, key="cmp_drift")
+    st.download_button("Figure (HTML)", fig.to_html(include_plotlyjs="cdn"), f"compare_drift_{task}.html")
+    st.caption(
+        "Relative drift |e|/|h_expert| of each block's output from the expert on the task's first "
+        f"{result.settings['drift_n']} test examples; dotted: the local mismatch part (see the Drift page)."
+    )
+st.caption(f"Settings: {pd.Series(result.settings).to_dict()}")

@@ -1,0 +1,410 @@
+"""Compare merging and post-merging calibration methods side by side on one zoo.
+
+A method is ``merger`` or ``merger+calibrator``: the merger is a data-free one of
+:data:`featcal.MERGERS` (``ta`` is ``task_arithmetic``) or a data-using one of
+:data:`featcal.MERGERS_WITH_DATA` (on the calibration split); the calibrator is ``featcal``
+(closed form, no added modules) or a trained one (``escal``, ``surgery``, ``surgery_v2``;
+task-specific modules, each task scored with its own). Every method sees the same
+calibration examples (``n`` per task from the zoo's ``calib`` split, seeded) and is scored on
+the ``test`` split: accuracy, KL to the experts and top-1 agreement (through the zoo's heads),
+the drift decomposition per block (on the first ``drift_n`` test examples per task), the
+numbers it adds, its measured inference overhead and its merge and calibration seconds.
+
+Usage::
+
+    cmp = compare(zoo, ["ta", "ties", "ta+featcal", "ta+escal"], n=64,
+                  calibrator_params={"escal": {"epochs": 50}})
+    cmp.summary      # one row per method (experts and base first)
+    cmp.accuracy     # method, task, accuracy
+    cmp.output       # method, task, metric (kl, agreement), value
+    cmp.drift        # method, task, block, metric, value
+
+Results are cached per setting (method, its parameters, ``n``, seed, test sizes) in a dict
+(:data:`CACHE` unless one is given), so adding a method to a comparison runs only that one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import pandas as pd
+import torch
+from torch import nn
+
+from diagnostics.drift import drift_table
+from diagnostics.output import output_drift
+from featcal import FeatCalConfig, calibrate, escal, surgery, surgery_v2
+from featcal.merging import MERGERS
+from featcal.progress import bar
+from featcal.regmean import MERGERS_WITH_DATA, merge_with_data
+from featcal.zoo.core import evaluate
+
+ALIASES = {"ta": "task_arithmetic"}
+CALIBRATORS: dict[str, Callable] = {"featcal": calibrate, "escal": escal, "surgery": surgery, "surgery_v2": surgery_v2}
+TRAINED = ("escal", "surgery", "surgery_v2")
+REFERENCES = ("experts", "base")
+GAP_REFERENCE = "task_arithmetic"  # the gap to the experts is measured from Task Arithmetic
+DRIFT_METRICS = ("drift_rel", "mismatch_rel", "propagation_rel")
+SUMMARY_COLUMNS = [
+    "method",
+    "merger",
+    "calibrator",
+    "accuracy",
+    "gap_closed",
+    "gap_closed_vs_merger",
+    "kl",
+    "agreement",
+    "added_trained",
+    "added_stored",
+    "added_fraction",
+    "overhead",
+    "merge_seconds",
+    "calib_seconds",
+]
+
+CACHE: dict[tuple, "MethodResult"] = {}
+
+
+@dataclass
+class MethodResult:
+    """One method's scores: ``accuracy`` ``{task: %}``, ``output`` (tidy: task, metric, value),
+    ``drift`` (tidy: task, block, metric, value), the numbers it adds per task (``trained``,
+    ``stored``, ``fraction`` of the model), ``overhead`` (measured forward-time ratio minus 1;
+    0 for a model of the base's architecture) and the seconds its merge and calibration took."""
+
+    method: str
+    merger: str
+    calibrator: str
+    accuracy: dict[str, float]
+    output: pd.DataFrame
+    drift: pd.DataFrame
+    added: dict[str, float] = field(default_factory=lambda: {"trained": 0, "stored": 0, "fraction": 0.0})
+    overhead: float = 0.0
+    merge_seconds: float = 0.0
+    calib_seconds: float = 0.0
+
+
+@dataclass
+class Comparison:
+    """Tidy tables of a comparison (see the module docstring); ``settings`` records ``n``,
+    seed, test sizes and each method's parameters."""
+
+    summary: pd.DataFrame
+    accuracy: pd.DataFrame
+    output: pd.DataFrame
+    drift: pd.DataFrame
+    settings: dict[str, Any]
+
+
+def parse_method(spec: str) -> tuple[str, str]:
+    """``"ta+featcal"`` -> ``("task_arithmetic", "featcal")``; ``"ties"`` -> ``("ties", "")``."""
+    merger, _, cal = spec.strip().lower().partition("+")
+    merger = ALIASES.get(merger, merger)
+    if merger not in MERGERS and merger not in MERGERS_WITH_DATA:
+        known = sorted([*MERGERS, *MERGERS_WITH_DATA, *ALIASES])
+        raise ValueError(f"method {spec!r}: unknown merger {merger!r}; choose one of {known}.")
+    if cal and cal not in CALIBRATORS:
+        raise ValueError(f"method {spec!r}: unknown calibrator {cal!r}; choose one of {sorted(CALIBRATORS)}.")
+    return merger, cal
+
+
+FILLED = ("base", "base_sd", "experts", "expert_sds", "merged", "calib_data", "progress")  # the runner's own
+
+
+def allowed_params(name: str) -> list[str]:
+    """The parameters a merger (any name :func:`parse_method` takes) or calibrator accepts."""
+    if name == "featcal":  # the preset's fields (lam, rho, alpha, ...) or a whole config
+        preset = [f.name for f in dataclasses.fields(FeatCalConfig)]
+        return preset + [p for p in inspect.signature(calibrate).parameters if p not in FILLED]
+    if name in CALIBRATORS:
+        fn = CALIBRATORS[name]
+    else:
+        merger, _ = parse_method(name)
+        fn = MERGERS_WITH_DATA[merger] if merger in MERGERS_WITH_DATA else MERGERS[merger]
+    return [p for p in inspect.signature(fn).parameters if p not in FILLED and not p.startswith("_")]
+
+
+def _by_merger(params: Mapping | None) -> dict:
+    """``merger_params`` keyed by the mergers' registry names (``ta`` -> ``task_arithmetic``)."""
+    return {parse_method(k)[0]: v for k, v in (params or {}).items()}
+
+
+def check_params(merger_params: Mapping | None, calibrator_params: Mapping | None) -> None:
+    """Fail before any work on a parameter a merger or calibrator does not take."""
+    for table in (merger_params or {}), (calibrator_params or {}):
+        for name, params in table.items():
+            allowed = allowed_params(name)
+            unknown = [k for k in params if k not in allowed]
+            if unknown:
+                raise ValueError(f"{name} takes no parameter {unknown[0]!r}; it takes {', '.join(allowed)}.")
+
+
+def method_name(merger: str, calibrator: str = "") -> str:
+    """The canonical name: ``ta`` for Task Arithmetic, ``+calibrator`` when there is one."""
+    short = {v: k for k, v in ALIASES.items()}.get(merger, merger)
+    return f"{short}+{calibrator}" if calibrator else short
+
+
+def gap_closed(acc: float, start: float, experts: float) -> float:
+    """The share (%) of the gap from ``start`` to the experts' accuracy that ``acc`` closes:
+    ``100 (acc - start) / (experts - start)``; NaN when there is no gap."""
+    gap = experts - start
+    return 100.0 * (acc - start) / gap if abs(gap) > 1e-9 else float("nan")
+
+
+def test_batches(zoo, n: int | None, batch_size: int = 64) -> dict[str, list[torch.Tensor]]:
+    """The first ``n`` test examples of each task (all when None) in batches: the drift data."""
+    return {t: list(zoo.split(t, "test")[0][:n].split(batch_size)) for t in zoo.tasks}
+
+
+def _zoo_key(zoo) -> tuple:
+    return (zoo.name, str(zoo.meta.get("content_sha256", "")), id(zoo))
+
+
+def _frozen(params: Mapping | None) -> tuple:
+    return tuple(sorted((k, repr(v)) for k, v in (params or {}).items()))
+
+
+def run_method(
+    zoo,
+    spec: str,
+    *,
+    n: int = 64,
+    seed: int = 42,
+    merger_params: Mapping[str, Mapping] | None = None,
+    calibrator_params: Mapping[str, Mapping] | None = None,
+    max_test: int | None = None,
+    drift_n: int | None = 64,
+    overhead_batch: int = 64,
+    repeats: int = 5,
+    cache: dict | None = None,
+    progress: bool = False,
+) -> MethodResult:
+    """Run one method (``merger`` or ``merger+calibrator``) on ``zoo`` and score it.
+
+    ``merger_params`` / ``calibrator_params``: ``{name: {param: value}}`` passed to the merger
+    (:func:`featcal.merge` / :func:`featcal.merge_with_data`) and the calibrator (``featcal``
+    takes ``config``, a :class:`featcal.FeatCalConfig`, default the CLIP preset, and changes to
+    it: ``lam``, ``rho``, ``alpha``, ...; the trained ones their own keyword arguments:
+    ``epochs``, ``steps``, ``rank``, ...). Cached in ``cache``
+    (default :data:`CACHE`) per setting.
+    """
+    merger, cal = parse_method(spec)
+    mp = dict(_by_merger(merger_params).get(merger, {}))
+    cp = dict((calibrator_params or {}).get(cal, {})) if cal else {}
+    cache = CACHE if cache is None else cache
+    key = (_zoo_key(zoo), merger, _frozen(mp), cal, _frozen(cp), n, seed, max_test, drift_n, overhead_batch, repeats)
+    if key in cache:
+        return cache[key]
+    data = zoo.calib_data(n, seed=seed)
+    t0 = time.perf_counter()
+    if merger in MERGERS_WITH_DATA:
+        mp.setdefault("progress", progress)
+        merged = merge_with_data(merger, base=zoo.base, experts=zoo.experts, calib_data=data, **mp)
+    else:
+        merged = zoo.merged(merger, **mp)
+    merge_seconds = time.perf_counter() - t0
+    result = MethodResult(method_name(merger, cal), merger, cal, {}, pd.DataFrame(), pd.DataFrame())
+    result.merge_seconds = merge_seconds
+    drift_data = test_batches(zoo, drift_n)
+    if cal in TRAINED:
+        cp.setdefault("seed", 0)
+        cp.setdefault("progress", progress)
+        with torch.enable_grad():  # trained by gradient descent, even when called under no_grad (an app's lock)
+            trained = CALIBRATORS[cal](merged, zoo.experts, data, **cp)
+        result.calib_seconds = trained.training_seconds
+        models = {t: trained.for_task(t) for t in zoo.tasks}  # each task through its own modules
+        added = trained.added_parameters
+        first = added["per_task"][zoo.tasks[0]]
+        result.added = {"trained": first["trained"], "stored": first["stored"], "fraction": added["stored_fraction"]}
+        probe = zoo.split(zoo.tasks[0], "test")[0][:overhead_batch]
+        result.overhead = trained.measure_overhead(probe, repeats=repeats)["overhead"]
+    else:
+        if cal == "featcal":
+            config = cp.pop("config", None) or FeatCalConfig.clip()
+            fields = {f.name for f in dataclasses.fields(FeatCalConfig)}
+            config = config.with_(**{k: cp.pop(k) for k in list(cp) if k in fields})
+            t0 = time.perf_counter()
+            cp.setdefault("progress", progress)
+            merged, _ = calibrate(merged, base=zoo.base, experts=zoo.experts, calib_data=data, config=config, **cp)
+            result.calib_seconds = time.perf_counter() - t0
+        models = {t: merged for t in zoo.tasks}
+    result.accuracy, result.output, result.drift = _score(zoo, models, drift_data, max_test)
+    cache[key] = result
+    return result
+
+
+def _score(zoo, models: Mapping[str, nn.Module], drift_data: Mapping, max_test: int | None):
+    """Accuracy, output drift and block drift of each task's model on that task."""
+    accuracy, outputs, drifts = {}, [], []
+    for t, model in models.items():
+        accuracy.update(evaluate(model, zoo, tasks=[t], max_per_task=max_test))
+        outputs.append(output_drift(model, zoo, max_per_task=max_test, tasks=[t]))
+        drifts.append(drift_table(model, {t: zoo.experts[t]}, {t: drift_data[t]}, cka=False))
+    output = pd.concat(outputs, ignore_index=True)
+    output = output[output["metric"].isin(["kl", "agreement"])].drop(columns="block")
+    drift = pd.concat(drifts, ignore_index=True)
+    drift = drift[drift["metric"].isin(DRIFT_METRICS)]
+    return accuracy, output.reset_index(drop=True), drift.reset_index(drop=True)
+
+
+def reference(zoo, which: str, max_test: int | None = None, drift_n: int | None = 64, cache: dict | None = None):
+    """The ``experts`` (each task's own expert) or ``base`` row, scored as a method is."""
+    if which not in REFERENCES:
+        raise ValueError(f"reference {which!r}; choose one of {REFERENCES}.")
+    cache = CACHE if cache is None else cache
+    key = (_zoo_key(zoo), which, max_test, drift_n)
+    if key not in cache:
+        models = dict(zoo.experts) if which == "experts" else {t: zoo.base for t in zoo.tasks}
+        res = MethodResult(which, "", "", *_score(zoo, models, test_batches(zoo, drift_n), max_test))
+        cache[key] = res
+    return cache[key]
+
+
+def compare(
+    zoo,
+    methods: Sequence[str],
+    *,
+    n: int = 64,
+    seed: int = 42,
+    merger_params: Mapping[str, Mapping] | None = None,
+    calibrator_params: Mapping[str, Mapping] | None = None,
+    max_test: int | None = None,
+    drift_n: int | None = 64,
+    overhead_batch: int = 64,
+    repeats: int = 5,
+    cache: dict | None = None,
+    progress: bool = True,
+    on_method: Callable[[int, int, str], None] | None = None,
+) -> Comparison:
+    """Run ``methods`` (see :func:`run_method`) plus the experts and base rows; return the
+    tidy tables. The summary's ``gap_closed`` is measured from Task Arithmetic (with its
+    ``merger_params``, run for the purpose when not listed), ``gap_closed_vs_merger`` from the
+    method's own merger alone (NaN without a calibrator). ``on_method(i, total, name)`` is
+    called before each method (an app's progress bar)."""
+    if not methods:
+        raise ValueError("no methods to compare; give at least one, e.g. ['ta', 'ta+featcal'].")
+    specs = list(dict.fromkeys(method_name(*parse_method(m)) for m in methods))
+    check_params(merger_params, calibrator_params)
+    merger_params = _by_merger(merger_params)
+    kw = dict(
+        n=n,
+        seed=seed,
+        merger_params=merger_params,
+        calibrator_params=calibrator_params,
+        max_test=max_test,
+        drift_n=drift_n,
+        overhead_batch=overhead_batch,
+        repeats=repeats,
+        cache=cache,
+    )
+    results = [reference(zoo, r, max_test, drift_n, cache) for r in REFERENCES]
+    for i, spec in enumerate(bar(specs, desc="compare", unit="method", show=progress)):
+        if on_method is not None:
+            on_method(i, len(specs), spec)
+        results.append(run_method(zoo, spec, progress=progress, **kw))
+    merger_accs = {}
+    for r in results[len(REFERENCES) :]:
+        if r.merger not in merger_accs:
+            merger_accs[r.merger] = _avg(run_method(zoo, method_name(r.merger), **kw).accuracy)
+    ta = merger_accs.get(GAP_REFERENCE)
+    if ta is None:
+        ta = _avg(run_method(zoo, "ta", **kw).accuracy)
+    experts = _avg(results[0].accuracy)
+    rows = []
+    for r in results:
+        out = r.output.pivot_table(index="task", columns="metric", values="value")
+        acc = _avg(r.accuracy)
+        rows.append(
+            {
+                "method": r.method,
+                "merger": r.merger,
+                "calibrator": r.calibrator,
+                "accuracy": acc,
+                "gap_closed": gap_closed(acc, ta, experts) if r.merger else float("nan"),
+                "gap_closed_vs_merger": gap_closed(acc, merger_accs[r.merger], experts)
+                if r.calibrator
+                else float("nan"),
+                "kl": float(out["kl"].mean()),
+                "agreement": float(out["agreement"].mean()),
+                "added_trained": r.added["trained"],
+                "added_stored": r.added["stored"],
+                "added_fraction": r.added["fraction"],
+                "overhead": r.overhead,
+                "merge_seconds": r.merge_seconds,
+                "calib_seconds": r.calib_seconds,
+            }
+        )
+    settings = dict(
+        n=n,
+        seed=seed,
+        max_test=max_test,
+        drift_n=drift_n,
+        methods=specs,
+        merger_params=dict(merger_params or {}),
+        calibrator_params={
+            k: {p: v for p, v in d.items() if p != "config"} for k, d in (calibrator_params or {}).items()
+        },
+    )
+    return Comparison(
+        summary=pd.DataFrame(rows, columns=SUMMARY_COLUMNS),
+        accuracy=_tidy(
+            results, lambda r: pd.DataFrame({"task": list(r.accuracy), "accuracy": list(r.accuracy.values())})
+        ),
+        output=_tidy(results, lambda r: r.output),
+        drift=_tidy(results, lambda r: r.drift),
+        settings=settings,
+    )
+
+
+def _avg(accs: Mapping[str, float]) -> float:
+    return float(sum(accs.values()) / len(accs))
+
+
+def _tidy(results: list[MethodResult], frame: Callable[[MethodResult], pd.DataFrame]) -> pd.DataFrame:
+    frames = [frame(r).assign(method=r.method) for r in results]
+    df = pd.concat(frames, ignore_index=True)
+    return df[["method", *[c for c in df.columns if c != "method"]]]
+
+
+def markdown(summary: pd.DataFrame) -> str:
+    """The summary as a markdown table: average accuracy, gap to the experts closed (from TA
+    and from the method's merger), KL, agreement, added numbers per task, overhead, seconds."""
+    head = [
+        "method",
+        "avg acc",
+        "gap closed (vs TA)",
+        "gap closed (vs merger)",
+        "KL",
+        "top-1 agr.",
+        "added per task (trained / stored)",
+        "overhead",
+        "merge s",
+        "calib s",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+
+    def pct(v: float, fmt: str = "{:.1f}") -> str:
+        return "" if pd.isna(v) else fmt.format(v)
+
+    for r in summary.itertuples():
+        ref = not r.merger
+        added = "" if ref else f"{int(r.added_trained):,} / {int(r.added_stored):,} ({100 * r.added_fraction:.1f}%)"
+        cells = [
+            r.method,
+            f"{r.accuracy:.1f}",
+            pct(r.gap_closed),
+            pct(r.gap_closed_vs_merger),
+            f"{r.kl:.3f}",
+            f"{r.agreement:.1f}",
+            added,
+            "" if ref else f"{100 * r.overhead:+.0f}%",
+            "" if ref else f"{r.merge_seconds:.1f}",
+            "" if ref or not r.calibrator else f"{r.calib_seconds:.1f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

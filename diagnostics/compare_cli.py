@@ -1,0 +1,126 @@
+"""``featcal compare``: run several merging / calibration methods on a zoo, print the results
+table and write the tidy tables (CSV) and figures (HTML) to ``--out``.
+
+    featcal compare --zoo demo --methods ta,ties,iso_c,ta+featcal,ta+escal --param escal.epochs=50 --out out/cmp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+from diagnostics import compare as cmp
+from featcal.cli_common import UserError, _parse_value, add_common, add_zoo, check_out, zoo_from_args
+
+DEFAULT_METHODS = "ta,ties,iso_c,regmean_plusplus,ta+featcal,iso_c+featcal,ta+escal,ta+surgery,ta+surgery_v2"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Declare the ``compare`` options on ``p``."""
+    add_zoo(p)
+    p.add_argument(
+        "--methods",
+        default=DEFAULT_METHODS,
+        help="comma-separated: a merger (ta, ties, iso_c, regmean_plusplus, ...), optionally +featcal, "
+        f"+escal, +surgery or +surgery_v2 (default: {DEFAULT_METHODS})",
+    )
+    p.add_argument("--n", type=int, default=64, help="calibration examples per task (calib split; default 64)")
+    p.add_argument("--seed", type=int, default=42, help="seed of the calibration draw")
+    p.add_argument(
+        "--param",
+        action="append",
+        metavar="NAME.KEY=VALUE",
+        help="a merger's or calibrator's parameter, e.g. ta.scale=0.3, featcal.lam=0.01, escal.epochs=50, "
+        "surgery_v2.steps=250 (repeatable)",
+    )
+    p.add_argument("--max-test", type=int, default=None, help="test examples per task (default: all)")
+    p.add_argument("--drift-n", type=int, default=64, help="test examples per task for the drift per block")
+    p.add_argument("--repeats", type=int, default=5, help="timed forward passes for the overhead (median)")
+    p.add_argument("--out", default=None, help="write the tables (CSV) and figures (HTML) here (must not exist)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out")
+    add_common(p)
+    return p
+
+
+def parse_params(items: list[str] | None) -> tuple[dict, dict]:
+    """``["ta.scale=0.3", "escal.epochs=5"]`` -> (merger params, calibrator params)."""
+    mergers: dict[str, dict] = {}
+    cals: dict[str, dict] = {}
+    for item in items or []:
+        name, dot, rest = item.partition(".")
+        key, eq, value = rest.partition("=")
+        if not dot or not eq or not key:
+            raise UserError(f"--param {item!r}: write NAME.KEY=VALUE, e.g. escal.epochs=50 or ta.scale=0.3.")
+        name = name.lower()
+        if name in cmp.CALIBRATORS:
+            cals.setdefault(name, {})[key] = _parse_value(value)
+        else:
+            try:
+                merger, _ = cmp.parse_method(name)
+            except ValueError as e:
+                raise UserError(f"--param {item!r}: {e}") from None
+            mergers.setdefault(merger, {})[key] = _parse_value(value)
+    return mergers, cals
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.out:
+        check_out(args.out, args.force)
+    methods = [m for m in args.methods.split(",") if m.strip()]
+    try:
+        for m in methods:
+            cmp.parse_method(m)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    merger_params, cal_params = parse_params(args.param)
+    try:
+        cmp.check_params(merger_params, cal_params)
+    except ValueError as e:
+        raise UserError(f"--param: {e}") from None
+    zoo = zoo_from_args(args)
+    result = cmp.compare(
+        zoo,
+        methods,
+        n=args.n,
+        seed=args.seed,
+        merger_params=merger_params,
+        calibrator_params=cal_params,
+        max_test=args.max_test,
+        drift_n=args.drift_n,
+        repeats=args.repeats,
+        progress=not args.quiet,
+    )
+    print(cmp.markdown(result.summary))
+    print(
+        f"\nzoo {zoo.name}: {len(zoo.tasks)} tasks; {args.n} calibration examples per task (seed {args.seed}); "
+        f"test split{'' if args.max_test is None else f' (first {args.max_test} per task)'}; gap closed = "
+        "100 (acc - start) / (experts - start) from TA or from the method's merger; added numbers per task; "
+        "overhead: measured forward time with the added modules over without, minus 1 (0 for no module)."
+    )
+    if args.out:
+        write(result, Path(args.out), args.force)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def write(result: cmp.Comparison, out: Path, force: bool) -> None:
+    """The tables as CSV, the settings as JSON and the figures in one HTML file, written to a
+    temporary folder first and then moved to ``out`` (no half-written output)."""
+    from diagnostics import compare_figures as figs
+
+    check_out(str(out), force)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in ("summary", "accuracy", "output", "drift"):
+        getattr(result, name).to_csv(tmp / f"{name}.csv", index=False)
+    (tmp / "settings.json").write_text(json.dumps(result.settings, indent=2, default=str))
+    figures = [figs.accuracy_bars(result.accuracy), figs.output_scatter(result.summary)]
+    figures += [figs.drift_lines(result.drift, t) for t in dict.fromkeys(result.drift["task"])]
+    html = [f.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figures)]
+    (tmp / "figures.html").write_text("<html><body>\n" + "\n".join(html) + "\n</body></html>\n")
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)

@@ -1,0 +1,45 @@
+"""``featcal compare`` end to end on a tiny zoo directory."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from featcal import cli
+from featcal.zoo import load_any
+from featcal.zoo.scores import expert_accuracies
+
+
+def _run(capsys, *argv):
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_compare_prints_the_table_and_writes_csvs(tiny_zoo_dir, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    argv = ["compare", "--zoo", tiny_zoo_dir, "--methods", "ta,ta+featcal,ta+surgery", "--n", "16"]
+    argv += ["--param", "surgery.steps=2", "--param", "ta.scale=0.4", "--out", str(out), "-q"]
+    rc, stdout, _ = _run(capsys, *argv)
+    assert rc == 0
+    for method in ("| experts |", "| base |", "| ta |", "| ta+featcal |", "| ta+surgery |"):
+        assert method in stdout
+    summary = pd.read_csv(out / "summary.csv")
+    assert summary["method"].tolist() == ["experts", "base", "ta", "ta+featcal", "ta+surgery"]
+    acc = pd.read_csv(out / "accuracy.csv")
+    experts = acc[acc["method"] == "experts"].set_index("task")["accuracy"].to_dict()
+    zoo = load_any(tiny_zoo_dir)
+    assert experts == expert_accuracies(zoo)
+    assert {"drift.csv", "output.csv", "settings.json", "figures.html"} <= {p.name for p in out.iterdir()}
+    assert '"scale": 0.4' in (out / "settings.json").read_text()
+
+    rc, _, err = _run(capsys, *argv)  # the same --out again: refused before any work
+    assert rc == 2 and "already exists" in err and "--force" in err
+
+
+def test_compare_names_a_bad_method(tiny_zoo_dir, capsys):
+    rc, _, err = _run(capsys, "compare", "--zoo", tiny_zoo_dir, "--methods", "ta,ta+featcall", "-q")
+    assert rc == 2 and "unknown calibrator 'featcall'" in err
+    rc, _, err = _run(capsys, "compare", "--zoo", tiny_zoo_dir, "--methods", "ta", "--param", "epochs=3", "-q")
+    assert rc == 2 and "NAME.KEY=VALUE" in err
+    rc, _, err = _run(capsys, "compare", "--zoo", tiny_zoo_dir, "--methods", "ta+surgery", "--param", "surgery.step=2")
+    assert rc == 2 and "surgery takes no parameter 'step'" in err and "steps" in err
