@@ -179,8 +179,10 @@ def run_tune(args: argparse.Namespace) -> int:
     info = res.to_dict()
     figs = _figures()
     if figs is not None:
-        figs.sweep_parallel(res.table, res.score).write_html(out / "sweep_parallel.html", include_plotlyjs="cdn")
-        figs.sweep_heatmap(res.table, score=res.score).write_html(out / "sweep_heatmap.html", include_plotlyjs="cdn")
+        figs.sweep_parallel(res.table, res.score).write_html(out / "sweep_parallel.html", include_plotlyjs="directory")
+        figs.sweep_heatmap(res.table, score=res.score).write_html(
+            out / "sweep_heatmap.html", include_plotlyjs="directory"
+        )
     b = res.best
     print(
         f"{len(res.table)} points previewed, {int(res.table.confirmed.sum())} exact runs, {res.seconds:.1f} s "
@@ -274,7 +276,7 @@ def run_study(args: argparse.Namespace) -> int:
     rows.to_csv(out / "rows.csv", index=False)
     summary.to_csv(out / "summary.csv", index=False)
     if fig is not None:
-        fig.write_html(out / f"{name}.html", include_plotlyjs="cdn")
+        fig.write_html(out / f"{name}.html", include_plotlyjs="directory")
     print(f"{name}: test accuracy (%), task average, mean and std over seeds\n")
     print(to_markdown(summary))
     print(f"\nwrote {out}/")

@@ -7,7 +7,7 @@ session's server, so adding a method runs only that one.
 import pandas as pd
 import streamlit as st
 
-from app import compute, state, workers
+from app import compute, figures, state, workers
 from diagnostics import compare as cmp
 from diagnostics import compare_figures as figs
 from featcal.merging import MERGERS
@@ -121,22 +121,20 @@ acc_tab, out_tab, drift_tab = st.tabs(["Accuracy per task", "Output drift", "Dri
 with acc_tab:
     fig = figs.accuracy_bars(result.accuracy)
     st.plotly_chart(fig, key="cmp_acc")
-    st.download_button(
-        "Figure (HTML)", fig.to_html(include_plotlyjs="cdn"), "compare_accuracy.html", key="cmp_acc_html"
-    )
+    st.download_button("Figure (HTML)", figures.to_html(fig), "compare_accuracy.html", key="cmp_acc_html")
     table = result.accuracy.pivot(index="method", columns="task", values="accuracy").loc[summary["method"], zoo.tasks]
     st.dataframe(table.assign(avg=table.mean(axis=1)).style.format("{:.1f}"))
 with out_tab:
     fig = figs.output_scatter(summary)
     st.plotly_chart(fig, key="cmp_out")
-    st.download_button("Figure (HTML)", fig.to_html(include_plotlyjs="cdn"), "compare_output.html", key="cmp_out_html")
+    st.download_button("Figure (HTML)", figures.to_html(fig), "compare_output.html", key="cmp_out_html")
     out = result.output.pivot_table(index="method", columns=["metric", "task"], values="value")
     st.dataframe(out.loc[summary["method"]].style.format("{:.3f}"))
 with drift_tab:
     task = st.selectbox("task", zoo.tasks, key="cmp_task")
     fig = figs.drift_lines(result.drift, task)
     st.plotly_chart(fig, key="cmp_drift")
-    st.download_button("Figure (HTML)", fig.to_html(include_plotlyjs="cdn"), f"compare_drift_{task}.html")
+    st.download_button("Figure (HTML)", figures.to_html(fig), f"compare_drift_{task}.html")
     st.caption(
         "Relative drift |e|/|h_expert| of each block's output from the expert on the task's first "
         f"{result.settings['drift_n']} test examples; dotted: the local mismatch part (see the Drift page)."

@@ -256,6 +256,7 @@ def test_tune_and_study_command_lines_write_their_files(tmp_path, capsys):
         "test_report.csv",
         "sweep_parallel.html",
         "sweep_heatmap.html",
+        "plotly.min.js",  # beside the HTML figures, which then open offline
     }
     best = json.loads((out / "best.json").read_text())
     assert best["meta"]["n_calib"] == 8 and len(best["test_report"]) == 3
@@ -282,4 +283,4 @@ def test_tune_and_study_command_lines_write_their_files(tmp_path, capsys):
         )
         == 0
     )
-    assert {p.name for p in se.iterdir()} == {"rows.csv", "summary.csv", "sample_efficiency.html"}
+    assert {p.name for p in se.iterdir()} == {"rows.csv", "summary.csv", "sample_efficiency.html", "plotly.min.js"}
