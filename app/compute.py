@@ -47,6 +47,23 @@ def load_zoo(source: str, device: str):
     return load_any(source, progress=False, device=device)
 
 
+def zoo_needs_build(source: str) -> bool:
+    """Whether loading ``source`` would build a demo zoo first (no current shipped copy or cache)."""
+    from featcal.zoo import NAMES
+    from featcal.zoo.demo import needs_build
+
+    return source in NAMES and needs_build(NAMES[source])
+
+
+def build_zoo(source: str, on_step) -> None:
+    """Build the demo zoo ``source`` into the cache, reporting its
+    :class:`featcal.progress.Progress` to ``on_step`` (and bars to the server's terminal)."""
+    from featcal.zoo import NAMES
+    from featcal.zoo.demo import build_demo, demo_path
+
+    build_demo(demo_path(NAMES[source]), variant=NAMES[source], progress=True, on_step=on_step)
+
+
 SMALL_MODEL = 20_000_000  # parameters: below this, one CPU thread is fastest
 STREAMS_BYTES = 1 << 30  # the experts' drift streams are kept up to this size
 
