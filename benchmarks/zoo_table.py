@@ -3,28 +3,30 @@
     python benchmarks/zoo_table.py                      # the embedded demo zoo
     python benchmarks/zoo_table.py --zoo demo-fashion --n-per-task 128
 
+    python benchmarks/zoo_table.py --tuned 0.005,2.5,0.3   # plus a row at (lam, rho, alpha)
+
 Prints one markdown table (rows: base, experts, simple average, Task
-Arithmetic 0.3, TIES, TA + FeatCal with the CLIP preset and with the best
-setting found for the demo) with the average and the expert-normalised
-average, then the zoo's build time, size and the timings of this run.
+Arithmetic 0.3, TIES, TA + FeatCal with the CLIP preset and, with ``--tuned``,
+at the setting ``featcal tune --report`` chose) with the average and the
+expert-normalised average, the share of the Task-Arithmetic-to-experts gap that
+FeatCal closes, then the zoo's content hash, build time, size and the timings of
+this run.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's featcal, not an installed one
 import torch
 
 from featcal import FeatCalConfig, calibrate
 from featcal.zoo import load_any
 from featcal.zoo.core import evaluate
 from featcal.zoo.scores import average, expert_accuracies, normalized
-
-# The setting `featcal tune --zoo demo` chose on the demo zoo's val split (default 5 x 5 x 5
-# grid around the paper's setting, 256 calibration examples per task, seed 42; README,
-# "Automatic selection"), with the CLIP preset's switches and token weights.
-BEST = dict(lam=0.005, rho=2.5, alpha=0.3)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,6 +40,12 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=1,
         help="torch CPU threads (default 1: fastest for this small model on a shared machine)",
+    )
+    ap.add_argument(
+        "--tuned",
+        default=None,
+        help="lam,rho,alpha: add a row at this setting (the CLIP preset's switches and token weights), "
+        "e.g. the one `featcal tune --zoo demo --report` chose on the val split",
     )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -56,8 +64,12 @@ def main(argv: list[str] | None = None) -> None:
     rows["average"] = evaluate(zoo.merged("average"), zoo, split=args.split)
     rows["TA (0.3)"] = evaluate(ta, zoo, split=args.split)
     rows["TIES (0.2, 0.3)"] = evaluate(zoo.merged("ties", density=0.2, scale=0.3), zoo, split=args.split)
-    best = "TA + FeatCal (tuned on val: " + ", ".join(f"{k}={v:g}" for k, v in BEST.items()) + ")"
-    for name, cfg in (("TA + FeatCal (CLIP preset)", FeatCalConfig.clip()), (best, FeatCalConfig.clip(**BEST))):
+    settings = [("TA + FeatCal (CLIP preset)", FeatCalConfig.clip())]
+    if args.tuned:
+        tuned = dict(zip(("lam", "rho", "alpha"), (float(v) for v in args.tuned.split(","))))
+        name = "TA + FeatCal (tuned on val: " + ", ".join(f"{k}={v:g}" for k, v in tuned.items()) + ")"
+        settings.append((name, FeatCalConfig.clip(**tuned)))
+    for name, cfg in settings:
         t0 = time.perf_counter()
         model, _ = calibrate(ta, base=zoo.base, experts=zoo.experts, calib_data=data, config=cfg, progress=False)
         timings[f"calibrate {name}"] = time.perf_counter() - t0
@@ -65,7 +77,13 @@ def main(argv: list[str] | None = None) -> None:
 
     print(_table(rows, rows["experts"]))
     print()
+    ta_avg, expert_avg = average(rows["TA (0.3)"]), average(rows["experts"])
+    for name, _ in settings:
+        closed = (average(rows[name]) - ta_avg) / (expert_avg - ta_avg)
+        print(f"- {name} closes {100 * closed:.0f}% of the gap from Task Arithmetic to the experts")
     meta = zoo.meta
+    if "content_sha256" in meta:
+        print(f"- zoo content sha256 {meta['content_sha256'][:16]}, at {meta.get('path', '?')}")
     facts = [
         f"zoo {zoo.name}: {len(zoo.tasks)} tasks, {args.split} split, "
         f"FeatCal on {args.n_per_task} calibration examples per task (seed {args.seed})"
