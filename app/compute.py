@@ -47,12 +47,21 @@ def load_zoo(source: str, device: str):
     return load_any(source, progress=False, device=device)
 
 
+_READY: set[str] = set()  # demo zoos found loadable without a build (checked once per process)
+
+
 def zoo_needs_build(source: str) -> bool:
-    """Whether loading ``source`` would build a demo zoo first (no current shipped copy or cache)."""
+    """Whether loading ``source`` would build a demo zoo first (no current shipped copy or cache).
+    A "no" is remembered: the check hashes the shipped files (about 0.1 s), too slow for every rerun."""
     from featcal.zoo import NAMES
     from featcal.zoo.demo import needs_build
 
-    return source in NAMES and needs_build(NAMES[source])
+    if source not in NAMES or source in _READY:
+        return False
+    if needs_build(NAMES[source]):
+        return True
+    _READY.add(source)
+    return False
 
 
 def build_zoo(source: str, on_step) -> None:
