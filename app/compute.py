@@ -47,6 +47,32 @@ def load_zoo(source: str, device: str):
     return load_any(source, progress=False, device=device)
 
 
+_READY: set[str] = set()  # demo zoos found loadable without a build (checked once per process)
+
+
+def zoo_needs_build(source: str) -> bool:
+    """Whether loading ``source`` would build a demo zoo first (no current shipped copy or cache).
+    A "no" is remembered: the check hashes the shipped files (about 0.1 s), too slow for every rerun."""
+    from featcal.zoo import NAMES
+    from featcal.zoo.demo import needs_build
+
+    if source not in NAMES or source in _READY:
+        return False
+    if needs_build(NAMES[source]):
+        return True
+    _READY.add(source)
+    return False
+
+
+def build_zoo(source: str, on_step) -> None:
+    """Build the demo zoo ``source`` into the cache, reporting its
+    :class:`featcal.progress.Progress` to ``on_step`` (and bars to the server's terminal)."""
+    from featcal.zoo import NAMES
+    from featcal.zoo.demo import build_demo, demo_path
+
+    build_demo(demo_path(NAMES[source]), variant=NAMES[source], progress=True, on_step=on_step)
+
+
 SMALL_MODEL = 20_000_000  # parameters: below this, one CPU thread is fastest
 STREAMS_BYTES = 1 << 30  # the experts' drift streams are kept up to this size
 

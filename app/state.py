@@ -39,7 +39,10 @@ device = compute.device
 # ============================================================================ 1. the zoo
 
 
-@st.cache_resource(max_entries=2, show_spinner="Loading the zoo (the demo builds offline on first use, ~3 min)…")
+_BUILD = threading.Lock()  # one zoo build at a time; other sessions wait for it
+
+
+@st.cache_resource(max_entries=2, show_spinner="Loading the zoo…")
 def _zoo(source: str, dev: str):
     zoo = compute.load_zoo(source, dev)
     for alone in (False, True):
@@ -53,9 +56,23 @@ def zoo_or_error(source: str) -> tuple[object | None, str | None]:
     if not source:
         return None, "No zoo selected. Fix: enter the path of a zoo spec YAML (or pick the embedded demo)."
     try:
+        if compute.zoo_needs_build(source):
+            _build_with_progress(source)
         return _zoo(source, device()), None
     except Exception as exc:  # shown to the user, never as a traceback
         return None, compute.explain_load_error(source, exc)
+
+
+def _build_with_progress(source: str) -> None:
+    """Build the demo zoo ``source`` with a progress bar on the page (stage, step, time left)."""
+    box = st.empty()
+    with box.container():
+        st.info(f"Building the `{source}` zoo offline: first use on this machine, cached afterwards.")
+        progress = st.progress(0.0, text="Waiting for another session's build…" if _BUILD.locked() else "Starting…")
+    with _BUILD:
+        if compute.zoo_needs_build(source):  # another session may have built it meanwhile
+            compute.build_zoo(source, lambda p: progress.progress(p.fraction, text=p.describe()))
+    box.empty()
 
 
 def active_source() -> str:

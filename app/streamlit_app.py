@@ -1,7 +1,9 @@
 """featcal app: ``streamlit run app/streamlit_app.py`` (opens on the embedded demo zoo).
 
-1. the sidebar zoo picker loads the zoo (cached for every tab), or shows what is wrong;
-2. ``st.navigation`` lists the pages (loaded lazily: only the open page runs);
+1. ``st.navigation`` lists the pages by title (loaded lazily: only the open page runs). It
+   comes first: until it is called, Streamlit's sidebar lists the files of ``pages/``;
+2. the sidebar zoo picker loads the zoo (cached for every tab; a build shows its progress),
+   or shows what is wrong;
 3. the open page runs. Pages read the settings through :mod:`app.controls`, the zoo, models
    and tables through :mod:`app.state`.
 """
@@ -32,18 +34,18 @@ PAGES = [
 
 st.set_page_config(page_title="featcal", page_icon=":material/tune:", layout="wide")
 
-# 1. The zoo.
-st.sidebar.title("featcal")
-source = controls.zoo_picker()
-zoo, error = state.zoo_or_error(source)
-
-# 2. The pages.
+# 1. The pages.
 pages = [
     st.Page(HERE / "pages" / f, title=title, icon=icon, default=(f == "zoo.py"))
     for f, title, icon in PAGES
     if (HERE / "pages" / f).is_file()
 ]
 page = st.navigation(pages)
+
+# 2. The zoo.
+st.sidebar.title("featcal")
+source = controls.zoo_picker()
+zoo, error = state.zoo_or_error(source)
 
 # 3. The open page, once the zoo is there.
 if error is not None:

@@ -2,19 +2,26 @@
 
     python benchmarks/zoo_table.py                      # the embedded demo zoo
     python benchmarks/zoo_table.py --zoo demo-fashion --n-per-task 128
-    python benchmarks/zoo_table.py --zoo real-text --preset default --tuned none
+    python benchmarks/zoo_table.py --zoo real-text --preset default
+
+    python benchmarks/zoo_table.py --tuned 0.005,2.5,0.3   # plus a row at (lam, rho, alpha)
 
 Prints one markdown table (rows: base, experts, simple average, Task
-Arithmetic 0.3, TIES, TA + FeatCal with the CLIP preset and with the best
-setting found for the demo; ``--preset`` and ``--tuned`` change these two) with the average and the expert-normalised
-average, then the zoo's build time, size and the timings of this run.
+Arithmetic 0.3, TIES, TA + FeatCal with the ``--preset`` (default CLIP) and, with ``--tuned``,
+at the setting ``featcal tune --report`` chose) with the average and the
+expert-normalised average, the share of the Task-Arithmetic-to-experts gap that
+FeatCal closes, then the zoo's content hash, build time, size and the timings of
+this run.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's featcal, not an installed one
 import torch
 
 from featcal import FeatCalConfig, calibrate
@@ -22,10 +29,6 @@ from featcal.zoo import load_any
 from featcal.zoo.core import evaluate
 from featcal.zoo.scores import average, expert_accuracies, normalized
 
-# The setting `featcal tune --zoo demo` chose on the demo zoo's val split (default 5 x 5 x 5
-# grid around the paper's setting, 256 calibration examples per task, seed 42; README,
-# "Automatic selection"), with the CLIP preset's switches and token weights.
-BEST = dict(lam=0.005, rho=2.5, alpha=0.3)
 PRESETS = {"clip": FeatCalConfig.clip, "default": FeatCalConfig}
 
 
@@ -45,17 +48,16 @@ def main(argv: list[str] | None = None) -> None:
         "--preset",
         default="clip",
         choices=sorted(PRESETS),
-        help="FeatCal's preset: clip (FeatCalConfig.clip(), the default) or default (FeatCalConfig())",
+        help="FeatCal preset: clip (FeatCalConfig.clip(), the default) or default (FeatCalConfig(): no token weights)",
     )
     ap.add_argument(
         "--tuned",
-        default=",".join(f"{k}={v:g}" for k, v in BEST.items()),
-        help="the tuned row's lam, rho, alpha over the preset (default: the demo's), or 'none' for no such row",
+        default=None,
+        help="lam,rho,alpha: add a row at this setting (the preset's switches and token weights), "
+        "e.g. the one `featcal tune --zoo demo --report` chose on the val split",
     )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    preset = PRESETS[args.preset]
-    tuned = None if args.tuned == "none" else {k: float(v) for k, v in (kv.split("=") for kv in args.tuned.split(","))}
 
     t0 = time.perf_counter()
     zoo = load_any(args.zoo, progress=False)
@@ -71,11 +73,12 @@ def main(argv: list[str] | None = None) -> None:
     rows["average"] = evaluate(zoo.merged("average"), zoo, split=args.split)
     rows["TA (0.3)"] = evaluate(ta, zoo, split=args.split)
     rows["TIES (0.2, 0.3)"] = evaluate(zoo.merged("ties", density=0.2, scale=0.3), zoo, split=args.split)
+    preset = PRESETS[args.preset]
     settings = [(f"TA + FeatCal ({args.preset} preset)", preset())]
-    if tuned is not None:
-        settings.append(
-            ("TA + FeatCal (tuned on val: " + ", ".join(f"{k}={v:g}" for k, v in tuned.items()) + ")", preset(**tuned))
-        )
+    if args.tuned and args.tuned != "none":
+        tuned = dict(zip(("lam", "rho", "alpha"), (float(v) for v in args.tuned.split(","))))
+        name = "TA + FeatCal (tuned on val: " + ", ".join(f"{k}={v:g}" for k, v in tuned.items()) + ")"
+        settings.append((name, preset(**tuned)))
     for name, cfg in settings:
         t0 = time.perf_counter()
         model, _ = calibrate(ta, base=zoo.base, experts=zoo.experts, calib_data=data, config=cfg, progress=False)
@@ -84,7 +87,13 @@ def main(argv: list[str] | None = None) -> None:
 
     print(_table(rows, rows["experts"]))
     print()
+    ta_avg, expert_avg = average(rows["TA (0.3)"]), average(rows["experts"])
+    for name, _ in settings:
+        closed = (average(rows[name]) - ta_avg) / (expert_avg - ta_avg)
+        print(f"- {name} closes {100 * closed:.0f}% of the gap from Task Arithmetic to the experts")
     meta = zoo.meta
+    if "content_sha256" in meta:
+        print(f"- zoo content sha256 {meta['content_sha256'][:16]}, at {meta.get('path', '?')}")
     facts = [
         f"zoo {zoo.name}: {len(zoo.tasks)} tasks, {args.split} split, "
         f"FeatCal on {args.n_per_task} calibration examples per task (seed {args.seed})"

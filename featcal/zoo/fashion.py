@@ -18,13 +18,14 @@ import glob
 import gzip
 import os
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 
-from featcal.progress import bar
+from featcal.progress import Progress, Tracker
 from featcal.zoo.core import Zoo
-from featcal.zoo.demo_recipe import Recipe, finetune, fit_head, per_class, train_minus_val
+from featcal.zoo.demo_recipe import HEAD_WORK, Recipe, finetune, make_head, train_minus_val
 from featcal.zoo.store import read_arrays
 
 APT_PACKAGE = "dataset-fashion-mnist"
@@ -112,20 +113,30 @@ def make_fashion_arrays(
     return out
 
 
-def build_fashion_parts(recipe: Recipe, default: Zoo, progress: bool = True, device="cpu") -> dict:
+def build_fashion_parts(
+    recipe: Recipe,
+    default: Zoo,
+    progress: bool = True,
+    device="cpu",
+    on_step: Callable[[Progress], None] | None = None,
+) -> dict:
     """The ``default`` demo zoo plus the Fashion-MNIST experts, as the keyword arguments of
-    :func:`featcal.zoo.store.write_zoo_dir` (``default``'s base is moved to ``device`` and back)."""
+    :func:`featcal.zoo.store.write_zoo_dir` (``default``'s base is moved to ``device`` and back;
+    ``progress`` and ``on_step`` as in :func:`featcal.zoo.demo_recipe.build_parts`)."""
     new = make_fashion_arrays(recipe.n_train, recipe.n_calib, recipe.n_val, recipe.n_test, seed=recipe.seed)
     arrays = read_arrays(default.meta["path"])
     classes = {t: list(default.data[t].classes) for t in default.tasks}
     heads, experts = dict(default.heads), dict(default.experts)
     torch.manual_seed(recipe.seed + 7)
-    for i, task in enumerate(bar(TASK_NAMES, desc="fashion experts", show=progress)):
+    track = Tracker(len(TASK_NAMES) * (HEAD_WORK + recipe.finetune_steps), on_step=on_step, show=progress)
+    for i, task in enumerate(TASK_NAMES):
         classes[task] = list(CLASSES if task == "fashion" else GROUPS)
         x, y = train_minus_val(new[task], device)
         base = default.base.to(device)
-        heads[task] = fit_head(base, *per_class(x, y, recipe.head_shots), len(classes[task])).cpu()
-        experts[task] = finetune(base, heads[task].to(device), x, y, recipe, seed=recipe.seed + 200 + i).cpu()
+        heads[task] = make_head(recipe, base, x, y, len(classes[task])).cpu()
+        track.advance(HEAD_WORK)
+        seed = recipe.seed + 200 + i
+        experts[task] = finetune(base, heads[task].to(device), x, y, recipe, seed, track=track, task=task).cpu()
         default.base.cpu()
         arrays[task] = {s: new[task][s] for s in ("calib", "val", "test")}
     meta = {k: v for k, v in default.meta.items() if k in ("demo_version", "recipe", "recipe_sha256", "torch")}

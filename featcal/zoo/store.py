@@ -3,7 +3,8 @@
 ::
 
     <zoo>/meta.json              kind, tasks and classes, pixel transform, content hash, build facts
-    <zoo>/base/                  the pretrained model (``save_pretrained``, safetensors)
+    <zoo>/base/                  the pretrained model (``save_pretrained``, safetensors; float16
+                                 when ``meta["storage_dtype"]`` says so, loaded back as float32)
     <zoo>/experts/<task>/        one fine-tuned expert per task (same format)
     <zoo>/heads.safetensors      ``<task>.weight`` (classes, d) and ``<task>.bias`` (classes,)
     <zoo>/data.npz               ``<task>/<split>/x`` (n, H, W, 3) uint8, ``<task>/<split>/y`` (n,) int64
@@ -18,6 +19,7 @@ be passed where a zoo name is expected (``featcal eval --zoo DIR``).
 
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import io
 import json
@@ -93,20 +95,25 @@ def write_zoo_dir(
     extra_meta: dict | None = None,
     force: bool = False,
     tokenizer=None,
+    storage_dtype: str = "float32",
 ) -> Path:
     """Write a zoo atomically (see the module docstring for the layout).
 
     ``arrays[task][split] = (images uint8 (n, H, W, 3), labels int64 (n,))``, or for a
     text zoo ``(TokenRows, labels)`` (then pass the ``tokenizer`` the ids come from).
+    ``storage_dtype="float16"`` stores the models at half the size (the loader casts
+    them back to float32, so the loaded zoo *is* the rounded one; heads stay float32).
     """
     from safetensors.torch import save_file
 
     if features not in FEATURES:
         raise ValueError(f"unknown feature reader {features!r}; choose one of {sorted(FEATURES)}.")
+    if storage_dtype not in STORAGE_DTYPES:
+        raise ValueError(f"unknown storage_dtype {storage_dtype!r}; choose one of {sorted(STORAGE_DTYPES)}.")
     with atomic_dir(path, force=force) as tmp, quiet_transformers():
-        base.save_pretrained(tmp / "base", safe_serialization=True)
+        _save_model(base, tmp / "base", storage_dtype)
         for task, model in experts.items():
-            model.save_pretrained(tmp / "experts" / task, safe_serialization=True)
+            _save_model(model, tmp / "experts" / task, storage_dtype)
         save_file(
             {f"{t}.{k}": v.detach().contiguous().float() for t, h in heads.items() for k, v in h.state_dict().items()},
             str(tmp / "heads.safetensors"),
@@ -131,6 +138,7 @@ def write_zoo_dir(
             "fmt": "hf",
             "model_class": type(base).__name__,
             "features": features,
+            "storage_dtype": storage_dtype,
             **({"inputs": "tokens"} if tokenizer is not None else {"pixels": {"mean": 0.5, "std": 0.5}}),
             "tasks": {
                 t: {"classes": list(classes[t]), "sizes": {s: int(len(arrays[t][s][1])) for s in arrays[t]}}
@@ -144,6 +152,17 @@ def write_zoo_dir(
         }
         (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
     return Path(path)
+
+
+STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+def _save_model(model: nn.Module, path: Path, storage_dtype: str) -> None:
+    """``save_pretrained`` (safetensors) in ``storage_dtype``; ``model`` itself is not changed."""
+    dtype = STORAGE_DTYPES[storage_dtype]
+    if next(model.parameters()).dtype != dtype:
+        model = copy.deepcopy(model).to(dtype)
+    model.save_pretrained(path, safe_serialization=True)
 
 
 def save_npz(path: str | os.PathLike, arrays: Mapping[str, np.ndarray]) -> None:
@@ -202,8 +221,8 @@ def read_zoo_dir(path: str | os.PathLike, verify: bool = True) -> Zoo:
     cls = getattr(transformers, meta["model_class"])
     kw = {"use_safetensors": True, **meta.get("model_kwargs", {})}  # e.g. a BertModel without its pooler
     with quiet_transformers():
-        base = cls.from_pretrained(path / "base", **kw).eval()
-        experts = {t: cls.from_pretrained(path / "experts" / t, **kw).eval() for t in meta["tasks"]}
+        base = _load_model(cls, path / "base", meta, kw)
+        experts = {t: _load_model(cls, path / "experts" / t, meta, kw) for t in meta["tasks"]}
     heads = _read_heads(load_file(str(path / "heads.safetensors")), meta["tasks"])
     pix = meta.get("pixels", {"mean": 0.5, "std": 0.5})
     data: dict[str, TaskData] = {}
@@ -236,6 +255,14 @@ def _inputs(npz, key: str, meta: dict, pix: dict):
     if meta.get("inputs") == "tokens":
         return TokenRows(torch.from_numpy(npz[f"{key}/x"]).long(), torch.from_numpy(npz[f"{key}/mask"]).long())
     return to_pixels(npz[f"{key}/x"], pix["mean"], pix["std"])
+
+
+def _load_model(cls, path: Path, meta: dict, kw: dict) -> nn.Module:
+    """A stored model in eval mode, cast back to float32 if it was stored in float16."""
+    model = cls.from_pretrained(path, **kw)
+    if meta.get("storage_dtype", "float32") != "float32":
+        model = model.float()
+    return model.eval()
 
 
 def read_arrays(path: str | os.PathLike) -> dict[str, dict[str, tuple[np.ndarray, np.ndarray]]]:

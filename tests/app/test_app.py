@@ -528,3 +528,23 @@ def test_small_models_pair_work_on_one_thread_each_and_run_alone_on_every_core(t
     assert compute.cpu_threads(zoo, "cpu") == compute.cpu_threads(zoo, "cpu", alone=True) == 2
     monkeypatch.setenv("FEATCAL_APP_THREADS", "3")  # the user's choice wins for both
     assert compute.cpu_threads(zoo, "cpu") == compute.cpu_threads(zoo, "cpu", alone=True) == 3
+
+
+def test_a_zoo_build_reports_its_progress_on_the_page(monkeypatch):
+    """When the demo zoo must be built, the app builds it with a progress callback (drawn as
+    st.progress with the stage, step and time left) before loading it."""
+    from app import compute
+    from featcal.progress import Progress
+
+    calls = []
+
+    def fake_build(source, on_step):
+        for step in range(3):
+            on_step(Progress("pretrain the base", step, 2, step / 2, 1.0 + step, 10.0 - step))
+        calls.append(source)
+
+    monkeypatch.setattr(compute, "zoo_needs_build", lambda source: not calls)
+    monkeypatch.setattr(compute, "build_zoo", fake_build)
+    at = _ok(_app().run())
+    assert calls == ["demo"]  # built once, then loaded (from the shipped copy)
+    assert any(m.label == "merged, mean accuracy" for m in at.metric)
