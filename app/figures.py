@@ -350,8 +350,8 @@ def drift_difference_heatmap(
     return _heatmap(diff, title, f"Δ {label(metric)}", trace, fmt="+.4f")
 
 
-def block_by_task(frames: dict[str, pd.DataFrame], block: int, metric: str = "drift_rel") -> go.Figure:
-    """Drill-down at one block: ``metric`` per task, one bar group per model."""
+def _task_bars(frames: dict[str, pd.DataFrame], metric: str, block: int, hover: str) -> list[dict]:
+    """One bar trace per model: its ``metric`` per task at ``block`` (tidy tables)."""
     data = []
     for name, df in frames.items():
         sel = df[(df.metric == metric) & (df.block == block)]
@@ -362,9 +362,15 @@ def block_by_task(frames: dict[str, pd.DataFrame], block: int, metric: str = "dr
                 "y": sel.value.tolist(),
                 "name": name,
                 "marker": {"color": COLORS.get(name)},
-                "hovertemplate": "%{x}<br>" + label(metric) + " %{y:.4f}<extra>" + name + "</extra>",
+                "hovertemplate": "%{x}<br>" + hover + " %{y:.4f}<extra>" + name + "</extra>",
             }
         )
+    return data
+
+
+def block_by_task(frames: dict[str, pd.DataFrame], block: int, metric: str = "drift_rel") -> go.Figure:
+    """Drill-down at one block: ``metric`` per task, one bar group per model."""
+    data = _task_bars(frames, metric, block, label(metric))
     return _figure(
         data,
         {
@@ -470,19 +476,7 @@ def task_vector_bars(tables: dict[str, pd.DataFrame], block: int, title: str) ->
     """Per task, the cosine of each model's displacement ``theta - theta_0`` with the expert's
     task vector at ``block`` (-1: whole model), one bar group per model (``tables``:
     ``{model name: diagnostics.task_vector_cosine table}``)."""
-    data = []
-    for name, tv in tables.items():
-        sel = tv[(tv.metric == "task_vector_cosine") & (tv.block == block)]
-        data.append(
-            {
-                "type": "bar",
-                "x": sel.task.tolist(),
-                "y": sel.value.tolist(),
-                "name": name,
-                "marker": {"color": COLORS.get(name)},
-                "hovertemplate": "%{x}<br>task-vector cosine %{y:.4f}<extra>" + name + "</extra>",
-            }
-        )
+    data = _task_bars(tables, "task_vector_cosine", block, "task-vector cosine")
     return _figure(
         data,
         {"title": _title(title), "barmode": "group", "yaxis": _axis("cos(θ − θ₀, τ_task)", rangemode="tozero")},

@@ -12,7 +12,7 @@ from featcal.arch import resolve_blocks
 from featcal.calibrator_modules import Bridge, SurgeryAdapter, escal_weights
 from featcal.streams import call_model
 from featcal.validate import check_same_params
-from tiny import perturbed, state_snapshot, zoo
+from tiny import perturbed, state_snapshot, tiny_llama, zoo
 
 TOY_PROJ = dict(qkv=("proj",), mlp_out="fc2")  # the toy block's token mixer stands in for q/k/v
 METHODS = ("escal", "surgery", "surgery_v2")
@@ -224,19 +224,7 @@ def test_measure_overhead_times_the_model_with_and_without_the_modules():
 
 def _tiny_llama():
     """A tiny Llama (grouped-query attention), token ids padded at the end of some rows."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    base = LlamaForCausalLM(cfg).eval()
+    base = tiny_llama()
     experts = {t: perturbed(base, 0.05, i) for i, t in enumerate("ab")}
     merged = copy.deepcopy(base)
     sds = {t: m.state_dict() for t, m in experts.items()}

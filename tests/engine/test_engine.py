@@ -286,19 +286,7 @@ def test_report_lists_every_module_with_time_and_residuals():
 def test_llama_blocks_with_keyword_arguments_and_padding():
     """The generic path: blocks get position embeddings and masks as keyword arguments;
     padding tokens (attention_mask 0) are left out of the statistics."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    base = LlamaForCausalLM(cfg).eval()
+    base = tiny.tiny_llama()
     experts = {t: tiny.perturbed(base, 0.02, i) for i, t in enumerate("ab")}
     ids = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(4, 16, dtype=torch.long)

@@ -68,19 +68,7 @@ def _padded_zoo():
 def _llama_zoo():
     """A tiny Llama: blocks called with position embeddings and masks as keyword arguments,
     token ids padded at the end of some sequences."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    base = LlamaForCausalLM(cfg).eval()
+    base = tiny.tiny_llama()
     experts = {t: tiny.perturbed(base, 0.02, i) for i, t in enumerate("ab")}
     gen = torch.Generator().manual_seed(1)
     data = {}

@@ -105,19 +105,7 @@ def test_regmean_solves_the_least_squares_merge():
 
 def _llama(pad: int):
     """A tiny Llama zoo, its batches right-padded by ``pad`` tokens of random ids (mask 0)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    base = LlamaForCausalLM(cfg).eval()
+    base = tiny.tiny_llama()
     experts = {t: tiny.perturbed(base, 0.02, i) for i, t in enumerate("ab")}
     gen = torch.Generator().manual_seed(1)
     data = {}
