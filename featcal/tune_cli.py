@@ -92,14 +92,24 @@ def _common(p: argparse.ArgumentParser) -> None:
     add_common(p)
 
 
+PRESETS = {"clip": FeatCalConfig.clip, "default": FeatCalConfig}
+
+
 def _featcal_config(args):
-    return FeatCalConfig.clip(lam=args.lam, rho=args.rho, alpha=args.alpha)
+    return PRESETS[args.preset](lam=args.lam, rho=args.rho, alpha=args.alpha)
 
 
 def _anchor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lam", type=float, default=0.05, help="lambda of the anchor / studied setting (paper CLIP: 0.05)")
     p.add_argument("--rho", type=float, default=2.0, help="rho of the anchor / studied setting (paper CLIP: 2.0)")
     p.add_argument("--alpha", type=float, default=0.3, help="alpha of the anchor / studied setting (paper CLIP: 0.3)")
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="clip",
+        help="switches and token weights: clip (the CLIP preset's last-block token weights, default) or "
+        "default (FeatCalConfig(): no token weights, e.g. for mean-pooled text models)",
+    )
 
 
 # ------------------------------------------------------------------ featcal tune
