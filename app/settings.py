@@ -47,7 +47,7 @@ MERGE_PARAMS = {
 # What more calibration examples give on the embedded demo zoo: exact FeatCal at the default
 # setting on Task Arithmetic (0.3), mean accuracy gain in points over the merged model on the live
 # test subset, and the exact result's CPU seconds (benchmarks/README.md, 'Default calibration size').
-DEMO_N_GAINS = {8: (7.4, 0.38), 16: (10.0, 0.50), 32: (10.3, 0.74), 64: (10.6, 1.18)}
+DEMO_N_GAINS = {8: (7.4, 0.34), 16: (8.6, 0.43), 32: (8.9, 0.67), 64: (9.4, 1.00)}
 CAL_DEFAULTS = dict(log_lam=-1.3, rho=2.0, alpha=0.3, n_cal=DEFAULT_N, bias=True, layernorm=True)
 
 
