@@ -16,10 +16,13 @@ Two ways to start it:
 - `make app`: `git clone` of this checkout's HEAD (what is committed) into a temporary
   directory, then `make -o venv app` there with this environment as `VENV` (an existing
   venv, left untouched: a fresh one's pip install takes minutes and is not what this
-  measures). The clone's time is reported apart.
+  measures). The clone's time is reported apart;
+- `make app, fresh venv` (``--fresh-venv``, one run): a fresh clone and a plain `make app`, which
+  creates `.venv` and installs `requirements.txt` first: install -> first page.
 
     python benchmarks/first_run.py                  # 3 runs of each
     python benchmarks/first_run.py --runs 1 --no-make
+    python benchmarks/first_run.py --runs 1 --no-make --fresh-venv   # install -> first page, once
 
 Target (issue 19): the first page within 30 s of the server starting.
 """
@@ -76,6 +79,8 @@ def one_run(browser, how: str, workdir: Path, timeout_s: float = 600) -> dict[st
     if how == "make":
         venv = Path(sys.executable).parents[1]
         cmd = ["make", "-o", "venv", "app", f"VENV={venv}", f"PORT={port}"]
+    elif how == "make-fresh":  # the clone's own new .venv: pip install first
+        cmd = ["make", "app", f"PORT={port}"]
     else:
         cmd = [sys.executable, "-m", "streamlit", "run", "app/streamlit_app.py"]
         cmd += ["--server.address", "127.0.0.1", "--server.port", str(port)]
@@ -117,6 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--no-make", action="store_true", help="skip the `make app` from a fresh clone")
+    ap.add_argument(
+        "--fresh-venv", action="store_true", help="also one `make app` creating its own venv (install -> page)"
+    )
     args = ap.parse_args(argv)
     if CHROMIUM is None:
         sys.exit("Debian chromium is not installed (apt-get install -y chromium).")
@@ -127,11 +135,14 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_make:
         clone, clone_s = fresh_clone()
         ways.append(("make app (fresh clone, existing venv)", "make", clone))
+    if args.fresh_venv:
+        clone_fresh, _ = fresh_clone()
+        ways.append(("make app (fresh clone, fresh venv: install included)", "make-fresh", clone_fresh))
     rows = []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         for label, how, workdir in ways:
-            runs = [one_run(browser, how, workdir) for _ in range(args.runs)]
+            runs = [one_run(browser, how, workdir) for _ in range(1 if how == "make-fresh" else args.runs)]
             row = {"start": label, "runs": len(runs)}
             for key in ("server up", "first page", "page idle"):
                 xs = [r[key] for r in runs]
