@@ -51,7 +51,7 @@ from featcal.streams import (
     device_of,
     run_block,
 )
-from featcal.validate import batch_len, check_same_params, check_tasks
+from featcal.validate import architecture, batch_len, check_same_params, check_tasks
 
 COLUMNS = ["task", "block", "metric", "value"]
 
@@ -428,8 +428,9 @@ def drift_table(
     if tokens not in TOKENS:
         raise ValueError(f"tokens={tokens!r}; choose one of {TOKENS}.")
     tasks = check_tasks(experts, data, name="data")
+    model_arch = architecture(model)  # read once for every expert
     for t in tasks:
-        check_same_params(model, experts[t], f"expert {t!r}")
+        check_same_params(model, experts[t], f"expert {t!r}", model_arch)
     path, blks = resolve_blocks(model, blocks)
     eblks = {t: resolve_blocks(experts[t], path)[1] for t in tasks}
     for cache, name, fix in (

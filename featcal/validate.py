@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping
 
 import torch
@@ -41,11 +42,13 @@ def _same_params(ref: dict, oth: dict, role: str) -> None:
         raise ValueError(f"{role} has a parameter {extra!r} that the merged model lacks.")
 
 
-def check_same_params(reference: nn.Module, other: nn.Module, role: str) -> None:
+def check_same_params(
+    reference: nn.Module, other: nn.Module, role: str, reference_arch: Architecture | None = None
+) -> None:
     """``other`` must have the merged model's parameter names and shapes, and its architecture
-    where shapes cannot tell (:func:`check_same_architecture`)."""
+    where shapes cannot tell (:func:`check_same_architecture`; ``reference_arch`` as there)."""
     _same_params(dict(reference.named_parameters()), dict(other.named_parameters()), role)
-    check_same_architecture(reference, other, role)
+    check_same_architecture(reference, other, role, reference_arch)
 
 
 # Config fields that do not change what the model computes in eval mode: names and paths,
@@ -120,37 +123,54 @@ def _plain(v) -> bool:
     return isinstance(v, (bool, int, float, str)) or (isinstance(v, tuple) and all(_plain(x) for x in v))
 
 
-def _module_diffs(reference: nn.Module, other: nn.Module) -> list[str]:
-    """Per submodule: its class, and the attributes of :data:`MODULE_ATTRS` it has."""
+@dataclass(frozen=True)
+class Architecture:
+    """What :func:`check_same_architecture` compares of a model, read once: its Hugging Face
+    config (``config.to_dict()``, or None) and each submodule's class and values of
+    :data:`MODULE_ATTRS` (in that order)."""
+
+    config: dict | None
+    modules: dict[str, tuple[type, tuple]]
+
+
+def architecture(model: nn.Module) -> Architecture:
+    cfg = getattr(model, "config", None)
+    modules = {name: (type(m), tuple(getattr(m, a, None) for a in MODULE_ATTRS)) for name, m in model.named_modules()}
+    return Architecture(cfg.to_dict() if hasattr(cfg, "to_dict") else None, modules)
+
+
+def architecture_diffs(reference: Architecture, other: Architecture) -> list[str]:
+    """The config fields (both configs given) and, per submodule the other also has, the class
+    and the :data:`MODULE_ATTRS` values that differ: ``what: merged value vs other value``."""
     out = []
-    others = dict(other.named_modules())
-    for name, mod in reference.named_modules():
-        om = others.get(name)
-        if om is None:
+    if reference.config is not None and other.config is not None:
+        out += [f"config.{d}" for d in config_diffs(reference.config, other.config)]
+    for name, (cls, values) in reference.modules.items():
+        hit = other.modules.get(name)
+        if hit is None:
             continue  # a module without parameters the other lacks: its parameters were checked
+        other_cls, other_values = hit
         label = name or "the model"
         # same class (by name: a reloaded module is fine), or a subclass that extends it (a block
         # with a trained calibrator's module added, featcal.calibrators)
-        if type(mod).__name__ != type(om).__name__ and not (isinstance(om, type(mod)) or isinstance(mod, type(om))):
-            out.append(f"{label}: {type(mod).__name__} vs {type(om).__name__}")
+        if cls.__name__ != other_cls.__name__ and not (issubclass(other_cls, cls) or issubclass(cls, other_cls)):
+            out.append(f"{label}: {cls.__name__} vs {other_cls.__name__}")
             continue
-        for attr in MODULE_ATTRS:
-            va, vb = getattr(mod, attr, None), getattr(om, attr, None)
+        for attr, va, vb in zip(MODULE_ATTRS, values, other_values):
             if _plain(va) and va != vb:
                 out.append(f"{label}.{attr}: {va!r} vs {vb!r}")
     return out
 
 
-def check_same_architecture(reference: nn.Module, other: nn.Module, role: str) -> None:
+def check_same_architecture(
+    reference: nn.Module, other: nn.Module, role: str, reference_arch: Architecture | None = None
+) -> None:
     """What shapes cannot see: the Hugging Face configs (``.config``, fields that change the
     computation) and, for any model, each submodule's class and head counts, epsilons and
     layouts (:data:`MODULE_ATTRS`); e.g. 2 attention heads instead of 4. The error names the
-    differing fields (merged vs ``role``)."""
-    diffs = []
-    ca, cb = getattr(reference, "config", None), getattr(other, "config", None)
-    if hasattr(ca, "to_dict") and hasattr(cb, "to_dict"):
-        diffs += [f"config.{d}" for d in config_diffs(ca.to_dict(), cb.to_dict())]
-    diffs += _module_diffs(reference, other)
+    differing fields (merged vs ``role``). ``reference_arch``: :func:`architecture` of
+    ``reference``, when it is already read (one model checked against several)."""
+    diffs = architecture_diffs(reference_arch or architecture(reference), architecture(other))
     if diffs:
         more = f" and {len(diffs) - 6} more" if len(diffs) > 6 else ""
         raise ValueError(
@@ -198,9 +218,10 @@ def check_models(merged: nn.Module, others: list[tuple[str, nn.Module]], blocks_
     (after the float checks, before the finiteness ones, which name the block); returned."""
     ref = _params(merged, "the merged model")
     named = [(role, _params(m, role)) for role, m in others]
+    merged_arch = architecture(merged)
     for (role, params), (_, m) in zip(named, others):
         _same_params(ref, params, role)
-        check_same_architecture(merged, m, role)
+        check_same_architecture(merged, m, role, merged_arch)
     path = blocks_path_of(merged)
     for role, params in [("the merged model", ref), *named]:
         _finite_params(params, role, path)
