@@ -49,6 +49,18 @@ SIZES: dict[str, dict] = {
 }
 
 
+# Flags for Debian's chromium under Playwright (headless, no sandbox, nothing reaching the network).
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+
 def setup_path() -> None:
     """Put the repository root first on ``sys.path`` (``import featcal`` without installing)."""
     root = str(REPO_ROOT)

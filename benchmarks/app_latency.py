@@ -251,18 +251,7 @@ def bench_browser(source: str, n: int, repeats: int) -> list[dict]:
         query = {"n_cal": n} if source == "demo" else {"zoo": "other (path)…", "zoo_path": source, "n_cal": n}
         rows = []
         with sync_playwright() as p:
-            browser = p.chromium.launch(
-                executable_path=chromium,
-                args=[
-                    "--no-sandbox",
-                    "--disable-gpu",
-                    "--disable-quic",
-                    "--disable-background-networking",
-                    "--disable-component-update",
-                    "--disable-sync",
-                    "--no-first-run",
-                ],
-            )
+            browser = p.chromium.launch(executable_path=chromium, args=_common.CHROMIUM_ARGS)
             page = browser.new_page(viewport={"width": 1500, "height": 1200})
             page.goto(f"{url}/calibrate?{urllib.parse.urlencode(query)}")
             page.wait_for_selector('[data-testid="stMetricValue"]', timeout=900_000)

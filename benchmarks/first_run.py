@@ -46,7 +46,6 @@ import _common
 
 REPO = _common.REPO_ROOT
 CHROMIUM = shutil.which("chromium")
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"]
 METRIC = '[data-testid="stMetricValue"]'
 RUNNING = '[data-testid="stStatusWidget"]'
 TARGET_S = 30.0
@@ -140,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         ways.append(("make app (fresh clone, fresh venv: install included)", "make-fresh", clone_fresh))
     rows = []
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=_common.CHROMIUM_ARGS)
         for label, how, workdir in ways:
             runs = [one_run(browser, how, workdir) for _ in range(1 if how == "make-fresh" else args.runs)]
             row = {"start": label, "runs": len(runs)}
