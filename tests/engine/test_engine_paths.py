@@ -14,6 +14,20 @@ from featcal import FastPaths, FeatCalConfig, calibrate
 ARCHS = ["toy", "hf_clip", "open_clip"]
 
 
+def _calibrate(merged, base, experts, data, cfg, fast, keep_stats=False):
+    """``calibrate`` along the fast paths ``fast`` (the tests run it twice, with one path off)."""
+    return calibrate(
+        merged,
+        base=base,
+        experts=experts,
+        calib_data=data,
+        config=cfg,
+        keep_stats=keep_stats,
+        progress=False,
+        fast=fast,
+    )
+
+
 def _one_batch_a_task(data):
     return {t: [torch.cat(bs)] for t, bs in data.items()}
 
@@ -71,9 +85,7 @@ def test_pooling_the_calibrating_streams_changes_nothing(kind, monkeypatch):
     monkeypatch.setattr("featcal.engine.pool_spans", lambda c, m: calls.setdefault(len(c), real(c, m)))
 
     def run(fast):
-        return calibrate(
-            merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig.clip(), progress=False, fast=fast
-        )
+        return _calibrate(merged, base, experts, data, FeatCalConfig.clip(), fast)
 
     pooled, rep_pooled = run(FastPaths())
     # The toy model's blocks get a tensor keyword argument (which might have a batch dimension): never pooled.
@@ -102,16 +114,7 @@ def test_reducing_every_task_as_one_stack_changes_nothing(kind, keep_stats, form
     cfg = FeatCalConfig.clip(alpha=0.4)
 
     def run(fast):
-        return calibrate(
-            merged,
-            base=base,
-            experts=experts,
-            calib_data=one,
-            config=cfg,
-            keep_stats=keep_stats,
-            progress=False,
-            fast=fast,
-        )
+        return _calibrate(merged, base, experts, one, cfg, fast, keep_stats)
 
     stack, rep_stack = run(FastPaths(form=form))
     assert taken and all(taken)
@@ -139,16 +142,7 @@ def test_direct_sums_of_one_batch_tasks_change_nothing(kind, keep_stats, threads
     cfg = FeatCalConfig.clip(alpha=0.4)
 
     def run(fast):
-        return calibrate(
-            merged,
-            base=base,
-            experts=experts,
-            calib_data=one,
-            config=cfg,
-            keep_stats=keep_stats,
-            progress=False,
-            fast=fast,
-        )
+        return _calibrate(merged, base, experts, one, cfg, fast, keep_stats)
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads or max(old, 2))
