@@ -31,6 +31,8 @@ from torch import nn
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+# The weight files a save_pretrained directory may hold (safetensors first).
+HF_WEIGHTS = (SINGLE, INDEX, "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 # safetensors' dtype names
 _DTYPES = {
@@ -329,3 +331,35 @@ def load_token_data(path: str | os.PathLike, batch_size: int = 8) -> dict[str, l
     if not out:
         raise ValueError(f"{path} holds no tasks; write it with featcal.checkpoints.save_token_data.")
     return out
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Weights of an HF directory (single or sharded) or of one checkpoint file, on the CPU."""
+    from safetensors.torch import load_file
+
+    if path.is_dir():
+        for name in HF_WEIGHTS:
+            if (path / name).is_file():
+                path = path / name
+                break
+    if path.name.endswith(".index.json"):
+        shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
+        out: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            out.update(read_state_dict(path.parent / shard))
+        return out
+    if path.suffix == ".safetensors":
+        return load_file(str(path), device="cpu")
+    try:
+        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as err:  # a pickle of a whole model, a TorchScript archive, ...
+        raise ValueError(
+            f"{path}: not a plain state dict loadable with torch.load(weights_only=True) "
+            f"({type(err).__name__}: {str(err)[:200]}); convert it to safetensors."
+        ) from None
+    for key in ("state_dict", "model_state_dict", "model"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+    if not isinstance(obj, dict) or not all(torch.is_tensor(v) for v in obj.values()):
+        raise ValueError(f"{path}: expected a state dict of tensors.")
+    return {k.removeprefix("module."): v for k, v in obj.items()}

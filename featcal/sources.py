@@ -15,6 +15,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
+from featcal.checkpoints import HF_WEIGHTS, read_state_dict
 from featcal.validate import config_diffs
 
 SHOWN = 5  # keys named per kind of mismatch in an error
@@ -63,9 +64,6 @@ def load_into(template: nn.Module, sd: Mapping[str, torch.Tensor], role: str) ->
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
     """The state dict of a checkpoint file or a local model directory, on the CPU."""
-    from featcal.zoo.loaders import read_state_dict
-    from featcal.zoo.locate import HF_WEIGHTS
-
     if path.is_dir() and not any((path / n).is_file() for n in HF_WEIGHTS):
         raise FileNotFoundError(
             f"{path}: a model directory must hold one of {', '.join(HF_WEIGHTS)} (a Hugging Face "

@@ -28,10 +28,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from featcal.checkpoints import HF_WEIGHTS
 from featcal.zoo.resolve import Missing, MissingResourcesError, hf_fix, hf_snapshot
 from featcal.zoo.schema import DataSpec, ModelSpec, ZooSpec
 
-HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 OPEN_CLIP_HUB_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
 
 
