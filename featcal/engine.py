@@ -33,11 +33,12 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from featcal import arch, solve, sources, validate
+from featcal import arch, distributed, solve, sources, validate
 from featcal.blocksource import BlockSource, DeviceBlocks, check_device, to_host
 from featcal.blockstats import BlockStats, BlockSystems, Context
 from featcal.capture import Captured, capture, per_task, sequence_first, sliced, stacked
 from featcal.config import FastPaths, FeatCalConfig
+from featcal.dist_systems import DistBlockSystems, share_solutions
 from featcal.modes import to_eval
 from featcal.progress import bar as progress_bar
 from featcal.report import BlockRecord, CalibrationReport, ModuleRecord
@@ -78,6 +79,7 @@ class _Run:
     expert_blocks: Mapping[str, nn.ModuleList] | None = None
     streams: dict[str, _Stream] | None = None
     offload: bool = False  # the streams go to the host between blocks
+    dist: distributed.Dist | None = None  # the process group sharing the batches (featcal.distributed)
 
 
 def _prepare_streams(
@@ -178,7 +180,7 @@ def _pool(streams: dict[str, _Stream], max_rows: int) -> tuple[list[tuple[str, i
     :func:`featcal.streams.pool_spans`; ``max_rows``: :attr:`FastPaths.pool_rows`)."""
     keys = [(task, b) for task, st in streams.items() for b in range(len(st.cal))]
     calls = [streams[task].cal[b] for task, b in keys]
-    spans = pool_spans(calls, max_rows)
+    spans = pool_spans(calls, max_rows) if calls else None
     return None if spans is None else (keys, calls, spans)
 
 
@@ -229,6 +231,8 @@ def _advance(run: _Run, block: int, blk: nn.Module, pool) -> None:
                 outs[task, b] = nxt.with_hidden(to_host(nxt.hidden)) if offload else nxt
     for task, st in run.streams.items():
         calls = [outs[task, b] for b in range(len(st.cal))]
+        if not calls:  # a rank may hold no batch of a task
+            continue
         seq = sequence_first(blk)  # (T, B, d) streams: the mask is (B, T)
         finite = [
             _finite_unpadded(c.hidden.transpose(0, 1) if seq and c.hidden.dim() == 3 else c.hidden, cc.mask)
@@ -296,7 +300,6 @@ def _add_stacked(run: _Run, block: int, targets, merged_params: dict, merged_cap
     acc = BlockStats(run.ctx, block, targets, expert_params, merged_params, rows, lead=1)
     acc.add(per_task(merged_cap, len(tasks)), ce_stack, None)
     into.add(acc, expert_params, tasks[0])
-    acc.release()
 
 
 def _add_each_task(
@@ -316,8 +319,9 @@ def _add_each_task(
     for task, st in run.streams.items():
         eblk = run.expert_blocks[task][block]
         expert_params = {t.name: arch.get_params(eblk, t) for t in targets}
-        rows = sum(c.hidden.shape[:-1].numel() for c in st.cal)
-        acc = BlockStats(run.ctx, block, targets, expert_params, merged_params, rows, one_batch=len(st.cal) == 1)
+        rows = into.task_rows(task, sum(c.hidden.shape[:-1].numel() for c in st.cal))  # all ranks' rows
+        one_batch = len(st.cal) == 1 and into.direct_ok
+        acc = BlockStats(run.ctx, block, targets, expert_params, merged_params, rows, one_batch=one_batch)
         for b, cc in enumerate(st.cal):
             if caps is not None:
                 cs = caps.pop((task, b))
@@ -326,8 +330,7 @@ def _add_each_task(
                     run_block(blk, cc, device)
             ce = _expert_step(run, eblk, targets, st, b, (run.path, block, task, b))
             acc.add(cs, ce, cc.mask_for)  # each input's padding mask: the decoder's or the encoder's tokens
-        into.add(acc, expert_params, task)
-        acc.release()
+        into.add(acc, expert_params, task)  # (which hands the sums' buffers back)
 
 
 def _block_systems(run: _Run, block: int, blk: nn.Module, targets, pool) -> dict:
@@ -337,10 +340,14 @@ def _block_systems(run: _Run, block: int, blk: nn.Module, targets, pool) -> dict
     (cheaper; no preview from them; their ``S`` then come from the scratch, as do the
     statistics' buffers in any case: kept from task to task and block to block)."""
     merged_params = {t.name: arch.get_params(blk, t) for t in targets}
-    into = BlockSystems(run.ctx, block, targets)
+    if run.dist is None:
+        into = BlockSystems(run.ctx, block, targets)
+    else:  # each task's sums added across the ranks before its systems are built
+        rows = {task: sum(c.hidden.shape[:-1].numel() for c in st.cal) for task, st in run.streams.items()}
+        into = DistBlockSystems(run.ctx, block, targets, run.dist, rows)
     merged_cap = _pooled_capture(blk, targets, pool, run.ctx.device)
     widths = [p[0].shape[-1] for t, p in zip(targets, merged_params.values()) if t.kind == arch.LINEAR]
-    if _batchable(run.streams, pool, widths, run.ctx.fast.stack_max):
+    if run.dist is None and _batchable(run.streams, pool, widths, run.ctx.fast.stack_max):
         _add_stacked(run, block, targets, merged_params, merged_cap, into)
     else:
         _add_each_task(run, block, blk, targets, merged_params, merged_cap, pool, into)
@@ -393,7 +400,8 @@ def _visit_blocks(run: _Run, source: BlockSource, model, blks, experts, calib_da
     )
     run.streams, run.offload = streams, cfg.offload_streams or source.offload(streams)
     desc = "FeatCal" if path == report.blocks_path else f"FeatCal {path}"
-    bar = progress_bar(range(source.first, len(blks)), desc=desc, unit="block", show=progress)
+    show = progress and (run.dist is None or run.dist.rank == 0)  # one bar: rank 0's
+    bar = progress_bar(range(source.first, len(blks)), desc=desc, unit="block", show=show)
     for block in bar:
         source.enter(block)  # block `block` of every model where it runs
         blk = blks[block]
@@ -406,8 +414,11 @@ def _visit_blocks(run: _Run, source: BlockSource, model, blks, experts, calib_da
         systems = _block_systems(run, block, blk, targets, pool)
         ctx.scratch.trim(fast.scratch_keep)  # big Gram buffers go before the solve (kept, they add to its peak)
         t1 = time.perf_counter()
-        # 2. Solve all modules of the block, then load them together.
-        _solve_block(run, block, blk, targets, systems)
+        # 2. Solve all modules of the block (this rank's share of them), then load them together.
+        first_record = len(report.modules)
+        _solve_block(run, block, blk, [t for t in targets if t.name in systems], systems)
+        if run.dist is not None:  # every rank gets every module's new parameters
+            share_solutions(run.dist, report, blk, targets, first_record)
         ctx.scratch.trim(fast.scratch_keep)  # and big systems and factors before the advance
         t2 = time.perf_counter()
         # 3. Advance the calibrating streams through the calibrated block.
@@ -415,6 +426,17 @@ def _visit_blocks(run: _Run, source: BlockSource, model, blks, experts, calib_da
         report.blocks.append(BlockRecord(run.offset + block, t1 - t0, t2 - t1, time.perf_counter() - t2))
         source.leave(block, streams, report)
         bar.set_postfix_str(f"block {block}: {len(targets)} modules")
+
+
+def _digests(merged, base, experts, calib_data, tasks, cfg, path) -> dict[str, str]:
+    """What every rank of a process group must agree on before any work (:mod:`featcal.distributed`)."""
+    return {
+        "models": distributed.model_digest(merged) + distributed.model_digest(base),
+        "experts": "".join(distributed.model_digest(experts[t]) for t in tasks),
+        "tasks": repr(tasks),
+        "config": repr(cfg.to_dict()) + path,
+        "calibration data": validate.data_digest({t: calib_data[t] for t in tasks}),
+    }
 
 
 def _summarised(notes: list[str], first: int = 3) -> list[str]:
@@ -495,9 +517,13 @@ def calibrate(
         path = stacks_of(merged)
 
     # 2. The model to calibrate, and its stacks of blocks (an encoder-decoder's two, in forward order).
+    device = device_of(merged) if device is None else check_device(device)
+    dist = distributed.current(device, "everywhere" if keep_stats else fast.dist_solve)
+    if dist is not None:  # the same inputs on every rank, then this rank's share of the batches
+        dist.check_same(_digests(merged, base, experts, calib_data, tasks, cfg, path))
+        calib_data = dist.my_share({t: calib_data[t] for t in tasks})
     model = merged if inplace else copy.deepcopy(merged)
     stacks = path.split(arch.STACK_SEP)
-    device = device_of(model) if device is None else check_device(device)
     if block_source is not None and len(stacks) > 1:
         raise ValueError(f"block_source works on one stack of blocks; {path!r} has {len(stacks)}.")
     restore_modes = to_eval(model, base, *experts.values())  # each submodule's flag comes back exactly
@@ -507,13 +533,17 @@ def calibrate(
         what = (path, cfg.linear, cfg.layernorm, tuple(cfg.modules or ()), cfg.offload_streams, str(device))
         trace = expert_trace.bind(experts, calib_data, tasks, what)
     ctx = Context(cfg, fast, 0, device, alpha=None if keep_stats else cfg.alpha)
-    run = _Run(ctx, report, [] if keep_stats else None, trace)
+    run = _Run(ctx, report, [] if keep_stats else None, trace, dist=dist)
     try:
         # 3. Each stack in forward order, block by block.
         for stack in stacks:
             _calibrate_stack(
                 run, model, stack, base, experts, {t: calib_data[t] for t in tasks}, progress, block_source
             )
+        if dist is not None:  # the warnings of the modules other ranks solved
+            parts = dist.gather_objects((ctx.warn_rows, ctx.fallbacks), "gathering the warnings")
+            ctx.warn_rows = [m for w, _ in parts for m in w][:1]
+            ctx.fallbacks = [m for _, f in parts for m in f]
         for msg in ctx.warn_rows + _summarised(ctx.fallbacks):
             warnings.warn(msg, stacklevel=3)
             report.warnings.append(msg)

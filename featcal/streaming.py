@@ -20,7 +20,6 @@ renamed to ``out`` at the very end, so a killed run never leaves a complete-look
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import logging
 import os
@@ -69,28 +68,6 @@ def partial_dir(out: str | os.PathLike) -> Path:
 def peak_rss_mb() -> float:
     """This process's peak resident memory so far, in MB (Linux reports KB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _data_digest(calib_data: Mapping[str, list]) -> str:
-    """A hash of every batch's tensors (shapes, dtypes and bytes): a resumed run must see the same data."""
-    h = hashlib.sha256()
-
-    def add(x):
-        if torch.is_tensor(x):
-            h.update(f"{x.dtype}{tuple(x.shape)}".encode())
-            h.update(x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        elif isinstance(x, Mapping):
-            for k in sorted(x):
-                h.update(str(k).encode())
-                add(x[k])
-        else:
-            h.update(repr(x).encode())
-
-    for task in calib_data:
-        h.update(task.encode())
-        for b in calib_data[task]:
-            add(b)
-    return h.hexdigest()
 
 
 class CheckpointSource(BlockSource):
@@ -411,7 +388,7 @@ def calibrate_checkpoints(
         "merge": merge,
         "config": cfg.to_dict(),
         "blocks": path,
-        "data": _data_digest({t: calib_data[t] for t in tasks}),
+        "data": validate.data_digest({t: calib_data[t] for t in tasks}),
     }
     fingerprint = json.loads(json.dumps(fingerprint, default=str))
     state = {"fingerprint": fingerprint, "done": -1, "modules": [], "blocks": []}
