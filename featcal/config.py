@@ -126,7 +126,7 @@ class FeatCalConfig:
         return d
 
 
-FORMS = ("P", "Q", "QQ")  # the exact forms of the cross-moment statistics (featcal.stats)
+FORMS = ("P", "Q", "QQ")  # the exact forms of the cross-moment statistics (featcal.method.stats)
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ class FastPaths:
     scratch_keep: int = 1 << 26
     # Statistics form of every Linear input, one of FORMS (None: the cheapest for its widths and rows).
     form: str | None = None
-    # Under a process group (featcal.distributed): "owner" solves each module on one rank and sends
+    # Under a process group (featcal.engine.distributed): "owner" solves each module on one rank and sends
     # the result to the others, "everywhere" adds every sum onto every rank and solves there too.
     dist_solve: str = "owner"
 
