@@ -36,6 +36,7 @@ from torch import nn
 
 from featcal.baselines import merging
 from featcal.config import FastPaths, FeatCalConfig
+from featcal.engine import distributed
 from featcal.engine.blocksource import BlockSource, check_device, move_streams, streams_fit, to_host
 from featcal.engine.report import BlockRecord, CalibrationReport, ModuleRecord
 from featcal.engine.run import calibrate
@@ -91,7 +92,10 @@ class CheckpointSource(BlockSource):
         checkpoint_every: int,
         on_block: Callable[[int, dict], None] | None,
         progress: bool,
+        dist: distributed.Dist | None = None,
+        batches: dict[str, list[int]] | None = None,  # this rank's batches of each task (global indices)
     ):
+        self.dist, self.batches = dist, batches
         self.ckpts, self.skels, self.tasks, self.merge = ckpts, skels, tasks, merge
         self.path, self.device, self.work, self.state = path, device, work, state
         self.every, self.on_block, self.progress = checkpoint_every, on_block, progress
@@ -174,7 +178,8 @@ class CheckpointSource(BlockSource):
         calibrated = {
             prefix + k: v.detach().cpu().contiguous() for k, v in self.blocks["merged"][block].state_dict().items()
         }
-        _save_atomic(calibrated, self.work / "blocks" / f"{block:05d}.safetensors")
+        if self.dist is None or self.dist.rank == 0:  # the same block on every rank: rank 0 writes it
+            _save_atomic(calibrated, self.work / "blocks" / f"{block:05d}.safetensors")
         for blocks in self.blocks.values():
             release(blocks[block])
         _trim_heap()
@@ -185,7 +190,10 @@ class CheckpointSource(BlockSource):
             self.state["done"] = block
             self.state["modules"] = self.state["prior_modules"] + [vars(m) for m in report.modules]
             self.state["blocks"] = self.state["prior_blocks"] + [vars(b) for b in report.blocks]
-            _write_json_atomic({k: v for k, v in self.state.items() if not k.startswith("prior_")}, self.work / STATE)
+            if self.dist is not None:  # every rank's streams and the block are written
+                self.dist.barrier(f"block {block}: waiting for every rank's streams")
+            if self.dist is None or self.dist.rank == 0:
+                self._write_state()
         info = {"seconds": time.perf_counter() - self._t0, "peak_rss_mb": peak_rss_mb()}
         if self.device.type == "cuda":
             info["peak_gpu_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
@@ -200,24 +208,50 @@ class CheckpointSource(BlockSource):
 
     # ---- the streams on disk
 
+    def _write_state(self) -> None:
+        """``state.json``, then the streams files of another number of ranks (a resumed run's) go."""
+        files = _streams_files(self.dist)
+        self.state["streams"] = files
+        _write_json_atomic({k: v for k, v in self.state.items() if not k.startswith("prior_")}, self.work / STATE)
+        for old in self.work.glob("streams*.safetensors"):
+            if old.name not in files:
+                old.unlink()
+
+    def _global(self, task: str, b: int) -> int:
+        """The index among all of ``task``'s batches of this rank's batch ``b``."""
+        return b if self.batches is None else self.batches[task][b]
+
     def _save_streams(self, streams: dict) -> None:
+        """This rank's streams, each batch under its index among all of its task's batches (so
+        that a run resumed on another number of ranks finds every batch's)."""
         flat = {}
         for i, task in enumerate(self.tasks):
             for kind in ("cal", "exp"):
                 for b, c in enumerate(getattr(streams[task], kind)):
-                    flat[f"{kind}.{i}.{b}"] = to_host(c.hidden).contiguous()
-        _save_atomic(flat, self.work / STREAMS)
+                    flat[f"{kind}.{i}.{self._global(task, b)}"] = to_host(c.hidden).contiguous()
+        _save_atomic(flat, self.work / _streams_files(self.dist)[0 if self.dist is None else self.dist.rank])
 
     def _load_streams(self, streams: dict) -> None:
-        with safe_open(str(self.work / STREAMS), framework="pt", device="cpu") as f:
-            for i, task in enumerate(self.tasks):
-                for kind in ("cal", "exp"):
-                    calls = getattr(streams[task], kind)
-                    setattr(
-                        streams[task],
-                        kind,
-                        [c.with_hidden(f.get_tensor(f"{kind}.{i}.{b}")) for b, c in enumerate(calls)],
-                    )
+        where = {}
+        for name in self.state.get("streams", [STREAMS]):  # a run saved on any number of ranks
+            with safe_open(str(self.work / name), framework="pt", device="cpu") as f:
+                where |= dict.fromkeys(f.keys(), name)
+        for i, task in enumerate(self.tasks):
+            for kind in ("cal", "exp"):
+                calls = getattr(streams[task], kind)
+                loaded = []
+                for b, c in enumerate(calls):
+                    key = f"{kind}.{i}.{self._global(task, b)}"
+                    with safe_open(str(self.work / where[key]), framework="pt", device="cpu") as f:
+                        loaded.append(c.with_hidden(f.get_tensor(key)))
+                setattr(streams[task], kind, loaded)
+
+
+def _streams_files(dist: distributed.Dist | None) -> list[str]:
+    """The streams files of a run on ``dist``'s ranks (one process: the one file)."""
+    if dist is None:
+        return [STREAMS]
+    return [f"streams-{r}-of-{dist.size}.safetensors" for r in range(dist.size)]
 
 
 def _head_only(model: nn.Module) -> set[int]:
@@ -393,6 +427,9 @@ def calibrate_checkpoints(
     }
     fingerprint = json.loads(json.dumps(fingerprint, default=str))
     state = {"fingerprint": fingerprint, "done": -1, "modules": [], "blocks": []}
+    dist = distributed.current(device, (fast or FastPaths()).dist_solve)
+    main = dist is None or dist.rank == 0  # rank 0 alone writes the work directory and the output
+    stale = False
     if work.exists():
         if resume and (work / STATE).is_file():
             saved = json.loads((work / STATE).read_text())
@@ -405,13 +442,20 @@ def calibrate_checkpoints(
             state = saved
             log.info("resuming after block %d from %s", state["done"], work)
         elif resume or force:
-            shutil.rmtree(work)
+            stale = True
         else:
             raise FileExistsError(
                 f"{str(work)!r} holds a run that did not finish; pass resume=True (--resume) to continue it "
                 "or force=True (--force) to start afresh."
             )
-    work.mkdir(parents=True, exist_ok=True)
+    if dist is not None:  # every rank has read the work directory before rank 0 changes it
+        dist.barrier("reading the work directory")
+    if main:
+        if stale:
+            shutil.rmtree(work)
+        work.mkdir(parents=True, exist_ok=True)
+    if dist is not None:
+        dist.barrier("making the work directory")
     state["prior_modules"], state["prior_blocks"] = list(state["modules"]), list(state["blocks"])
     n_blocks = len(arch.resolve_blocks(skels["merged"], path)[1])
 
@@ -428,7 +472,11 @@ def calibrate_checkpoints(
             state=state,
             checkpoint_every=checkpoint_every,
             on_block=on_block,
-            progress=progress,
+            progress=progress and main,
+            dist=dist,
+            batches=None
+            if dist is None
+            else distributed.share({t: len(calib_data[t]) for t in tasks}, dist.rank, dist.size),
         )
         exps = {t: skels[t] for t in tasks}
         _, report = calibrate(
@@ -449,7 +497,10 @@ def calibrate_checkpoints(
     full.blocks = [BlockRecord(**b) for b in state["prior_blocks"]] + ([] if report is None else report.blocks)
     full.warnings = [] if report is None else report.warnings
 
-    # The model, written in the work directory and renamed into place.
+    # The model, written in the work directory and renamed into place (by rank 0).
+    if not main:
+        dist.barrier("waiting for rank 0 to write the model")
+        return full
     model_dir = _write_model(work, src, ckpts, tasks, merge, path, max_shard_bytes)
     full.seconds = time.perf_counter() - t_start
     full.save_json(model_dir / "featcal_report.json")
@@ -457,4 +508,6 @@ def calibrate_checkpoints(
         shutil.rmtree(out)
     os.rename(model_dir, out)
     shutil.rmtree(work)
+    if dist is not None:
+        dist.barrier("writing the model")
     return full
