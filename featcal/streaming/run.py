@@ -1,337 +1,42 @@
 """Calibrate merges bigger than memory: every model streamed block by block from its
 checkpoint shards (:func:`calibrate_checkpoints`).
 
-FeatCal's forward order needs block l of each model only while it visits block l. So the
-models are skeletons (parameters on ``meta``, :mod:`featcal.model.checkpoints`) and a
-:class:`CheckpointSource` hooked into the engine (:class:`featcal.engine.blocksource.BlockSource`)
-fills block l of the base, of every expert and of the merged model (read from its directory,
-or merged on the fly from the base's and the experts' block l with :mod:`featcal.baselines.merging`)
-just before the engine visits it, writes the calibrated block to a work directory after, and
-empties them all again. The stems run once at the start (their parameters loaded, then
-released); the heads are never loaded. Peak memory: one block of every model, the streams and
-one block's statistics.
+FeatCal's forward order needs block l of each model only while it visits block l. So the models
+are skeletons on the meta device, a :class:`~featcal.streaming.source.CheckpointSource` hooked into
+the engine fills block l of the base, of every expert and of the merged model just before the engine
+visits it and empties them after, and the calibrated blocks go to a work directory
+(:mod:`featcal.streaming.workdir`) from which :mod:`featcal.streaming.output` assembles the model.
+Peak memory: one block of every model, the streams and one block's statistics.
 
-The work directory ``.NAME.featcal-partial`` beside ``out`` holds the calibrated blocks so far,
-the streams at the input of the next block (the calibrating and the experts' hidden states)
-and ``state.json``; ``resume=True`` continues from it. The finished model is written there and
-renamed to ``out`` at the very end, so a killed run never leaves a complete-looking ``out``.
+The run, step by step: check the arguments -> open the checkpoints -> open (or resume) the work
+directory -> calibrate the blocks not done yet -> write the model -> rename it to ``out``. A killed
+run never leaves a complete-looking ``out``; ``resume=True`` continues from its work directory.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
-import logging
 import os
-import resource
 import shutil
 import time
 from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-from torch import nn
 
 from featcal.baselines import merging
 from featcal.config import FastPaths, FeatCalConfig
 from featcal.engine import distributed
-from featcal.engine.blocksource import BlockSource, check_device, move_streams, streams_fit, to_host
+from featcal.engine.blocksource import check_device
 from featcal.engine.report import BlockRecord, CalibrationReport, ModuleRecord
 from featcal.engine.run import calibrate
 from featcal.model import arch, validate
-from featcal.model.checkpoints import (
-    Checkpoint,
-    Spec,
-    check_same_tensors,
-    copy_side_files,
-    fill,
-    read_header,
-    release,
-    skeleton,
-    write_sharded,
-)
-from featcal.util.progress import note
+from featcal.model.checkpoints import Checkpoint, check_same_tensors, skeleton
+from featcal.streaming.output import write_model
+from featcal.streaming.source import CheckpointSource
+from featcal.streaming.workdir import data_digest, open_work, partial_dir, peak_rss_mb
 
-log = logging.getLogger(__name__)
-
-PARTIAL = ".featcal-partial"
-STATE = "state.json"
-STREAMS = "streams.safetensors"
-
-
-def partial_dir(out: str | os.PathLike) -> Path:
-    """The work directory of a run writing ``out`` (beside it, hidden)."""
-    out = Path(out).expanduser().absolute()
-    return out.parent / f".{out.name}{PARTIAL}"
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident memory so far, in MB (Linux reports KB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-class CheckpointSource(BlockSource):
-    """Block l of every model filled from its checkpoint before the engine visits it, and the
-    calibrated block saved (and every block emptied) after; see the module's docstring."""
-
-    loaded = False
-
-    def __init__(
-        self,
-        *,
-        ckpts: dict[str, Checkpoint],  # "merged" (unless merging on the fly), "base", and every task
-        skels: dict[str, nn.Module],  # the same roles' skeletons
-        tasks: list[str],
-        merge: tuple[str, dict] | None,
-        path: str,
-        device: torch.device,
-        work: Path,
-        state: dict,
-        checkpoint_every: int,
-        on_block: Callable[[int, dict], None] | None,
-        progress: bool,
-        dist: distributed.Dist | None = None,
-        batches: dict[str, list[int]] | None = None,  # this rank's batches of each task (global indices)
-    ):
-        self.dist, self.batches = dist, batches
-        self.ckpts, self.skels, self.tasks, self.merge = ckpts, skels, tasks, merge
-        self.path, self.device, self.work, self.state = path, device, work, state
-        self.every, self.on_block, self.progress = checkpoint_every, on_block, progress
-        self.blocks = {role: arch.resolve_blocks(m, path)[1] for role, m in skels.items()}
-        self.first = state["done"] + 1
-        self._fit = True
-        self._t0 = time.perf_counter()
-
-    # ---- reading
-
-    def _read(self, role: str, full: list[str]) -> dict[str, torch.Tensor]:
-        return self.ckpts[role].read(full)
-
-    def _merged(self, full: list[str], base: dict, experts: dict) -> dict[str, torch.Tensor]:
-        """The merged model's tensors ``full``: read, or merged from the base's and experts'."""
-        if self.merge is None:
-            return self._read("merged", full)
-        method, params = self.merge
-        return merging.merge(method, base, experts, **params)
-
-    def _fill(self, role: str, module: nn.Module, tensors: dict, prefix: str, device) -> None:
-        validate._finite_params(tensors, f"the {role} checkpoint", self.path)
-        rel = {name[len(prefix) :]: t.to(device) for name, t in tensors.items()}
-        fill(module, rel)
-        module.to(device)  # the non-persistent buffers too
-
-    # ---- the hook
-
-    def streams(self, make: Callable[[], dict]) -> dict:
-        """Run the stems (of the merged model and the experts; their non-block parameters but
-        the output embeddings filled on the CPU, then emptied again); on a resumed run, the saved
-        hidden states replace the stems' outputs (the stems still give the blocks' other arguments)."""
-        roles = ["merged", *self.tasks]
-        for role in roles:
-            skel = self.skels[role]
-            skip = _head_only(skel)
-            names = [n for n, p in skel.named_parameters() if not n.startswith(self.path + ".") and id(p) not in skip]
-            if role == "merged":
-                base = self._read("base", names)
-                tensors = self._merged(names, base, {t: self._read(t, names) for t in self.tasks})
-            else:
-                tensors = self._read(role, names)
-            validate._finite_params(tensors, f"the {role} checkpoint", self.path)
-            skel.load_state_dict(tensors, strict=False, assign=True)
-        try:
-            streams = make()
-        finally:
-            for role in roles:
-                release(self.skels[role])
-            _trim_heap()
-        if any(c.hidden.is_meta for st in streams.values() for c in st.cal + st.exp):
-            raise RuntimeError(
-                "a stem's output is on the meta device: its forward pass used the output embeddings, which "
-                "featcal leaves unloaded; please report the architecture."
-            )
-        if self.first > 0:
-            self._load_streams(streams)
-        self._fit = streams_fit(streams, self.device)
-        if self._fit and self.device.type != "cpu":
-            move_streams(streams, self.device)
-        return streams
-
-    def offload(self, streams: dict) -> bool:
-        return not self._fit
-
-    def enter(self, block: int) -> None:
-        self._t0 = time.perf_counter()
-        prefix = f"{self.path}.{block}."
-        full = [prefix + k for k in self.blocks["base"][block].state_dict()]
-        base = self._read("base", full)
-        experts = {t: self._read(t, full) for t in self.tasks}
-        merged = self._merged(full, base, experts)
-        self._fill("merged", self.blocks["merged"][block], merged, prefix, self.device)
-        self._fill("base", self.blocks["base"][block], base, prefix, self.device)
-        for t in self.tasks:
-            self._fill(f"expert {t!r}", self.blocks[t][block], experts[t], prefix, self.device)
-
-    def leave(self, block: int, streams: dict, report: CalibrationReport) -> None:
-        prefix = f"{self.path}.{block}."
-        calibrated = {
-            prefix + k: v.detach().cpu().contiguous() for k, v in self.blocks["merged"][block].state_dict().items()
-        }
-        if self.dist is None or self.dist.rank == 0:  # the same block on every rank: rank 0 writes it
-            _save_atomic(calibrated, self.work / "blocks" / f"{block:05d}.safetensors")
-        for blocks in self.blocks.values():
-            release(blocks[block])
-        _trim_heap()
-        last = block == len(self.blocks["base"]) - 1
-        if (block + 1) % self.every == 0 or last:
-            if not last:
-                self._save_streams(streams)
-            self.state["done"] = block
-            self.state["modules"] = self.state["prior_modules"] + [vars(m) for m in report.modules]
-            self.state["blocks"] = self.state["prior_blocks"] + [vars(b) for b in report.blocks]
-            if self.dist is not None:  # every rank's streams and the block are written
-                self.dist.barrier(f"block {block}: waiting for every rank's streams")
-            if self.dist is None or self.dist.rank == 0:
-                self._write_state()
-        info = {"seconds": time.perf_counter() - self._t0, "peak_rss_mb": peak_rss_mb()}
-        if self.device.type == "cuda":
-            info["peak_gpu_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
-        if self.progress:
-            gpu = f", GPU peak {info['peak_gpu_mb']:.0f} MB" if "peak_gpu_mb" in info else ""
-            note(
-                f"block {block + 1}/{len(self.blocks['base'])}: {info['seconds']:.1f} s, "
-                f"peak RSS so far {info['peak_rss_mb']:.0f} MB{gpu}"
-            )
-        if self.on_block is not None:
-            self.on_block(block, info)
-
-    # ---- the streams on disk
-
-    def _write_state(self) -> None:
-        """``state.json``, then the streams files of another number of ranks (a resumed run's) go."""
-        files = _streams_files(self.dist)
-        self.state["streams"] = files
-        _write_json_atomic({k: v for k, v in self.state.items() if not k.startswith("prior_")}, self.work / STATE)
-        for old in self.work.glob("streams*.safetensors"):
-            if old.name not in files:
-                old.unlink()
-
-    def _global(self, task: str, b: int) -> int:
-        """The index among all of ``task``'s batches of this rank's batch ``b``."""
-        return b if self.batches is None else self.batches[task][b]
-
-    def _save_streams(self, streams: dict) -> None:
-        """This rank's streams, each batch under its index among all of its task's batches (so
-        that a run resumed on another number of ranks finds every batch's)."""
-        flat = {}
-        for i, task in enumerate(self.tasks):
-            for kind in ("cal", "exp"):
-                for b, c in enumerate(getattr(streams[task], kind)):
-                    flat[f"{kind}.{i}.{self._global(task, b)}"] = to_host(c.hidden).contiguous()
-        _save_atomic(flat, self.work / _streams_files(self.dist)[0 if self.dist is None else self.dist.rank])
-
-    def _load_streams(self, streams: dict) -> None:
-        where = {}
-        for name in self.state.get("streams", [STREAMS]):  # a run saved on any number of ranks
-            with safe_open(str(self.work / name), framework="pt", device="cpu") as f:
-                where |= dict.fromkeys(f.keys(), name)
-        for i, task in enumerate(self.tasks):
-            for kind in ("cal", "exp"):
-                calls = getattr(streams[task], kind)
-                loaded = []
-                for b, c in enumerate(calls):
-                    key = f"{kind}.{i}.{self._global(task, b)}"
-                    with safe_open(str(self.work / where[key]), framework="pt", device="cpu") as f:
-                        loaded.append(c.with_hidden(f.get_tensor(key)))
-                setattr(streams[task], kind, loaded)
-
-
-def _streams_files(dist: distributed.Dist | None) -> list[str]:
-    """The streams files of a run on ``dist``'s ranks (one process: the one file)."""
-    if dist is None:
-        return [STREAMS]
-    return [f"streams-{r}-of-{dist.size}.safetensors" for r in range(dist.size)]
-
-
-def _head_only(model: nn.Module) -> set[int]:
-    """The ids of the output embeddings' parameters that the input embeddings do not share (the
-    head, which the stems never run; tied to the input embeddings, it is loaded with them)."""
-    get_out = getattr(model, "get_output_embeddings", None)
-    head = get_out() if get_out is not None else None
-    if head is None:
-        return set()
-    get_in = getattr(model, "get_input_embeddings", None)
-    shared = {id(p) for p in get_in().parameters()} if get_in is not None and get_in() is not None else set()
-    return {id(p) for p in head.parameters()} - shared
-
-
-def _trim_heap() -> None:
-    """Hand freed heap pages back to the OS (glibc's ``malloc_trim``; nothing elsewhere). Without
-    it, blocks of every model allocated and freed one after another fragment the heap and the
-    resident memory creeps up by about two blocks' worth per block."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _save_atomic(tensors: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path.with_suffix(".part")))
-    os.replace(path.with_suffix(".part"), path)
-
-
-def _write_json_atomic(doc: dict, path: Path) -> None:
-    part = path.with_suffix(".part")
-    part.write_text(json.dumps(doc, indent=1, default=str))
-    os.replace(part, path)
-
-
-def _block_of(name: str, path: str) -> int | None:
-    """The block index of a tensor name under ``path`` (``model.layers.3.mlp...`` -> 3), else None."""
-    if not name.startswith(path + "."):
-        return None
-    head = name[len(path) + 1 :].split(".", 1)[0]
-    return int(head) if head.isdigit() else None
-
-
-def _write_model(
-    work: Path, src: Checkpoint, ckpts: dict, tasks: list[str], merge, path: str, max_shard_bytes: int
-) -> Path:
-    """The calibrated model in ``work/model``: every tensor of ``src`` (the merged checkpoint,
-    or the base's names when merging on the fly) in its order, the blocks' from the saved
-    calibrated blocks, the rest from the merged model; the config and tokenizer files copied."""
-    model_dir = work / "model"
-    if model_dir.exists():
-        shutil.rmtree(model_dir)
-    model_dir.mkdir()
-    block_file = {}
-    specs: dict[str, Spec] = {}
-    for name in src.names:
-        b = _block_of(name, path)
-        if b is None:
-            specs[name] = src.specs[name]
-        else:
-            file = work / "blocks" / f"{b:05d}.safetensors"
-            if b not in block_file:
-                block_file[b] = (file, read_header(file))
-            specs[name] = block_file[b][1][name]
-
-    def get(name: str) -> torch.Tensor:
-        b = _block_of(name, path)
-        if b is not None:
-            with safe_open(str(block_file[b][0]), framework="pt", device="cpu") as f:
-                return f.get_tensor(name)
-        if merge is None:
-            return ckpts["merged"].read([name])[name]
-        method, params = merge
-        base = ckpts["base"].read([name])
-        return merging.merge(method, base, {t: ckpts[t].read([name]) for t in tasks}, **params)[name]
-
-    write_sharded(model_dir, specs, get, max_shard_bytes)
-    copy_side_files(src.path, model_dir)
-    return model_dir
+__all__ = ["calibrate_checkpoints", "open_checkpoints", "partial_dir", "peak_rss_mb", "CheckpointSource"]
 
 
 def calibrate_checkpoints(
@@ -385,80 +90,97 @@ def calibrate_checkpoints(
     t_start = time.perf_counter()
     cfg = config or FeatCalConfig()
     device = check_device(device)
-    if (merge is None) == (merged is None):
-        raise ValueError("give exactly one of merge=(method, params) (merge on the fly) or merged=DIR.")
-    if isinstance(merge, str):
-        merge = (merge, {})
-    if merge is not None:
-        if merge[0] not in merging.MERGERS:
-            raise ValueError(f"unknown merge method {merge[0]!r}; choose one of {sorted(merging.MERGERS)}.")
-        merge = (merge[0], dict(merge[1]))
+    merge = _check_merge(merge, merged)
     if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}.")
     tasks = validate.check_tasks(experts, calib_data)
     out = Path(out).expanduser().absolute()
     if out.exists() and not force:
         raise FileExistsError(f"output {str(out)!r} already exists; pass force=True (--force) to replace it.")
+    calib_data = {t: calib_data[t] for t in tasks}
 
-    # The checkpoints (headers only) and their skeletons.
+    ckpts, skels, path = open_checkpoints(base, {t: experts[t] for t in tasks}, merged, blocks)
+    work = partial_dir(out)
+    dist = distributed.current(device, (fast or FastPaths()).dist_solve)  # a process group: rank 0 writes
+    fingerprint = _fingerprint(ckpts, merge, cfg, path, calib_data)
+    state = open_work(work, fingerprint, resume=resume, force=force, dist=dist)
+    report = _calibrate_blocks(
+        ckpts,
+        skels,
+        path,
+        calib_data,
+        merge,
+        cfg,
+        state,
+        work,
+        dict(device=device, fast=fast, progress=progress, checkpoint_every=checkpoint_every, on_block=on_block),
+        dist,
+    )
+    if dist is not None and dist.rank != 0:  # rank 0 writes the model
+        dist.barrier("waiting for rank 0 to write the model")
+        return report
+    model_dir = write_model(work, ckpts, tasks, merge, path, max_shard_bytes)
+    report.seconds = time.perf_counter() - t_start
+    report.save_json(model_dir / "featcal_report.json")
+    if out.exists():  # force
+        shutil.rmtree(out)
+    os.rename(model_dir, out)
+    shutil.rmtree(work)
+    if dist is not None:
+        dist.barrier("writing the model")
+    return report
+
+
+def _check_merge(merge, merged) -> tuple[str, dict] | None:
+    """``merge`` as ``(method, params)`` (or None with ``merged``): exactly one of the two given."""
+    if (merge is None) == (merged is None):
+        raise ValueError("give exactly one of merge=(method, params) (merge on the fly) or merged=DIR.")
+    if merge is None:
+        return None
+    if isinstance(merge, str):
+        merge = (merge, {})
+    if merge[0] not in merging.MERGERS:
+        raise ValueError(f"unknown merge method {merge[0]!r}; choose one of {sorted(merging.MERGERS)}.")
+    return (merge[0], dict(merge[1]))
+
+
+def open_checkpoints(base, experts: Mapping, merged, blocks: str | None):
+    """Every model's checkpoint (headers only, the same tensors as the base's), its skeleton on the
+    meta device (the merged model's from the base's when merging on the fly), and the blocks' path."""
     ckpts = {"base": Checkpoint(base, "the base")}
-    ckpts |= {t: Checkpoint(experts[t], f"expert {t!r}") for t in tasks}
+    ckpts |= {t: Checkpoint(d, f"expert {t!r}") for t, d in experts.items()}
     if merged is not None:
         ckpts["merged"] = Checkpoint(merged, "the merged model")
     for role, ck in ckpts.items():
         if role != "base":
             check_same_tensors(ckpts["base"], ck)
-    src = ckpts.get("merged", ckpts["base"])
     skels = {role: skeleton(ck) for role, ck in ckpts.items()}
     if "merged" not in skels:
         skels["merged"] = skeleton(ckpts["base"])
     path = arch.resolve_blocks(skels["merged"], blocks)[0]
+    return ckpts, skels, path
 
-    # The work directory: a fresh one, or the one a killed run left.
-    work = partial_dir(out)
-    fingerprint = {
+
+def _fingerprint(ckpts: dict, merge, cfg: FeatCalConfig, path: str, calib_data: Mapping) -> dict:
+    """What a resumed run must share with the run that left the work directory."""
+    doc = {
         "base": str(ckpts["base"].path.absolute()),
-        "experts": {t: str(ckpts[t].path.absolute()) for t in tasks},
-        "merged": None if merged is None else str(ckpts["merged"].path.absolute()),
+        "experts": {t: str(ckpts[t].path.absolute()) for t in calib_data},
+        "merged": str(ckpts["merged"].path.absolute()) if "merged" in ckpts else None,
         "merge": merge,
         "config": cfg.to_dict(),
         "blocks": path,
-        "data": validate.data_digest({t: calib_data[t] for t in tasks}),
+        "data": data_digest(calib_data),
     }
-    fingerprint = json.loads(json.dumps(fingerprint, default=str))
-    state = {"fingerprint": fingerprint, "done": -1, "modules": [], "blocks": []}
-    dist = distributed.current(device, (fast or FastPaths()).dist_solve)
-    main = dist is None or dist.rank == 0  # rank 0 alone writes the work directory and the output
-    stale = False
-    if work.exists():
-        if resume and (work / STATE).is_file():
-            saved = json.loads((work / STATE).read_text())
-            if saved["fingerprint"] != fingerprint:
-                diff = sorted(k for k in fingerprint if saved["fingerprint"].get(k) != fingerprint[k])
-                raise ValueError(
-                    f"resume: the run in {str(work)!r} was made with other {', '.join(diff)}; resume it with "
-                    "the same models, merge, config and data, or pass force=True to start afresh."
-                )
-            state = saved
-            log.info("resuming after block %d from %s", state["done"], work)
-        elif resume or force:
-            stale = True
-        else:
-            raise FileExistsError(
-                f"{str(work)!r} holds a run that did not finish; pass resume=True (--resume) to continue it "
-                "or force=True (--force) to start afresh."
-            )
-    if dist is not None:  # every rank has read the work directory before rank 0 changes it
-        dist.barrier("reading the work directory")
-    if main:
-        if stale:
-            shutil.rmtree(work)
-        work.mkdir(parents=True, exist_ok=True)
-    if dist is not None:
-        dist.barrier("making the work directory")
-    state["prior_modules"], state["prior_blocks"] = list(state["modules"]), list(state["blocks"])
-    n_blocks = len(arch.resolve_blocks(skels["merged"], path)[1])
+    return json.loads(json.dumps(doc, default=str))
 
+
+def _calibrate_blocks(ckpts, skels, path, calib_data, merge, cfg, state, work, run: dict, dist) -> CalibrationReport:
+    """The engine over the blocks not done yet (the skeletons filled block by block by a
+    :class:`CheckpointSource`), and the report of the whole run, a resumed run's earlier blocks
+    included. Under a process group, each rank's source keeps the streams of its own batches."""
+    tasks = list(calib_data)
+    n_blocks = len(arch.resolve_blocks(skels["merged"], path)[1])
     report = None
     if state["done"] < n_blocks - 1:
         source = CheckpointSource(
@@ -467,47 +189,34 @@ def calibrate_checkpoints(
             tasks=tasks,
             merge=merge,
             path=path,
-            device=device,
+            device=run["device"],
             work=work,
             state=state,
-            checkpoint_every=checkpoint_every,
-            on_block=on_block,
-            progress=progress and main,
+            checkpoint_every=run["checkpoint_every"],
+            on_block=run["on_block"],
+            progress=run["progress"] and (dist is None or dist.rank == 0),
             dist=dist,
-            batches=None
-            if dist is None
-            else distributed.share({t: len(calib_data[t]) for t in tasks}, dist.rank, dist.size),
+            batches=None if dist is None else distributed.share(_counts(calib_data), dist.rank, dist.size),
         )
-        exps = {t: skels[t] for t in tasks}
         _, report = calibrate(
             skels["merged"],
             base=skels["base"],
-            experts=exps,
-            calib_data={t: calib_data[t] for t in tasks},
+            experts={t: skels[t] for t in tasks},
+            calib_data=calib_data,
             config=cfg,
             blocks=path,
             inplace=True,
-            progress=progress,
-            fast=fast,
-            device=device,
+            progress=run["progress"],
+            fast=run["fast"],
+            device=run["device"],
             block_source=source,
         )
     full = CalibrationReport(cfg, path, tasks)
     full.modules = [ModuleRecord(**m) for m in state["prior_modules"]] + ([] if report is None else report.modules)
     full.blocks = [BlockRecord(**b) for b in state["prior_blocks"]] + ([] if report is None else report.blocks)
     full.warnings = [] if report is None else report.warnings
-
-    # The model, written in the work directory and renamed into place (by rank 0).
-    if not main:
-        dist.barrier("waiting for rank 0 to write the model")
-        return full
-    model_dir = _write_model(work, src, ckpts, tasks, merge, path, max_shard_bytes)
-    full.seconds = time.perf_counter() - t_start
-    full.save_json(model_dir / "featcal_report.json")
-    if out.exists():  # force
-        shutil.rmtree(out)
-    os.rename(model_dir, out)
-    shutil.rmtree(work)
-    if dist is not None:
-        dist.barrier("writing the model")
     return full
+
+
+def _counts(calib_data: Mapping) -> dict[str, int]:
+    return {t: len(b) for t, b in calib_data.items()}
