@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from featcal.model import validate
+
 ENV_TIMEOUT = "FEATCAL_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 600.0
 SMALL = 1 << 16  # tensors up to this many elements are packed into one buffer per collective
@@ -227,3 +229,15 @@ def model_digest(model: nn.Module) -> str:
             sample = flat[:: max(1, flat.numel() // 4096)].contiguous().cpu()
             h.update(sample.view(torch.uint8).numpy().tobytes())  # the bytes: no rounding to differ by CPU
     return h.hexdigest()
+
+
+def input_digests(merged: nn.Module, base: nn.Module, experts: Mapping, calib_data: Mapping, cfg, path: str) -> dict:
+    """What every rank must agree on before any work: the models, the tasks, the config and the
+    blocks, the calibration data (:meth:`Dist.check_same`)."""
+    return {
+        "models": model_digest(merged) + model_digest(base),
+        "experts": "".join(model_digest(experts[t]) for t in calib_data),
+        "tasks": repr(list(calib_data)),
+        "config": repr(cfg.to_dict()) + path,
+        "calibration data": validate.data_digest(calib_data),
+    }

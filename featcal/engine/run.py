@@ -380,7 +380,8 @@ def _calibrate_stack(
     untouched = arch.untouched_norms(blks[0]) if cfg.layernorm else []
     if untouched:  # say so: their affine stays the merged one
         msg = f"{path}: norms featcal does not calibrate keep their merged values: {', '.join(untouched)}."
-        warnings.warn(msg, stacklevel=4)
+        if distributed.is_main():  # one process of a group says it
+            warnings.warn(msg, stacklevel=4)
         report.warnings.append(msg)
     source = block_source
     if source is None and ctx.device != device_of(model):  # one block of each model on the device at a time
@@ -429,17 +430,6 @@ def _visit_blocks(run: _Run, source: BlockSource, model, blks, experts, calib_da
         report.blocks.append(BlockRecord(run.offset + block, t1 - t0, t2 - t1, time.perf_counter() - t2))
         source.leave(block, streams, report)
         bar.set_postfix_str(f"block {block}: {len(targets)} modules")
-
-
-def _digests(merged, base, experts, calib_data, tasks, cfg, path) -> dict[str, str]:
-    """What every rank of a process group must agree on before any work (:mod:`featcal.engine.distributed`)."""
-    return {
-        "models": distributed.model_digest(merged) + distributed.model_digest(base),
-        "experts": "".join(distributed.model_digest(experts[t]) for t in tasks),
-        "tasks": repr(tasks),
-        "config": repr(cfg.to_dict()) + path,
-        "calibration data": validate.data_digest({t: calib_data[t] for t in tasks}),
-    }
 
 
 def _summarised(notes: list[str], first: int = 3) -> list[str]:
@@ -523,7 +513,7 @@ def calibrate(
     device = device_of(merged) if device is None else check_device(device)
     dist = distributed.current(device, "everywhere" if keep_stats else fast.dist_solve)
     if dist is not None:  # the same inputs on every rank, then this rank's share of the batches
-        dist.check_same(_digests(merged, base, experts, calib_data, tasks, cfg, path))
+        dist.check_same(distributed.input_digests(merged, base, experts, {t: calib_data[t] for t in tasks}, cfg, path))
         calib_data = dist.my_share({t: calib_data[t] for t in tasks})
     model = merged if inplace else copy.deepcopy(merged)
     stacks = path.split(arch.STACK_SEP)
@@ -548,7 +538,8 @@ def calibrate(
             ctx.warn_rows = [m for w, _ in parts for m in w][:1]
             ctx.fallbacks = [m for _, f in parts for m in f]
         for msg in ctx.warn_rows + _summarised(ctx.fallbacks):
-            warnings.warn(msg, stacklevel=3)
+            if dist is None or dist.rank == 0:  # one process of a group says it
+                warnings.warn(msg, stacklevel=3)
             report.warnings.append(msg)
     except BaseException:
         if inplace:

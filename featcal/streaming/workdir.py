@@ -3,7 +3,8 @@
 ``.NAME.featcal-partial`` beside ``out`` holds the calibrated blocks so far (``blocks/``), the streams
 at the input of the next block (``streams.safetensors``: the calibrating and the experts' hidden
 states; a run on W ranks: ``streams-R-of-W.safetensors``, rank R's batches, each under its index
-among all of its task's batches) and ``state.json`` (the fingerprint of the run's inputs, the last block done, the report so far).
+among all of its task's batches) and ``state.json`` (the fingerprint of the run's inputs, the last
+block done, the report so far).
 """
 
 from __future__ import annotations
