@@ -41,22 +41,30 @@ def _cases() -> dict:
         "clip64": (clip, FeatCalConfig.clip(stats_dtype=f64), POOL_OFF, 1e-6),
         "clip32": (clip, FeatCalConfig.clip(), POOL_OFF, 1e-5),
         "clip_fast": (clip, FeatCalConfig.clip(stats_dtype=f64), FastPaths(), 1e-4),
+        # keep_stats: every rank keeps every system; a preview of another setting from them
+        "clip_preview": (clip, FeatCalConfig.clip(stats_dtype=f64), POOL_OFF, 1e-6),
         "t5": (t5, FeatCalConfig.flan_t5(lam=1e-3, stats_dtype=f64), POOL_OFF, 1e-6),
         "llama": (llama, FeatCalConfig.llama("3b", lam=1e-3, stats_dtype=f64), POOL_OFF, 1e-6),
     }
 
 
-def _run(case) -> tuple[dict, list]:
+def _run(case, preview: bool = False) -> tuple[dict, list]:
     (base, experts, merged, data), cfg, fast, _ = case
     model, report = calibrate(
-        merged, base=base, experts=experts, calib_data=data, config=cfg, fast=fast, progress=False
+        merged, base=base, experts=experts, calib_data=data, config=cfg, fast=fast, progress=False, keep_stats=preview
     )
+    if preview:
+        model = report.preview(lam=0.5, rho=1.5, alpha=0.7)
     rows = [[m.block, m.name, m.rows, m.residual_before, m.residual_after] for m in report.modules]
     return {k: v.clone() for k, v in model.state_dict().items()}, rows
 
 
+def _all_cases() -> dict:
+    return {name: _run(case, preview=name.endswith("preview")) for name, case in _cases().items()}
+
+
 def _in_memory_worker(rank: int) -> dict:
-    return {name: _run(case) for name, case in _cases().items()}
+    return _all_cases()
 
 
 def _max_rel(got: dict, want: dict) -> float:
@@ -73,7 +81,7 @@ def _max_rel(got: dict, want: dict) -> float:
 @pytest.fixture(scope="module")
 def single():
     torch.set_num_threads(1)
-    return {name: _run(case) for name, case in _cases().items()}
+    return _all_cases()
 
 
 @pytest.mark.slow
