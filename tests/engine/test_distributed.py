@@ -60,7 +60,16 @@ def _run(case, preview: bool = False) -> tuple[dict, list]:
 
 
 def _all_cases() -> dict:
-    return {name: _run(case, preview=name.endswith("preview")) for name, case in _cases().items()}
+    out = {name: _run(case, preview=name.endswith("preview")) for name, case in _cases().items()}
+    from diagnostics import drift_table
+
+    base, experts, merged, data = _cases()["clip64"][0]
+    table = drift_table(merged, experts, data)  # (its sums added across the ranks the same way)
+    out["drift"] = (
+        {"values": torch.tensor(table["value"].to_numpy())},
+        table[["task", "block", "metric"]].values.tolist(),
+    )
+    return out
 
 
 def _in_memory_worker(rank: int) -> dict:
@@ -89,7 +98,12 @@ def single():
 def test_ranks_give_the_single_process_model(single, world, tmp_path):
     results = distrib.run_ranks(world, _in_memory_worker, tmp=tmp_path)
     cases = _cases()
+    for rank, res in enumerate(results):  # drift_table: every rank holds the whole table
+        assert res["drift"][1] == single["drift"][1]
+        assert torch.allclose(res["drift"][0]["values"], single["drift"][0]["values"], rtol=1e-5, atol=1e-7), rank
     for name, (want, want_rows) in single.items():
+        if name == "drift":
+            continue
         merged = cases[name][0][2].state_dict()
         tol = cases[name][3]
         assert _max_rel(want, merged) > 1e-3, name  # the calibration moved the weights
