@@ -17,9 +17,9 @@ Scores are computed on *validation* data only, higher is better:
 passes a zoo's ``calib`` and ``val`` splits only. :func:`holdout_report` is the
 one place that reads ``test``, after the choice is made.
 
-Every point is an independent job. With ``ray=True`` the preview batches and
-the exact confirmations are Ray tasks (models and data shipped once with
-``ray.put``); otherwise they run in this process. Both paths run the same job
+Every point is an independent job. With ``ray=True`` (or an existing cluster's address,
+``ray="auto"`` or ``ray="HOST:PORT"``) the preview batches and the exact confirmations are Ray
+tasks (models and data shipped once with ``ray.put``); otherwise they run in this process. Both paths run the same job
 functions on the same inputs in the same order, so they return the same table.
 """
 
@@ -105,7 +105,7 @@ class TuneConfig:
     n_confirm: int = 4  # best previews re-run exactly (besides the anchor)
     score: str = "auto"  # "accuracy" (needs labels), "kl" (to the experts), "auto"
     batch_size: int = 256  # validation batch size
-    ray: bool = False  # fan jobs out as Ray tasks
+    ray: bool | str = False  # fan jobs out as Ray tasks (a string: the address of an existing cluster)
     num_cpus: int | None = None  # Ray: CPUs of a locally started Ray (None: Ray's default)
 
     def __post_init__(self):
@@ -234,7 +234,7 @@ def tune(
     n_confirm: int = 4,
     rounds: int = 2,
     top_k: int = 3,
-    ray: bool = False,
+    ray: bool | str = False,
     num_cpus: int | None = None,
     batch_size: int = 256,
     progress: bool = False,
@@ -380,7 +380,7 @@ def tune_zoo(
     n_confirm: int = 4,
     rounds: int = 2,
     top_k: int = 3,
-    ray: bool = False,
+    ray: bool | str = False,
     num_cpus: int | None = None,
     progress: bool = False,
 ) -> TuneResult:
