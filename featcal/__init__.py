@@ -7,11 +7,14 @@ Usage::
     model, report = calibrate(merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig.clip())
 """
 
-from featcal.calibrators import TaskCalibrated, escal, surgery, surgery_v2
+from featcal.baselines.adamerging import adamerging
+from featcal.baselines.fisher import fisher_merging
+from featcal.baselines.registry import MERGERS, MERGERS_WITH_DATA, merge, merge_with_data
+from featcal.baselines.svc import svc
+from featcal.baselines.trained.surgery import surgery, surgery_v2
+from featcal.calibrators import TaskCalibrated, escal
 from featcal.config import FastPaths, FeatCalConfig, TokenWeights
 from featcal.engine import ExpertTrace, calibrate
-from featcal.merging import MERGERS, merge
-from featcal.regmean import MERGERS_WITH_DATA, merge_with_data
 from featcal.report import CalibrationReport
 from featcal.streaming import calibrate_checkpoints
 
@@ -32,6 +35,9 @@ __all__ = [
     "surgery",
     "surgery_v2",
     "TaskCalibrated",
+    "svc",
+    "adamerging",
+    "fisher_merging",
 ]
 __version__ = "0.1.0"
 

@@ -1,6 +1,7 @@
 """Training the task-specific modules of a post-merging calibrator (see :mod:`featcal.calibrators`).
 
-For one task, :func:`train_task`:
+ESCal's; Surgery and SurgeryV2 train in :mod:`featcal.baselines.trained.surgery`. For one
+task, :func:`train_task`:
 
 1. catches the merged model's block-0 inputs on the task's calibration batches, and runs expert
    i once over the same batches to keep its block outputs at every boundary that gets a module
@@ -40,12 +41,14 @@ LOSSES = {"mse": F.mse_loss, "l1": F.l1_loss}
 
 @dataclass
 class Schedule:
-    """How the modules are trained: ``steps`` Adam steps at ``lr``, minibatches of ``batch``
-    examples, ``seed`` for the minibatch order, ``loss`` (``mse`` or ``l1``) on the ``tokens``
-    (``all``: every non-padding token; ``cls``: the first one), boundaries weighted by
+    """How the modules are trained: ``epochs`` passes over the task's examples with Adam at
+    ``lr``, minibatches of ``batch`` examples (when the batches cannot be pooled, each step is one
+    given batch, so a pass is one step per given batch), ``seed`` for the minibatch order,
+    ``loss`` (``mse`` or ``l1``) on the ``tokens`` (``all``: every non-padding token; ``cls``: the
+    first one), boundaries weighted by
     ``weights`` (``{block: w}``; every module's boundary, normalised to sum 1)."""
 
-    steps: int
+    epochs: int
     lr: float
     batch: int
     seed: int
@@ -61,10 +64,14 @@ class TaskRun:
     losses: list[float]
     seconds: float
 
+    @property
+    def steps(self) -> int:
+        return len(self.losses)
 
-def check_schedule(steps: int, lr: float, batch: int, tokens: str) -> None:
-    if steps < 1:
-        raise ValueError(f"steps must be at least 1, got {steps}.")
+
+def check_schedule(epochs: int, lr: float, batch: int, tokens: str) -> None:
+    if epochs < 1:
+        raise ValueError(f"epochs must be at least 1, got {epochs}.")
     if not lr > 0:
         raise ValueError(f"lr must be positive, got {lr}.")
     if batch < 1:
@@ -156,13 +163,15 @@ def train_task(
     with torch.no_grad():
         for blk in blks[: first + 1]:
             calls = [c.with_hidden(run_block(blk, c)) for c in calls]
-    # 3. Adam on the modules' parameters.
+    # 3. Adam on the modules' parameters, for ``epochs`` passes over the examples however they are batched.
+    per_pass = -(-calls[0].hidden.shape[0] // sched.batch) if spans is not None else len(calls)
+    steps = sched.epochs * per_pass
     params = [p for m in modules.values() for p in m.parameters()]
     opt = torch.optim.Adam(params, lr=sched.lr)
     gen = torch.Generator().manual_seed(sched.seed)
     draws = _minibatches(calls[0].hidden.shape[0], len(calls), spans is not None, sched.batch, gen)
     losses = []
-    for step in bar(range(sched.steps), desc=desc, unit="step", show=progress):
+    for step in bar(range(steps), desc=desc, unit="step", show=progress):
         j, rows = next(draws)
         rows = None if rows is None else rows.to(device)
         call = calls[j] if rows is None else call_rows(calls[j], rows)

@@ -5,7 +5,7 @@ FeatCal's forward order needs block l of each model only while it visits block l
 models are skeletons (parameters on ``meta``, :mod:`featcal.checkpoints`) and a
 :class:`CheckpointSource` hooked into the engine (:class:`featcal.blocksource.BlockSource`)
 fills block l of the base, of every expert and of the merged model (read from its directory,
-or merged on the fly from the base's and the experts' block l with :mod:`featcal.merging`)
+or merged on the fly from the base's and the experts' block l with a merger of :mod:`featcal.baselines.registry`)
 just before the engine visits it, writes the calibrated block to a work directory after, and
 empties them all again. The stems run once at the start (their parameters loaded, then
 released); the heads are never loaded. Peak memory: one block of every model, the streams and
@@ -35,7 +35,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from featcal import arch, merging, validate
+from featcal import arch, validate
+from featcal.baselines import registry
 from featcal.blocksource import BlockSource, check_device, move_streams, streams_fit, to_host
 from featcal.checkpoints import (
     Checkpoint,
@@ -132,7 +133,7 @@ class CheckpointSource(BlockSource):
         if self.merge is None:
             return self._read("merged", full)
         method, params = self.merge
-        return merging.merge(method, base, experts, **params)
+        return registry.merge(method, base, experts, **params)
 
     def _fill(self, role: str, module: nn.Module, tensors: dict, prefix: str, device) -> None:
         validate._finite_params(tensors, f"the {role} checkpoint", self.path)
@@ -315,7 +316,7 @@ def _write_model(
             return ckpts["merged"].read([name])[name]
         method, params = merge
         base = ckpts["base"].read([name])
-        return merging.merge(method, base, {t: ckpts[t].read([name]) for t in tasks}, **params)[name]
+        return registry.merge(method, base, {t: ckpts[t].read([name]) for t in tasks}, **params)[name]
 
     write_sharded(model_dir, specs, get, max_shard_bytes)
     copy_side_files(src.path, model_dir)
@@ -378,8 +379,8 @@ def calibrate_checkpoints(
     if isinstance(merge, str):
         merge = (merge, {})
     if merge is not None:
-        if merge[0] not in merging.MERGERS:
-            raise ValueError(f"unknown merge method {merge[0]!r}; choose one of {sorted(merging.MERGERS)}.")
+        if merge[0] not in registry.MERGERS:
+            raise ValueError(f"unknown merge method {merge[0]!r}; choose one of {sorted(registry.MERGERS)}.")
         merge = (merge[0], dict(merge[1]))
     if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}.")

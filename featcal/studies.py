@@ -24,9 +24,9 @@ from typing import Mapping, Sequence
 import pandas as pd
 
 from featcal import corrupt
+from featcal.baselines.registry import MERGERS
 from featcal.config import FeatCalConfig
 from featcal.engine import calibrate
-from featcal.merging import MERGERS
 from featcal.progress import bar
 from featcal.zoo.core import Zoo, evaluate
 
