@@ -43,7 +43,7 @@ from diagnostics.output import output_drift
 from featcal import FeatCalConfig, calibrate
 from featcal.baselines import registry
 from featcal.baselines.svc import svc
-from featcal.progress import bar
+from featcal.util.progress import bar
 from featcal.zoo.core import evaluate
 from featcal.zoo.tokens import as_batch
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from diagnostics import compare as cmp
 from featcal.baselines import registry
-from featcal.cli_common import UserError, add_common, add_zoo, check_out, zoo_from_args
+from featcal.cli.common import UserError, add_common, add_zoo, check_out, zoo_from_args
 
 DEFAULT_METHODS = "ta,ties,iso_c,regmean_plusplus,ta+featcal,iso_c+featcal,ta+escal,ta+surgery,ta+surgery_v2"
 

@@ -7,16 +7,17 @@ Usage::
     model, report = calibrate(merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig.clip())
 """
 
+from featcal import _moved  # noqa: F401  (installs the old flat layout's import names; see its docstring)
 from featcal.baselines.adamerging import adamerging
 from featcal.baselines.fisher import fisher_merging
 from featcal.baselines.registry import MERGERS, MERGERS_WITH_DATA, merge, merge_with_data
 from featcal.baselines.svc import svc
+from featcal.baselines.trained.calibrators import TaskCalibrated, escal
 from featcal.baselines.trained.surgery import surgery, surgery_v2
-from featcal.calibrators import TaskCalibrated, escal
 from featcal.config import FastPaths, FeatCalConfig, TokenWeights
-from featcal.engine import ExpertTrace, calibrate
-from featcal.report import CalibrationReport
-from featcal.streaming import calibrate_checkpoints
+from featcal.engine.report import CalibrationReport
+from featcal.engine.run import ExpertTrace, calibrate
+from featcal.streaming.run import calibrate_checkpoints
 
 __all__ = [
     "FeatCalConfig",

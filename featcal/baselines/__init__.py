@@ -1,3 +1,3 @@
-"""What FeatCal is compared with: the mergers, the data-using mergers, the post-merging
-calibrators (SVC, and the trained ones under :mod:`featcal.baselines.trained`), and the one
-registry of them all (:mod:`featcal.baselines.registry`)."""
+"""What FeatCal is compared with: data-free mergers (merging, spectral), data-using mergers
+(regmean, adamerging, fisher), SVC (svc, data-free), trained post-merging calibrators (trained/),
+and the one registry of them all (registry). Imports the engine and below."""

@@ -33,8 +33,8 @@ from torch import nn
 from torch.func import functional_call
 
 from featcal.baselines.examples import ExamplePool
-from featcal.modes import eval_mode
-from featcal.progress import bar
+from featcal.model.modes import eval_mode
+from featcal.util.progress import bar
 
 GRANULARITY = ("task", "layer")
 Logits = Callable[[nn.Module, str, object], torch.Tensor]

@@ -14,7 +14,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from featcal.validate import batch_len
+from featcal.model.validate import batch_len
 
 
 def _join(batches: list) -> Any | None:

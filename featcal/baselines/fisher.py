@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from featcal.baselines.examples import ExamplePool
-from featcal.modes import eval_mode
-from featcal.progress import bar
+from featcal.model.modes import eval_mode
+from featcal.util.progress import bar
 
 MINIMAL = 1e-6
 Logits = Callable[[nn.Module, str, object], torch.Tensor]

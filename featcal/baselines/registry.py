@@ -28,15 +28,14 @@ from typing import Any, Callable, Mapping
 
 from torch import nn
 
-from featcal import merging
 from featcal.baselines import adamerging as ada
-from featcal.baselines import fisher
+from featcal.baselines import fisher, merging
+from featcal.baselines.regmean import regmean, regmean_plusplus
 from featcal.baselines.svc import svc
+from featcal.baselines.trained.calibrators import escal
 from featcal.baselines.trained.surgery import surgery, surgery_v2
-from featcal.calibrators import escal
 from featcal.config import FeatCalConfig
-from featcal.engine import calibrate
-from featcal.regmean import regmean, regmean_plusplus
+from featcal.engine.run import calibrate
 
 KINDS = ("merger", "data_merger", "calibrator", "trained")
 # Arguments the runners fill themselves: never a user's --param.

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from featcal.baselines.registry import merge
-from featcal.streams import device_of
+from featcal.model.streams import device_of
 from featcal.zoo.tokens import as_batch
 
 SPLITS = ("calib", "val", "test")

@@ -1,2 +1,2 @@
-"""The trained post-merging calibrators: task-specific modules added to a merged model and
-trained toward each expert (ESCal, Surgery, SurgeryV2)."""
+"""Trained post-merging calibrators (ESCal, Surgery, SurgeryV2): their modules, their training loop,
+and the functions that add and train them."""

@@ -43,14 +43,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from featcal.arch import resolve_blocks
 from featcal.baselines.examples import ExamplePool, take
-from featcal.calibrator_modules import ATTR, SurgeryAdapter, insert
-from featcal.calibrator_training import TaskRun
-from featcal.calibrators import TaskCalibrated, checked_models
-from featcal.modes import eval_mode
-from featcal.progress import bar
-from featcal.streams import call_model, device_of
+from featcal.baselines.trained.calibrators import TaskCalibrated, checked_models
+from featcal.baselines.trained.modules import ATTR, SurgeryAdapter, insert
+from featcal.baselines.trained.training import TaskRun
+from featcal.model.arch import resolve_blocks
+from featcal.model.modes import eval_mode
+from featcal.model.streams import call_model, device_of
+from featcal.util.progress import bar
 
 POOLS = ("auto", "example", "mean", "tokens")
 PROJECTIONS = ("visual_projection", "text_projection")
@@ -207,7 +207,7 @@ def _to(batch, device):
 
 def place(model: nn.Module, path: str, emb: Embedding, modules: Mapping) -> None:
     """Insert ``modules`` into ``model`` (in place): each block's after its block, the
-    embedding's after the embedding's submodule (:func:`featcal.calibrator_modules.insert`)."""
+    embedding's after the embedding's submodule (:func:`featcal.baselines.trained.modules.insert`)."""
     for key, mod in modules.items():
         insert(_host(model, path, emb, key), mod)
 
