@@ -57,6 +57,11 @@ FILLED = (
 )
 
 
+class ParamError(TypeError, ValueError):
+    """A parameter a method does not take, or a value of the wrong type (a ``TypeError`` as for a
+    function called with a wrong keyword, and a ``ValueError`` as bad input)."""
+
+
 @dataclass(frozen=True)
 class Param:
     """One parameter: its ``default`` (from the function), the app's slider ``range``
@@ -86,7 +91,7 @@ class Param:
         if self.choices is not None and value not in self.choices:
             want, ok = f"one of {', '.join(self.choices)}", False
         if not ok:
-            raise ValueError(f"{method}: parameter {self.name!r} takes {want}, got {value!r}.")
+            raise ParamError(f"{method}: parameter {self.name!r} takes {want}, got {value!r}.")
         return value
 
 
@@ -107,7 +112,7 @@ class Method:
         for p in self.params:
             if p.name == name:
                 return p
-        raise ValueError(f"{self.name} takes no parameter {name!r}; it takes {', '.join(self.param_names) or 'none'}.")
+        raise ParamError(f"{self.name} takes no parameter {name!r}; it takes {', '.join(self.param_names) or 'none'}.")
 
     @property
     def param_names(self) -> list[str]:
@@ -238,7 +243,11 @@ def get(name: str, *kinds: str) -> Method:
     if method is None or (kinds and method.kind not in kinds):
         known = names(*kinds)
         aliases = [a for a, n in ALIASES.items() if n in known]
-        what = " or ".join(k.replace("_", " ") for k in kinds) or "method"
+        what = "method"
+        if kinds and set(kinds) <= {"merger", "data_merger"}:
+            what = "merge method"
+        elif kinds and set(kinds) <= {"calibrator", "trained"}:
+            what = "calibrator"
         raise ValueError(f"unknown {what} {name!r}; choose one of {', '.join(known + aliases)}.")
     return method
 

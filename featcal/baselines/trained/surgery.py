@@ -19,7 +19,8 @@ Where the final embedding is (:func:`final_embedding`, the rule for models witho
 
 1. a projection: HF ``visual_projection`` / ``text_projection``, open_clip's ``proj`` (the
    model's own output): its output, one vector per example;
-2. HF CLIP towers without one: ``post_layernorm`` (the pooled class token the heads read);
+2. HF CLIP towers without one: ``post_layernorm`` (the pooled class token the heads read); a
+   BERT-style ``...ForSequenceClassification``: its ``pooler`` (what its classifier reads);
 3. a decoder with a final norm (Llama's ``norm``, GPT-2's ``ln_f``): the last hidden state of
    every token (the LM head reads every position), L1 over the non-padding tokens;
 4. otherwise (BERT-style encoders read by mean pooling): the last block's output, the module on
@@ -95,6 +96,9 @@ def _rule(model: nn.Module) -> tuple[str, str] | None:
     post = [n for n in modules if n == "post_layernorm" or n.endswith(".post_layernorm")]
     if post:
         return post[0], "example"
+    pooler = [n for n, m in modules.items() if n.split(".")[-1] == "pooler" and m is not None]
+    if pooler and hasattr(model, "classifier"):
+        return pooler[0], "example"  # BERT-style ...ForSequenceClassification: its head reads the pooler
     for name in FINAL_NORMS:
         if name in modules:
             return name, "tokens"
