@@ -127,7 +127,7 @@ def test_merge_runs_the_new_mergers(tiny_zoo_dir, tmp_path, capsys):
         "--out",
         str(tmp_path / "x"),
     )
-    _assert_clean_error(rc, err, "regmean takes reduce_nondiag")
+    _assert_clean_error(rc, err, "regmean takes no parameter 'scale'; it takes reduce_nondiag")
 
 
 def test_eval_without_model_scores_base_experts_merge(tiny_zoo_dir, capsys):

@@ -329,3 +329,16 @@ def test_the_loss_reads_only_the_chosen_and_unpadded_tokens():
     assert distance(h, moved, "l1", "cls", mask) == distance(h, target, "l1", "cls", mask)
     want = (h[:, 0] - target[:, 0]).abs().mean()
     assert torch.allclose(distance(h, target, "l1", "cls", None), want)
+
+
+def test_escal_epochs_count_passes_over_the_data_whatever_the_batching():
+    """12 examples as one batch at batch 4: 3 minibatches a pass; padded batches that cannot be
+    pooled: one step per given batch. Either way ``epochs`` passes, per task."""
+    _, experts, merged, data = zoo("hf_clip", n_tasks=1)
+    one = {"t0": [torch.cat(data["t0"])]}  # 12 examples, one batch
+    cal = escal(merged, experts, one, rank=4, epochs=2, batch=4, progress=False)
+    assert cal.runs["t0"].steps == 2 * 3 and cal.settings["steps"] == {"t0": 6}
+    merged_l, experts_l, data_l = _tiny_llama()
+    padded = {t: [{k: torch.cat([b[k] for b in bs]) for k in bs[0]}] for t, bs in data_l.items()}  # one padded batch
+    cal = escal(merged_l, experts_l, padded, rank=4, epochs=2, batch=2, progress=False)
+    assert {t: r.steps for t, r in cal.runs.items()} == {"a": 2, "b": 2}  # 2 passes, not 2 x (4 / 2) passes

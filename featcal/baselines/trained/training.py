@@ -155,8 +155,10 @@ def train_task(
     with torch.no_grad():
         calls = [catch_block_inputs(model, blks[0], b) for b in batches]
     targets = expert_targets(expert, path, batches, set(modules), device)
-    spans = pool_spans(calls, max_rows=1 << 62)
-    if spans is not None:
+    # One call can be drawn from by rows when it could be pooled with a copy of itself (no padding
+    # mask, no tensors among its other arguments): then minibatches of ``batch`` rows, as for many.
+    spans = pool_spans(calls if len(calls) > 1 else calls * 2, max_rows=1 << 62)
+    if spans is not None and len(calls) > 1:
         calls = [pooled(calls)]
         targets = {l: [torch.cat(ts)] for l, ts in targets.items()}
     # 2. The frozen prefix: the merged stream through the first block with a module.
