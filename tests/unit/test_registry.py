@@ -1,6 +1,6 @@
 """The one method registry (featcal.baselines.registry): every merger and calibrator by name,
-what the public names, the CLI, the comparison and the app read from it, and the one --param
-dialect (old spellings: a deprecation warning, for one release)."""
+what the public names, the comparison and the app read from it, and the one --param dialect
+(the command line's use of it: tests/cli/test_cli.py)."""
 
 import inspect
 
@@ -10,7 +10,6 @@ import featcal
 from app import settings
 from diagnostics import compare as cmp
 from featcal.baselines import registry
-from featcal.cli import commands as cli
 
 
 def test_every_method_is_registered_once_with_its_kind_label_and_parameters():
@@ -79,48 +78,3 @@ def test_one_param_dialect_where_one_method_runs_and_method_dot_name_where_sever
         registry.parse_param_items(["scale=0.4"], None)
     with pytest.raises(ValueError, match="NAME=VALUE"):
         registry.parse_param_items(["scale"], ["ta"])
-
-
-def _run(capsys, *argv):
-    rc = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def test_the_cli_checks_params_before_any_work_and_warns_on_old_spellings(tiny_zoo_dir, tmp_path, capsys):
-    out = tmp_path / "m"
-    rc, _, err = _run(
-        capsys, "merge", "--zoo", tiny_zoo_dir, "--method", "ta", "--param", "scale=big", "--out", str(out)
-    )
-    assert rc == 2 and "task_arithmetic: parameter 'scale' takes a number, got 'big'" in err and not out.exists()
-    rc, _, err = _run(
-        capsys, "calibrate", "--zoo", tiny_zoo_dir, "--merge", "ta", "--param", "density=0.1", "--out", str(out)
-    )
-    assert rc == 2 and "task_arithmetic takes no parameter 'density'" in err and not out.exists()
-    # the old spelling still runs, with a warning naming the new one
-    argv = [
-        "calibrate",
-        "--zoo",
-        tiny_zoo_dir,
-        "--merge-param",
-        "scale=0.4",
-        "--n-per-task",
-        "8",
-        "--out",
-        str(out),
-        "-q",
-    ]
-    rc, _, err = _run(capsys, *argv)
-    assert rc == 0 and "--merge-param scale=0.4 is deprecated" in err and "write --param scale=0.4" in err
-    assert '"scale": 0.4' in (out / "report.json").read_text()
-
-
-def test_diagnose_takes_param_and_the_old_scale_with_a_warning(tiny_zoo_dir, tmp_path, capsys):
-    from diagnostics.cli import merge_params
-    import argparse
-
-    args = argparse.Namespace(param=None, scale=0.5, merge="task_arithmetic")
-    assert merge_params(args) == {"scale": 0.5}
-    assert "--scale 0.5 is deprecated" in capsys.readouterr().err
-    args = argparse.Namespace(param=["scale=0.2"], scale=None, merge="task_arithmetic")
-    assert merge_params(args) == {"scale": 0.2}
