@@ -252,3 +252,31 @@ def test_diagnose_takes_param_and_the_old_scale_with_a_warning(tiny_zoo_dir, tmp
     assert "--scale 0.5 is deprecated" in capsys.readouterr().err
     args = argparse.Namespace(param=["scale=0.2"], scale=None, merge="task_arithmetic")
     assert merge_params(args) == {"scale": 0.2}
+
+
+def test_merge_runs_adamerging_and_fisher_through_the_zoos_heads(tiny_zoo_dir, tmp_path, capsys):
+    from featcal import merge_with_data
+    from featcal.baselines.registry import zoo_logits
+    from featcal.zoo.io import load_model
+
+    zoo = load_any(tiny_zoo_dir)
+    for method, params in (("adamerging", ["granularity=task", "steps=3"]), ("fisher", ["batch=4"])):
+        out = tmp_path / method
+        argv = ["merge", "--zoo", tiny_zoo_dir, "--method", method, "--n-per-task", "8", "--out", str(out), "-q"]
+        for p in params:
+            argv += ["--param", p]
+        rc, _, err = _run(capsys, *argv)
+        assert rc == 0, err
+        name = "fisher_merging" if method == "fisher" else method
+        kw = {"granularity": "task", "steps": 3} if method == "adamerging" else {"batch": 4}
+        want = merge_with_data(
+            name,
+            base=zoo.base,
+            experts=zoo.experts,
+            calib_data=zoo.calib_data(8),
+            logits=zoo_logits(zoo),
+            progress=False,
+            **kw,
+        ).state_dict()
+        got = load_model(str(out), like=zoo.base).state_dict()
+        assert all(torch.allclose(got[k], v, atol=1e-5) for k, v in want.items()), method
