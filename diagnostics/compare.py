@@ -157,7 +157,7 @@ def gap_closed(acc: float, start: float, experts: float) -> float:
 
 def test_batches(zoo, n: int | None, batch_size: int = 64) -> dict[str, list[torch.Tensor]]:
     """The first ``n`` test examples of each task (all when None) in batches: the drift data."""
-    return {t: list(zoo.split(t, "test")[0][:n].split(batch_size)) for t in zoo.tasks}
+    return {t: [as_batch(b) for b in zoo.split(t, "test")[0][:n].split(batch_size)] for t in zoo.tasks}
 
 
 def _zoo_key(zoo) -> tuple:
