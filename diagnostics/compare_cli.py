@@ -106,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
         f"\nzoo {zoo.name}: {len(zoo.tasks)} tasks; {args.n} calibration examples per task (seed {args.seed}); "
         f"test split{'' if args.max_test is None else f' (first {args.max_test} per task)'}; gap closed = "
         "100 (acc - start) / (experts - start) from TA or from the method's merger; added numbers per task; "
-        "overhead: measured forward time with the added modules over without, minus 1 (0 for no module)."
+        "overhead: measured forward time with the added modules over without, minus 1 (0 for no module; "
+        "blank: not measured, --repeats N measures it)."
     )
     if args.out:
         write(result, Path(args.out), args.force)

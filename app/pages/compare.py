@@ -97,7 +97,8 @@ st.subheader("Summary")
 st.caption(
     "Average test accuracy; gap closed = 100·(acc − start)/(experts − start), from Task Arithmetic and "
     "from the method's own merger; KL(expert ‖ model) and top-1 agreement with the experts; numbers "
-    "added per task; measured inference overhead; seconds to merge and to calibrate."
+    "added per task; inference overhead (0 without added modules; blank for trained ones: a few timed calls "
+    "on a shared CPU are noise, `featcal compare --repeats N` measures it); seconds to merge and to calibrate."
 )
 st.dataframe(
     summary.drop(columns=["merger", "calibrator"]),
