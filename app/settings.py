@@ -12,8 +12,10 @@ keys) and free of Streamlit (the widgets that build them are in :mod:`app.contro
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from featcal import FeatCalConfig
 from featcal.baselines import registry
@@ -33,10 +35,19 @@ MERGE_PARAMS = {
     for name in MERGE_METHODS
     if any(p.range is not None for p in registry.get(name).params)
 }
-# What more calibration examples give on the embedded demo zoo: exact FeatCal at the default
-# setting on Task Arithmetic (0.3), mean accuracy gain in points over the merged model on the live
-# test subset, and the exact result's CPU seconds (benchmarks/README.md, 'Default calibration size').
-DEMO_N_GAINS = {8: (7.4, 0.34), 16: (8.6, 0.43), 32: (8.9, 0.67), 64: (9.4, 1.00)}
+# What more calibration examples give on the embedded demo zoo, as benchmarks/app_latency.py --record
+# measured it: {n: (accuracy gain in points over the merged model, the exact result's CPU seconds)}.
+MEASURED_SIZES = Path(__file__).resolve().parents[1] / "assets" / "measured" / "demo_calibration_sizes.json"
+
+
+def demo_n_gains(path: Path = MEASURED_SIZES) -> dict[int, tuple[float, float]]:
+    """The measured gains per calibration size (empty when the file is missing)."""
+    if not path.is_file():
+        return {}
+    return {int(n): (r["gain_pp"], r["exact_cpu_s"]) for n, r in json.loads(path.read_text()).items()}
+
+
+DEMO_N_GAINS = demo_n_gains()
 CAL_DEFAULTS = dict(log_lam=-1.3, rho=2.0, alpha=0.3, n_cal=DEFAULT_N, bias=True, layernorm=True)
 
 

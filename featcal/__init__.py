@@ -14,7 +14,7 @@ from featcal.baselines.registry import MERGERS, MERGERS_WITH_DATA, merge, merge_
 from featcal.baselines.svc import svc
 from featcal.baselines.trained.calibrators import TaskCalibrated, escal
 from featcal.baselines.trained.surgery import surgery, surgery_v2
-from featcal.config import FastPaths, FeatCalConfig, TokenWeights
+from featcal.config import FastPaths, FeatCalConfig, Setting, TokenWeights
 from featcal.engine.report import CalibrationReport
 from featcal.engine.run import ExpertTrace, calibrate
 from featcal.streaming.run import calibrate_checkpoints
@@ -22,6 +22,7 @@ from featcal.streaming.run import calibrate_checkpoints
 __all__ = [
     "FeatCalConfig",
     "FastPaths",
+    "Setting",
     "TokenWeights",
     "calibrate",
     "calibrate_checkpoints",
