@@ -12,8 +12,7 @@ conventions so that their numbers compare with its tables: their rule (the maths
 position embedding too, not only Linear weights), and every other floating entry gets the
 mean task vector ``mean_i tau_i`` (times the method's scale where it has one).
 
-Registry: ``MERGERS`` maps a method name to its function, and
-:func:`merge` dispatches on it.
+The registry (:mod:`featcal.baselines.registry`) names them; ``featcal.merge`` dispatches on it.
 """
 
 from __future__ import annotations
@@ -238,31 +237,3 @@ def wudi(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return _merge_matrices(base, experts, rule, 1.0, desc="wudi", progress=progress)
-
-
-MERGERS: dict[str, Callable[..., dict[str, torch.Tensor]]] = {
-    "average": average,
-    "task_arithmetic": task_arithmetic,
-    "ties": ties,
-    "dare": dare,
-    "iso_c": iso_c,
-    "iso_cts": iso_cts,
-    "tsv": tsv,
-    "wudi": wudi,
-}
-
-
-def merge(
-    method: str, base_sd: StateDict, expert_sds: Mapping[str, StateDict] | list, **params
-) -> dict[str, torch.Tensor]:
-    """Merge expert state dicts into a new one with a registered method.
-
-    ``expert_sds`` is a mapping ``{task: state_dict}`` (a list is accepted and
-    numbered). ``params`` are the method's own keyword arguments (``scale``,
-    ``density``, ...); unknown ones raise a ``TypeError`` naming them.
-    """
-    if method not in MERGERS:
-        raise ValueError(f"unknown merge method {method!r}; choose one of {sorted(MERGERS)}.")
-    if not isinstance(expert_sds, Mapping):
-        expert_sds = {str(i): sd for i, sd in enumerate(expert_sds)}
-    return MERGERS[method](base_sd, expert_sds, **params)

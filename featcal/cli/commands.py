@@ -35,12 +35,13 @@ from typing import Callable
 
 from diagnostics import cli as diagnose_cli
 from diagnostics import compare_cli
-from featcal.baselines.regmean import MERGERS_WITH_DATA, merge_with_data
+from featcal.baselines.registry import MERGERS_WITH_DATA, merge_with_data, zoo_logits
 from featcal.cli import sweep as tune_cli
 from featcal.cli.common import (
     UserError,
     add_common,
     add_out,
+    add_param,
     add_zoo,
     apply_threads,
     check_merge_method,
@@ -127,9 +128,7 @@ def _print_zoo_info(zoo, seconds: float) -> None:
 def add_merge_arguments(p: argparse.ArgumentParser) -> None:
     add_zoo(p)
     p.add_argument("--method", default="task_arithmetic", help="merge method (default: task_arithmetic)")
-    p.add_argument(
-        "--param", action="append", metavar="NAME=VALUE", help="a parameter of the method, e.g. scale=0.3 (repeatable)"
-    )
+    add_param(p)
     p.add_argument(
         "--n-per-task",
         type=int,
@@ -145,6 +144,7 @@ def add_merge_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_merge(args) -> int:
     params = parse_params(args.param, args.method, with_data=True)
+    args.method = check_merge_method(args.method, with_data=True)
     with_data = args.method in MERGERS_WITH_DATA
     if with_data and args.n_per_task < 1:
         raise UserError(f"--n-per-task must be at least 1, got {args.n_per_task}.")
@@ -154,7 +154,13 @@ def run_merge(args) -> int:
     if with_data:
         data = zoo.calib_data(args.n_per_task, seed=args.seed, batch_size=args.batch_size)
         model = merge_with_data(
-            args.method, base=zoo.base, experts=zoo.experts, calib_data=data, progress=not args.quiet, **params
+            args.method,
+            base=zoo.base,
+            experts=zoo.experts,
+            calib_data=data,
+            logits=zoo_logits(zoo),
+            progress=not args.quiet,
+            **params,
         )
         info.update(n_per_task=args.n_per_task, seed=args.seed, batch_size=args.batch_size)
     else:
@@ -178,14 +184,7 @@ def _write(args, zoo, model, json_name: str, doc: dict, scored: dict) -> Path:
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     add_zoo(p)
     p.add_argument("--merge", default="task_arithmetic", help="merge method (default: task_arithmetic)")
-    p.add_argument(
-        "--merge-param",
-        "--param",
-        dest="merge_param",
-        action="append",
-        metavar="NAME=VALUE",
-        help="a parameter of the merge method (repeatable; default: its own defaults)",
-    )
+    add_param(p, old=("--merge-param",))
     p.add_argument(
         "--preset",
         choices=("clip", "llama-3b", "llama-8b", "none"),
@@ -252,7 +251,7 @@ def run_calibrate_checkpoints(args) -> int:
         raise UserError(f"--data {args.data!r} does not exist.")
     args.preset = args.preset or "llama-8b"
     cfg = config_from_args(args)
-    merge = None if args.merged else (args.merge, parse_params(args.merge_param, args.merge))
+    merge = None if args.merged else (args.merge, parse_params(args.param, args.merge))
     apply_threads(args)
     try:
         report = _stream(args, experts, merge, cfg)
@@ -288,7 +287,7 @@ def run_calibrate(args) -> int:
     if args.expert or args.merged or args.data or args.resume:
         raise UserError("--expert, --merged, --data and --resume go with --base (model directories), not --zoo.")
     args.preset = args.preset or "clip"
-    params = parse_params(args.merge_param, args.merge)
+    params = parse_params(args.param, args.merge)
     cfg = config_from_args(args)
     if args.n_per_task < 1:
         raise UserError(f"--n-per-task must be at least 1, got {args.n_per_task}.")

@@ -24,7 +24,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from featcal.baselines import merging
+from featcal.baselines import registry
 from featcal.config import FastPaths, FeatCalConfig
 from featcal.engine.blocksource import check_device
 from featcal.engine.report import BlockRecord, CalibrationReport, ModuleRecord
@@ -130,8 +130,8 @@ def _check_merge(merge, merged) -> tuple[str, dict] | None:
         return None
     if isinstance(merge, str):
         merge = (merge, {})
-    if merge[0] not in merging.MERGERS:
-        raise ValueError(f"unknown merge method {merge[0]!r}; choose one of {sorted(merging.MERGERS)}.")
+    if merge[0] not in registry.MERGERS:
+        raise ValueError(f"unknown merge method {merge[0]!r}; choose one of {sorted(registry.MERGERS)}.")
     return (merge[0], dict(merge[1]))
 
 
