@@ -207,13 +207,26 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     )
     c.add_argument("--base", metavar="DIR", help="the base model's directory")
     c.add_argument(
-        "--expert", action="append", metavar="NAME=DIR", help="an expert's task name and directory (repeatable)"
+        "--expert",
+        action="append",
+        metavar="NAME=DIR",
+        help="an expert's task name and directory: a model, or a PEFT LoRA adapter on --base (repeatable)",
     )
     c.add_argument("--merged", metavar="DIR", help="the merged model's directory (instead of --merge on the fly)")
     c.add_argument(
         "--data", metavar="FILE", help="calibration tokens: a safetensors file of TASK.input_ids [TASK.attention_mask]"
     )
     c.add_argument("--resume", action="store_true", help="continue a run that was killed part-way")
+    c.add_argument(
+        "--common-rows",
+        action="store_true",
+        help="experts with added tokens (more embedding rows than --base): calibrate the rows the base has",
+    )
+    c.add_argument(
+        "--lora-any-base",
+        action="store_true",
+        help="accept LoRA adapters whose adapter_config.json names another base (shapes are still checked)",
+    )
     add_common(p)
 
 
@@ -277,6 +290,8 @@ def _stream(args, experts: dict, merge, cfg):
         resume=args.resume,
         force=args.force,
         progress=not args.quiet,
+        common_rows=args.common_rows,
+        lora_any_base=args.lora_any_base,
     )
 
 

@@ -482,7 +482,7 @@ def calibrate(
     # 1. Validate before touching anything.
     tasks = validate.check_tasks(experts, calib_data)
     base = sources.as_model(base, merged, "base")  # a state dict or a model directory: into a copy of merged
-    experts = {t: sources.as_model(experts[t], merged, f"expert {t!r}") for t in tasks}
+    experts = {t: sources.as_model(experts[t], merged, f"expert {t!r}", base=base) for t in tasks}
 
     def stacks_of(m: nn.Module) -> str:
         return arch.STACK_SEP.join(p for p, _ in arch.resolve_stacks(m, blocks))

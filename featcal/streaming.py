@@ -50,6 +50,7 @@ from featcal.checkpoints import (
 )
 from featcal.config import FastPaths, FeatCalConfig
 from featcal.engine import calibrate
+from featcal.model.lora import LoraCheckpoint, is_adapter_dir
 from featcal.progress import note
 from featcal.report import BlockRecord, CalibrationReport, ModuleRecord
 
@@ -340,13 +341,16 @@ def calibrate_checkpoints(
     checkpoint_every: int = 1,
     max_shard_bytes: int = 4 << 30,
     on_block: Callable[[int, dict], None] | None = None,
+    common_rows: bool = False,
+    lora_any_base: bool = False,
 ) -> CalibrationReport:
     """Calibrate a merge with FeatCal, streaming every model from its checkpoint one block at a
     time, and write the calibrated model to ``out`` (``save_pretrained`` layout).
 
     Args:
         base: the pretrained model's directory (``config.json`` and ``*.safetensors``).
-        experts: ``{task: directory}`` of the experts.
+        experts: ``{task: directory}`` of the experts: model directories, or PEFT LoRA adapter
+            directories on ``base`` (merged block by block as they are read, :mod:`featcal.model.lora`).
         calib_data: ``{task: [batch, ...]}`` as for :func:`featcal.calibrate` (token batches:
             dicts with ``input_ids`` and optionally ``attention_mask``).
         out: the directory to write; must not exist unless ``force``.
@@ -366,6 +370,10 @@ def calibrate_checkpoints(
         max_shard_bytes: the largest output shard.
         on_block: called as ``on_block(block, {"seconds", "peak_rss_mb"[, "peak_gpu_mb"]})``
             after each block.
+        common_rows: an expert (or the merged model) whose embeddings have more rows than the
+            base's (tokens added) is calibrated on the rows the base has; without it, an error.
+        lora_any_base: accept a LoRA adapter whose ``base_model_name_or_path`` names another
+            model than ``base`` (its shapes are still checked).
 
     Returns:
         The :class:`CalibrationReport` (every block's, a resumed run's included).
@@ -390,14 +398,20 @@ def calibrate_checkpoints(
 
     # The checkpoints (headers only) and their skeletons.
     ckpts = {"base": Checkpoint(base, "the base")}
-    ckpts |= {t: Checkpoint(experts[t], f"expert {t!r}") for t in tasks}
+    for t in tasks:
+        what = f"expert {t!r}"
+        if is_adapter_dir(experts[t]):
+            ckpts[t] = LoraCheckpoint(experts[t], ckpts["base"], what, strict_name=not lora_any_base)
+        else:
+            ckpts[t] = Checkpoint(experts[t], what)
     if merged is not None:
         ckpts["merged"] = Checkpoint(merged, "the merged model")
     for role, ck in ckpts.items():
         if role != "base":
-            check_same_tensors(ckpts["base"], ck)
+            check_same_tensors(ckpts["base"], ck, common_rows)
     src = ckpts.get("merged", ckpts["base"])
-    skels = {role: skeleton(ck) for role, ck in ckpts.items()}
+    # a checkpoint read cut to the base's vocabulary is built as the base is
+    skels = {role: skeleton(ckpts["base"] if ck.rows else ck) for role, ck in ckpts.items()}
     if "merged" not in skels:
         skels["merged"] = skeleton(ckpts["base"])
     path = arch.resolve_blocks(skels["merged"], blocks)[0]
