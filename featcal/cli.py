@@ -49,6 +49,7 @@ from featcal.cli_common import (
 )
 from featcal.config import FeatCalConfig
 from featcal.engine import calibrate
+from featcal.model.export import drift_summary
 from featcal.regmean import MERGERS_WITH_DATA, merge_with_data
 from featcal.streams import device_of
 from featcal.zoo import BUILT, NAMES, evaluate, load_any, load_demo
@@ -169,7 +170,26 @@ def _write(args, zoo, model, json_name: str, doc: dict, scored: dict) -> Path:
     ``model`` in the zoo's format with ``doc`` as ``json_name`` (atomically, see save_model)."""
     if args.eval:
         doc["accuracy"] = _eval_and_print(scored, zoo, "test")
-    return save_model(model, args.out, fmt=zoo.fmt, force=args.force, extra_files={json_name: doc})
+    return save_model(model, args.out, fmt=zoo.fmt, force=args.force, extra_files={json_name: doc}, hub=_card(zoo, doc))
+
+
+def _card(zoo, doc: dict) -> dict:
+    """The model card's facts (:func:`featcal.model.export.write_hub_files`) of a zoo run's ``doc``."""
+    sources = zoo.meta.get("sources", {})
+    merge = doc.get("merge") or {"method": doc.get("method"), "params": doc.get("params")}
+    report = doc.get("report")
+    card = {
+        "base_dir": sources.get("base"),
+        "base": None if sources.get("base") else f"featcal zoo {zoo.name} (base)",
+        "experts": {t: sources.get(f"expert:{t}", f"zoo {zoo.name}") for t in zoo.tasks},
+        "merge": merge,
+        "scores": doc.get("accuracy"),
+    }
+    if report is not None:
+        card["settings"] = report["config"]
+        card["calibration"] = {"n_per_task": doc.get("n_per_task"), "seed": doc.get("seed"), "tasks": zoo.tasks}
+        card["drift"] = drift_summary(report)
+    return card
 
 
 # ------------------------------------------------------------------ calibrate

@@ -41,7 +41,11 @@ def load_into(template: nn.Module, sd: Mapping[str, torch.Tensor], role: str, co
     :func:`featcal.checkpoints.vocab_rows`, which ``common_rows`` passes to)."""
     model = copy.deepcopy(template)
     own = model.state_dict()
-    cut = [k for k in own if k in sd and vocab_rows(k, tuple(own[k].shape), tuple(sd[k].shape), role, "the merged model", common_rows)]
+    cut = [
+        k
+        for k in own
+        if k in sd and vocab_rows(k, tuple(own[k].shape), tuple(sd[k].shape), role, "the merged model", common_rows)
+    ]
     sd = {**sd, **{k: sd[k][: own[k].shape[0]] for k in cut}}
     missing = [k for k in own if k not in sd]
     missing = [k for k in missing if k not in set(_tied(own, sd, missing))]

@@ -50,6 +50,7 @@ from featcal.checkpoints import (
 )
 from featcal.config import FastPaths, FeatCalConfig
 from featcal.engine import calibrate
+from featcal.model.export import drift_summary, write_hub_files
 from featcal.model.lora import LoraCheckpoint, is_adapter_dir
 from featcal.progress import note
 from featcal.report import BlockRecord, CalibrationReport, ModuleRecord
@@ -277,6 +278,14 @@ def _write_json_atomic(doc: dict, path: Path) -> None:
     os.replace(part, path)
 
 
+def _rows(batches: list) -> int:
+    """The examples in a task's calibration batches (a batch: a tensor or a dict of them)."""
+    n = 0
+    for b in batches:
+        n += int((next(iter(b.values())) if isinstance(b, Mapping) else b).shape[0])
+    return n
+
+
 def _block_of(name: str, path: str) -> int | None:
     """The block index of a tensor name under ``path`` (``model.layers.3.mlp...`` -> 3), else None."""
     if not name.startswith(path + "."):
@@ -343,6 +352,7 @@ def calibrate_checkpoints(
     on_block: Callable[[int, dict], None] | None = None,
     common_rows: bool = False,
     lora_any_base: bool = False,
+    card: Mapping | None = None,
 ) -> CalibrationReport:
     """Calibrate a merge with FeatCal, streaming every model from its checkpoint one block at a
     time, and write the calibrated model to ``out`` (``save_pretrained`` layout).
@@ -374,6 +384,8 @@ def calibrate_checkpoints(
             base's (tokens added) is calibrated on the rows the base has; without it, an error.
         lora_any_base: accept a LoRA adapter whose ``base_model_name_or_path`` names another
             model than ``base`` (its shapes are still checked).
+        card: more facts for the model card (:func:`featcal.model.export.write_hub_files`:
+            ``merge``, ``scores``, ...) than this run knows itself.
 
     Returns:
         The :class:`CalibrationReport` (every block's, a resumed run's included).
@@ -489,6 +501,14 @@ def calibrate_checkpoints(
     model_dir = _write_model(work, src, ckpts, tasks, merge, path, max_shard_bytes)
     full.seconds = time.perf_counter() - t_start
     full.save_json(model_dir / "featcal_report.json")
+    facts = {
+        "experts": {t: str(ckpts[t].path) for t in tasks},
+        "merge": {"method": merge[0], "params": merge[1]} if merge else {"merged": str(ckpts["merged"].path)},
+        "settings": cfg.to_dict(),
+        "calibration": {t: _rows(calib_data[t]) for t in tasks},
+        "drift": drift_summary(full),
+    }
+    write_hub_files(model_dir, base_dir=ckpts["base"].path, name=out.name, **(facts | dict(card or {})))
     if out.exists():  # force
         shutil.rmtree(out)
     os.rename(model_dir, out)

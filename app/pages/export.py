@@ -66,6 +66,16 @@ if st.button(
                 force=replace,
                 extra_files={"report.json": report},
                 config=None if zoo.fmt == "hf" else {"zoo": zoo.name, "source": source},
+                hub={
+                    "base_dir": zoo.meta.get("sources", {}).get("base"),
+                    "base": None if zoo.meta.get("sources") else f"featcal zoo {zoo.name} (base)",
+                    "experts": {t: zoo.meta.get("sources", {}).get(f"expert:{t}", source) for t in zoo.tasks},
+                    "merge": report["merger"],
+                    "settings": report["config"],
+                    "calibration": {"n_per_task": cal.n, "tasks": list(zoo.tasks)},
+                    "scores": report["scores"],
+                    "drift": report["drift"],
+                },
             )
         st.success(f"Saved to `{path}`.")
     except OutputExistsError as exc:

@@ -180,6 +180,24 @@ class LoraAdapter:
                 bias=f.get("lora_B.bias"),
             )
 
+    def align(self, names: Iterable[str]) -> "LoraAdapter":
+        """Rename the tensors the adapter changes onto a base's ``names`` where they differ by a
+        leading module path (an adapter trained on a model's inner module, e.g. FusionBench's on
+        a CLIP ``vision_model``, applied to the whole model): a name the base lacks becomes the
+        one base name ending in ``.NAME``. Returns ``self``."""
+        names = list(names)
+        have = set(names)
+
+        def find(n: str) -> str:
+            if n in have:
+                return n
+            hits = [k for k in names if k.endswith("." + n)]
+            return hits[0] if len(hits) == 1 else n
+
+        self.modules = {find(n): m for n, m in self.modules.items()}
+        self.replaced = {find(n): t for n, t in self.replaced.items()}
+        return self
+
     # ---- checks against the base
 
     def check_base(self, shapes: Mapping[str, tuple[int, ...]], names: Iterable[str] = (), strict_name=True) -> None:
@@ -255,7 +273,7 @@ class LoraAdapter:
 
     def merged(self, base_sd: Mapping[str, torch.Tensor], names: Iterable[str] = (), strict_name=True) -> dict:
         """The expert's state dict: ``base_sd`` with the adapter merged in (``base_sd`` is not modified)."""
-        self.check_base({k: tuple(v.shape) for k, v in base_sd.items()}, names, strict_name)
+        self.align(base_sd).check_base({k: tuple(v.shape) for k, v in base_sd.items()}, names, strict_name)
         return {k: self.tensor(k, v) for k, v in base_sd.items()}
 
 
@@ -297,7 +315,7 @@ class LoraCheckpoint(Checkpoint):
     (so a streamed run merges one block at a time)."""
 
     def __init__(self, path: str | os.PathLike, base: Checkpoint, role: str = "expert", strict_name: bool = True):
-        self.adapter = LoraAdapter(path, role)
+        self.adapter = LoraAdapter(path, role).align(base.specs)
         self.adapter.check_base({n: s.shape for n, s in base.specs.items()}, base_names(base.path), strict_name)
         self.base = base
         self.path, self.role, self.config_dir = self.adapter.path, role, base.config_dir

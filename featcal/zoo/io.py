@@ -128,6 +128,7 @@ def save_model(
     force: bool = False,
     extra_files: Mapping[str, str | bytes | dict | list] | None = None,
     config: dict | None = None,
+    hub: Mapping | None = None,
 ) -> Path:
     """Write ``model`` to ``out_dir`` in the format it was loaded in.
 
@@ -141,6 +142,8 @@ def save_model(
             lists are written as JSON (e.g. ``{"report.json": report.to_dict()}``).
         config: for ``open_clip``/``torch``: how to rebuild the module (model name,
             constructor arguments); written into the marker file.
+        hub: the keywords of :func:`featcal.model.export.write_hub_files` (``base_dir``, the
+            merge, settings, scores, ...): the base's tokenizer files and a model card beside it.
 
     Returns the path written. Raises :class:`OutputExistsError` (naming ``--force``)
     when ``out_dir`` exists and ``force`` is false.
@@ -166,6 +169,10 @@ def save_model(
         _write_json(tmp / MARKER, marker)
         for name, content in (extra_files or {}).items():
             _write_extra(tmp, name, content)
+        if hub is not None:
+            from featcal.model.export import write_hub_files
+
+            write_hub_files(tmp, **({"name": Path(out_dir).name} | dict(hub)))
     return Path(out_dir).expanduser().absolute()
 
 

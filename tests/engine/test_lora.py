@@ -12,7 +12,6 @@ peft = pytest.importorskip("peft")
 
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-import tiny  # noqa: E402
 from featcal import FeatCalConfig, calibrate, calibrate_checkpoints, merge  # noqa: E402
 from featcal.checkpoints import save_token_data  # noqa: E402
 from featcal.model.lora import LoraAdapter, LoraError, lora_scale, merge_lora  # noqa: E402
@@ -71,7 +70,9 @@ CASES = {
         rank_pattern={"layers.1.self_attn.q_proj": 6},
         alpha_pattern={"o_proj": 3},
     ),
-    "embedding-modules-to-save": dict(r=3, lora_alpha=5, target_modules=["embed_tokens", "k_proj"], modules_to_save=["lm_head"]),
+    "embedding-modules-to-save": dict(
+        r=3, lora_alpha=5, target_modules=["embed_tokens", "k_proj"], modules_to_save=["lm_head"]
+    ),
 }
 
 
@@ -175,8 +176,16 @@ def test_refused_adapters_name_the_problem(tmp_path):
     wide_sd = {k: v for k, v in wide.state_dict().items() if "layers.1." not in k}
     with pytest.raises(LoraError, match="layers.1.self_attn.q_proj.weight', which the base has not"):
         LoraAdapter(ad).merged(wide_sd, [str(tmp_path / "base")])
-    other = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=48, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2))
+    other = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=48,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
     with pytest.raises(LoraError, match=r"B A for 'model.layers.0.self_attn.q_proj.weight' is \(32, 32\)"):
         LoraAdapter(ad).merged(other.state_dict(), [str(tmp_path / "base")])
     with pytest.raises(ValueError, match="LoRA adapter is an expert only on its base"):
