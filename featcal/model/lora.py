@@ -27,7 +27,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from featcal.checkpoints import Checkpoint, Spec
+from featcal.model.checkpoints import Checkpoint, Spec
 
 CONFIG = "adapter_config.json"
 WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")

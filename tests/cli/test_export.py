@@ -13,8 +13,8 @@ from huggingface_hub import ModelCard
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from featcal import FeatCalConfig, calibrate_checkpoints
-from featcal.checkpoints import INDEX, load_token_data, save_token_data
-from featcal.cli import main
+from featcal.cli.commands import main
+from featcal.model.checkpoints import INDEX, load_token_data, save_token_data
 from featcal.model.export import hub_id, model_card
 
 

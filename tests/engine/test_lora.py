@@ -13,7 +13,7 @@ peft = pytest.importorskip("peft")
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from featcal import FeatCalConfig, calibrate, calibrate_checkpoints, merge  # noqa: E402
-from featcal.checkpoints import save_token_data  # noqa: E402
+from featcal.model.checkpoints import save_token_data  # noqa: E402
 from featcal.model.lora import LoraAdapter, LoraError, lora_scale, merge_lora  # noqa: E402
 
 
@@ -115,8 +115,8 @@ def test_lora_experts_streamed_equal_in_memory(tmp_path):
     """calibrate(experts={task: adapter dir}) and calibrate_checkpoints with adapters (merged per
     block as read) give the model calibrated on peft's merged experts, and the CLI takes
     --expert NAME=ADAPTER_DIR."""
-    from featcal.checkpoints import load_token_data
-    from featcal.cli import main
+    from featcal.cli.commands import main
+    from featcal.model.checkpoints import load_token_data
 
     base = _llama(layers=3)
     ads, dense = {}, {}
