@@ -48,9 +48,9 @@ from featcal.cli.common import (
     parse_params,
     zoo_from_args,
 )
+from featcal.cli.formats import add_checkpoint_options, run_calibrate_mergekit, streamed_options, zoo_card
 from featcal.config import FeatCalConfig
 from featcal.engine.run import calibrate
-from featcal.model.export import drift_summary
 from featcal.model.streams import device_of
 from featcal.zoo import BUILT, NAMES, evaluate, load_any, load_demo
 from featcal.zoo.io import load_model, save_model
@@ -170,26 +170,9 @@ def _write(args, zoo, model, json_name: str, doc: dict, scored: dict) -> Path:
     ``model`` in the zoo's format with ``doc`` as ``json_name`` (atomically, see save_model)."""
     if args.eval:
         doc["accuracy"] = _eval_and_print(scored, zoo, "test")
-    return save_model(model, args.out, fmt=zoo.fmt, force=args.force, extra_files={json_name: doc}, hub=_card(zoo, doc))
-
-
-def _card(zoo, doc: dict) -> dict:
-    """The model card's facts (:func:`featcal.model.export.write_hub_files`) of a zoo run's ``doc``."""
-    sources = zoo.meta.get("sources", {})
-    merge = doc.get("merge") or {"method": doc.get("method"), "params": doc.get("params")}
-    report = doc.get("report")
-    card = {
-        "base_dir": sources.get("base"),
-        "base": None if sources.get("base") else f"featcal zoo {zoo.name} (base)",
-        "experts": {t: sources.get(f"expert:{t}", f"zoo {zoo.name}") for t in zoo.tasks},
-        "merge": merge,
-        "scores": doc.get("accuracy"),
-    }
-    if report is not None:
-        card["settings"] = report["config"]
-        card["calibration"] = {"n_per_task": doc.get("n_per_task"), "seed": doc.get("seed"), "tasks": zoo.tasks}
-        card["drift"] = drift_summary(report)
-    return card
+    return save_model(
+        model, args.out, fmt=zoo.fmt, force=args.force, extra_files={json_name: doc}, hub=zoo_card(zoo, doc)
+    )
 
 
 # ------------------------------------------------------------------ calibrate
@@ -237,16 +220,7 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
         "--data", metavar="FILE", help="calibration tokens: a safetensors file of TASK.input_ids [TASK.attention_mask]"
     )
     c.add_argument("--resume", action="store_true", help="continue a run that was killed part-way")
-    c.add_argument(
-        "--common-rows",
-        action="store_true",
-        help="experts with added tokens (more embedding rows than --base): calibrate the rows the base has",
-    )
-    c.add_argument(
-        "--lora-any-base",
-        action="store_true",
-        help="accept LoRA adapters whose adapter_config.json names another base (shapes are still checked)",
-    )
+    add_checkpoint_options(c)
     add_common(p)
 
 
@@ -269,26 +243,19 @@ def run_calibrate_checkpoints(args) -> int:
     """``featcal calibrate --base DIR --expert NAME=DIR ...``: the streamed run (featcal.streaming.run)."""
     if not args.expert:
         raise UserError("--base needs at least one --expert NAME=DIR.")
-    if not args.data:
-        raise UserError(
-            "--base needs --data FILE (a safetensors file of TASK.input_ids, see featcal.model.checkpoints)."
-        )
     experts = {}
     for item in args.expert:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             raise UserError(f"--expert {item!r}: expected NAME=DIR (e.g. math=ckpt/math).")
         experts[name] = path
-    if args.batch_size < 1:
-        raise UserError(f"--batch-size must be at least 1, got {args.batch_size}.")
-    if not os.path.isfile(args.data):
-        raise UserError(f"--data {args.data!r} does not exist.")
     args.preset = args.preset or "llama-8b"
     cfg = config_from_args(args)
     merge = None if args.merged else (args.merge, parse_params(args.merge_param, args.merge))
+    kw = streamed_options(args)
     apply_threads(args)
     try:
-        report = _stream(args, experts, merge, cfg)
+        report = _stream(args, experts, merge, cfg, kw)
     except KeyboardInterrupt:
         print("featcal: the finished blocks are kept; add --resume to continue from them.", file=sys.stderr)
         raise
@@ -296,28 +263,16 @@ def run_calibrate_checkpoints(args) -> int:
     return 0
 
 
-def _stream(args, experts: dict, merge, cfg):
-    from featcal.model.checkpoints import load_token_data
+def _stream(args, experts: dict, merge, cfg, kw: dict):
     from featcal.streaming.run import calibrate_checkpoints
 
-    return calibrate_checkpoints(
-        args.base,
-        experts,
-        merge=merge,
-        merged=args.merged,
-        calib_data=load_token_data(args.data, args.batch_size),
-        config=cfg,
-        out=args.out,
-        device=args.device,
-        resume=args.resume,
-        force=args.force,
-        progress=not args.quiet,
-        common_rows=args.common_rows,
-        lora_any_base=args.lora_any_base,
-    )
+    return calibrate_checkpoints(args.base, experts, merge=merge, merged=args.merged, config=cfg, **kw)
 
 
 def run_calibrate(args) -> int:
+    if args.mergekit:
+        args.preset = args.preset or "llama-8b"
+        return run_calibrate_mergekit(args, config_from_args(args))
     if args.base:
         return run_calibrate_checkpoints(args)
     if args.expert or args.merged or args.data or args.resume:

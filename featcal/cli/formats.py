@@ -1,0 +1,109 @@
+"""The command line's entry points for models featcal did not make (docs/formats.md):
+
+    featcal calibrate --base DIR --expert math=ADAPTER_DIR ... --data toks.safetensors --out OUT
+    featcal calibrate --mergekit merge.yml [--merged DIR] --data toks.safetensors --out OUT [--task-name MODEL=NAME]
+    featcal zoo from-fusionbench MODELPOOL.yaml [--taskpool TASKPOOL.yaml] --out my-zoo.yaml
+
+and the model card facts of a zoo run (:func:`zoo_card`). :mod:`featcal.cli.commands` adds
+these options to its subcommands and calls the runners.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from featcal.cli.common import UserError, apply_threads
+from featcal.model.export import drift_summary
+
+
+def add_checkpoint_options(c: argparse._ArgumentGroup) -> None:
+    """``featcal calibrate``'s options for LoRA experts, added vocabularies and mergekit configs."""
+    c.add_argument(
+        "--common-rows",
+        action="store_true",
+        help="experts with added tokens (more embedding rows than the base): calibrate the rows the base has",
+    )
+    c.add_argument(
+        "--lora-any-base",
+        action="store_true",
+        help="accept LoRA adapters whose adapter_config.json names another base (shapes are still checked)",
+    )
+    c.add_argument(
+        "--mergekit",
+        metavar="YAML",
+        help="a mergekit config: base and experts from it; with --merged, mergekit's output, else featcal's merge",
+    )
+    c.add_argument(
+        "--task-name",
+        action="append",
+        metavar="MODEL=NAME",
+        help="--mergekit: rename an expert (default: its directory's last path component; repeatable)",
+    )
+
+
+def streamed_options(args) -> dict:
+    """The keywords of :func:`featcal.calibrate_checkpoints` the options give (data aside)."""
+    from featcal.model.checkpoints import load_token_data
+
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1, got {args.batch_size}.")
+    if not args.data or not os.path.isfile(args.data):
+        raise UserError(
+            f"--data {args.data!r} does not exist; give a safetensors file of TASK.input_ids "
+            "(featcal.model.checkpoints.save_token_data)."
+            if args.data
+            else "give --data FILE (a safetensors file of TASK.input_ids, see featcal.model.checkpoints)."
+        )
+    return dict(
+        calib_data=load_token_data(args.data, args.batch_size),
+        out=args.out,
+        device=args.device,
+        resume=args.resume,
+        force=args.force,
+        progress=not args.quiet,
+        common_rows=args.common_rows,
+        lora_any_base=args.lora_any_base,
+    )
+
+
+def run_calibrate_mergekit(args, config) -> int:
+    """``featcal calibrate --mergekit merge.yml ...`` (:func:`featcal.baselines.mergekit.calibrate_mergekit`)."""
+    from featcal.baselines.mergekit import calibrate_mergekit
+
+    if args.base or args.expert:
+        raise UserError("--mergekit takes the base and experts from its config; drop --base/--expert.")
+    names = {}
+    for item in args.task_name or []:
+        model, sep, name = item.partition("=")
+        if not sep or not model or not name:
+            raise UserError(f"--task-name {item!r}: expected MODEL=NAME (e.g. ./ckpt/math-7b=math).")
+        names[model] = name
+    kw = streamed_options(args)
+    apply_threads(args)
+    try:
+        report = calibrate_mergekit(args.mergekit, merged=args.merged, task_names=names, config=config, **kw)
+    except KeyboardInterrupt:
+        print("featcal: the finished blocks are kept; add --resume to continue from them.", file=sys.stderr)
+        raise
+    print(f"calibrated {len(report.blocks)} blocks in {report.seconds:.1f} s; wrote {args.out}")
+    return 0
+
+
+def zoo_card(zoo, doc: dict) -> dict:
+    """The model card's facts (:func:`featcal.model.export.write_hub_files`) of a zoo run's ``doc``."""
+    sources = zoo.meta.get("sources", {})
+    report = doc.get("report")
+    card = {
+        "base_dir": sources.get("base"),
+        "base": None if sources.get("base") else f"featcal zoo {zoo.name} (base)",
+        "experts": {t: sources.get(f"expert:{t}", f"zoo {zoo.name}") for t in zoo.tasks},
+        "merge": doc.get("merge") or {"method": doc.get("method"), "params": doc.get("params")},
+        "scores": doc.get("accuracy"),
+    }
+    if report is not None:
+        card["settings"] = report["config"]
+        card["calibration"] = {"n_per_task": doc.get("n_per_task"), "seed": doc.get("seed"), "tasks": zoo.tasks}
+        card["drift"] = drift_summary(report)
+    return card
