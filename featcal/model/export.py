@@ -127,11 +127,20 @@ def model_card(
     what = f"the FeatCal-calibrated {method} merge" if settings else f"the {method} merge"
     lines.append(f"This model is {what} of {len(experts or {})} experts" + (f" on `{base}`." if base else "."))
     if settings:
-        lines += ["", "FeatCal (post-merging feature calibration, arXiv 2605.13030) replaced each calibrated",
-                  "Linear/LayerNorm of the merged model by a closed-form ridge solution that pulls its outputs",
-                  "toward the experts', anchored near the merged weights."]  # fmt: skip
-    for title, part in (("Experts", experts), ("Merge", merge), ("FeatCal settings", settings),
-                        ("Calibration data", calibration), ("Scores", scores), ("Drift", drift)):  # fmt: skip
+        lines += [
+            "",
+            "FeatCal (post-merging feature calibration, arXiv 2605.13030) replaced each calibrated",
+            "Linear/LayerNorm of the merged model by a closed-form ridge solution that pulls its outputs",
+            "toward the experts', anchored near the merged weights.",
+        ]
+    for title, part in (
+        ("Experts", experts),
+        ("Merge", merge),
+        ("FeatCal settings", settings),
+        ("Calibration data", calibration),
+        ("Scores", scores),
+        ("Drift", drift),
+    ):
         if part:
             lines += ["", f"## {title}", "", "```yaml", yaml.safe_dump(_plain(part), sort_keys=False).rstrip(), "```"]
     lines += ["", "Written by featcal; the full record of the run is in report.json when present.", ""]

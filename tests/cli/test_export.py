@@ -39,8 +39,14 @@ def test_zoo_merge_and_calibrate_write_a_card(tiny_zoo_dir, tmp_path):
 
 def _llama(vocab=64):
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -65,9 +71,16 @@ def ckpts(tmp_path):
 def test_streamed_output_is_hub_shaped(ckpts):
     out = ckpts / "out"
     data = load_token_data(ckpts / "d.safetensors", batch_size=2)
-    calibrate_checkpoints(ckpts / "base", {t: ckpts / t for t in "ab"}, calib_data=data, out=out,
-                          merge=("task_arithmetic", {"scale": 0.4}), config=FeatCalConfig.llama("3b"),
-                          progress=False, max_shard_bytes=40_000)  # fmt: skip
+    calibrate_checkpoints(
+        ckpts / "base",
+        {t: ckpts / t for t in "ab"},
+        calib_data=data,
+        out=out,
+        merge=("task_arithmetic", {"scale": 0.4}),
+        config=FeatCalConfig.llama("3b"),
+        progress=False,
+        max_shard_bytes=40_000,
+    )
     assert (out / INDEX).is_file() and len(list(out.glob("model-*.safetensors"))) > 1
     for name in ("config.json", "generation_config.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (out / name).is_file(), name

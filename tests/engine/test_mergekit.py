@@ -23,8 +23,15 @@ TASKS = ("math-7b", "code-7b")
 
 def _llama(seed=0):
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -86,9 +93,13 @@ def test_recipe_reads_models_tasks_and_parameters(root):
     assert list(r.experts) == list(TASKS) and r.base.endswith("models/base")
     assert r.featcal_merge() == (
         "ties",
-        {"density": {"math-7b": 0.5, "code-7b": 0.25}, "scale": 0.9, "disjoint": "mean",
-         "weights": {"math-7b": 1.0, "code-7b": 0.5}},
-    )  # fmt: skip
+        {
+            "density": {"math-7b": 0.5, "code-7b": 0.25},
+            "scale": 0.9,
+            "disjoint": "mean",
+            "weights": {"math-7b": 1.0, "code-7b": 0.5},
+        },
+    )
     linear = read_recipe(_yaml(root, "linear")).featcal_merge()[1]["weights"]
     assert linear == pytest.approx({"math-7b": 0.7 / 1.5, "code-7b": 0.3 / 1.5})  # the base's 0.5 counts
     assert list(read_recipe(_yaml(root, "ties"), {"models/math-7b": "math"}).experts) == ["math", "code-7b"]
@@ -119,8 +130,15 @@ def test_cli_mergekit_calibrates_to_a_loadable_model(root, tmp_path):
     m.load_state_dict(_featcal_merge(root, path))
     m.save_pretrained(merged_dir)
     data = load_token_data(root / "d.safetensors", batch_size=2)
-    calibrate_checkpoints(root / "models" / "base", {t: root / "models" / t for t in TASKS}, calib_data=data,
-                          out=tmp_path / "ref", merged=merged_dir, config=FeatCalConfig.llama("3b"), progress=False)  # fmt: skip
+    calibrate_checkpoints(
+        root / "models" / "base",
+        {t: root / "models" / t for t in TASKS},
+        calib_data=data,
+        out=tmp_path / "ref",
+        merged=merged_dir,
+        config=FeatCalConfig.llama("3b"),
+        progress=False,
+    )
     ref = LlamaForCausalLM.from_pretrained(tmp_path / "ref").state_dict()
     for k, v in model.state_dict().items():
         assert torch.allclose(v, ref[k], rtol=1e-4, atol=1e-5), k
@@ -132,13 +150,21 @@ def test_cli_mergekit_calibrates_to_a_loadable_model(root, tmp_path):
 def test_bad_configs_are_named(root, tmp_path, capsys):
     p = tmp_path / "bad.yml"
     cases = [
-        ({"merge_method": "slerp", "base_model": "models/base", "models": [{"model": "models/math-7b"}]},
-         "merge_method 'slerp' has no featcal counterpart; featcal merges linear, task_arithmetic, ties, dare_ties"),
+        (
+            {"merge_method": "slerp", "base_model": "models/base", "models": [{"model": "models/math-7b"}]},
+            "merge_method 'slerp' has no featcal counterpart; featcal merges linear, task_arithmetic, ties, dare_ties",
+        ),
         ({"merge_method": "ties", "models": [{"model": "models/math-7b"}]}, "FeatCal needs the base model"),
-        ({"merge_method": "ties", "base_model": "models/base",
-          "models": [{"model": "models/math-7b", "parameters": {"weight": [0.1, 0.9]}}]}, "gradients"),
+        (
+            {
+                "merge_method": "ties",
+                "base_model": "models/base",
+                "models": [{"model": "models/math-7b", "parameters": {"weight": [0.1, 0.9]}}],
+            },
+            "gradients",
+        ),
         ({"merge_method": "ties", "base_model": "models/base", "slices": []}, "slices/modules"),
-    ]  # fmt: skip
+    ]
     for doc, match in cases:
         for where in (root,):
             p = where / "bad.yml"
@@ -162,8 +188,11 @@ def test_featcal_merge_equals_mergekits(root, tmp_path, name):
     for m in doc["models"]:
         m["model"] = str(root / m["model"])
     doc["base_model"] = str(root / doc["base_model"])
-    run_merge(MergeConfiguration.model_validate(doc), str(tmp_path / "mk"),
-              options=MergeOptions(copy_tokenizer=False, write_model_card=False, quiet=True))  # fmt: skip
+    run_merge(
+        MergeConfiguration.model_validate(doc),
+        str(tmp_path / "mk"),
+        options=MergeOptions(copy_tokenizer=False, write_model_card=False, quiet=True),
+    )
     want = read_state_dict(tmp_path / "mk")
     got = _featcal_merge(root, path)
     assert want.keys() <= got.keys()
