@@ -48,7 +48,14 @@ from featcal.cli.common import (
     parse_params,
     zoo_from_args,
 )
-from featcal.cli.formats import add_checkpoint_options, run_calibrate_mergekit, streamed_options, zoo_card
+from featcal.cli.formats import (
+    add_checkpoint_options,
+    add_from_fusionbench,
+    run_calibrate_mergekit,
+    run_from_fusionbench,
+    streamed_options,
+    zoo_card,
+)
 from featcal.config import FeatCalConfig
 from featcal.engine.run import calibrate
 from featcal.model.streams import device_of
@@ -79,7 +86,7 @@ BUILTIN = (*NAMES, *BUILT)  # the zoos `featcal zoo build NAME` makes
 
 
 def add_zoo_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="zoo_command", required=True, metavar="{build,build-demo,info}")
+    sub = p.add_subparsers(dest="zoo_command", required=True, metavar="{build,build-demo,info,from-fusionbench}")
     b = sub.add_parser("build-demo", help="build (or rebuild) the embedded demo zoo in the cache")
     b.add_argument("--variant", default="default", choices=("default", "fashion"))
     b.add_argument("--rebuild", action="store_true", help="build afresh even if cached")
@@ -91,10 +98,13 @@ def add_zoo_arguments(p: argparse.ArgumentParser) -> None:
     i = sub.add_parser("info", help="where a zoo is and what it holds")
     add_zoo(i)
     i.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    add_from_fusionbench(sub)
 
 
 def run_zoo(args) -> int:
     t0 = time.perf_counter()
+    if args.zoo_command == "from-fusionbench":
+        return run_from_fusionbench(args)
     if args.zoo_command == "build-demo":
         zoo = load_demo(rebuild=args.rebuild, progress=not args.quiet, variant=args.variant)
     elif args.zoo_command == "build":

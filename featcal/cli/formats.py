@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from featcal.cli.common import UserError, apply_threads
 from featcal.model.export import drift_summary
@@ -107,3 +108,36 @@ def zoo_card(zoo, doc: dict) -> dict:
         card["calibration"] = {"n_per_task": doc.get("n_per_task"), "seed": doc.get("seed"), "tasks": zoo.tasks}
         card["drift"] = drift_summary(report)
     return card
+
+
+def add_from_fusionbench(sub) -> None:
+    """``featcal zoo from-fusionbench MODELPOOL.yaml [--taskpool TASKPOOL.yaml] --out my-zoo.yaml``."""
+    f = sub.add_parser("from-fusionbench", help="write a zoo spec from a FusionBench CLIP model pool (and task pool)")
+    f.add_argument("modelpool", help="a FusionBench CLIPVisionModelPool YAML")
+    f.add_argument("--taskpool", help="its CLIPVisionModelTaskPool YAML (the test data sets, the text model)")
+    f.add_argument("--config-dir", help="FusionBench's config/ folder, for the pools' Hydra defaults (dataset/...)")
+    f.add_argument("--out", required=True, help="the zoo spec to write (.yaml)")
+    f.add_argument("--force", action="store_true", help="replace an existing --out file")
+
+
+def run_from_fusionbench(args) -> int:
+    from featcal.zoo.fusionbench import from_fusionbench, write_spec
+
+    if Path(args.out).suffix.lower() not in (".yaml", ".yml"):
+        raise UserError(f"--out {args.out!r}: a zoo spec is a .yaml file.")
+    spec = from_fusionbench(args.modelpool, args.taskpool, config_dir=args.config_dir)
+    sources = [args.modelpool] + ([args.taskpool] if args.taskpool else [])
+    missing = write_spec(spec, args.out, sources, force=args.force)
+    print(f"wrote {args.out}: {len(spec['experts'])} experts ({', '.join(spec['experts'])})")
+    text = spec["heads"].get("text_model")
+    if text:
+        print(
+            f"note: the task pool's CLIP model {text.get('id') or text.get('path')} is not the pool's base "
+            f"{spec['base'].get('id') or spec['base'].get('path')}; the zero-shot heads use its text tower "
+            "(FusionBench's task pools for other bases, e.g. *_B16, *_L14, name theirs)."
+        )
+    if missing:
+        print("\n".join(missing))
+    else:
+        print(f"everything is in the Hugging Face cache: featcal zoo info --zoo {args.out}")
+    return 0
