@@ -274,3 +274,21 @@ def write_spec(spec: Mapping, out: str | os.PathLike, sources: list[str], force:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(head) + "\n" + yaml.safe_dump(dict(spec), sort_keys=False))
     return lines
+
+
+def is_pool(path: str | os.PathLike) -> bool:
+    """Whether the YAML at ``path`` is a FusionBench model pool (not a featcal spec)."""
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(doc, Mapping) and (
+        "modelpool" in str(doc.get("_target_", "")) or "_pretrained_" in (doc.get("models") or {})
+    )
+
+
+def pool_spec(path: str | os.PathLike, taskpool: str | os.PathLike | None = None):
+    """A model pool as a validated :class:`~featcal.zoo.schema.ZooSpec` (what ``featcal --zoo
+    POOL.yaml`` and the app's "other (path)" load)."""
+    path = Path(path).expanduser()
+    return from_dict(from_fusionbench(path, taskpool), root=path.absolute().parent, source=str(path))

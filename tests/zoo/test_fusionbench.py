@@ -37,7 +37,7 @@ def _snapshot_files(folder: Path) -> dict[str, bytes]:
 
 
 def _dataset(repo: str, n_classes: int, subset: str | None = None, names: list[str] | None = None) -> None:
-    """A parquet image data set (train 12, test 6) in the HF datasets cache layout."""
+    """A parquet image data set (train 520, test 6, 12 px) in the HF datasets cache layout."""
     ds = Path(os.environ["HF_HOME"]) / "hub" / f"datasets--{repo.replace('/', '--')}"
     snap = ds / "snapshots" / "feedbeef"
     data = snap / (subset or "data")
@@ -48,9 +48,9 @@ def _dataset(repo: str, n_classes: int, subset: str | None = None, names: list[s
     if names:
         feats = {"image": {"_type": "Image"}, "label": {"names": names, "_type": "ClassLabel"}}
         meta = {b"huggingface": json.dumps({"info": {"features": feats}}).encode()}
-    for split, n, seed in (("train", 12, 0), ("test", 6, 100)):
+    for split, n, seed in (("train", 520, 0), ("test", 6, 100)):  # 520: room for the default 256 + 256
         labels = [i % n_classes for i in range(n)]
-        imgs = [{"bytes": _png(_image(y, seed + i)), "path": None} for i, y in enumerate(labels)]
+        imgs = [{"bytes": _png(_image(y, seed + i, size=12)), "path": None} for i, y in enumerate(labels)]
         table = pa.table({"image": imgs, "label": labels})
         pq.write_table(table.replace_schema_metadata(meta) if meta else table, data / f"{split}-00000-of-00001.parquet")
 
@@ -164,6 +164,8 @@ def test_pool_to_spec_to_zoo_info_and_calibrate_offline(fake_fusionbench, tmp_pa
     zoo = load_any(out)
     for k, v in want_lora.state_dict().items():  # the LoRA expert is peft's merge_and_unload
         assert torch.allclose(zoo.experts["svhn"].state_dict()[k], v, atol=1e-6), k
+    pool_zoo = load_any(pool)  # the pool itself is a zoo (--zoo POOL.yaml, the app's "other (path)")
+    assert sorted(pool_zoo.tasks) == sorted(zoo.tasks) and torch.equal(pool_zoo.base.state_dict()[k], zoo.base.state_dict()[k])
     argv = ["calibrate", "--zoo", str(out), "--n-per-task", "6", "--batch-size", "3", "--eval"]
     assert main([*argv, "--out", str(tmp_path / "cal"), "-q"]) == 0
     assert (tmp_path / "cal" / "README.md").is_file() and (tmp_path / "cal" / "report.json").is_file()
