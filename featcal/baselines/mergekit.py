@@ -21,7 +21,7 @@ dare_linear     dare(drop=1-d_i, weights=w_i, scale=lambda, rescale=l1|none) (``
                 w_i / sum w)
 ==============  ===============================================================================
 
-docs/mergekit.md has the table with every parameter and where the two differ.
+docs/formats.md has the table with every parameter and where the two differ.
 """
 
 from __future__ import annotations

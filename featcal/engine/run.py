@@ -451,7 +451,8 @@ def calibrate(
         experts: ``{task: M_i}``, same architecture as ``merged``. ``base`` and each expert may
             also be a state dict, a checkpoint file or a local model directory (Hugging Face
             ``save_pretrained`` layout), loaded strictly into a copy of ``merged``
-            (:mod:`featcal.model.loading`).
+            (:mod:`featcal.model.loading`); an expert may be a PEFT LoRA adapter directory on
+            ``base`` (:mod:`featcal.model.lora`).
         calib_data: ``{task: [batch, ...]}``; a batch is a tensor (``model(batch)``) or a
             dict (``model(**batch)``; an ``attention_mask`` in it marks padding).
         config: hyper-parameters and switches (:class:`FeatCalConfig`).

@@ -165,7 +165,8 @@ def test_pool_to_spec_to_zoo_info_and_calibrate_offline(fake_fusionbench, tmp_pa
     for k, v in want_lora.state_dict().items():  # the LoRA expert is peft's merge_and_unload
         assert torch.allclose(zoo.experts["svhn"].state_dict()[k], v, atol=1e-6), k
     pool_zoo = load_any(pool)  # the pool itself is a zoo (--zoo POOL.yaml, the app's "other (path)")
-    assert sorted(pool_zoo.tasks) == sorted(zoo.tasks) and torch.equal(pool_zoo.base.state_dict()[k], zoo.base.state_dict()[k])
+    assert sorted(pool_zoo.tasks) == sorted(zoo.tasks)
+    assert torch.equal(pool_zoo.base.state_dict()[k], zoo.base.state_dict()[k])
     argv = ["calibrate", "--zoo", str(out), "--n-per-task", "6", "--batch-size", "3", "--eval"]
     assert main([*argv, "--out", str(tmp_path / "cal"), "-q"]) == 0
     assert (tmp_path / "cal" / "README.md").is_file() and (tmp_path / "cal" / "report.json").is_file()
