@@ -10,8 +10,9 @@ import json
 import pytest
 import torch
 from huggingface_hub import ModelCard
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+import tiny
 from featcal import FeatCalConfig, calibrate_checkpoints
 from featcal.cli.commands import main
 from featcal.model.checkpoints import INDEX, load_token_data, save_token_data
@@ -38,16 +39,7 @@ def test_zoo_merge_and_calibrate_write_a_card(tiny_zoo_dir, tmp_path):
 
 
 def _llama(vocab=64):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    return tiny.tiny_llama(0, 2, vocab=vocab)
 
 
 @pytest.fixture

@@ -7,28 +7,16 @@ import json
 
 import pytest
 import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
-peft = pytest.importorskip("peft")
-
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-from featcal import FeatCalConfig, calibrate, calibrate_checkpoints, merge  # noqa: E402
-from featcal.model.checkpoints import save_token_data  # noqa: E402
-from featcal.model.lora import LoraAdapter, LoraError, lora_scale, merge_lora  # noqa: E402
+import tiny
+from featcal import FeatCalConfig, calibrate, calibrate_checkpoints, merge
+from featcal.model.checkpoints import save_token_data
+from featcal.model.lora import LoraAdapter, LoraError, lora_scale, merge_lora
 
 
 def _llama(seed=0, layers=2, vocab=64):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    return tiny.tiny_llama(seed, layers, vocab=vocab)
 
 
 def _gpt2(seed=0):
@@ -176,19 +164,10 @@ def test_refused_adapters_name_the_problem(tmp_path):
     wide_sd = {k: v for k, v in wide.state_dict().items() if "layers.1." not in k}
     with pytest.raises(LoraError, match="layers.1.self_attn.q_proj.weight', which the base has not"):
         LoraAdapter(ad).merged(wide_sd, [str(tmp_path / "base")])
-    other = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=64,
-            hidden_size=48,
-            intermediate_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    )
+    other = tiny.tiny_llama(0, 2, vocab=64, hidden=48)
     with pytest.raises(LoraError, match=r"B A for 'model.layers.0.self_attn.q_proj.weight' is \(32, 32\)"):
         LoraAdapter(ad).merged(other.state_dict(), [str(tmp_path / "base")])
     with pytest.raises(ValueError, match="LoRA adapter is an expert only on its base"):
-        from featcal.sources import as_model
+        from featcal.model.loading import as_model
 
         as_model(ad, base, "expert 'x'")

@@ -10,8 +10,9 @@ import importlib.util
 import pytest
 import torch
 import yaml
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+import tiny
 from featcal import FeatCalConfig, calibrate_checkpoints
 from featcal.baselines import merging
 from featcal.baselines.mergekit import MergekitError, read_recipe
@@ -22,17 +23,7 @@ TASKS = ("math-7b", "code-7b")
 
 
 def _llama(seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    return tiny.tiny_llama(seed, 2, vocab=64, hidden=16, intermediate=32)
 
 
 @pytest.fixture(scope="module")
