@@ -55,7 +55,7 @@ if st.button(
     type="primary",
     disabled=not out_dir.strip() or (exists and not replace),
 ):
-    from featcal.zoo.io import OutputExistsError, save_model
+    from featcal.zoo.io import OutputExistsError, save_model, zoo_card
 
     try:
         with workers.torch_lock():
@@ -66,16 +66,14 @@ if st.button(
                 force=replace,
                 extra_files={"report.json": report},
                 config=None if zoo.fmt == "hf" else {"zoo": zoo.name, "source": source},
-                hub={
-                    "base_dir": zoo.meta.get("sources", {}).get("base"),
-                    "base": None if zoo.meta.get("sources") else f"featcal zoo {zoo.name} (base)",
-                    "experts": {t: zoo.meta.get("sources", {}).get(f"expert:{t}", source) for t in zoo.tasks},
-                    "merge": report["merger"],
-                    "settings": report["config"],
-                    "calibration": {"n_per_task": cal.n, "tasks": list(zoo.tasks)},
-                    "scores": report["scores"],
-                    "drift": report["drift"],
-                },
+                hub=zoo_card(
+                    zoo,
+                    report["merger"],
+                    report,
+                    calibration={"n_per_task": cal.n},
+                    scores=report["scores"],
+                    drift=report["drift"],
+                ),
             )
         st.success(f"Saved to `{path}`.")
     except OutputExistsError as exc:

@@ -228,7 +228,7 @@ def calibrate_mergekit(
             f"last path components; the data has {sorted(calib_data)}). Rename with task_names / --task-name."
         )
     merge = None if merged is not None else recipe.featcal_merge()
-    card = {"merge": recipe.card() | ({"featcal": {"method": merge[0]}} if merge else {"merged": str(merged)})}
+    card = {"merge": recipe.card() | ({"featcal": {"method": merge[0]}} if merge else {"merged": Path(merged).name})}
     return calibrate_checkpoints(
         recipe.base,
         dict(recipe.experts),

@@ -54,13 +54,12 @@ from featcal.cli.formats import (
     run_calibrate_mergekit,
     run_from_fusionbench,
     streamed_options,
-    zoo_card,
 )
 from featcal.config import FeatCalConfig
 from featcal.engine.run import calibrate
 from featcal.model.streams import device_of
 from featcal.zoo import BUILT, NAMES, evaluate, load_any, load_demo
-from featcal.zoo.io import load_model, save_model
+from featcal.zoo.io import load_model, save_model, zoo_card
 from featcal.zoo.scores import average, expert_accuracies, markdown_table, normalized, write_scores
 
 __all__ = [
@@ -180,9 +179,10 @@ def _write(args, zoo, model, json_name: str, doc: dict, scored: dict) -> Path:
     ``model`` in the zoo's format with ``doc`` as ``json_name`` (atomically, see save_model)."""
     if args.eval:
         doc["accuracy"] = _eval_and_print(scored, zoo, "test")
-    return save_model(
-        model, args.out, fmt=zoo.fmt, force=args.force, extra_files={json_name: doc}, hub=zoo_card(zoo, doc)
-    )
+    merge = doc.get("merge") or {"method": doc.get("method"), "params": doc.get("params")}
+    calibration = {"n_per_task": doc["n_per_task"], "seed": doc["seed"]} if "report" in doc else None
+    card = zoo_card(zoo, merge, doc.get("report"), scores=doc.get("accuracy"), calibration=calibration)
+    return save_model(model, args.out, fmt=zoo.fmt, force=args.force, extra_files={json_name: doc}, hub=card)
 
 
 # ------------------------------------------------------------------ calibrate

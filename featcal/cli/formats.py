@@ -4,8 +4,7 @@
     featcal calibrate --mergekit merge.yml [--merged DIR] --data toks.safetensors --out OUT [--task-name MODEL=NAME]
     featcal zoo from-fusionbench MODELPOOL.yaml [--taskpool TASKPOOL.yaml] --out my-zoo.yaml
 
-and the model card facts of a zoo run (:func:`zoo_card`). :mod:`featcal.cli.commands` adds
-these options to its subcommands and calls the runners.
+:mod:`featcal.cli.commands` adds these options to its subcommands and calls the runners.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import sys
 from pathlib import Path
 
 from featcal.cli.common import UserError, apply_threads
-from featcal.model.export import drift_summary
 
 
 def add_checkpoint_options(c: argparse._ArgumentGroup) -> None:
@@ -90,24 +88,6 @@ def run_calibrate_mergekit(args, config) -> int:
         raise
     print(f"calibrated {len(report.blocks)} blocks in {report.seconds:.1f} s; wrote {args.out}")
     return 0
-
-
-def zoo_card(zoo, doc: dict) -> dict:
-    """The model card's facts (:func:`featcal.model.export.write_hub_files`) of a zoo run's ``doc``."""
-    sources = zoo.meta.get("sources", {})
-    report = doc.get("report")
-    card = {
-        "base_dir": sources.get("base"),
-        "base": None if sources.get("base") else f"featcal zoo {zoo.name} (base)",
-        "experts": {t: sources.get(f"expert:{t}", f"zoo {zoo.name}") for t in zoo.tasks},
-        "merge": doc.get("merge") or {"method": doc.get("method"), "params": doc.get("params")},
-        "scores": doc.get("accuracy"),
-    }
-    if report is not None:
-        card["settings"] = report["config"]
-        card["calibration"] = {"n_per_task": doc.get("n_per_task"), "seed": doc.get("seed"), "tasks": zoo.tasks}
-        card["drift"] = drift_summary(report)
-    return card
 
 
 def add_from_fusionbench(sub) -> None:

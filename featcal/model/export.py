@@ -22,6 +22,7 @@ from typing import Mapping
 import yaml
 
 CARD = "README.md"
+MAX_SHARD_BYTES = 4 << 30  # the largest weight file featcal writes (hubs take up to 50 GB; 4-5 GB is usual)
 # Files of a base model's directory that a merged model shares with it.
 SIDE_FILES = (
     "tokenizer.json",
@@ -56,6 +57,12 @@ def hub_id(path: str | os.PathLike | None) -> str | None:
         if name and not Path(name).is_absolute() and name.count("/") == 1:
             return name
     return None
+
+
+def model_name(path: str | os.PathLike) -> str:
+    """How a card names a model directory: its hub id where known, else the directory's name (a
+    card is for sharing; local absolute paths say nothing to its readers)."""
+    return hub_id(path) or Path(path).name
 
 
 def copy_base_files(base_dir: str | os.PathLike | None, out_dir: str | os.PathLike) -> list[str]:
@@ -143,7 +150,7 @@ def model_card(
     ):
         if part:
             lines += ["", f"## {title}", "", "```yaml", yaml.safe_dump(_plain(part), sort_keys=False).rstrip(), "```"]
-    lines += ["", "Written by featcal; the full record of the run is in report.json when present.", ""]
+    lines += ["", "Written by featcal; the run's full record is in the report (JSON) beside this card.", ""]
     return "\n".join(lines)
 
 
@@ -155,6 +162,6 @@ def write_hub_files(out_dir: str | os.PathLike, *, base_dir: str | os.PathLike |
     copy_base_files(base_dir, out_dir)
     card.setdefault("name", out_dir.name)
     if card.get("base") is None and base_dir is not None:
-        card["base"] = hub_id(base_dir) or Path(base_dir).name
+        card["base"] = model_name(base_dir)
     (out_dir / CARD).write_text(model_card(**card))
     return out_dir / CARD

@@ -31,7 +31,7 @@ from featcal.engine.report import BlockRecord, CalibrationReport, ModuleRecord
 from featcal.engine.run import calibrate
 from featcal.model import arch, validate
 from featcal.model.checkpoints import Checkpoint, check_same_tensors, skeleton
-from featcal.model.export import drift_summary, write_hub_files
+from featcal.model.export import MAX_SHARD_BYTES, drift_summary, model_name, write_hub_files
 from featcal.model.lora import LoraCheckpoint, is_adapter_dir
 from featcal.streaming.output import write_model
 from featcal.streaming.source import CheckpointSource
@@ -56,7 +56,7 @@ def calibrate_checkpoints(
     blocks: str | None = None,
     fast: FastPaths | None = None,
     checkpoint_every: int = 1,
-    max_shard_bytes: int = 4 << 30,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
     on_block: Callable[[int, dict], None] | None = None,
     common_rows: bool = False,
     lora_any_base: bool = False,
@@ -184,8 +184,8 @@ def _card(ckpts: dict, merge, cfg: FeatCalConfig, calib_data: Mapping, report: C
     for t, batches in calib_data.items():
         rows[t] = sum(int((next(iter(b.values())) if isinstance(b, Mapping) else b).shape[0]) for b in batches)
     return {
-        "experts": {t: str(ckpts[t].path) for t in calib_data},
-        "merge": {"method": merge[0], "params": merge[1]} if merge else {"merged": str(ckpts["merged"].path)},
+        "experts": {t: model_name(ckpts[t].path) for t in calib_data},
+        "merge": {"method": merge[0], "params": merge[1]} if merge else {"merged": model_name(ckpts["merged"].path)},
         "settings": cfg.to_dict(),
         "calibration": rows,
         "drift": drift_summary(report),
