@@ -102,7 +102,9 @@ class Recipe:
     def card(self) -> dict:
         """The model card's ``merge`` entry: mergekit's recipe as written."""
         per_model = {t: {"weight": self.weights.get(t), "density": self.densities.get(t)} for t in self.experts}
-        return {"mergekit": {"merge_method": self.method, "parameters": dict(self.params), "models": per_model}}
+        doc = {"merge_method": self.method, "parameters": dict(self.params), "models": per_model}
+        doc |= {k: v for k, v in (("dtype", self.dtype), ("tokenizer", self.tokenizer)) if v is not None}
+        return {"mergekit": doc}
 
 
 def _fail(src: str, where: str, msg: str) -> MergekitError:

@@ -166,7 +166,7 @@ def check_same_tensors(ref: Checkpoint, other: Checkpoint, common_rows: bool = F
         raise ValueError(f"{other.role} {str(other.path)!r} has a tensor {extra!r} that {ref.role} lacks.")
 
 
-VOCAB_HINT = "common_rows=True (--common-rows)"
+VOCAB_HINT = "common_rows=True (calibrate_checkpoints; featcal calibrate --common-rows)"
 
 
 def vocab_rows(name: str, want: tuple, got: tuple, role: str, ref: str, common_rows: bool) -> bool:

@@ -110,8 +110,18 @@ def test_hand_computed_task_arithmetic_and_linear(root):
 
 def test_cli_mergekit_calibrates_to_a_loadable_model(root, tmp_path):
     path = _yaml(root, "ties")
-    argv = ["calibrate", "--mergekit", str(path), "--data", str(root / "d.safetensors"), "--batch-size", "2"]
-    assert main([*argv, "--preset", "llama-3b", "--out", str(tmp_path / "fc"), "-q"]) == 0
+    argv = [
+        "calibrate",
+        "--mergekit",
+        str(path),
+        "--data",
+        str(root / "d.safetensors"),
+        "--batch-size",
+        "2",
+        "--preset",
+    ]
+    argv += ["llama-3b"]
+    assert main([*argv, "--out", str(tmp_path / "fc"), "-q"]) == 0
     model = LlamaForCausalLM.from_pretrained(tmp_path / "fc")
     card = (tmp_path / "fc" / "README.md").read_text()
     assert "merge_method: ties" in card and "density: 0.25" in card
@@ -133,9 +143,12 @@ def test_cli_mergekit_calibrates_to_a_loadable_model(root, tmp_path):
     ref = LlamaForCausalLM.from_pretrained(tmp_path / "ref").state_dict()
     for k, v in model.state_dict().items():
         assert torch.allclose(v, ref[k], rtol=1e-4, atol=1e-5), k
-    # --merged DIR: mergekit's output calibrated as it is
-    argv2 = [*argv, "--merged", str(merged_dir), "--task-name", f"models/{TASKS[0]}=math", "--out", str(tmp_path / "m")]
-    assert main(argv2) == 2  # the data has no task "math"
+    # --merged DIR: the merge given is calibrated as it is (here featcal's, so the same model)
+    assert main([*argv, "--merged", str(merged_dir), "--out", str(tmp_path / "m"), "-q"]) == 0
+    for k, v in LlamaForCausalLM.from_pretrained(tmp_path / "m").state_dict().items():
+        assert torch.allclose(v, ref[k], rtol=1e-4, atol=1e-5), k
+    renamed = [*argv, "--task-name", f"models/{TASKS[0]}=math", "--out", str(tmp_path / "r"), "-q"]
+    assert main(renamed) == 2  # the data has no task "math"
 
 
 def test_bad_configs_are_named(root, tmp_path, capsys):

@@ -169,7 +169,8 @@ def test_pool_to_spec_to_zoo_info_and_calibrate_offline(fake_fusionbench, tmp_pa
     assert torch.equal(pool_zoo.base.state_dict()[k], zoo.base.state_dict()[k])
     argv = ["calibrate", "--zoo", str(out), "--n-per-task", "6", "--batch-size", "3", "--eval"]
     assert main([*argv, "--out", str(tmp_path / "cal"), "-q"]) == 0
-    assert (tmp_path / "cal" / "README.md").is_file() and (tmp_path / "cal" / "report.json").is_file()
+    for name in ("README.md", "report.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
+        assert (tmp_path / "cal" / name).is_file(), name  # the card, and the base's tokenizer copied
 
 
 def test_missing_things_give_download_lines(fake_fusionbench, tmp_path, capsys):
