@@ -164,9 +164,13 @@ def test_pool_to_spec_to_zoo_info_and_calibrate_offline(fake_fusionbench, tmp_pa
     zoo = load_any(out)
     for k, v in want_lora.state_dict().items():  # the LoRA expert is peft's merge_and_unload
         assert torch.allclose(zoo.experts["svhn"].state_dict()[k], v, atol=1e-6), k
+    spec["experts"]["svhn"] = {"path": str(tmp_path / "svhn_lora")}  # a local adapter directory does the same
+    out.write_text(yaml.safe_dump(spec))
+    local = load_any(out).experts["svhn"].state_dict()
+    assert all(torch.equal(local[n], v) for n, v in zoo.experts["svhn"].state_dict().items())
     pool_zoo = load_any(pool)  # the pool itself is a zoo (--zoo POOL.yaml, the app's "other (path)")
     assert sorted(pool_zoo.tasks) == sorted(zoo.tasks)
-    assert torch.equal(pool_zoo.base.state_dict()[k], zoo.base.state_dict()[k])
+    assert all(torch.equal(pool_zoo.experts["svhn"].state_dict()[n], v) for n, v in local.items())
     argv = ["calibrate", "--zoo", str(out), "--n-per-task", "6", "--batch-size", "3", "--eval"]
     assert main([*argv, "--out", str(tmp_path / "cal"), "-q"]) == 0
     for name in ("README.md", "report.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
