@@ -230,10 +230,12 @@ class LoraAdapter:
         targets = self.config.get("target_modules")
         if targets and targets != "all-linear" and not self.config.get("layers_to_transform"):
             skip = self.config.get("exclude_modules") or ()
+            under = _common_prefix(list(self.modules))  # the adapted submodule (a CLIP's vision tower, say)
             lacking = [
                 n
                 for n in shapes
                 if n.endswith(".weight")
+                and n.startswith(under)
                 and _targets(targets, n[: -len(".weight")])
                 and not _targets(skip, n[: -len(".weight")])
                 and n not in self.modules
@@ -275,6 +277,20 @@ class LoraAdapter:
         """The expert's state dict: ``base_sd`` with the adapter merged in (``base_sd`` is not modified)."""
         self.align(base_sd).check_base({k: tuple(v.shape) for k, v in base_sd.items()}, names, strict_name)
         return {k: self.tensor(k, v) for k, v in base_sd.items()}
+
+
+def _common_prefix(names: list[str]) -> str:
+    """The dotted path all ``names`` start with, up to a block number (``model.layers.``), ``""`` when
+    they share none."""
+    if not names:
+        return ""
+    parts = [n.split(".") for n in names]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) != 1 or level[0].isdigit():  # stop at the blocks' numbers: every block counts
+            break
+        common.append(level[0])
+    return ".".join(common) + "." if common else ""
 
 
 def _same_model(adapter_base: str, names: list[str]) -> bool:

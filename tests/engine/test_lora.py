@@ -164,6 +164,9 @@ def test_refused_adapters_name_the_problem(tmp_path):
     wide_sd = {k: v for k, v in wide.state_dict().items() if "layers.1." not in k}
     with pytest.raises(LoraError, match="layers.1.self_attn.q_proj.weight', which the base has not"):
         LoraAdapter(ad).merged(wide_sd, [str(tmp_path / "base")])
+    deeper = tiny.tiny_llama(0, 3, vocab=64).state_dict()  # a base with a block the adapter never saw
+    with pytest.raises(LoraError, match=r"target_modules \[.*\] names 'model.layers.2.self_attn"):
+        LoraAdapter(ad).merged(deeper, [str(tmp_path / "base")])
     other = tiny.tiny_llama(0, 2, vocab=64, hidden=48)
     with pytest.raises(LoraError, match=r"B A for 'model.layers.0.self_attn.q_proj.weight' is \(32, 32\)"):
         LoraAdapter(ad).merged(other.state_dict(), [str(tmp_path / "base")])
