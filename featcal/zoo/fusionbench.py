@@ -62,10 +62,12 @@ def _read(path: Path) -> dict:
 
 
 def _group_file(group: str, name: str, here: Path, roots: list[Path]) -> Path:
-    """The file of Hydra config ``group/name`` (an absolute ``/group`` from a config root, else
-    beside ``here``'s folder)."""
-    places = [r / group.lstrip("/") for r in roots] if group.startswith("/") else [here.parent.parent / group]
-    places += [here.parent] if not group else []
+    """The file of Hydra config ``group/name``: an absolute ``/group`` under a config root, a relative
+    one beside ``here``'s own group (``here.parent.parent``), no group in ``here``'s folder."""
+    if group.startswith("/"):
+        places = [r / group[1:] for r in roots]
+    else:
+        places = [here.parent.parent / group] if group else [here.parent]
     for place in places:
         if (place / f"{name}.yaml").is_file():
             return place / f"{name}.yaml"
