@@ -128,6 +128,10 @@ def test_lora_experts_streamed_equal_in_memory(tmp_path):
     argv += ["--data", str(tmp_path / "d.safetensors"), "--batch-size", "2", "--preset", "llama-3b", "--lam", "1e-3"]
     assert main([*argv, "--out", str(tmp_path / "cli"), "-q"]) == 0
     _same(LlamaForCausalLM.from_pretrained(tmp_path / "cli").state_dict(), want.state_dict())
+    cfg_file = ads["a"] / "adapter_config.json"  # an adapter naming another base: refused, unless told
+    cfg_file.write_text(json.dumps(json.loads(cfg_file.read_text()) | {"base_model_name_or_path": "org/other"}))
+    assert main([*argv, "--out", str(tmp_path / "cli2"), "-q"]) == 2
+    assert main([*argv, "--lora-any-base", "--out", str(tmp_path / "cli2"), "-q"]) == 0
 
 
 def _load(base, sd):
