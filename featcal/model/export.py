@@ -65,14 +65,15 @@ def model_name(path: str | os.PathLike) -> str:
     return hub_id(path) or Path(path).name
 
 
-def copy_base_files(base_dir: str | os.PathLike | None, out_dir: str | os.PathLike) -> list[str]:
-    """Copy :data:`SIDE_FILES` the base has and ``out_dir`` lacks; returns their names."""
+def copy_base_files(base_dir: str | os.PathLike | None, out_dir: str | os.PathLike, replace: bool = False) -> list[str]:
+    """Copy :data:`SIDE_FILES` the base has and ``out_dir`` lacks (``replace``: those it has too,
+    and ``config.json``); returns their names."""
     if base_dir is None or not Path(base_dir).is_dir():
         return []
     copied = []
-    for name in SIDE_FILES:
+    for name in SIDE_FILES + (("config.json",) if replace else ()):
         src, dst = Path(base_dir) / name, Path(out_dir) / name
-        if src.is_file() and not dst.exists():
+        if src.is_file() and (replace or not dst.exists()):
             shutil.copyfile(src, dst)
             copied.append(name)
     return copied

@@ -31,7 +31,7 @@ from featcal.engine.report import BlockRecord, CalibrationReport, ModuleRecord
 from featcal.engine.run import calibrate
 from featcal.model import arch, validate
 from featcal.model.checkpoints import Checkpoint, check_same_tensors, skeleton
-from featcal.model.export import MAX_SHARD_BYTES, drift_summary, model_name, write_hub_files
+from featcal.model.export import MAX_SHARD_BYTES, copy_base_files, drift_summary, model_name, write_hub_files
 from featcal.model.lora import LoraCheckpoint, is_adapter_dir
 from featcal.streaming.output import write_model
 from featcal.streaming.source import CheckpointSource
@@ -127,6 +127,8 @@ def calibrate_checkpoints(
         dict(device=device, fast=fast, progress=progress, checkpoint_every=checkpoint_every, on_block=on_block),
     )
     model_dir = write_model(work, ckpts, tasks, merge, path, max_shard_bytes)
+    if "merged" in ckpts and ckpts["merged"].rows:  # cut to the base's vocabulary: its config and tokenizer
+        copy_base_files(ckpts["base"].path, model_dir, replace=True)
     report.seconds = time.perf_counter() - t_start
     report.save_json(model_dir / "featcal_report.json")
     write_hub_files(

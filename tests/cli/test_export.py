@@ -97,6 +97,11 @@ def test_vocabulary_mismatch_is_named_and_common_rows_calibrates(ckpts):
         calibrate_checkpoints(ckpts / "base", {t: ckpts / t for t in "ab"}, out=ckpts / "o1", **kw)
     calibrate_checkpoints(ckpts / "base", {t: ckpts / t for t in "ab"}, out=ckpts / "o2", common_rows=True, **kw)
     assert LlamaForCausalLM.from_pretrained(ckpts / "o2").model.embed_tokens.weight.shape == (64, 32)
+    # a merged model with the grown vocabulary (mergekit's tokenizer union, say): cut, with the base's config
+    kw.pop("merge")
+    experts = {"a": ckpts / "b", "b": ckpts / "b"}
+    calibrate_checkpoints(ckpts / "base", experts, out=ckpts / "o3", merged=ckpts / "a", common_rows=True, **kw)
+    assert LlamaForCausalLM.from_pretrained(ckpts / "o3").lm_head.weight.shape == (64, 32)
 
 
 def test_card_text_and_hub_id(tmp_path):
