@@ -222,9 +222,10 @@ class LoraAdapter:
                 raise LoraError(f"{self.what}: {name!r} has a LoRA bias (lora_bias), but the base's layer has no bias.")
             rows, cols = m.B.shape[0], m.A.shape[1]
             want = (cols, rows) if m.transpose else (rows, cols)
-            if tuple(shapes[name]) != want:
+            have = tuple(self.replaced[name].shape) if name in self.replaced else tuple(shapes[name])
+            if have != want:
                 raise LoraError(
-                    f"{self.what}: B A for {name!r} is {want}, the base's tensor is {tuple(shapes[name])}; the "
+                    f"{self.what}: B A for {name!r} is {want}, the base's tensor is {have}; the "
                     f"adapter was trained on another base (base_model_name_or_path {self.base_name!r})."
                 )
         targets = self.config.get("target_modules")

@@ -178,3 +178,35 @@ def test_refused_adapters_name_the_problem(tmp_path):
         from featcal.model.loading import as_model
 
         as_model(ad, base, "expert 'x'")
+
+
+def test_adapter_with_added_tokens_needs_common_rows(tmp_path):
+    """An adapter trained after adding tokens saves the resized embedding and head (70 rows on a
+    64-row base): the vocabulary error names it; with common_rows the expert is peft's merged model
+    cut to the base's 64 rows."""
+    import copy
+
+    from featcal.model.checkpoints import load_token_data
+
+    base = _llama(layers=2)
+    base.save_pretrained(tmp_path / "base")
+    grown = copy.deepcopy(base)
+    grown.resize_token_embeddings(70)
+    grown.name_or_path = str(tmp_path / "base")
+    ad, want = _adapter(
+        grown, tmp_path, 3, r=2, lora_alpha=4, target_modules=["embed_tokens", "q_proj"], modules_to_save=["lm_head"]
+    )
+    assert want["model.embed_tokens.weight"].shape == (70, 32)
+    save_token_data(tmp_path / "d.safetensors", _data(["x", "y"]))
+    data = load_token_data(tmp_path / "d.safetensors", batch_size=2)
+    kw = dict(calib_data=data, merge="task_arithmetic", progress=False)
+    with pytest.raises(ValueError, match=r"has 70 rows .*base has 64.*common_rows=True"):
+        calibrate_checkpoints(tmp_path / "base", {"x": ad, "y": ad}, out=tmp_path / "o1", **kw)
+    calibrate_checkpoints(tmp_path / "base", {"x": ad, "y": ad}, out=tmp_path / "o2", common_rows=True, **kw)
+    from featcal.model.checkpoints import Checkpoint
+    from featcal.model.lora import LoraCheckpoint
+
+    expert = LoraCheckpoint(ad, Checkpoint(tmp_path / "base"))
+    got = expert.read_raw(["model.embed_tokens.weight"])["model.embed_tokens.weight"]
+    assert torch.allclose(got, want["model.embed_tokens.weight"], atol=1e-6)
+    assert LlamaForCausalLM.from_pretrained(tmp_path / "o2").model.embed_tokens.weight.shape == (64, 32)
