@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 def gram_blocks(d: int, block: int | None = FastPaths.gram_block) -> tuple[int, ...]:
     """Block edges ``(0, ..., d)`` of the triangular accumulation of a ``d x d`` Gram matrix,
     about ``block`` columns each (at most 8; ``None``: one block, the full product): ``k``
-    blocks cost ``(k + 1) / 2k`` of the full product (d = 3072: 8 blocks, 56%)."""
+    blocks cost ``(k + 1) / 2k`` of the full product."""
     k = 1 if block is None else max(1, min(8, d // block))
     return tuple(round(i * d / k) for i in range(k + 1))
 
