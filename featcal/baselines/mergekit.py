@@ -143,11 +143,9 @@ def task_name(ref: str) -> str:
     return Path(ref.split("@", 1)[0].rstrip("/")).name
 
 
-def read_recipe(path: str | os.PathLike, task_names: Mapping[str, str] | None = None) -> Recipe:
-    """Read and check a mergekit YAML; ``task_names`` renames experts (``{model ref or its task
-    name: new name}``). Every model is found on disk before anything is loaded."""
-    path = Path(path).expanduser()
-    src, root = str(path), path.absolute().parent
+def _read_doc(path: Path) -> dict:
+    """The YAML, checked for what featcal needs at the top: a method, a ``models`` list, a base."""
+    src = str(path)
     if not path.is_file():
         raise FileNotFoundError(f"mergekit config {src!r} does not exist.")
     doc = yaml.safe_load(path.read_text()) or {}
@@ -155,45 +153,51 @@ def read_recipe(path: str | os.PathLike, task_names: Mapping[str, str] | None = 
         raise _fail(src, "top level", "not a mergekit config (no merge_method).")
     if doc.get("slices") or doc.get("modules") or not doc.get("models"):
         raise _fail(src, "models", "featcal reads `models:` lists (slices/modules frankenmerges have no experts).")
-    method = str(doc["merge_method"])
     if not doc.get("base_model"):
         raise _fail(src, "base_model", "FeatCal needs the base model (its anchor); add base_model: to the config.")
-    base_ref = str(doc["base_model"])
-    params = dict(doc.get("parameters") or {})
-    for key in params:
+    for key in doc.get("parameters") or {}:
         if key not in GLOBAL + PER_MODEL:
             raise _fail(src, f"parameters.{key}", f"unknown parameter; mergekit's are {', '.join(GLOBAL + PER_MODEL)}.")
+    return dict(doc)
+
+
+def read_recipe(path: str | os.PathLike, task_names: Mapping[str, str] | None = None) -> Recipe:
+    """Read and check a mergekit YAML; ``task_names`` renames experts (``{model ref or its task
+    name: new name}``). Every model is found on disk before anything is loaded."""
+    path = Path(path).expanduser()
+    src, root = str(path), path.absolute().parent
+    doc = _read_doc(path)
+    method, base_ref, params = str(doc["merge_method"]), str(doc["base_model"]), dict(doc.get("parameters") or {})
     renames = dict(task_names or {})
     experts, weights, densities, base_weight = {}, {}, {}, None
     for i, entry in enumerate(doc["models"]):
         entry = {"model": entry} if isinstance(entry, str) else dict(entry)
-        ref = str(entry.get("model", ""))
+        ref, where = str(entry.get("model", "")), f"models[{i}]"
         mp = {**{k: v for k, v in params.items() if k in PER_MODEL}, **(entry.get("parameters") or {})}
         bad = [k for k in mp if k not in PER_MODEL]
         if bad:
-            raise _fail(src, f"models[{i}].parameters", f"{bad}: featcal takes {', '.join(PER_MODEL)} per model.")
+            raise _fail(src, f"{where}.parameters", f"{bad}: featcal takes {', '.join(PER_MODEL)} per model.")
         if ref == base_ref:
-            base_weight = _number(src, f"models[{i}].weight", mp["weight"]) if "weight" in mp else None
+            base_weight = _number(src, f"{where}.weight", mp["weight"]) if "weight" in mp else None
             continue
         model, _, lora = ref.partition("+")
         if lora and model != base_ref:
-            raise _fail(src, f"models[{i}]", f"{ref!r}: a LoRA expert must be on base_model {base_ref!r}.")
+            raise _fail(src, where, f"{ref!r}: a LoRA expert must be on base_model {base_ref!r}.")
         name = renames.pop(ref, None) or renames.pop(task_name(lora or model), None) or task_name(lora or model)
         if name in experts:
-            raise _fail(src, f"models[{i}]", f"two experts are named {name!r}; rename one with --task-name MODEL=NAME.")
+            raise _fail(src, where, f"two experts are named {name!r}; rename one with --task-name MODEL=NAME.")
         experts[name] = resolve_model(lora or model, root)
         if "weight" not in mp and method in SUPPORTED:
-            raise _fail(src, f"models[{i}]", f"{ref!r} has no weight (mergekit requires one for {method}).")
+            raise _fail(src, where, f"{ref!r} has no weight (mergekit requires one for {method}).")
         if "weight" in mp:
-            weights[name] = _number(src, f"models[{i}].weight", mp["weight"])
-        densities[name] = _number(src, f"models[{i}].density", mp.get("density", 1.0))
+            weights[name] = _number(src, f"{where}.weight", mp["weight"])
+        densities[name] = _number(src, f"{where}.density", mp.get("density", 1.0))
+        if not 0.0 < densities[name] <= 1.0:
+            raise _fail(src, f"{where}.density", f"{densities[name]} is not in (0, 1].")
     if renames:
         raise _fail(src, "--task-name", f"{sorted(renames)} name no model of the config.")
     if base_weight is None and "weight" in params and method == "linear":
         base_weight = _number(src, "parameters.weight", params["weight"])  # mergekit adds the base to linear
-    for t, d in densities.items():
-        if not 0.0 < d <= 1.0:
-            raise _fail(src, f"{t}.density", f"{d} is not in (0, 1].")
     return Recipe(
         source=src,
         method=method,

@@ -127,16 +127,9 @@ def calibrate_checkpoints(
         dict(device=device, fast=fast, progress=progress, checkpoint_every=checkpoint_every, on_block=on_block),
     )
     model_dir = write_model(work, ckpts, tasks, merge, path, max_shard_bytes)
-    if "merged" in ckpts and ckpts["merged"].rows:  # cut to the base's vocabulary: its config and tokenizer
-        copy_base_files(ckpts["base"].path, model_dir, replace=True)
     report.seconds = time.perf_counter() - t_start
     report.save_json(model_dir / "featcal_report.json")
-    write_hub_files(
-        model_dir,
-        base_dir=ckpts["base"].path,
-        name=out.name,
-        **(_card(ckpts, merge, cfg, calib_data, report) | dict(card or {})),
-    )
+    _hub_files(model_dir, out.name, ckpts, _card(ckpts, merge, cfg, calib_data, report) | dict(card or {}))
     if out.exists():  # force
         shutil.rmtree(out)
     os.rename(model_dir, out)
@@ -178,6 +171,15 @@ def open_checkpoints(base, experts: Mapping, merged, blocks: str | None, common_
         skels["merged"] = skeleton(ckpts["base"])
     path = arch.resolve_blocks(skels["merged"], blocks)[0]
     return ckpts, skels, path
+
+
+def _hub_files(model_dir: Path, name: str, ckpts: dict, card: dict) -> None:
+    """The base's tokenizer files and the model card beside the written model
+    (:func:`featcal.model.export.write_hub_files`); a merged model cut to the base's vocabulary
+    takes the base's config and tokenizer over its own (they say the grown vocabulary)."""
+    if "merged" in ckpts and ckpts["merged"].rows:
+        copy_base_files(ckpts["base"].path, model_dir, replace=True)
+    write_hub_files(model_dir, base_dir=ckpts["base"].path, name=name, **card)
 
 
 def _card(ckpts: dict, merge, cfg: FeatCalConfig, calib_data: Mapping, report: CalibrationReport) -> dict:
