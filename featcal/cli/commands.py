@@ -49,11 +49,18 @@ from featcal.cli.common import (
     parse_params,
     zoo_from_args,
 )
+from featcal.cli.formats import (
+    add_checkpoint_options,
+    add_from_fusionbench,
+    run_calibrate_mergekit,
+    run_from_fusionbench,
+    streamed_options,
+)
 from featcal.config import FeatCalConfig
 from featcal.engine.run import calibrate
 from featcal.model.streams import device_of
 from featcal.zoo import BUILT, NAMES, evaluate, load_any, load_demo
-from featcal.zoo.io import load_model, save_model
+from featcal.zoo.io import load_model, save_model, zoo_card
 from featcal.zoo.scores import average, expert_accuracies, markdown_table, normalized, write_scores
 
 __all__ = [
@@ -79,7 +86,7 @@ BUILTIN = (*NAMES, *BUILT)  # the zoos `featcal zoo build NAME` makes
 
 
 def add_zoo_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="zoo_command", required=True, metavar="{build,build-demo,info}")
+    sub = p.add_subparsers(dest="zoo_command", required=True, metavar="{build,build-demo,info,from-fusionbench}")
     b = sub.add_parser("build-demo", help="build (or rebuild) the embedded demo zoo in the cache")
     b.add_argument("--variant", default="default", choices=("default", "fashion"))
     b.add_argument("--rebuild", action="store_true", help="build afresh even if cached")
@@ -91,10 +98,13 @@ def add_zoo_arguments(p: argparse.ArgumentParser) -> None:
     i = sub.add_parser("info", help="where a zoo is and what it holds")
     add_zoo(i)
     i.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    add_from_fusionbench(sub)
 
 
 def run_zoo(args) -> int:
     t0 = time.perf_counter()
+    if args.zoo_command == "from-fusionbench":
+        return run_from_fusionbench(args)
     if args.zoo_command == "build-demo":
         zoo = load_demo(rebuild=args.rebuild, progress=not args.quiet, variant=args.variant)
     elif args.zoo_command == "build":
@@ -175,7 +185,10 @@ def _write(args, zoo, model, json_name: str, doc: dict, scored: dict) -> Path:
     ``model`` in the zoo's format with ``doc`` as ``json_name`` (atomically, see save_model)."""
     if args.eval:
         doc["accuracy"] = _eval_and_print(scored, zoo, "test")
-    return save_model(model, args.out, fmt=zoo.fmt, force=args.force, extra_files={json_name: doc})
+    merge = doc.get("merge") or {"method": doc.get("method"), "params": doc.get("params")}
+    calibration = {"n_per_task": doc["n_per_task"], "seed": doc["seed"]} if "report" in doc else None
+    card = zoo_card(zoo, merge, doc.get("report"), scores=doc.get("accuracy"), calibration=calibration)
+    return save_model(model, args.out, fmt=zoo.fmt, force=args.force, extra_files={json_name: doc}, hub=card)
 
 
 # ------------------------------------------------------------------ calibrate
@@ -206,13 +219,17 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     )
     c.add_argument("--base", metavar="DIR", help="the base model's directory")
     c.add_argument(
-        "--expert", action="append", metavar="NAME=DIR", help="an expert's task name and directory (repeatable)"
+        "--expert",
+        action="append",
+        metavar="NAME=DIR",
+        help="an expert's task name and directory: a model, or a PEFT LoRA adapter on --base (repeatable)",
     )
     c.add_argument("--merged", metavar="DIR", help="the merged model's directory (instead of --merge on the fly)")
     c.add_argument(
         "--data", metavar="FILE", help="calibration tokens: a safetensors file of TASK.input_ids [TASK.attention_mask]"
     )
     c.add_argument("--resume", action="store_true", help="continue a run that was killed part-way")
+    add_checkpoint_options(c)
     add_common(p)
 
 
@@ -235,26 +252,19 @@ def run_calibrate_checkpoints(args) -> int:
     """``featcal calibrate --base DIR --expert NAME=DIR ...``: the streamed run (featcal.streaming.run)."""
     if not args.expert:
         raise UserError("--base needs at least one --expert NAME=DIR.")
-    if not args.data:
-        raise UserError(
-            "--base needs --data FILE (a safetensors file of TASK.input_ids, see featcal.model.checkpoints)."
-        )
     experts = {}
     for item in args.expert:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             raise UserError(f"--expert {item!r}: expected NAME=DIR (e.g. math=ckpt/math).")
         experts[name] = path
-    if args.batch_size < 1:
-        raise UserError(f"--batch-size must be at least 1, got {args.batch_size}.")
-    if not os.path.isfile(args.data):
-        raise UserError(f"--data {args.data!r} does not exist.")
     args.preset = args.preset or "llama-8b"
     cfg = config_from_args(args)
     merge = None if args.merged else (args.merge, parse_params(args.param, args.merge))
+    kw = streamed_options(args)
     apply_threads(args)
     try:
-        report = _stream(args, experts, merge, cfg)
+        report = _stream(args, experts, merge, cfg, kw)
     except KeyboardInterrupt:
         print("featcal: the finished blocks are kept; add --resume to continue from them.", file=sys.stderr)
         raise
@@ -262,26 +272,16 @@ def run_calibrate_checkpoints(args) -> int:
     return 0
 
 
-def _stream(args, experts: dict, merge, cfg):
-    from featcal.model.checkpoints import load_token_data
+def _stream(args, experts: dict, merge, cfg, kw: dict):
     from featcal.streaming.run import calibrate_checkpoints
 
-    return calibrate_checkpoints(
-        args.base,
-        experts,
-        merge=merge,
-        merged=args.merged,
-        calib_data=load_token_data(args.data, args.batch_size),
-        config=cfg,
-        out=args.out,
-        device=args.device,
-        resume=args.resume,
-        force=args.force,
-        progress=not args.quiet,
-    )
+    return calibrate_checkpoints(args.base, experts, merge=merge, merged=args.merged, config=cfg, **kw)
 
 
 def run_calibrate(args) -> int:
+    if args.mergekit:
+        args.preset = args.preset or "llama-8b"
+        return run_calibrate_mergekit(args, config_from_args(args))
     if args.base:
         return run_calibrate_checkpoints(args)
     if args.expert or args.merged or args.data or args.resume:

@@ -262,11 +262,11 @@ def _summarised(notes: list[str], first: int = 3) -> list[str]:
 
 def _checked_models(merged, base, experts, calib_data, blocks, block_source):
     """``(tasks, base, experts, path)``: the tasks checked against the data, base and experts as
-    models (a state dict or a model directory loaded into a copy of ``merged``), and the blocks'
-    path(s) after checking that every model has ``merged``'s architecture."""
+    models (a state dict or a model directory loaded into a copy of ``merged``, a LoRA adapter
+    merged onto ``base``), and the blocks' path(s) after checking that every model has ``merged``'s architecture."""
     tasks = validate.check_tasks(experts, calib_data)
     base = sources.as_model(base, merged, "base")
-    experts = {t: sources.as_model(experts[t], merged, f"expert {t!r}") for t in tasks}
+    experts = {t: sources.as_model(experts[t], merged, f"expert {t!r}", base=base) for t in tasks}  # LoRA: on base
 
     def stacks_of(m: nn.Module) -> str:
         return arch.STACK_SEP.join(p for p, _ in arch.resolve_stacks(m, blocks))
@@ -302,7 +302,8 @@ def calibrate(
         experts: ``{task: M_i}``, same architecture as ``merged``. ``base`` and each expert may
             also be a state dict, a checkpoint file or a local model directory (Hugging Face
             ``save_pretrained`` layout), loaded strictly into a copy of ``merged``
-            (:mod:`featcal.model.loading`).
+            (:mod:`featcal.model.loading`); an expert may be a PEFT LoRA adapter directory on
+            ``base`` (:mod:`featcal.model.lora`).
         calib_data: ``{task: [batch, ...]}``; a batch is a tensor (``model(batch)``) or a
             dict (``model(**batch)``; an ``attention_mask`` in it marks padding).
         config: hyper-parameters and switches (:class:`FeatCalConfig`).

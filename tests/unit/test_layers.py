@@ -64,6 +64,7 @@ ZOO_LAYERS = {
         "featcal.zoo.spec",
         "featcal.zoo.store",
         "featcal.zoo.scores",
+        "featcal.zoo.fusionbench",
     ),
     "build": (
         "featcal.zoo.demo_recipe",
