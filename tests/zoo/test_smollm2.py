@@ -89,8 +89,8 @@ def test_streamed_equals_in_memory_on_the_zoo_checkpoints(micro, micro_dir, tmp_
     from transformers import LlamaForCausalLM
 
     from featcal import FeatCalConfig, calibrate
-    from featcal.checkpoints import load_token_data, save_token_data
-    from featcal.cli import main
+    from featcal.cli.commands import main
+    from featcal.model.checkpoints import load_token_data, save_token_data
 
     rows = {t: micro.split(t, "calib")[0][:4] for t in micro.tasks}
     data = tmp_path / "tokens.safetensors"
