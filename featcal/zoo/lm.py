@@ -197,9 +197,54 @@ class LMZoo(Zoo):
             out[task] = task_score(task, replies(model, self.tokenizer, task, exs, batch_size), exs)
         return out
 
+    # The app's and the diagnostics' fast view: one teacher-forced step per example.
+
+    def reply_start(self, ids: torch.Tensor) -> torch.Tensor:
+        """``(n,)``: where each chat sequence's reply begins (just after the last assistant header)."""
+        header = _assistant_header(self.tokenizer)
+        out = []
+        for row in ids.tolist():
+            hits = [i for i in range(len(row) - len(header) + 1) if row[i : i + len(header)] == header]
+            if not hits:
+                raise ValueError("a sequence without the chat template's assistant header; is it from this zoo?")
+            out.append(hits[-1] + len(header))
+        return torch.tensor(out)
+
+    def split(self, task: str, split: str):
+        """``(inputs, labels)``; a free-text task's label is its reference reply's first token
+        (what :meth:`logits` predicts), a choice task's the right option."""
+        x, y = super().split(task, split)
+        if TASKS[task].kind != "choice":
+            y = x.input_ids[torch.arange(len(x)), self.reply_start(x.input_ids)]
+        return x, y
+
+    @torch.no_grad()
+    def logits(self, model: nn.Module, task: str, inputs) -> torch.Tensor:
+        """``(n, V)``: the next-token logits where each reply begins (teacher-forced; for a
+        choice task ``(n, options)``: the option tokens' only), what the app's accuracy,
+        agreement and KL read instead of a head's class logits."""
+        batch = as_batch(inputs)
+        dev = _device(model)
+        ids, mask = batch["input_ids"].to(dev), batch["attention_mask"].to(dev)
+        hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+        at = self.reply_start(ids.cpu()).to(dev) - 1  # the position that predicts the reply's first token
+        z = model.get_output_embeddings()(hidden[torch.arange(len(ids), device=dev), at]).float()
+        if TASKS[task].kind == "choice":
+            first = self.examples[task]["test"][0].options
+            z = z[:, [self.tokenizer(o, add_special_tokens=False)["input_ids"][0] for o in first]]
+        return z
+
     def generate(self, model: nn.Module, prompts: Sequence[str], max_new_tokens: int = 48) -> list[str]:
         """Greedy replies of ``model`` to free prompts (the app's generate box)."""
         return generate(model, self.tokenizer, prompts, max_new_tokens)
+
+
+def _assistant_header(tokenizer) -> list[int]:
+    """The token ids the chat template puts before the assistant's reply."""
+    msgs = [{"role": "user", "content": "x"}]
+    with_header = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    without = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
+    return tokenizer(with_header[len(without) :], add_special_tokens=False)["input_ids"]
 
 
 EXAMPLES = "examples.json"  # in an LLM zoo's directory: {task: {split: [Example as a dict]}}

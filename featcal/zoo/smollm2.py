@@ -225,13 +225,24 @@ def smollm2_path() -> Path:
     return cache_dir() / "zoos" / f"{NAME}-{SMOLLM2_VERSION}"
 
 
-def load_smollm2(rebuild: bool = False, progress: bool = True, verify: bool = True) -> Zoo:
-    """The SmolLM2 zoo, built and cached on first use (:func:`missing_packages` says what it needs)."""
+def needs_build() -> bool:
+    """Whether :func:`load_smollm2` would build first (no cache, or one from another recipe)."""
     path = smollm2_path()
-    stale = is_zoo_dir(path) and read_meta(path).get("recipe_sha256") != LMRecipe().sha256()
-    if rebuild or stale or not is_zoo_dir(path):
-        build_smollm2(path, progress=progress, force=rebuild or stale)
-    return read_zoo_dir(path, verify=verify)
+    return not is_zoo_dir(path) or read_meta(path).get("recipe_sha256") != LMRecipe().sha256()
+
+
+def load_smollm2(rebuild: bool = False, progress: bool = True, verify: bool = True, on_step=None) -> Zoo:
+    """The SmolLM2 zoo, built and cached on first use (:func:`missing_packages` says what it
+    needs; ``on_step`` gets the build's :class:`~featcal.util.progress.Progress`)."""
+    return read_zoo_dir(ensure_built(rebuild, progress, on_step), verify=verify)
+
+
+def ensure_built(rebuild: bool = False, progress: bool = True, on_step=None) -> Path:
+    """The cached zoo's directory, built first when needed (or asked)."""
+    path = smollm2_path()
+    if rebuild or needs_build():
+        build_smollm2(path, progress=progress, force=rebuild or is_zoo_dir(path), on_step=on_step)
+    return path
 
 
 def build_smollm2(

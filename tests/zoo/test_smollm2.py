@@ -19,10 +19,8 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def micro_dir(tmp_path_factory):
-    return smollm2.build_smollm2(
-        tmp_path_factory.mktemp("llm") / "micro", smollm2.micro_recipe(), progress=False, threads=1
-    )
+def micro_dir(smollm2_micro_dir):
+    return smollm2_micro_dir
 
 
 @pytest.fixture(scope="module")
