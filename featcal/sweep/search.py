@@ -400,7 +400,7 @@ def tune_zoo(
         zoo.experts,
         calib,
         val,
-        logits=HeadLogits(zoo.features, zoo.heads),
+        logits=HeadLogits(zoo.features, zoo.heads) if zoo.heads else zoo.logits,  # an LLM zoo: its own view
         config=config,
         grid=grid,
         search=search,

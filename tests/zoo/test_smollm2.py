@@ -113,3 +113,12 @@ def test_streamed_equals_in_memory_on_the_zoo_checkpoints(micro, micro_dir, tmp_
     merged = micro.merged("task_arithmetic", scale=0.3).state_dict()
     changed = [k for k, w in want.state_dict().items() if not torch.equal(w, merged[k])]
     assert any("mlp.down_proj" in k for k in changed)  # calibration did change the merged model
+
+
+def test_tune_runs_on_the_llm_zoo(micro):
+    """``featcal tune`` scores an LLM zoo through its teacher-forced view on val (no heads)."""
+    from featcal.sweep.search import Grid, tune_zoo
+
+    grid = Grid(lam=(1e-3, 1.0), rho=(0.5,), alpha=(0.15,))
+    res = tune_zoo(micro, n_calib=4, val_per_task=4, grid=grid, n_confirm=1, config=None)
+    assert res.best is not None and len(res.table) >= 2
