@@ -38,7 +38,7 @@ from featcal.util.progress import Progress, Tracker, note
 from featcal.zoo import text_data
 from featcal.zoo.core import SPLITS, Zoo
 from featcal.zoo.demo import _default_threads, _torch_threads, cache_dir
-from featcal.zoo.io import quiet_transformers
+from featcal.zoo.io import offline, quiet_transformers
 from featcal.zoo.llm_tasks import LETTERS, TASKS
 from featcal.zoo.lm import encode_chats, examples_json
 from featcal.zoo.store import is_zoo_dir, read_meta, read_zoo_dir, write_zoo_dir
@@ -111,13 +111,8 @@ def missing_packages() -> list[tuple[str, str]]:
 
 
 def require_packages() -> None:
-    missing = missing_packages()
-    if missing:
-        lines = "\n".join(f"  - {what}" for what, _ in missing)
-        cmds = "\n".join(f"  {cmd}" for _, cmd in missing)
-        raise text_data.MissingPackagesError(
-            f"the smollm2 zoo needs packages that are not installed:\n{lines}\ninstall them with:\n{cmds}"
-        )
+    """Raise :class:`~featcal.zoo.text_data.MissingPackagesError` listing what is missing."""
+    text_data.raise_missing(missing_packages(), "the smollm2 zoo")
 
 
 # ------------------------------------------------------------------ the base
@@ -128,17 +123,10 @@ def _dequantised() -> tuple[dict, dict, object]:
     """``(config dict, float32 state dict, tokenizer)`` of the GGUF model (read once per process)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    where, before = str(gguf_dir()), os.environ.get("HF_HUB_OFFLINE")
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    try:
-        with quiet_transformers():
-            tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=GGUF_FILE)
-            model = AutoModelForCausalLM.from_pretrained(where, gguf_file=GGUF_FILE, dtype=torch.float32)
-    finally:
-        if before is None:
-            os.environ.pop("HF_HUB_OFFLINE", None)
-        else:
-            os.environ["HF_HUB_OFFLINE"] = before
+    where = str(gguf_dir())
+    with offline(), quiet_transformers():
+        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=GGUF_FILE)
+        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=GGUF_FILE, dtype=torch.float32)
     config = model.config.to_dict()
     config.pop("quantization_config", None)  # the copy is a plain float32 model
     return config, {k: v.detach().clone() for k, v in model.state_dict().items()}, tokenizer
