@@ -106,6 +106,21 @@ def _swap_into_place(tmp: Path, target: Path) -> None:
 
 
 @contextlib.contextmanager
+def offline() -> Iterator[None]:
+    """``HF_HUB_OFFLINE=1`` inside the block (transformers never reaches for the hub), the
+    previous value restored afterwards."""
+    before = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = before
+
+
+@contextlib.contextmanager
 def quiet_transformers() -> Iterator[None]:
     """Silence transformers' per-file progress bars ("Loading weights", "Writing model
     shards") inside the block, restoring the previous setting afterwards."""
