@@ -33,9 +33,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from diagnostics import cli as diagnose_cli
 from diagnostics import compare_cli
 from featcal.baselines.registry import MERGERS_WITH_DATA, merge_with_data, zoo_logits
+from featcal.cli import ranks
 from featcal.cli import sweep as tune_cli
 from featcal.cli.common import (
     UserError,
@@ -57,6 +60,7 @@ from featcal.cli.formats import (
     streamed_options,
 )
 from featcal.config import FeatCalConfig
+from featcal.engine.distributed import DistributedError
 from featcal.engine.run import calibrate
 from featcal.model.streams import device_of
 from featcal.zoo import BUILT, NAMES, evaluate, load_any, load_demo
@@ -230,6 +234,7 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     )
     c.add_argument("--resume", action="store_true", help="continue a run that was killed part-way")
     add_checkpoint_options(c)
+    p.add_argument("--stats-dtype", choices=("float32", "float64"), help="statistics and solve dtype (default float32)")
     add_common(p)
 
 
@@ -240,6 +245,8 @@ def config_from_args(args):
         overrides["bias"] = False
     if args.no_layernorm:
         overrides["layernorm"] = False
+    if getattr(args, "stats_dtype", None):
+        overrides["stats_dtype"] = getattr(torch, args.stats_dtype)
     preset = args.preset or "clip"
     if preset == "clip":
         return FeatCalConfig.clip(**overrides)
@@ -268,7 +275,8 @@ def run_calibrate_checkpoints(args) -> int:
     except KeyboardInterrupt:
         print("featcal: the finished blocks are kept; add --resume to continue from them.", file=sys.stderr)
         raise
-    print(f"calibrated {len(report.blocks)} blocks in {report.seconds:.1f} s; wrote {args.out}")
+    if ranks.is_main():
+        print(f"calibrated {len(report.blocks)} blocks in {report.seconds:.1f} s; wrote {args.out}")
     return 0
 
 
@@ -292,12 +300,14 @@ def run_calibrate(args) -> int:
     if args.n_per_task < 1:
         raise UserError(f"--n-per-task must be at least 1, got {args.n_per_task}.")
     check_out(args.out, args.force)
-    zoo = zoo_from_args(args)
+    zoo = ranks.rank0_first(lambda: zoo_from_args(args))
     merged = zoo.merged(args.merge, **params)
     data = zoo.calib_data(args.n_per_task, seed=args.seed, batch_size=args.batch_size)
     model, report = calibrate(
         merged, base=zoo.base, experts=zoo.experts, calib_data=data, config=cfg, progress=not args.quiet
     )
+    if not ranks.is_main():  # rank 0 writes (and evaluates)
+        return 0
     doc = {
         "zoo": args.zoo,
         "merge": {"method": args.merge, "params": params},
@@ -385,7 +395,7 @@ COMMANDS: dict[str, tuple[AddArguments, Run, str]] = {
     "merge": (add_merge_arguments, run_merge, "merge the experts of a zoo and save the model"),
     "calibrate": (
         add_calibrate_arguments,
-        run_calibrate,
+        ranks.in_process_group(run_calibrate),  # one process of a torchrun launch each
         "merge, then calibrate with FeatCal; save the model and report.json",
     ),
     "eval": (add_eval_arguments, run_eval, "per-task accuracy of the zoo's models or a saved one"),
@@ -412,7 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-USER_ERRORS = (UserError, FileNotFoundError, FileExistsError, NotADirectoryError, ValueError)
+# (DistributedError: another rank of a torchrun launch stopped or hangs)
+USER_ERRORS = (UserError, FileNotFoundError, FileExistsError, NotADirectoryError, ValueError, DistributedError)
 
 
 def main(argv: list[str] | None = None) -> int:

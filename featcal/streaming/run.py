@@ -26,6 +26,7 @@ import torch
 
 from featcal.baselines import registry
 from featcal.config import FastPaths, FeatCalConfig
+from featcal.engine import distributed
 from featcal.engine.blocksource import check_device
 from featcal.engine.report import BlockRecord, CalibrationReport, ModuleRecord
 from featcal.engine.run import calibrate
@@ -114,7 +115,9 @@ def calibrate_checkpoints(
         base, {t: experts[t] for t in tasks}, merged, blocks, common_rows=common_rows, lora_any_base=lora_any_base
     )
     work = partial_dir(out)
-    state = open_work(work, _fingerprint(ckpts, merge, cfg, path, calib_data), resume=resume, force=force)
+    dist = distributed.current(device, (fast or FastPaths()).dist_solve)  # a process group: rank 0 writes
+    fingerprint = _fingerprint(ckpts, merge, cfg, path, calib_data)
+    state = open_work(work, fingerprint, resume=resume, force=force, dist=dist)
     report = _calibrate_blocks(
         ckpts,
         skels,
@@ -125,7 +128,11 @@ def calibrate_checkpoints(
         state,
         work,
         dict(device=device, fast=fast, progress=progress, checkpoint_every=checkpoint_every, on_block=on_block),
+        dist,
     )
+    if dist is not None and dist.rank != 0:  # rank 0 writes the model
+        dist.barrier("waiting for rank 0 to write the model")
+        return report
     model_dir = write_model(work, ckpts, tasks, merge, path, max_shard_bytes)
     report.seconds = time.perf_counter() - t_start
     report.save_json(model_dir / "featcal_report.json")
@@ -134,6 +141,8 @@ def calibrate_checkpoints(
         shutil.rmtree(out)
     os.rename(model_dir, out)
     shutil.rmtree(work)
+    if dist is not None:
+        dist.barrier("writing the model")
     return report
 
 
@@ -210,9 +219,10 @@ def _fingerprint(ckpts: dict, merge, cfg: FeatCalConfig, path: str, calib_data: 
     return json.loads(json.dumps(doc, default=str))
 
 
-def _calibrate_blocks(ckpts, skels, path, calib_data, merge, cfg, state, work, run: dict) -> CalibrationReport:
+def _calibrate_blocks(ckpts, skels, path, calib_data, merge, cfg, state, work, run: dict, dist) -> CalibrationReport:
     """The engine over the blocks not done yet (the skeletons filled block by block by a
-    :class:`CheckpointSource`), and the report of the whole run, a resumed run's earlier blocks included."""
+    :class:`CheckpointSource`), and the report of the whole run, a resumed run's earlier blocks
+    included. Under a process group, each rank's source keeps the streams of its own batches."""
     tasks = list(calib_data)
     n_blocks = len(arch.resolve_blocks(skels["merged"], path)[1])
     report = None
@@ -228,7 +238,9 @@ def _calibrate_blocks(ckpts, skels, path, calib_data, merge, cfg, state, work, r
             state=state,
             checkpoint_every=run["checkpoint_every"],
             on_block=run["on_block"],
-            progress=run["progress"],
+            progress=run["progress"] and (dist is None or dist.rank == 0),
+            dist=dist,
+            batches=None if dist is None else distributed.share(_counts(calib_data), dist.rank, dist.size),
         )
         _, report = calibrate(
             skels["merged"],
@@ -248,3 +260,7 @@ def _calibrate_blocks(ckpts, skels, path, calib_data, merge, cfg, state, work, r
     full.blocks = [BlockRecord(**b) for b in state["prior_blocks"]] + ([] if report is None else report.blocks)
     full.warnings = [] if report is None else report.warnings
     return full
+
+
+def _counts(calib_data: Mapping) -> dict[str, int]:
+    return {t: len(b) for t, b in calib_data.items()}
