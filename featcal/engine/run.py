@@ -37,10 +37,11 @@ from featcal.engine import distributed, snapshot
 from featcal.engine.blocksource import BlockSource, DeviceBlocks, check_device, to_host
 from featcal.engine.blockstats import Context
 from featcal.engine.dist_systems import share_solutions
+from featcal.engine.preview import Kept, Preview
 from featcal.engine.report import BlockRecord, CalibrationReport, ModuleRecord
 from featcal.engine.state import RunState, Stream
 from featcal.engine.trace import ExpertTrace
-from featcal.method import solve
+from featcal.method import linalg, solve
 from featcal.model import arch, validate
 from featcal.model import loading as sources
 from featcal.model.capture import sequence_first
@@ -95,27 +96,22 @@ def _solve_block(run: RunState, block: int, blk: nn.Module, targets, systems: di
     them). The factorisations' buffers come from the scratch and go back to it, and so do
     the systems' ``S`` unless ``run.keep`` holds on to them."""
     cfg, scratch, keep = run.ctx.cfg, run.ctx.scratch, run.keep
+    setting = cfg.setting
     new_params = []
-    factors = solve.Factors(run.ctx.fast.lapack_min_d, take=scratch.take)  # one per shared S (q/k/v)
+    factors = linalg.Factors(run.ctx.fast.lapack_min_d, take=scratch.take)  # one per shared S (q/k/v)
     for t in targets:
         t0 = time.perf_counter()
         W_mer, b_mer = arch.get_params(blk, t)
         if keep is not None:
             W_mer, b_mer = W_mer.clone(), None if b_mer is None else b_mer.clone()
         W_0, b_0 = arch.get_params(run.base_blocks[block], t)
-        W_0 = W_0.to(W_mer.device)
-        b_0 = None if b_0 is None else b_0.to(W_mer.device)
+        ends = solve.Endpoints(W_mer, b_mer, W_0.to(W_mer.device), None if b_0 is None else b_0.to(W_mer.device))
         sysm = systems[t.name]
         if t.kind == arch.LINEAR:
             W, b, SWt = solve.solve_linear(
                 sysm,
-                W_mer,
-                b_mer,
-                W_0,
-                b_0,
-                lam=cfg.lam,
-                rho=cfg.rho,
-                alpha=cfg.alpha,
+                ends,
+                setting,
                 eps=cfg.eps,
                 bias=cfg.bias,
                 what=f"block {block} {t.name}",
@@ -127,7 +123,7 @@ def _solve_block(run: RunState, block: int, blk: nn.Module, targets, systems: di
             )
             d_in, d_out, rows = W.shape[1], W.shape[0], sysm.min_rows
         else:
-            W, b = solve.solve_norm(sysm, W_mer, b_mer, W_0, b_0, lam=cfg.lam, rho=cfg.rho, eps=cfg.eps)
+            W, b = solve.solve_norm(sysm, ends, setting, eps=cfg.eps)
             before = solve.norm_residual(sysm, W_mer, b_mer)
             after = solve.norm_residual(sysm, W, b)
             d_in = d_out = W.shape[0]
@@ -141,7 +137,7 @@ def _solve_block(run: RunState, block: int, blk: nn.Module, targets, systems: di
             ModuleRecord(run.offset + block, t.name, t.kind, d_in, d_out, rows, before, after, time.perf_counter() - t0)
         )
         if keep is not None:
-            keep.append((run.offset + block, t, sysm, W_mer, b_mer, W_0, b_0))
+            keep.append(Kept(run.offset + block, t, sysm, ends))
     for t, W, b in new_params:
         arch.set_params(blk, t, W, b)
     run.ctx.fallbacks.extend(factors.notes)
@@ -274,11 +270,11 @@ def _summarised(notes: list[str], first: int = 3) -> list[str]:
 
 def _checked_models(merged, base, experts, calib_data, blocks, block_source):
     """``(tasks, base, experts, path)``: the tasks checked against the data, base and experts as
-    models (a state dict or a model directory loaded into a copy of ``merged``), and the blocks'
-    path(s) after checking that every model has ``merged``'s architecture."""
+    models (a state dict or a model directory loaded into a copy of ``merged``, a LoRA adapter
+    merged onto ``base``), and the blocks' path(s) after checking that every model has ``merged``'s architecture."""
     tasks = validate.check_tasks(experts, calib_data)
     base = sources.as_model(base, merged, "base")
-    experts = {t: sources.as_model(experts[t], merged, f"expert {t!r}") for t in tasks}
+    experts = {t: sources.as_model(experts[t], merged, f"expert {t!r}", base=base) for t in tasks}  # LoRA: on base
 
     def stacks_of(m: nn.Module) -> str:
         return arch.STACK_SEP.join(p for p, _ in arch.resolve_stacks(m, blocks))
@@ -314,7 +310,8 @@ def calibrate(
         experts: ``{task: M_i}``, same architecture as ``merged``. ``base`` and each expert may
             also be a state dict, a checkpoint file or a local model directory (Hugging Face
             ``save_pretrained`` layout), loaded strictly into a copy of ``merged``
-            (:mod:`featcal.model.loading`).
+            (:mod:`featcal.model.loading`); an expert may be a PEFT LoRA adapter directory on
+            ``base`` (:mod:`featcal.model.lora`).
         calib_data: ``{task: [batch, ...]}``; a batch is a tensor (``model(batch)``) or a
             dict (``model(**batch)``; an ``attention_mask`` in it marks padding).
         config: hyper-parameters and switches (:class:`FeatCalConfig`).
@@ -386,8 +383,6 @@ def calibrate(
     finally:
         restore_modes()
     if keep_stats:
-        from featcal.engine.preview import Preview
-
         report.preview_state = Preview(model, path, run.keep, cfg.eps, cfg.bias)
     report.seconds = time.perf_counter() - t_start
     return model, report

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from featcal.baselines import merging
+from featcal.baselines import registry
 from featcal.engine import distributed
 from featcal.engine.blocksource import BlockSource, move_streams, streams_fit, to_host
 from featcal.engine.report import CalibrationReport
@@ -70,7 +70,7 @@ class CheckpointSource(BlockSource):
         if self.merge is None:
             return self._read("merged", full)
         method, params = self.merge
-        return merging.merge(method, base, experts, **params)
+        return registry.merge(method, base, experts, **params)
 
     def _fill(self, role: str, module: nn.Module, tensors: dict, prefix: str, device) -> None:
         validate._finite_params(tensors, f"the {role} checkpoint", self.path)
