@@ -203,9 +203,7 @@ class RayRunner:
 
 def _package_dir() -> str:
     """featcal's package directory (shipped to a Ray cluster's workers: the same code runs there)."""
-    import featcal
-
-    return os.path.dirname(featcal.__file__)
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # featcal/sweep/jobs.py -> featcal/
 
 
 def runner(work: Work, use_ray: bool | str, num_cpus: int | None, progress: bool = False):
