@@ -46,11 +46,14 @@ from featcal.cli_common import (
     check_out,
     parse_params,
     zoo_from_args,
+    zoo_inputs,
 )
 from featcal.config import FeatCalConfig
 from featcal.engine import calibrate
+from featcal.merging import check_params as check_merge_params
 from featcal.regmean import MERGERS_WITH_DATA, merge_with_data
 from featcal.streams import device_of
+from featcal.util.outdir import OutputLockedError, output_lock
 from featcal.zoo import BUILT, NAMES, evaluate, load_any, load_demo
 from featcal.zoo.io import load_model, save_model
 from featcal.zoo.scores import average, expert_accuracies, markdown_table, normalized, write_scores
@@ -148,18 +151,20 @@ def run_merge(args) -> int:
     with_data = args.method in MERGERS_WITH_DATA
     if with_data and args.n_per_task < 1:
         raise UserError(f"--n-per-task must be at least 1, got {args.n_per_task}.")
-    check_out(args.out, args.force)
-    zoo = zoo_from_args(args)
-    info = {"zoo": args.zoo, "method": args.method, "params": params}
-    if with_data:
-        data = zoo.calib_data(args.n_per_task, seed=args.seed, batch_size=args.batch_size)
-        model = merge_with_data(
-            args.method, base=zoo.base, experts=zoo.experts, calib_data=data, progress=not args.quiet, **params
-        )
-        info.update(n_per_task=args.n_per_task, seed=args.seed, batch_size=args.batch_size)
-    else:
-        model = zoo.merged(args.method, **params)
-    out = _write(args, zoo, model, "merge.json", info, scored={args.method: model})
+    check_merge_params(args.method, params)
+    check_out(args.out, args.force, zoo_inputs(args))
+    with output_lock(args.out):
+        zoo = zoo_from_args(args)
+        info = {"zoo": args.zoo, "method": args.method, "params": params}
+        if with_data:
+            data = zoo.calib_data(args.n_per_task, seed=args.seed, batch_size=args.batch_size)
+            model = merge_with_data(
+                args.method, base=zoo.base, experts=zoo.experts, calib_data=data, progress=not args.quiet, **params
+            )
+            info.update(n_per_task=args.n_per_task, seed=args.seed, batch_size=args.batch_size)
+        else:
+            model = zoo.merged(args.method, **params)
+        out = _write(args, zoo, model, "merge.json", info, scored={args.method: model})
     print(f"wrote {out}")
     return 0
 
@@ -169,7 +174,9 @@ def _write(args, zoo, model, json_name: str, doc: dict, scored: dict) -> Path:
     ``model`` in the zoo's format with ``doc`` as ``json_name`` (atomically, see save_model)."""
     if args.eval:
         doc["accuracy"] = _eval_and_print(scored, zoo, "test")
-    return save_model(model, args.out, fmt=zoo.fmt, force=args.force, extra_files={json_name: doc})
+    return save_model(
+        model, args.out, fmt=zoo.fmt, force=args.force, extra_files={json_name: doc}, inputs=zoo_inputs(args, zoo)
+    )
 
 
 # ------------------------------------------------------------------ calibrate
@@ -243,6 +250,8 @@ def run_calibrate_checkpoints(args) -> int:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             raise UserError(f"--expert {item!r}: expected NAME=DIR (e.g. math=ckpt/math).")
+        if name in experts:
+            raise UserError(f"--expert {name}= is given twice ({experts[name]!r} and {path!r}); give each task once.")
         experts[name] = path
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}.")
@@ -251,6 +260,10 @@ def run_calibrate_checkpoints(args) -> int:
     args.preset = args.preset or "llama-8b"
     cfg = config_from_args(args)
     merge = None if args.merged else (args.merge, parse_params(args.merge_param, args.merge))
+    if merge is not None:
+        check_merge_params(*merge)
+    inputs = {"the base": args.base, "--data": args.data, "--merged": args.merged}
+    check_out(args.out, args.force, inputs | {f"expert {t!r}": p for t, p in experts.items()})
     apply_threads(args)
     try:
         report = _stream(args, experts, merge, cfg)
@@ -287,26 +300,28 @@ def run_calibrate(args) -> int:
         raise UserError("--expert, --merged, --data and --resume go with --base (model directories), not --zoo.")
     args.preset = args.preset or "clip"
     params = parse_params(args.merge_param, args.merge)
+    check_merge_params(args.merge, params)
     cfg = config_from_args(args)
     if args.n_per_task < 1:
         raise UserError(f"--n-per-task must be at least 1, got {args.n_per_task}.")
-    check_out(args.out, args.force)
-    zoo = zoo_from_args(args)
-    merged = zoo.merged(args.merge, **params)
-    data = zoo.calib_data(args.n_per_task, seed=args.seed, batch_size=args.batch_size)
-    model, report = calibrate(
-        merged, base=zoo.base, experts=zoo.experts, calib_data=data, config=cfg, progress=not args.quiet
-    )
-    doc = {
-        "zoo": args.zoo,
-        "merge": {"method": args.merge, "params": params},
-        "n_per_task": args.n_per_task,
-        "seed": args.seed,
-        "batch_size": args.batch_size,
-        "preset": args.preset,
-        "report": report.to_dict(),
-    }
-    out = _write(args, zoo, model, "report.json", doc, scored={args.merge: merged, "featcal": model})
+    check_out(args.out, args.force, zoo_inputs(args))
+    with output_lock(args.out):
+        zoo = zoo_from_args(args)
+        merged = zoo.merged(args.merge, **params)
+        data = zoo.calib_data(args.n_per_task, seed=args.seed, batch_size=args.batch_size)
+        model, report = calibrate(
+            merged, base=zoo.base, experts=zoo.experts, calib_data=data, config=cfg, progress=not args.quiet
+        )
+        doc = {
+            "zoo": args.zoo,
+            "merge": {"method": args.merge, "params": params},
+            "n_per_task": args.n_per_task,
+            "seed": args.seed,
+            "batch_size": args.batch_size,
+            "preset": args.preset,
+            "report": report.to_dict(),
+        }
+        out = _write(args, zoo, model, "report.json", doc, scored={args.merge: merged, "featcal": model})
     print(f"calibrated in {report.seconds:.1f} s; wrote {out}")
     return 0
 
@@ -411,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-USER_ERRORS = (UserError, FileNotFoundError, FileExistsError, NotADirectoryError, ValueError)
+USER_ERRORS = (UserError, FileNotFoundError, FileExistsError, NotADirectoryError, ValueError, OutputLockedError)
 
 
 def main(argv: list[str] | None = None) -> int:

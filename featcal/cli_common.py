@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import argparse
 import inspect
-from pathlib import Path
+import os
+from typing import Mapping
 
 import torch
 
 from featcal.merging import MERGERS
 from featcal.regmean import MERGERS_WITH_DATA
 from featcal.threads import default_threads
-from featcal.zoo import Zoo, load_any
+from featcal.util import outdir
+from featcal.zoo import Zoo, load_any, source_path
 
 
 class UserError(Exception):
@@ -102,11 +104,17 @@ def parse_params(items: list[str] | None, method: str, with_data: bool = False) 
     return params
 
 
-def check_out(out: str, force: bool) -> None:
-    """Fail before any work if the output directory exists (unless ``force``); every
-    subcommand that writes calls it first (the writers check again when writing)."""
-    if Path(out).expanduser().exists() and not force:
-        raise UserError(f"output {out!r} already exists; pass --force to replace it.")
+def check_out(out: str, force: bool, inputs: Mapping[str, str | os.PathLike | None] | None = None) -> None:
+    """Fail before any work if the output directory exists (unless ``force``, and then only
+    featcal's own may be replaced) or overlaps one of ``inputs`` (``{what: path}``); every
+    subcommand that writes calls it first (the writers check again when writing), see
+    :mod:`featcal.util.outdir`."""
+    outdir.check_output(out, force, inputs)
+
+
+def zoo_inputs(args: argparse.Namespace, zoo: Zoo | None = None) -> dict:
+    """``{what: path}`` of what ``--zoo`` reads (and, once loaded, the zoo's own models and data)."""
+    return {"the zoo": source_path(args.zoo)} | ({} if zoo is None else zoo.input_paths())
 
 
 # ------------------------------------------------------------------ the zoo

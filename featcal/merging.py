@@ -19,6 +19,7 @@ Registry: ``MERGERS`` maps a method name to its function, and
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from typing import Callable, Mapping
 
@@ -61,10 +62,48 @@ def _task_vectors(base: StateDict, experts: Mapping[str, StateDict], key: str) -
     return torch.stack([sd[key].to(b.dtype) - b for sd in experts.values()])
 
 
+def _check_finite(base: StateDict, experts: Mapping[str, StateDict], key: str, taus: torch.Tensor) -> None:
+    """NaN or Inf in an entry's task vectors is blamed on the base or the expert holding it."""
+    if bool(torch.isfinite(taus).all()):
+        return
+    who = "the base" if not bool(torch.isfinite(base[key]).all()) else None
+    if who is None:
+        who = next((f"expert {t!r}" for t, sd in experts.items() if not bool(torch.isfinite(sd[key]).all())), None)
+    raise FloatingPointError(
+        f"merge: {who or 'a task vector'}: parameter {key!r} holds NaN or Inf values; "
+        "merge only finite checkpoints (check that expert's file)."
+    )
+
+
+def check_params(method: str, params: Mapping) -> None:
+    """Every number among a merger's ``params`` finite and in its range (:data:`RANGES`),
+    before any work: ``ValueError`` naming the parameter, its value and the range."""
+    for name, value in params.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{method}: {name} must be a finite number, got {value!r}.")
+        low_high = RANGES.get(name)
+        if low_high is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        (low, low_open), (high, high_open) = low_high
+        if value < low or (low_open and value == low) or value > high or (high_open and value == high):
+            lo, hi = "(" if low_open else "[", ")" if high_open else "]"
+            raise ValueError(f"{method}: {name} must be in {lo}{low:g}, {high:g}{hi}, got {value!r}.")
+
+
+# The ranges of the mergers' shared parameters: ((low, open?), (high, open?)).
+RANGES = {
+    "density": ((0.0, True), (1.0, False)),
+    "drop": ((0.0, False), (1.0, True)),
+    "common_space_fraction": ((0.0, False), (1.0, False)),
+    "lr": ((0.0, True), (math.inf, True)),
+}
+
+
 def _merge_each(
     base: StateDict, experts: Mapping[str, StateDict], combine: Callable[[str, torch.Tensor], torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """Apply ``theta = theta_0 + combine(key, taus)`` to every floating entry."""
+    """Apply ``theta = theta_0 + combine(key, taus)`` to every floating entry (NaN/Inf in an
+    input refused, naming whose)."""
     _check_compatible(base, experts)
     out: dict[str, torch.Tensor] = {}
     for key, theta0 in base.items():
@@ -72,6 +111,7 @@ def _merge_each(
             out[key] = theta0.clone()
             continue
         taus = _task_vectors(base, experts, key)  # (n_tasks, *shape)
+        _check_finite(base, experts, key, taus)
         merged = theta0.to(taus.dtype) + combine(key, taus)
         out[key] = merged.to(theta0.dtype)
     return out
@@ -84,6 +124,7 @@ def average(base: StateDict, experts: Mapping[str, StateDict]) -> dict[str, torc
 
 def task_arithmetic(base: StateDict, experts: Mapping[str, StateDict], scale: float = 0.3) -> dict[str, torch.Tensor]:
     """Task Arithmetic: ``theta = theta_0 + scale * sum_i (theta_i - theta_0)``."""
+    check_params("task_arithmetic", {"scale": scale})
     return _merge_each(base, experts, lambda _k, taus: scale * taus.sum(0))
 
 
@@ -110,8 +151,7 @@ def ties(
        entries that agree with the elected sign;
     then ``theta = theta_0 + scale * tau``.
     """
-    if not 0.0 < density <= 1.0:
-        raise ValueError(f"ties: density must be in (0, 1], got {density}.")
+    check_params("ties", {"density": density, "scale": scale})
     if disjoint not in ("mean", "sum"):
         raise ValueError(f"ties: disjoint must be 'mean' or 'sum', got {disjoint!r}.")
 
@@ -134,8 +174,7 @@ def dare(
     """DARE (Yu et al. 2024) on top of Task Arithmetic: drop each task-vector entry
     with probability ``drop``, rescale the rest by ``1 / (1 - drop)``, then
     ``theta = theta_0 + scale * sum_i tau_i``. Seeded: the same seed gives the same merge."""
-    if not 0.0 <= drop < 1.0:
-        raise ValueError(f"dare: drop must be in [0, 1), got {drop}.")
+    check_params("dare", {"drop": drop, "scale": scale})
     gen = torch.Generator().manual_seed(seed)
 
     def combine(_key: str, taus: torch.Tensor) -> torch.Tensor:
@@ -172,6 +211,7 @@ def _merge_matrices(
 def _check_scale(method: str, scale: float) -> None:
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"{method}: scale must be a number, got {scale!r}.")
+    check_params(method, {"scale": scale})
 
 
 def iso_c(base: StateDict, experts: Mapping[str, StateDict], scale: float = 1.0) -> dict[str, torch.Tensor]:
@@ -263,6 +303,7 @@ def merge(
     """
     if method not in MERGERS:
         raise ValueError(f"unknown merge method {method!r}; choose one of {sorted(MERGERS)}.")
+    check_params(method, params)
     if not isinstance(expert_sds, Mapping):
         expert_sds = {str(i): sd for i, sd in enumerate(expert_sds)}
     return MERGERS[method](base_sd, expert_sds, **params)

@@ -5,9 +5,10 @@ Two guarantees hold for everything written here:
 1. **No half-written output.** A directory is written into a temporary sibling
    (``.<name>.tmp-*``) and renamed into place only once complete; a failure
    removes the temporary directory and leaves any existing target untouched.
-2. **No silent overwrite.** An existing target is replaced only with
-   ``force=True``; the old directory stays in place until the new one is
-   complete.
+2. **No silent overwrite, nothing of the user's lost.** An existing target is replaced only
+   with ``force=True``, only if featcal wrote it, never over an input, and one run per
+   output at a time (:mod:`featcal.util.outdir`); the old directory stays in place until
+   the new one is complete.
 
 Weights are written as safetensors and read back only through safetensors (or
 ``torch.load(weights_only=True)`` for a legacy ``.bin``): never a pickle.
@@ -25,43 +26,47 @@ import tempfile
 from pathlib import Path
 from typing import Iterator, Mapping
 
+from featcal.util import outdir
+from featcal.util.outdir import OutputExistsError as OutputExistsError
+from featcal.util.outdir import OutputLockedError as OutputLockedError
+from featcal.util.outdir import UnsafeOutputError as UnsafeOutputError
+
 FORMATS = ("hf", "open_clip", "torch")
 MARKER = "featcal_model.json"  # written beside every saved model: its format and origin
 WEIGHTS = "model.safetensors"
 
 
-class OutputExistsError(FileExistsError):
-    """The output directory exists and ``force`` was not given."""
-
-
 @contextlib.contextmanager
-def atomic_dir(target: str | os.PathLike, force: bool = False) -> Iterator[Path]:
+def atomic_dir(
+    target: str | os.PathLike,
+    force: bool = False,
+    inputs: Mapping[str, str | os.PathLike | None] | None = None,
+    kind: str = "output",
+    wait: bool = False,
+) -> Iterator[Path]:
     """Yield a fresh temporary directory that becomes ``target`` on success.
 
-    On an exception inside the block the temporary directory is removed and
-    ``target`` is left as it was. An existing ``target`` raises
-    :class:`OutputExistsError` unless ``force``; with ``force`` the old
-    directory is moved aside and deleted only after the new one is in place.
+    The output's lock is held throughout (:func:`featcal.util.outdir.output_lock`). On an
+    exception inside the block the temporary directory is removed and ``target`` is left as it
+    was. ``target`` must lie apart from ``inputs`` (``{what: path}``); an existing ``target``
+    raises :class:`OutputExistsError` unless ``force``, and with ``force`` it is replaced only
+    if featcal wrote it (:func:`featcal.util.outdir.check_replaceable`), once the new one is in
+    place. The finished directory carries featcal's marker (``kind`` recorded in it).
+    ``wait``: wait for another process's lock on ``target`` instead of failing.
     """
     target = Path(target).expanduser().absolute()
-    _check_target(target, force)
+    outdir.check_output(target, force, inputs)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        yield tmp
-        _normalise_permissions(tmp)
-        _check_target(target, force)  # something may have appeared meanwhile
-        _swap_into_place(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _check_target(target: Path, force: bool) -> None:
-    if target.exists() and not force:
-        raise OutputExistsError(f"output {str(target)!r} already exists; pass --force (force=True) to replace it.")
-    if target.exists() and not target.is_dir():
-        raise OutputExistsError(f"output {str(target)!r} exists and is not a directory.")
+    with outdir.output_lock(target, wait=wait):
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            yield tmp
+            _normalise_permissions(tmp)
+            outdir.check_output(target, force, inputs)  # something may have appeared meanwhile
+            outdir.commit_dir(tmp, target, kind)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def _normalise_permissions(root: Path) -> None:
@@ -84,23 +89,6 @@ def _current_umask() -> int:
     except OSError:
         pass
     return 0o022
-
-
-def _swap_into_place(tmp: Path, target: Path) -> None:
-    """Rename ``tmp`` to ``target``; an old ``target`` is moved aside first and
-    restored if the rename fails."""
-    if not target.exists():
-        os.replace(tmp, target)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-    os.rmdir(old)
-    os.replace(target, old)
-    try:
-        os.replace(tmp, target)
-    except BaseException:
-        os.replace(old, target)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -128,6 +116,7 @@ def save_model(
     force: bool = False,
     extra_files: Mapping[str, str | bytes | dict | list] | None = None,
     config: dict | None = None,
+    inputs: Mapping[str, str | os.PathLike | None] | None = None,
 ) -> Path:
     """Write ``model`` to ``out_dir`` in the format it was loaded in.
 
@@ -141,13 +130,15 @@ def save_model(
             lists are written as JSON (e.g. ``{"report.json": report.to_dict()}``).
         config: for ``open_clip``/``torch``: how to rebuild the module (model name,
             constructor arguments); written into the marker file.
+        inputs: ``{what: path}`` the output must lie apart from (the zoo, the models read).
 
     Returns the path written. Raises :class:`OutputExistsError` (naming ``--force``)
-    when ``out_dir`` exists and ``force`` is false.
+    when ``out_dir`` exists and ``force`` is false, :class:`UnsafeOutputError` when it
+    overlaps an input or is not featcal's to replace (see :func:`atomic_dir`).
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown model format {fmt!r}; choose one of {FORMATS}.")
-    with atomic_dir(out_dir, force=force) as tmp:
+    with atomic_dir(out_dir, force=force, inputs=inputs, kind="model") as tmp:
         if fmt == "hf":
             if not hasattr(model, "save_pretrained"):
                 raise ValueError(

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from featcal.util import outdir
 from featcal.zoo.core import SPLITS, TaskData, Zoo
 from featcal.zoo.io import atomic_dir, quiet_transformers, tree_sha256
 from featcal.zoo.tokens import TokenRows, as_batch, masked_mean
@@ -110,7 +111,7 @@ def write_zoo_dir(
         raise ValueError(f"unknown feature reader {features!r}; choose one of {sorted(FEATURES)}.")
     if storage_dtype not in STORAGE_DTYPES:
         raise ValueError(f"unknown storage_dtype {storage_dtype!r}; choose one of {sorted(STORAGE_DTYPES)}.")
-    with atomic_dir(path, force=force) as tmp, quiet_transformers():
+    with atomic_dir(path, force=force, kind="zoo", wait=True) as tmp, quiet_transformers():
         _save_model(base, tmp / "base", storage_dtype)
         for task, model in experts.items():
             _save_model(model, tmp / "experts" / task, storage_dtype)
@@ -197,7 +198,7 @@ def read_meta(path: str | os.PathLike) -> dict:
 def verify_zoo_dir(path: str | os.PathLike) -> None:
     """Raise :class:`ZooCorruptedError` if the files differ from the recorded hash."""
     meta = read_meta(path)
-    digest, files = tree_sha256(path, exclude=(META,))
+    digest, files = tree_sha256(path, exclude=(META, outdir.MARKER))
     if digest != meta.get("content_sha256"):
         changed = sorted(set(files.items()) ^ set(meta.get("files", {}).items()))
         first = changed[0][0] if changed else "?"
