@@ -247,19 +247,65 @@ def params_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
-def skeleton(ckpt: Checkpoint) -> nn.Module:
-    """The model class ``config.json`` names (``architectures[0]``), built from the config with
-    its parameters on ``meta``, in eval mode."""
+# Keyword arguments a file (a zoo's meta.json) may pass to ``from_pretrained``: none of them
+# loads or runs anything (``trust_remote_code`` comes only from the user's own flag).
+MODEL_KWARGS = frozenset({"add_pooling_layer", "attn_implementation", "use_safetensors"})
+
+
+def library_model_class(name: str, where: str):
+    """The ``transformers`` model class called ``name`` (a ``PreTrainedModel`` subclass that the
+    library itself defines: never an ``Auto*`` class, which could reach a directory's own code)."""
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(str(ckpt.path))
-    archs = getattr(config, "architectures", None) or []
-    cls = getattr(transformers, archs[0], None) if archs else None
-    if cls is None:
+    cls = getattr(transformers, str(name), None) if str(name).isidentifier() else None
+    ok = isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)
+    if not ok or not cls.__module__.startswith("transformers."):
         raise ValueError(
-            f"{ckpt.role} {str(ckpt.path)!r}: config.json names no architecture transformers has "
-            f"(architectures={archs}); save the model with save_pretrained."
+            f"{where}: {name!r} is not a model class of transformers; featcal builds only the library's own "
+            "model classes (e.g. LlamaForCausalLM, CLIPVisionModel), named in config.json's architectures."
         )
+    return cls
+
+
+def check_model_kwargs(kwargs: Mapping, where: str) -> dict:
+    """``kwargs`` for ``from_pretrained`` read from a file: only :data:`MODEL_KWARGS` (no
+    ``trust_remote_code``, no ``code_revision``, nothing that loads other files)."""
+    bad = sorted(str(k) for k in kwargs if k not in MODEL_KWARGS)
+    if bad:
+        raise ValueError(
+            f"{where}: model keyword arguments {bad} are not allowed from a file (allowed: "
+            f"{sorted(MODEL_KWARGS)}); trust_remote_code in particular is only taken from the user's own flag."
+        )
+    return dict(kwargs)
+
+
+def skeleton(ckpt: Checkpoint, trust_remote_code: bool = False) -> nn.Module:
+    """The model class ``config.json`` names (``architectures[0]``), built from the config with
+    its parameters on ``meta``, in eval mode. A class of the directory's own code (``auto_map``)
+    only with ``trust_remote_code`` (the user's own flag; never read from a file)."""
+    import transformers
+
+    where = f"{ckpt.role} {str(ckpt.path)!r}"
+    try:
+        config = transformers.AutoConfig.from_pretrained(
+            str(ckpt.path), trust_remote_code=trust_remote_code, local_files_only=True
+        )
+    except ValueError as err:
+        if "custom code" not in str(err):
+            raise
+        raise ValueError(
+            f"{where}: config.json needs the directory's own Python code (auto_map); featcal runs it only "
+            "when you pass --trust-remote-code (trust_remote_code=True) yourself."
+        ) from None
+    archs = getattr(config, "architectures", None) or []
+    if not archs:
+        raise ValueError(f"{where}: config.json names no architecture; save the model with save_pretrained.")
+    auto = {k: v for k, v in (getattr(config, "auto_map", None) or {}).items() if k.startswith("AutoModel")}
+    own = next((k for k, v in auto.items() if str(v).rsplit(".", 1)[-1] == archs[0]), None)
+    if trust_remote_code and own is not None and hasattr(transformers, own):
+        with params_on_meta():
+            return getattr(transformers, own).from_config(config, trust_remote_code=True).eval()
+    cls = library_model_class(archs[0], where)
     with params_on_meta():
         model = cls._from_config(config) if hasattr(cls, "_from_config") else cls(config)
     return model.eval()

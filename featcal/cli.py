@@ -35,7 +35,7 @@ from typing import Callable
 
 from diagnostics import cli as diagnose_cli
 from diagnostics import compare_cli
-from featcal import tune_cli
+from featcal import app_launch, tune_cli
 from featcal.cli_common import (
     UserError,
     add_common,
@@ -411,6 +411,7 @@ COMMANDS: dict[str, tuple[AddArguments, Run, str]] = {
         compare_cli.run,
         "run several methods on a zoo and compare them side by side",
     ),
+    "app": (app_launch.add_arguments, app_launch.run, app_launch.HELP),
 }
 
 

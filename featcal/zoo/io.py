@@ -176,7 +176,7 @@ def load_model(model_dir: str | os.PathLike, like=None):
     if fmt == "hf":
         cls = type(like) if like is not None else _hf_class(model_dir)
         with quiet_transformers():
-            return cls.from_pretrained(model_dir, use_safetensors=True)
+            return cls.from_pretrained(model_dir, use_safetensors=True, trust_remote_code=False, local_files_only=True)
     if like is None:
         raise ValueError(
             f"{str(model_dir)!r} holds a {fmt!r} state dict; loading it needs "
@@ -214,13 +214,13 @@ def load_legacy_state_dict(path: str | os.PathLike) -> dict:
 
 
 def _hf_class(model_dir: Path):
-    import transformers
+    """The library class config.json's ``architectures`` names (never the directory's own code)."""
+    from featcal.checkpoints import library_model_class
 
-    cfg = json.loads((model_dir / "config.json").read_text())
-    for name in cfg.get("architectures") or []:
-        if hasattr(transformers, name):
-            return getattr(transformers, name)
-    return transformers.AutoModel
+    names = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
+    if not names:
+        raise ValueError(f"{str(model_dir)!r}: config.json names no architecture; load it with like=MODEL.")
+    return library_model_class(names[0], f"{str(model_dir)!r}: config.json's architectures")
 
 
 # ------------------------------------------------------------------ files

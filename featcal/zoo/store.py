@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from featcal.checkpoints import check_model_kwargs, library_model_class
 from featcal.util import outdir
 from featcal.zoo.core import SPLITS, TaskData, Zoo
 from featcal.zoo.io import atomic_dir, quiet_transformers, tree_sha256
@@ -210,7 +211,6 @@ def verify_zoo_dir(path: str | os.PathLike) -> None:
 
 def read_zoo_dir(path: str | os.PathLike, verify: bool = True) -> Zoo:
     """Load a zoo written by :func:`write_zoo_dir`."""
-    import transformers
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -219,8 +219,10 @@ def read_zoo_dir(path: str | os.PathLike, verify: bool = True) -> Zoo:
     if verify:
         verify_zoo_dir(path)
     meta = read_meta(path)
-    cls = getattr(transformers, meta["model_class"])
-    kw = {"use_safetensors": True, **meta.get("model_kwargs", {})}  # e.g. a BertModel without its pooler
+    # meta.json is data: its class and keyword arguments pass allow-lists, and no code is run.
+    cls = library_model_class(meta["model_class"], f"zoo {str(path)!r}: meta.json's model_class")
+    kw = check_model_kwargs(meta.get("model_kwargs", {}), f"zoo {str(path)!r}: meta.json's model_kwargs")
+    kw |= {"use_safetensors": True, "trust_remote_code": False, "local_files_only": True}
     with quiet_transformers():
         base = _load_model(cls, path / "base", meta, kw)
         experts = {t: _load_model(cls, path / "experts" / t, meta, kw) for t in meta["tasks"]}

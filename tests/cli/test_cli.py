@@ -34,7 +34,7 @@ def _assert_clean_error(rc, err, *needles):
         assert needle in lines[0]
 
 
-ALL = ("zoo", "merge", "calibrate", "eval", "diagnose", "tune", "study", "compare")
+ALL = ("zoo", "merge", "calibrate", "eval", "diagnose", "tune", "study", "compare", "app")
 
 
 def test_the_table_holds_every_subcommand_and_each_parses(capsys):
