@@ -149,7 +149,18 @@ def _solve_block(run: _Run, block: int, blk: nn.Module, targets, systems: dict) 
             )
             d_in, d_out, rows = W.shape[1], W.shape[0], sysm.min_rows
         else:
-            W, b = solve.solve_norm(sysm, W_mer, b_mer, W_0, b_0, lam=cfg.lam, rho=cfg.rho, eps=cfg.eps)
+            W, b = solve.solve_norm(
+                sysm,
+                W_mer,
+                b_mer,
+                W_0,
+                b_0,
+                lam=cfg.lam,
+                rho=cfg.rho,
+                eps=cfg.eps,
+                what=f"block {block} {t.name}",
+                notes=factors.notes,
+            )
             before = solve.norm_residual(sysm, W_mer, b_mer)
             after = solve.norm_residual(sysm, W, b)
             d_in = d_out = W.shape[0]
@@ -167,6 +178,7 @@ def _solve_block(run: _Run, block: int, blk: nn.Module, targets, systems: dict) 
     for t, W, b in new_params:
         arch.set_params(blk, t, W, b)
     run.ctx.fallbacks.extend(factors.notes)
+    run.ctx.precision.extend(factors.precision)
     scratch.give(factors.close())
     if keep is None:
         scratch.give([s.S for s in systems.values() if isinstance(s, solve.LinearSystem) and s.owns_S])
@@ -417,11 +429,11 @@ def _visit_blocks(run: _Run, source: BlockSource, model, blks, experts, calib_da
         bar.set_postfix_str(f"block {block}: {len(targets)} modules")
 
 
-def _summarised(notes: list[str], first: int = 3) -> list[str]:
+def _summarised(notes: list[str], first: int = 3, same: str = "re-solved the same way") -> list[str]:
     """The first ``first`` of ``notes`` and one line counting the rest (one per module could be hundreds)."""
     if len(notes) <= first:
         return list(notes)
-    return notes[:first] + [f"... and {len(notes) - first} more modules re-solved the same way."]
+    return notes[:first] + [f"... and {len(notes) - first} more modules {same}."]
 
 
 @torch.no_grad()
@@ -500,6 +512,8 @@ def calibrate(
     device = device_of(model) if device is None else check_device(device)
     if block_source is not None and len(stacks) > 1:
         raise ValueError(f"block_source works on one stack of blocks; {path!r} has {len(stacks)}.")
+    firsts = [arch.resolve_blocks(model, s)[1][0] for s in stacks]
+    validate.check_modules(firsts, cfg.modules, cfg.linear, cfg.layernorm)
     restore_modes = to_eval(model, base, *experts.values())  # each submodule's flag comes back exactly
     report = CalibrationReport(cfg, path, tasks)
     trace = None
@@ -514,7 +528,8 @@ def calibrate(
             _calibrate_stack(
                 run, model, stack, base, experts, {t: calib_data[t] for t in tasks}, progress, block_source
             )
-        for msg in ctx.warn_rows + _summarised(ctx.fallbacks):
+        precision = _summarised(ctx.precision, same="with the same float32 precision warning")
+        for msg in ctx.warn_rows + _summarised(ctx.fallbacks) + precision:
             warnings.warn(msg, stacklevel=3)
             report.warnings.append(msg)
     except BaseException:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from featcal import arch, solve
+from featcal.config import check_setting
 
 
 @dataclass
@@ -82,7 +83,9 @@ class Preview:
     def params(
         self, lam: float, rho: float, alpha: float
     ) -> list[tuple[int, arch.Target, torch.Tensor, torch.Tensor | None]]:
-        """``[(block, target, W, b), ...]`` previewed for (lam, rho, alpha)."""
+        """``[(block, target, W, b), ...]`` previewed for (lam, rho, alpha) (checked as the config
+        checks them: finite and in range)."""
+        check_setting(lam, rho, alpha)
         out = []
         for i, (blk, t, sysm, W_mer, b_mer, W_0, b_0) in enumerate(self.entries):
             if t.kind == arch.LINEAR:

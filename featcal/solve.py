@@ -270,6 +270,7 @@ def spd_factor(
     take: Callable | None = None,
     lapack_min_d: int | None = FastPaths.lapack_min_d,
     notes: list | None = None,
+    precision: list | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """A solver ``B -> (S + shift I)^-1 B`` for the symmetric matrix whose upper triangle is
     ``S``'s (``S + shift I`` positive definite): Cholesky (in place by LAPACK on a copy for
@@ -278,7 +279,9 @@ def spd_factor(
     ``shift`` too small for the statistics' precision, e.g. ``lam = 0`` with fewer rows than
     width), an :class:`EigenSolve` in float64 instead, logged and noted in ``notes``. ``S`` is
     left as it is; ``take(shape, dtype, device, zero)``: where that copy's buffer comes from (a
-    fresh big tensor costs its page faults; the solver keeps it)."""
+    fresh big tensor costs its page faults; the solver keeps it). A float32 factorisation that
+    holds but whose estimated error (:func:`float32_error`) exceeds :data:`F32_WARN` is noted
+    in ``precision`` (default ``notes``)."""
     lapack = (
         lapack_min_d is not None
         and S.shape[0] >= lapack_min_d
@@ -298,7 +301,9 @@ def spd_factor(
         L, info = torch.linalg.cholesky_ex(A)
         L = L if int(info) == 0 else None
         solver = None if L is None else (lambda B: torch.cholesky_solve(B, L))
-    if L is not None and float(L.diagonal().min()) ** 2 > floor:
+    if L is not None and (pivot2 := float(L.diagonal().min()) ** 2) > floor:
+        if S.dtype == torch.float32 and (est := float32_error(floor, pivot2)) > F32_WARN:
+            _note_float32(what, est, shift, precision if precision is not None else notes)
         return solver
     reason = "fails" if L is None else "rests on pivots within its rounding noise"
     msg = (
@@ -313,6 +318,30 @@ def spd_factor(
     return EigenSolve(S, shift, what)
 
 
+# The weight error of float32 statistics above which the solve says so (report.warnings);
+# README "Dtypes and precision" states it, benchmarks/precision.py measures it.
+F32_WARN = 3e-3
+
+
+def float32_error(floor: float, pivot2: float) -> float:
+    """The estimated relative error of weights solved from float32 statistics: the statistics'
+    rounding floor (:func:`noise_floor`) over the smallest squared Cholesky pivot of
+    ``S + shift I`` (about its smallest eigenvalue). Free once factored; in every case of
+    benchmarks/precision.py it bounded the measured error (by 3x to 50x)."""
+    return floor / pivot2
+
+
+def _note_float32(what: str, est: float, shift: float, notes: list | None) -> None:
+    msg = (
+        f"{what}: float32 statistics at lam + eps = {shift:.3g} may move these weights by up to ~{est:.1e} of "
+        "their size (estimated from the factorisation's smallest pivot); stats_dtype=torch.float64 or a larger "
+        "lam avoids it."
+    )
+    log.warning(msg)
+    if notes is not None:
+        notes.append(msg)
+
+
 class Factors:
     """The factorisations of one block's solves: one per distinct ``S`` and shift (modules
     reading one input, q/k/v, share their ``S`` and so its factorisation), built by
@@ -323,6 +352,7 @@ class Factors:
     def __init__(self, lapack_min_d: int | None = FastPaths.lapack_min_d, take: Callable | None = None):
         self.lapack_min_d = lapack_min_d
         self.notes: list[str] = []  # one line per factorisation that fell back to float64 (spd_factor)
+        self.precision: list[str] = []  # one line per float32 factorisation with a large estimated error
         self._take = take
         self._solvers: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}
         self._taken: list[torch.Tensor] = []
@@ -336,7 +366,7 @@ class Factors:
         key = (id(S), shift)
         if key not in self._solvers:
             take = None if self._take is None else self._take_kept
-            self._solvers[key] = spd_factor(S, shift, what, take, self.lapack_min_d, self.notes)
+            self._solvers[key] = spd_factor(S, shift, what, take, self.lapack_min_d, self.notes, self.precision)
         return self._solvers[key]
 
     def close(self) -> list[torch.Tensor]:
@@ -500,6 +530,32 @@ def norm_scale(e: torch.Tensor, g: torch.Tensor, g_anc: torch.Tensor, lam: float
     return ((e * g).sum(0) + lam * g_anc) / (e.sum(0) + lam).clamp(min=eps)
 
 
+# A norm's per-channel system counts as degenerate where its determinant (2x2) or its diagonal
+# (1x1) is within this many units of rounding of its size: there the data leave a direction of
+# (gamma, beta) undetermined and the clamp at eps would return rounding noise.
+NORM_NOISE_ULPS = 64
+
+
+def norm_degenerate(det: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``(d,)`` bool: channels whose ``det`` is within :data:`NORM_NOISE_ULPS` roundings of ``scale``."""
+    return det <= NORM_NOISE_ULPS * torch.finfo(det.dtype).eps * scale.abs()
+
+
+def anchored_rank_one(
+    a11: torch.Tensor, a12: torch.Tensor, a22: torch.Tensor, r1, r2, g_anc, b_anc
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per channel, of all ``(gamma, beta)`` solving a rank-one 2x2 system ``A x = r`` in the
+    least-squares sense, the one nearest the anchor: ``x = x_anc + u u^T (r - A x_anc) / s`` with
+    ``A ~ s u u^T`` (``s = a11 + a22``, ``u`` along ``A``'s second row, ``a22 = N + lam > 0``),
+    which is what exact arithmetic gives as lam tends to zero from above."""
+    s = a11 + a22
+    norm = (a12 * a12 + a22 * a22).sqrt()
+    u1, u2 = a12 / norm, a22 / norm
+    q1, q2 = r1 - (a11 * g_anc + a12 * b_anc), r2 - (a12 * g_anc + a22 * b_anc)
+    c = (u1 * q1 + u2 * q2) / s
+    return g_anc + c * u1, b_anc + c * u2
+
+
 def solve_norm(
     sys: NormSystem,
     g_mer: torch.Tensor,
@@ -510,23 +566,50 @@ def solve_norm(
     lam: float,
     rho: float,
     eps: float,
+    what: str = "norm",
+    notes: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The calibrated ``(gamma, beta)`` per channel (the spec's 2x2 system, determinant
-    clamped below at ``eps``); ``gamma`` alone when the LayerNorm has no bias."""
+    clamped below at ``eps``); ``gamma`` alone when the LayerNorm has no bias. Channels whose
+    system is degenerate (:func:`norm_degenerate`: e.g. lam = 0 and a channel constant over the
+    data) take the undetermined direction from the anchor (:func:`anchored_rank_one`; the
+    scale alone: the anchor), logged and noted in ``notes``, as the Linear solve does."""
     dt = sys.e.dtype
     n = sys.e.shape[0]
     g_anc = anchor(g_mer.to(dt), g_0.to(dt), rho)
     E, M = sys.e.sum(0), sys.m.sum(0)
     if sys.b is None:
-        return norm_scale(sys.e, sys.g, g_anc, lam, eps), None
+        gamma = norm_scale(sys.e, sys.g, g_anc, lam, eps)
+        bad = norm_degenerate(E + lam, E.abs().max().clamp_min(torch.finfo(dt).tiny) * n)
+        if bool(bad.any()):
+            gamma = torch.where(bad, g_anc, gamma)
+            _note_degenerate(what, int(bad.sum()), lam, notes)
+        return gamma, None
     b_anc = anchor(b_mer.to(dt), b_0.to(dt), rho)
     r1 = (sys.e * sys.g + sys.m * sys.b).sum(0) + lam * g_anc
     r2 = (sys.m * sys.g + sys.b).sum(0) + lam * b_anc
     a11, a12, a22 = E + lam, M, n + lam
-    det = (a11 * a22 - a12 * a12).clamp(min=eps)
+    raw = a11 * a22 - a12 * a12
+    det = raw.clamp(min=eps)
     gamma = (a22 * r1 - a12 * r2) / det
     beta = (a11 * r2 - a12 * r1) / det
+    bad = norm_degenerate(raw, a11 * a22)
+    if bool(bad.any()):
+        g1, b1 = anchored_rank_one(a11, a12, a22, r1, r2, g_anc, b_anc)
+        gamma, beta = torch.where(bad, g1, gamma), torch.where(bad, b1, beta)
+        _note_degenerate(what, int(bad.sum()), lam, notes)
     return gamma, beta
+
+
+def _note_degenerate(what: str, count: int, lam: float, notes: list | None) -> None:
+    msg = (
+        f"{what}: {count} channel(s) have a degenerate system (lam = {lam:.3g}; the channel is constant, or "
+        "zero, over the calibration data): the direction the data leave undetermined was taken from the "
+        "anchor instead of rounding noise. A larger lam avoids this."
+    )
+    log.warning(msg)
+    if notes is not None:
+        notes.append(msg)
 
 
 def norm_residual(sys: NormSystem, g: torch.Tensor, b: torch.Tensor | None) -> float:
