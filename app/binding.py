@@ -8,7 +8,7 @@ from __future__ import annotations
 import ipaddress
 import os
 
-from featcal.app_launch import HOST_ENV  # the address given with `featcal app --host`
+from featcal.cli.app import HOST_ENV  # the address given with `featcal app --host`
 
 
 def is_loopback(address: str | None) -> bool:

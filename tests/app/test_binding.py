@@ -69,16 +69,17 @@ def test_featcal_app_listens_on_loopback_only_from_another_directory(tmp_path):
         time.sleep(0.5)  # every socket it opens is open by now
         assert _listening(port) == {"127.0.0.1"}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
         log.close()
 
 
 def test_launcher_passes_the_address_and_tells_the_app():
-    from featcal.app_launch import command
+    from featcal.cli.app import command
 
     cmd = command("127.0.0.1", 8765)
     assert cmd[cmd.index("--server.address") + 1] == "127.0.0.1"

@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from featcal import cli
-from featcal.checkpoints import Checkpoint, skeleton
+from featcal.cli import commands as cli
+from featcal.model.checkpoints import Checkpoint, skeleton
 from featcal.zoo import load_any
 from featcal.zoo.io import tree_sha256
 
