@@ -222,6 +222,12 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
         "--data", metavar="FILE", help="calibration tokens: a safetensors file of TASK.input_ids [TASK.attention_mask]"
     )
     c.add_argument("--resume", action="store_true", help="continue a run that was killed part-way")
+    c.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="build a model class from the checkpoint's own Python code (config.json's auto_map); off by "
+        "default, and never taken from a file",
+    )
     add_common(p)
 
 
@@ -293,14 +299,18 @@ def _stream(args, experts: dict, merge, cfg):
         resume=args.resume,
         force=args.force,
         progress=not args.quiet,
+        trust_remote_code=args.trust_remote_code,
     )
 
 
 def run_calibrate(args) -> int:
     if args.base:
         return run_calibrate_checkpoints(args)
-    if args.expert or args.merged or args.data or args.resume:
-        raise UserError("--expert, --merged, --data and --resume go with --base (model directories), not --zoo.")
+    if args.expert or args.merged or args.data or args.resume or args.trust_remote_code:
+        raise UserError(
+            "--expert, --merged, --data, --resume and --trust-remote-code go with --base (model directories), "
+            "not --zoo."
+        )
     args.preset = args.preset or "clip"
     params = parse_params(args.merge_param, args.merge)
     check_merge_params(args.merge, params)

@@ -65,18 +65,45 @@ class Spec:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
+class CorruptShardError(ValueError):
+    """A safetensors file whose header or size is not what the format says."""
+
+
 def read_header(path: str | os.PathLike) -> dict[str, Spec]:
-    """``{name: Spec}`` of one safetensors file, from its header only."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        if entry["dtype"] not in _FROM_NAME:
-            raise ValueError(f"{path}: tensor {name!r} has dtype {entry['dtype']}, which featcal does not read.")
-        out[name] = Spec(_FROM_NAME[entry["dtype"]], tuple(entry["shape"]))
+    """``{name: Spec}`` of one safetensors file, from its header only, checked against the
+    format and the file's size (a corrupted header or a truncated file raises
+    :class:`CorruptShardError` naming the file)."""
+    path = Path(path)
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if not 2 <= n <= min(size - 8, 100 << 20):
+                raise ValueError(f"a header length of {n} bytes in a file of {size}")
+            header = json.loads(f.read(n).decode("utf-8"))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+        out, end = {}, 0
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            if entry["dtype"] not in _FROM_NAME:
+                raise ValueError(f"tensor {name!r} has dtype {entry['dtype']}, which featcal does not read")
+            spec = Spec(_FROM_NAME[entry["dtype"]], tuple(int(d) for d in entry["shape"]))
+            start, stop = (int(o) for o in entry["data_offsets"])
+            if stop - start != spec.nbytes:
+                raise ValueError(f"tensor {name!r} spans {stop - start} bytes, its shape and dtype need {spec.nbytes}")
+            out[name], end = spec, max(end, stop)
+    except (struct.error, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise CorruptShardError(
+            f"{str(path)!r} is not a readable safetensors file ({type(err).__name__}: {err}); the file is "
+            "corrupted or not safetensors: write it again (save_pretrained(..., safe_serialization=True))."
+        ) from None
+    if 8 + n + end > size:
+        raise CorruptShardError(
+            f"{str(path)!r} is truncated: its header describes {8 + n + end} bytes, the file has {size}; "
+            "copy or download it again."
+        )
     return out
 
 
@@ -105,10 +132,14 @@ class Checkpoint:
         for file in sorted(set(weight_map.values())):
             if not (self.path / file).is_file():
                 raise FileNotFoundError(f"{role} {str(self.path)!r}: shard {file!r} named by {INDEX} is missing.")
-            self.specs.update(read_header(self.path / file))
-        missing = next((n for n in self.files if n not in self.specs), None)
-        if missing is not None:
-            raise ValueError(f"{role} {str(self.path)!r}: {missing!r} is in the index but in no shard.")
+            header = read_header(self.path / file)
+            wrong = next((n for n, f in weight_map.items() if f == file and n not in header), None)
+            if wrong is not None:
+                raise ValueError(
+                    f"{role}: {INDEX} in {str(self.path)!r} puts {wrong!r} in {file!r}, which does not hold it; "
+                    "the index does not match the shards (save the model again)."
+                )
+            self.specs.update({n: spec for n, spec in header.items() if weight_map.get(n) == file})
         self.config = json.loads((self.path / "config.json").read_text())
 
     @property
@@ -148,6 +179,11 @@ def check_same_tensors(ref: Checkpoint, other: Checkpoint) -> None:
             raise ValueError(
                 f"{other.role}: tensor {name!r} has shape {other.specs[name].shape}, {ref.role} has "
                 f"{spec.shape}; experts must be fine-tuned from this base."
+            )
+        if other.specs[name].dtype.is_floating_point != spec.dtype.is_floating_point:
+            raise ValueError(
+                f"{other.role} {str(other.path)!r}: tensor {name!r} is {other.specs[name].dtype}, {ref.role}'s is "
+                f"{spec.dtype}; a float tensor of one model cannot be merged with an integer one of another."
             )
     extra = next((n for n in other.specs if n not in ref.specs), None)
     if extra is not None:

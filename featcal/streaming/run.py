@@ -15,11 +15,11 @@ run never leaves a complete-looking ``out``; ``resume=True`` continues from its 
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
 import time
-from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
@@ -32,8 +32,9 @@ from featcal.engine.run import calibrate
 from featcal.model import arch, validate
 from featcal.model.checkpoints import Checkpoint, check_same_tensors, skeleton
 from featcal.streaming.output import write_model
-from featcal.streaming.source import CheckpointSource
-from featcal.streaming.workdir import data_digest, open_work, partial_dir, peak_rss_mb
+from featcal.streaming.source import CheckpointSource, needed_names
+from featcal.streaming.workdir import data_digest, fingerprint_checkpoint, open_work, partial_dir, peak_rss_mb
+from featcal.util import outdir
 
 __all__ = ["calibrate_checkpoints", "open_checkpoints", "partial_dir", "peak_rss_mb", "CheckpointSource"]
 
@@ -56,6 +57,7 @@ def calibrate_checkpoints(
     checkpoint_every: int = 1,
     max_shard_bytes: int = 4 << 30,
     on_block: Callable[[int, dict], None] | None = None,
+    trust_remote_code: bool = False,
 ) -> CalibrationReport:
     """Calibrate a merge with FeatCal, streaming every model from its checkpoint one block at a
     time, and write the calibrated model to ``out`` (``save_pretrained`` layout).
@@ -82,6 +84,11 @@ def calibrate_checkpoints(
         max_shard_bytes: the largest output shard.
         on_block: called as ``on_block(block, {"seconds", "peak_rss_mb"[, "peak_gpu_mb"]})``
             after each block.
+        trust_remote_code: build a model class from the checkpoint's own Python code (its
+            ``auto_map``); never taken from a file, only from this argument (``--trust-remote-code``).
+
+    ``out`` may not be, contain or lie inside an input; ``force`` replaces only a directory featcal
+    wrote (:mod:`featcal.util.outdir`), and one run per ``out`` holds its lock at a time.
 
     Returns:
         The :class:`CalibrationReport` (every block's, a resumed run's included).
@@ -93,33 +100,60 @@ def calibrate_checkpoints(
     if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}.")
     tasks = validate.check_tasks(experts, calib_data)
-    out = Path(out).expanduser().absolute()
-    if out.exists() and not force:
-        raise FileExistsError(f"output {str(out)!r} already exists; pass force=True (--force) to replace it.")
+    inputs = {"the base": base, "the merged model": merged} | {f"expert {t!r}": experts[t] for t in tasks}
+    out = outdir.check_output(out, force, inputs)
     calib_data = {t: calib_data[t] for t in tasks}
 
-    ckpts, skels, path = open_checkpoints(base, {t: experts[t] for t in tasks}, merged, blocks)
+    ckpts, skels, path = open_checkpoints(base, {t: experts[t] for t in tasks}, merged, blocks, trust_remote_code)
+    check_token_ids(skels["merged"], calib_data)
     work = partial_dir(out)
-    state = open_work(work, _fingerprint(ckpts, merge, cfg, path, calib_data), resume=resume, force=force)
-    report = _calibrate_blocks(
-        ckpts,
-        skels,
-        path,
-        calib_data,
-        merge,
-        cfg,
-        state,
-        work,
-        dict(device=device, fast=fast, progress=progress, checkpoint_every=checkpoint_every, on_block=on_block),
-    )
-    model_dir = write_model(work, ckpts, tasks, merge, path, max_shard_bytes)
-    report.seconds = time.perf_counter() - t_start
-    report.save_json(model_dir / "featcal_report.json")
-    if out.exists():  # force
-        shutil.rmtree(out)
-    os.rename(model_dir, out)
-    shutil.rmtree(work)
+    with outdir.output_lock(out):
+        fresh = not work.exists()
+        state = open_work(work, _fingerprint(ckpts, merge, cfg, path, calib_data), resume=resume, force=force)
+        try:
+            report = _calibrate_blocks(
+                ckpts,
+                skels,
+                path,
+                calib_data,
+                merge,
+                cfg,
+                state,
+                work,
+                dict(device=device, fast=fast, progress=progress, checkpoint_every=checkpoint_every, on_block=on_block),
+            )
+        except BaseException:
+            if (fresh or force) and state["done"] < 0:  # nothing to resume: leave nothing in the way
+                shutil.rmtree(work, ignore_errors=True)
+            raise
+        model_dir = write_model(work, ckpts, tasks, merge, path, max_shard_bytes)
+        report.seconds = time.perf_counter() - t_start
+        report.save_json(model_dir / "featcal_report.json")
+        outdir.check_output(out, force, inputs)  # (something may have appeared meanwhile)
+        outdir.commit_dir(model_dir, out, "model")
+        shutil.rmtree(work)
     return report
+
+
+def check_token_ids(model, calib_data: Mapping[str, list]) -> None:
+    """Every token id of every batch within the model's vocabulary (before block 0: an id past it
+    would fail deep inside the embedding, or index another row on some devices)."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(emb, "num_embeddings", None)
+    if vocab is None:
+        return
+    for task, batches in calib_data.items():
+        for i, batch in enumerate(batches):
+            for key in ("input_ids", "decoder_input_ids"):
+                ids = batch.get(key) if isinstance(batch, Mapping) else None
+                if ids is None or ids.numel() == 0:
+                    continue
+                low, high = int(ids.min()), int(ids.max())
+                if low < 0 or high >= vocab:
+                    raise ValueError(
+                        f"task {task!r}, batch {i}: {key} holds token ids from {low} to {high}, the model's "
+                        f"vocabulary has {vocab} (ids 0 to {vocab - 1}); tokenize the data with this model's tokenizer."
+                    )
 
 
 def _check_merge(merge, merged) -> tuple[str, dict] | None:
@@ -132,12 +166,20 @@ def _check_merge(merge, merged) -> tuple[str, dict] | None:
         merge = (merge, {})
     if merge[0] not in merging.MERGERS:
         raise ValueError(f"unknown merge method {merge[0]!r}; choose one of {sorted(merging.MERGERS)}.")
+    fn = merging.MERGERS[merge[0]]
+    allowed = [n for n in inspect.signature(fn).parameters if n not in ("base", "experts", "progress")]
+    unknown = sorted(set(merge[1]) - set(allowed))
+    if unknown:
+        raise ValueError(f"{merge[0]}: unknown parameters {unknown}; it takes {', '.join(allowed) or 'none'}.")
+    merging.check_params(merge[0], merge[1])
     return (merge[0], dict(merge[1]))
 
 
-def open_checkpoints(base, experts: Mapping, merged, blocks: str | None):
+def open_checkpoints(base, experts: Mapping, merged, blocks: str | None, trust_remote_code: bool = False):
     """Every model's checkpoint (headers only, the same tensors as the base's), its skeleton on the
-    meta device (the merged model's from the base's when merging on the fly), and the blocks' path."""
+    meta device (the merged model's from the base's when merging on the fly), and the blocks' path;
+    the architectures compared as the in-memory run compares them (:mod:`featcal.model.validate`:
+    configs, classes, heads, epsilons), and every tensor a run reads found in every checkpoint."""
     ckpts = {"base": Checkpoint(base, "the base")}
     ckpts |= {t: Checkpoint(d, f"expert {t!r}") for t, d in experts.items()}
     if merged is not None:
@@ -145,19 +187,47 @@ def open_checkpoints(base, experts: Mapping, merged, blocks: str | None):
     for role, ck in ckpts.items():
         if role != "base":
             check_same_tensors(ckpts["base"], ck)
-    skels = {role: skeleton(ck) for role, ck in ckpts.items()}
+    skels = {role: skeleton(ck, trust_remote_code) for role, ck in ckpts.items()}
     if "merged" not in skels:
-        skels["merged"] = skeleton(ckpts["base"])
-    path = arch.resolve_blocks(skels["merged"], blocks)[0]
+        skels["merged"] = skeleton(ckpts["base"], trust_remote_code)
+    ref = validate.architecture(skels["merged"])
+    for role, ck in ckpts.items():
+        if role != "merged":
+            validate.check_same_architecture(skels["merged"], skels[role], f"{ck.role} ({str(ck.path)!r})", ref)
+    path = _stream_path(skels["merged"], blocks)
+    for role, ck in ckpts.items():
+        missing = [n for n in needed_names(skels[role], path) if n not in ck.files]
+        if missing:
+            raise ValueError(
+                f"{ck.role} {str(ck.path)!r} lacks {len(missing)} tensor(s) its architecture needs (first "
+                f"{missing[0]!r}); the checkpoint and its config.json do not match (save the model again)."
+            )
     return ckpts, skels, path
 
 
+def _stream_path(model, blocks: str | None) -> str:
+    """The blocks' path, refused up front for models streaming cannot run: more than one stack
+    (an encoder-decoder) or stems that read the unloaded head."""
+    stacks = [p for p, _ in arch.resolve_stacks(model, blocks)]
+    if len(stacks) > 1:
+        raise ValueError(
+            f"{type(model).__name__} has {len(stacks)} stacks of blocks ({', '.join(stacks)}); streaming "
+            "calibrates one stack: load the model in memory (featcal.calibrate) or give blocks=PATH."
+        )
+    return arch.resolve_blocks(model, blocks)[0]
+
+
 def _fingerprint(ckpts: dict, merge, cfg: FeatCalConfig, path: str, calib_data: Mapping) -> dict:
-    """What a resumed run must share with the run that left the work directory."""
+    """What a resumed run must share with the run that left the work directory: the models' paths
+    and contents (:func:`fingerprint_checkpoint`), the merge, the config, the blocks and the data."""
+
+    def files(ck: Checkpoint) -> dict:
+        return {"path": str(ck.path.absolute()), "files": fingerprint_checkpoint(ck)}
+
     doc = {
-        "base": str(ckpts["base"].path.absolute()),
-        "experts": {t: str(ckpts[t].path.absolute()) for t in calib_data},
-        "merged": str(ckpts["merged"].path.absolute()) if "merged" in ckpts else None,
+        "base": files(ckpts["base"]),
+        "experts": {t: files(ckpts[t]) for t in calib_data},
+        "merged": files(ckpts["merged"]) if "merged" in ckpts else None,
         "merge": merge,
         "config": cfg.to_dict(),
         "blocks": path,
