@@ -46,7 +46,7 @@ class TokenWeights:
 # Wider than any setting in use (the paper's lam 1e-5 to 3, rho 0.5 to 2, alpha 0.15 to 0.6); past
 # them the anchor or the target is extrapolated beyond anything meaningful, or eps swamps lam.
 RANGES = {
-    "lam": (0.0, 1e8, "lambda, the ridge strength toward the anchor"),
+    "lam": (0.0, math.inf, "lambda, the ridge strength toward the anchor"),
     "rho": (-10.0, 10.0, "rho, the anchor blend rho*W_mer + (1-rho)*W_0"),
     "alpha": (-1.0, 2.0, "alpha, the target interpolation alpha*x_e + (1-alpha)*x_s"),
     "eps": (0.0, 1e-2, "eps, the tiny ridge and the clamp of the task scales (> 0)"),

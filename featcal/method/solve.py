@@ -355,6 +355,7 @@ class Factors:
         self.precision: list[str] = []  # one line per float32 factorisation with a large estimated error
         self._take = take
         self._solvers: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}
+        self._noted: dict[tuple, tuple[str, str] | None] = {}  # the precision note of each factorisation
         self._taken: list[torch.Tensor] = []
 
     def _take_kept(self, *args, **kwargs) -> torch.Tensor:
@@ -366,12 +367,18 @@ class Factors:
         key = (id(S), shift)
         if key not in self._solvers:
             take = None if self._take is None else self._take_kept
+            n = len(self.precision)
             self._solvers[key] = spd_factor(S, shift, what, take, self.lapack_min_d, self.notes, self.precision)
+            self._noted[key] = (what, self.precision[n]) if len(self.precision) > n else None
+        elif self._noted.get(key) is not None:  # a module sharing the input (q/k/v): the same estimate
+            first, msg = self._noted[key]
+            self.precision.append(what + msg[len(first) :])
+            log.warning(self.precision[-1])
         return self._solvers[key]
 
     def close(self) -> list[torch.Tensor]:
         """Drop the factorisations; the buffers they took."""
-        taken, self._taken, self._solvers = self._taken, [], {}
+        taken, self._taken, self._solvers, self._noted = self._taken, [], {}, {}
         return taken
 
 
