@@ -82,7 +82,7 @@ def test_pooling_the_calibrating_streams_changes_nothing(kind, monkeypatch):
     base, experts, merged, data = tiny.zoo(kind)
     calls = {}
     real = streams.pool_spans
-    monkeypatch.setattr("featcal.engine.run.pool_spans", lambda c, m: calls.setdefault(len(c), real(c, m)))
+    monkeypatch.setattr("featcal.engine.snapshot.pool_spans", lambda c, m: calls.setdefault(len(c), real(c, m)))
 
     def run(fast):
         return _calibrate(merged, base, experts, data, FeatCalConfig.clip(), fast)
@@ -104,13 +104,13 @@ def test_reducing_every_task_as_one_stack_changes_nothing(kind, keep_stats, form
     preset: token weights in the last block, biases, LayerNorms; each statistics form, or
     the cheapest); the model, the report and the kept statistics (a preview) equal those of
     one task at a time."""
-    import featcal.engine.run as engine
+    import featcal.engine.snapshot as snapshot
 
     base, experts, merged, data = tiny.zoo(kind, n_tasks=3)
     one = _one_batch_a_task(data)
     taken = []
-    real = engine._batchable
-    monkeypatch.setattr(engine, "_batchable", lambda *a: taken.append(real(*a)) or taken[-1])
+    real = snapshot._batchable
+    monkeypatch.setattr(snapshot, "_batchable", lambda *a: taken.append(real(*a)) or taken[-1])
     cfg = FeatCalConfig.clip(alpha=0.4)
 
     def run(fast):
