@@ -350,6 +350,8 @@ def calibrate(
     t_start = time.perf_counter()
     # 1. Validate before touching anything.
     tasks, base, experts, path = _checked_models(merged, base, experts, calib_data, blocks, block_source)
+    firsts = [arch.resolve_blocks(merged, s)[1][0] for s in path.split(arch.STACK_SEP)]
+    validate.check_modules(firsts, cfg.modules, cfg.linear, cfg.layernorm)  # a typo would calibrate nothing
 
     # 2. The model to calibrate, and its stacks of blocks (an encoder-decoder's two, in forward order).
     model = merged if inplace else copy.deepcopy(merged)
@@ -357,8 +359,6 @@ def calibrate(
     device = device_of(model) if device is None else check_device(device)
     if block_source is not None and len(stacks) > 1:
         raise ValueError(f"block_source works on one stack of blocks; {path!r} has {len(stacks)}.")
-    firsts = [arch.resolve_blocks(model, s)[1][0] for s in stacks]
-    validate.check_modules(firsts, cfg.modules, cfg.linear, cfg.layernorm)
     restore_modes = to_eval(model, base, *experts.values())  # each submodule's flag comes back exactly
     report = CalibrationReport(cfg, path, tasks)
     trace = None
