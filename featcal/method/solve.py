@@ -312,9 +312,7 @@ def spd_factor(
         "re-solved in float64 by eigendecomposition, the directions the data leave undetermined taken from "
         "the anchor. stats_dtype=torch.float64 or a larger lam avoids this."
     )
-    log.warning(msg)
-    if notes is not None:
-        notes.append(msg)
+    _note(msg, notes)
     return EigenSolve(S, shift, what)
 
 
@@ -326,9 +324,16 @@ F32_WARN = 3e-3
 def float32_error(floor: float, pivot2: float) -> float:
     """The estimated relative error of weights solved from float32 statistics: the statistics'
     rounding floor (:func:`noise_floor`) over the smallest squared Cholesky pivot of
-    ``S + shift I`` (about its smallest eigenvalue). Free once factored; in every case of
-    benchmarks/precision.py it bounded the measured error (by 3x to 50x)."""
+    ``S + shift I`` (about its smallest eigenvalue). Free once factored; an overestimate in every
+    case measured (benchmarks/README.md, 'Low-rank inputs')."""
     return floor / pivot2
+
+
+def _note(msg: str, notes: list | None) -> None:
+    """Log ``msg`` and keep it in ``notes`` (for ``report.warnings``)."""
+    log.warning(msg)
+    if notes is not None:
+        notes.append(msg)
 
 
 def _note_float32(what: str, est: float, shift: float, notes: list | None) -> None:
@@ -337,9 +342,7 @@ def _note_float32(what: str, est: float, shift: float, notes: list | None) -> No
         "their size (estimated from the factorisation's smallest pivot); stats_dtype=torch.float64 or a larger "
         "lam avoids it."
     )
-    log.warning(msg)
-    if notes is not None:
-        notes.append(msg)
+    _note(msg, notes)
 
 
 class Factors:
@@ -614,9 +617,7 @@ def _note_degenerate(what: str, count: int, lam: float, notes: list | None) -> N
         "zero, over the calibration data): the direction the data leave undetermined was taken from the "
         "anchor instead of rounding noise. A larger lam avoids this."
     )
-    log.warning(msg)
-    if notes is not None:
-        notes.append(msg)
+    _note(msg, notes)
 
 
 def norm_residual(sys: NormSystem, g: torch.Tensor, b: torch.Tensor | None) -> float:

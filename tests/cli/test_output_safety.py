@@ -24,27 +24,16 @@ def _snapshot(root: Path) -> dict:
 @pytest.fixture
 def models(tmp_path):
     """A tiny base, two experts and a token file in one folder, beside the user's notes.txt."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     import tiny
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    base = LlamaForCausalLM(cfg).eval()
+    base = tiny.tiny_llama()
     base.save_pretrained(tmp_path / "B")
     tiny.perturbed(base, 0.02, 1).save_pretrained(tmp_path / "M")
     tiny.perturbed(base, 0.02, 2).save_pretrained(tmp_path / "C")
     g = torch.Generator().manual_seed(0)
     save_token_data(
         tmp_path / "T.safetensors",
-        {t: {"input_ids": torch.randint(0, 32, (4, 6), generator=g)} for t in ("math", "code")},
+        {t: {"input_ids": torch.randint(0, 50, (4, 6), generator=g)} for t in ("math", "code")},
     )
     (tmp_path / "notes.txt").write_text("my notes")
     return tmp_path

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import tiny
 from featcal import FeatCalConfig, calibrate, merge
@@ -30,28 +29,14 @@ TASKS = ("math", "code")
 CFG = FeatCalConfig.llama("3b", lam=1e-3)
 
 
-def _llama(seed: int = 0, **kw) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(LlamaConfig(**(cfg | kw))).eval()
-
-
-def _data(vocab: int = 64):
+def _data(vocab: int = 50):
     g = torch.Generator().manual_seed(3)
     return {t: [{"input_ids": torch.randint(0, vocab, (3, 10), generator=g)} for _ in range(2)] for t in TASKS}
 
 
 @pytest.fixture
 def ckpts(tmp_path):
-    base = _llama()
+    base = tiny.tiny_llama(layers=4)
     experts = {t: tiny.perturbed(base, 0.02, i + 1) for i, t in enumerate(TASKS)}
     base.save_pretrained(tmp_path / "base", max_shard_size="30KB")
     for t, m in experts.items():
@@ -229,7 +214,7 @@ def test_misindexed_and_missing_tensors_are_named_before_block_0(ckpts):
 
 
 def test_token_ids_out_of_the_vocabulary_are_refused_up_front(ckpts):
-    with pytest.raises(ValueError, match="vocabulary has 64"):
+    with pytest.raises(ValueError, match="vocabulary has 50"):
         _run(ckpts, calib_data=_data(vocab=100))
     assert not partial_dir(ckpts["root"] / "out").exists()
 
