@@ -251,6 +251,7 @@ def test_tune_and_study_command_lines_write_their_files(tmp_path, capsys):
         == 0
     )
     assert {p.name for p in out.iterdir()} == {
+        ".featcal-output.json",  # featcal's marker: --force may replace this directory
         "best.json",
         "table.csv",
         "test_report.csv",
@@ -283,4 +284,5 @@ def test_tune_and_study_command_lines_write_their_files(tmp_path, capsys):
         )
         == 0
     )
-    assert {p.name for p in se.iterdir()} == {"rows.csv", "summary.csv", "sample_efficiency.html", "plotly.min.js"}
+    files = {".featcal-output.json", "rows.csv", "summary.csv", "sample_efficiency.html", "plotly.min.js"}
+    assert {p.name for p in se.iterdir()} == files
