@@ -15,7 +15,7 @@ float32 forward passes) and, in the last column, the same model dtype with float
 ``--low-rank``: a random Llama (2 blocks of width 64, 3 experts, Task Arithmetic), calibrated on
 tokens drawn from only R distinct ids (so every block's inputs have rank <= R); per module the
 relative distance of the float32-statistics weights to the float64 ones, and whether
-``report.warnings`` names the module with its estimated error (featcal.method.solve.F32_WARN).
+``report.warnings`` names the module with its estimated error (featcal.method.linalg.F32_WARN).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class _Logged(logging.Handler):
 
     @contextlib.contextmanager
     def on(self, active: bool):
-        log = logging.getLogger("featcal.method.solve")
+        log = logging.getLogger("featcal.method")
         if active:
             log.addHandler(self)
         try:

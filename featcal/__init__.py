@@ -11,7 +11,7 @@ from featcal import _moved  # noqa: F401  (installs the old flat layout's import
 from featcal.baselines.merging import MERGERS, merge
 from featcal.baselines.regmean import MERGERS_WITH_DATA, merge_with_data
 from featcal.baselines.trained.calibrators import TaskCalibrated, escal, surgery, surgery_v2
-from featcal.config import FastPaths, FeatCalConfig, TokenWeights
+from featcal.config import FastPaths, FeatCalConfig, Setting, TokenWeights
 from featcal.engine.report import CalibrationReport
 from featcal.engine.run import ExpertTrace, calibrate
 from featcal.streaming.run import calibrate_checkpoints
@@ -19,6 +19,7 @@ from featcal.streaming.run import calibrate_checkpoints
 __all__ = [
     "FeatCalConfig",
     "FastPaths",
+    "Setting",
     "TokenWeights",
     "calibrate",
     "calibrate_checkpoints",

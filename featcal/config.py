@@ -55,7 +55,8 @@ RANGES = {
 
 def check_setting(lam, rho, alpha, eps=None) -> None:
     """Every hyper-parameter a finite number in :data:`RANGES` (eps > 0), else ``ValueError``
-    naming it, its value and its range: the config and ``report.preview`` call it."""
+    naming it, its value and its range: :class:`Setting` (so every solve and preview) and the
+    config call it."""
     for name, v in (("lam", lam), ("rho", rho), ("alpha", alpha), ("eps", eps)):
         if v is None and name == "eps":
             continue
@@ -65,6 +66,26 @@ def check_setting(lam, rho, alpha, eps=None) -> None:
         if not ok:
             lo = "(" if name == "eps" else "["
             raise ValueError(f"{name} ({what}) must be a finite number in {lo}{low:g}, {high:g}], got {v!r}.")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One point of FeatCal's three hyper-parameters, what a solve needs beyond the statistics
+    (docs/maths.md, 'Linear weight'): ``lam`` the ridge toward the anchor, ``rho`` the anchor's
+    blend ``W_anc = rho W_mer + (1 - rho) W_0``, ``alpha`` the target ``xt = alpha xe + (1 - alpha) xs``."""
+
+    lam: float
+    rho: float
+    alpha: float
+
+    def __post_init__(self):
+        check_setting(self.lam, self.rho, self.alpha)
+
+    def replace(self, lam: float | None = None, rho: float | None = None, alpha: float | None = None) -> "Setting":
+        """This setting with the given values changed (None: kept)."""
+        return Setting(
+            self.lam if lam is None else lam, self.rho if rho is None else rho, self.alpha if alpha is None else alpha
+        )
 
 
 @dataclass(frozen=True)
@@ -105,6 +126,11 @@ class FeatCalConfig:
             raise ValueError("nothing to calibrate: linear and layernorm are both off.")
         if self.modules is not None and isinstance(self.modules, str):
             object.__setattr__(self, "modules", (self.modules,))
+
+    @property
+    def setting(self) -> "Setting":
+        """This run's (lam, rho, alpha)."""
+        return Setting(self.lam, self.rho, self.alpha)
 
     # Presets -----------------------------------------------------------------
     @classmethod

@@ -21,7 +21,7 @@ The per-module inputs come from the FeatCal engine's plumbing: the blocks and th
 (:mod:`featcal.model.arch`), the input hooks (:mod:`featcal.model.capture`), the block-by-block streams
 with their padding masks (:mod:`featcal.model.streams`), the token weights
 (:func:`featcal.engine.blockstats.token_weights`), the Gram accumulation (:mod:`featcal.method.stats`) and
-the Cholesky solve (:func:`featcal.method.solve.spd_factor`, which warns if it must fall back to LU).
+the Cholesky solve (:func:`featcal.method.linalg.spd_factor`, which warns if it must fall back to LU).
 Nothing passed in is modified; the result is a new model in eval mode.
 
 Usage::
@@ -40,8 +40,8 @@ from torch import nn
 
 from featcal.baselines.merging import average
 from featcal.engine.blockstats import token_weights
-from featcal.method.solve import spd_factor, symmetric
-from featcal.method.stats import add_rows_gram, as_rows, gram_blocks
+from featcal.method.linalg import add_rows_gram, gram_blocks, spd_factor, symmetric
+from featcal.method.stats import as_rows
 from featcal.model.arch import block_targets, get_params, resolve_blocks, set_params
 from featcal.model.capture import capture, target_site
 from featcal.model.modes import eval_mode

@@ -29,7 +29,7 @@ from featcal.baselines.merging import MERGERS
 from featcal.cli.common import add_common, add_out, add_zoo, check_merge_method, check_out, parse_params, zoo_from_args
 from featcal.config import FeatCalConfig
 from featcal.sweep import studies
-from featcal.sweep.search import Grid, holdout_report, tune_zoo
+from featcal.sweep.search import Grid, TuneConfig, holdout_report, tune_zoo
 from featcal.util import outdir
 
 STUDIES = ("sample-efficiency", "robustness")
@@ -170,14 +170,16 @@ def run_tune(args: argparse.Namespace) -> int:
         seed=args.seed,
         val_per_task=args.val_per_task,
         config=_featcal_config(args),
-        grid=grid,
-        search=args.search,
-        score=args.score,
-        n_confirm=args.n_confirm,
-        rounds=args.rounds,
-        top_k=args.top_k,
-        ray=args.ray,
-        num_cpus=args.num_cpus,
+        options=TuneConfig(
+            grid=grid or Grid(),
+            search=args.search,
+            score=args.score,
+            n_confirm=args.n_confirm,
+            rounds=args.rounds,
+            top_k=args.top_k,
+            ray=args.ray,
+            num_cpus=args.num_cpus,
+        ),
         progress=not args.quiet,
     )
     out = _out_dir(args.out, args.force)

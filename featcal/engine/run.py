@@ -36,10 +36,11 @@ from featcal.config import FastPaths, FeatCalConfig
 from featcal.engine import snapshot
 from featcal.engine.blocksource import BlockSource, DeviceBlocks, check_device, to_host
 from featcal.engine.blockstats import Context
+from featcal.engine.preview import Kept, Preview
 from featcal.engine.report import BlockRecord, CalibrationReport, ModuleRecord
 from featcal.engine.state import RunState, Stream
 from featcal.engine.trace import ExpertTrace
-from featcal.method import solve
+from featcal.method import linalg, solve
 from featcal.model import arch, validate
 from featcal.model import loading as sources
 from featcal.model.capture import sequence_first
@@ -94,27 +95,22 @@ def _solve_block(run: RunState, block: int, blk: nn.Module, targets, systems: di
     them). The factorisations' buffers come from the scratch and go back to it, and so do
     the systems' ``S`` unless ``run.keep`` holds on to them."""
     cfg, scratch, keep = run.ctx.cfg, run.ctx.scratch, run.keep
+    setting = cfg.setting
     new_params = []
-    factors = solve.Factors(run.ctx.fast.lapack_min_d, take=scratch.take)  # one per shared S (q/k/v)
+    factors = linalg.Factors(run.ctx.fast.lapack_min_d, take=scratch.take)  # one per shared S (q/k/v)
     for t in targets:
         t0 = time.perf_counter()
         W_mer, b_mer = arch.get_params(blk, t)
         if keep is not None:
             W_mer, b_mer = W_mer.clone(), None if b_mer is None else b_mer.clone()
         W_0, b_0 = arch.get_params(run.base_blocks[block], t)
-        W_0 = W_0.to(W_mer.device)
-        b_0 = None if b_0 is None else b_0.to(W_mer.device)
+        ends = solve.Endpoints(W_mer, b_mer, W_0.to(W_mer.device), None if b_0 is None else b_0.to(W_mer.device))
         sysm = systems[t.name]
         if t.kind == arch.LINEAR:
             W, b, SWt = solve.solve_linear(
                 sysm,
-                W_mer,
-                b_mer,
-                W_0,
-                b_0,
-                lam=cfg.lam,
-                rho=cfg.rho,
-                alpha=cfg.alpha,
+                ends,
+                setting,
                 eps=cfg.eps,
                 bias=cfg.bias,
                 what=f"block {block} {t.name}",
@@ -127,16 +123,7 @@ def _solve_block(run: RunState, block: int, blk: nn.Module, targets, systems: di
             d_in, d_out, rows = W.shape[1], W.shape[0], sysm.min_rows
         else:
             W, b = solve.solve_norm(
-                sysm,
-                W_mer,
-                b_mer,
-                W_0,
-                b_0,
-                lam=cfg.lam,
-                rho=cfg.rho,
-                eps=cfg.eps,
-                what=f"block {block} {t.name}",
-                notes=factors.notes,
+                sysm, ends, setting, eps=cfg.eps, what=f"block {block} {t.name}", notes=factors.notes
             )
             before = solve.norm_residual(sysm, W_mer, b_mer)
             after = solve.norm_residual(sysm, W, b)
@@ -151,7 +138,7 @@ def _solve_block(run: RunState, block: int, blk: nn.Module, targets, systems: di
             ModuleRecord(run.offset + block, t.name, t.kind, d_in, d_out, rows, before, after, time.perf_counter() - t0)
         )
         if keep is not None:
-            keep.append((run.offset + block, t, sysm, W_mer, b_mer, W_0, b_0))
+            keep.append(Kept(run.offset + block, t, sysm, ends))
     for t, W, b in new_params:
         arch.set_params(blk, t, W, b)
     run.ctx.fallbacks.extend(factors.notes)
@@ -384,8 +371,6 @@ def calibrate(
     finally:
         restore_modes()
     if keep_stats:
-        from featcal.engine.preview import Preview
-
         report.preview_state = Preview(model, path, run.keep, cfg.eps, cfg.bias)
     report.seconds = time.perf_counter() - t_start
     return model, report

@@ -10,7 +10,7 @@ import torch
 
 import tiny
 from featcal import FeatCalConfig, calibrate, merge
-from featcal.method import solve
+from featcal.method import linalg, solve
 from featcal.model import arch
 
 # ------------------------------------------------------------------ item 7: degenerate norm systems
@@ -116,7 +116,7 @@ def test_float32_statistics_at_lam_1e5_warn_where_they_are_off_float64():
     assert flagged, warned
     assert not [w for w in runs[torch.float64][1] if "float32 statistics" in w]
     for name, err in errors.items():
-        if err > solve.F32_WARN / 3:  # every module measurably off float64 is named (or counted)
+        if err > linalg.F32_WARN / 3:  # every module measurably off float64 is named (or counted)
             blk, mod = name.split(".", 1)
             named = any(w.startswith(f"block {blk} {mod}:") for w in flagged)
             assert named or any("more modules with the same float32" in w for w in flagged), (name, err, flagged)
