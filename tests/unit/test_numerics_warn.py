@@ -10,6 +10,7 @@ import torch
 
 import tiny
 from featcal import FeatCalConfig, calibrate, merge
+from featcal.config import Setting
 from featcal.method import linalg, solve
 from featcal.model import arch
 
@@ -30,7 +31,8 @@ def test_degenerate_layernorm_system_warns_and_stays_near_the_anchor(dtype):
     sysm = _constant_channel_system(dtype)
     g_mer, b_mer = torch.tensor([1.0, 1.0], dtype=dtype), torch.tensor([0.1, 0.1], dtype=dtype)
     notes = []
-    gamma, beta = solve.solve_norm(sysm, g_mer, b_mer, g_mer, b_mer, lam=0.0, rho=1.0, eps=1e-8, notes=notes)
+    ends = solve.Endpoints(g_mer, b_mer, g_mer, b_mer)
+    gamma, beta = solve.solve_norm(sysm, ends, Setting(0.0, 1.0, 0.3), eps=1e-8, notes=notes)
     assert len(notes) == 1 and "degenerate" in notes[0] and "1 channel" in notes[0]
     assert torch.isfinite(gamma).all() and torch.isfinite(beta).all()
     # channel 0: every (gamma, beta) with gamma + beta = mean_i(gamma_i + beta_i) fits the data exactly;
@@ -42,7 +44,7 @@ def test_degenerate_layernorm_system_warns_and_stays_near_the_anchor(dtype):
     assert solve.norm_residual(sysm, gamma, beta) <= solve.norm_residual(sysm, g_mer, b_mer)
     # channel 1 is well posed: the plain 2x2 solution
     notes2 = []
-    g2, b2 = solve.solve_norm(sysm, g_mer, b_mer, g_mer, b_mer, lam=1.0, rho=1.0, eps=1e-8, notes=notes2)
+    solve.solve_norm(sysm, ends, Setting(1.0, 1.0, 0.3), eps=1e-8, notes=notes2)
     assert notes2 == []
 
 
@@ -51,9 +53,9 @@ def test_degenerate_rms_scale_takes_the_anchor():
     g = torch.tensor([[1.3, 0.9], [0.7, 1.1]])
     notes = []
     g_mer = torch.tensor([1.0, 1.0])
-    gamma, beta = solve.solve_norm(
-        solve.NormSystem(e, e, g, None), g_mer, None, g_mer, None, lam=0.0, rho=1.0, eps=1e-8, notes=notes
-    )
+    sysm = solve.NormSystem(e, e, g, None)
+    ends = solve.Endpoints(g_mer, None, g_mer, None)
+    gamma, beta = solve.solve_norm(sysm, ends, Setting(0.0, 1.0, 0.3), eps=1e-8, notes=notes)
     assert beta is None and notes and float(gamma[0]) == 1.0
 
 
