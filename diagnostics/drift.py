@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from diagnostics.decomposition import COLUMNS, BlockSums, drift_tokens
+from diagnostics.drift_ranks import add_across_ranks, my_share
 from diagnostics.similarity import TOKENS
+from featcal.engine.distributed import current
 from featcal.model.arch import resolve_blocks
 from featcal.model.modes import eval_mode
 from featcal.model.streams import (
@@ -60,10 +62,12 @@ def _task_rows(
     bar,
     cached: list[list[BlockCall]] | None = None,
     own: list[list[BlockCall]] | None = None,
+    sums: list | None = None,
 ) -> list[tuple]:
     """Steps 1-3 for one task: catch both streams at block 0, then per block reduce every
     batch's drift and advance both streams (the expert's from ``cached``, the model's from
-    ``own``, when given: :attr:`ExpertStreams.calls` of this task)."""
+    ``own``, when given: :attr:`ExpertStreams.calls` of this task); with ``sums``, the blocks'
+    sums are appended to it instead of made into rows (to be added across ranks first)."""
     device = device_of(model)
     keep = _keeper(offload)
     sizes = [batch_len(b) for b in batches]
@@ -97,7 +101,10 @@ def _task_rows(
                 exp[j] = dt.next_exp.with_hidden(keep(dt.h_exp))
         if cached is not None:
             exp = cached[l + 1]
-        rows += [(task, l, k, v) for k, v in acc.metrics().items()]
+        if sums is not None:  # the sums, to be added across ranks first (diagnostics.drift_ranks)
+            sums.append(acc)
+        else:
+            rows += [(task, l, k, v) for k, v in acc.metrics().items()]
         bar.update()
     return rows
 
@@ -228,12 +235,19 @@ def drift_table(
     ):
         if cache is not None:
             _check_cached(cache, path, data, len(blks), name, fix)
+    group = current(device_of(model))
+    if group is not None:  # each rank reduces its share of the batches (featcal.engine.distributed)
+        data, expert_cache, model_cache = my_share(group, data, expert_cache, model_cache)
+    kept = {t: [] for t in tasks} if group is not None else {}
     rows: list[tuple] = []
     with (
         eval_mode(model, *experts.values()),
         progress_bar(total=len(tasks) * len(blks), desc="drift", unit="block", show=progress) as bar,
     ):
         for t in tasks:
+            if not data[t]:  # (this rank holds no batch of it)
+                bar.update(len(blks))
+                continue
             rows += _task_rows(
                 t,
                 model,
@@ -247,7 +261,13 @@ def drift_table(
                 bar,
                 None if expert_cache is None else expert_cache.calls[t],
                 None if model_cache is None else model_cache.calls[t],
+                kept.get(t),
             )
+    if group is not None:
+        added = add_across_ranks(group, kept, BlockSums)
+        rows = [
+            (t, l, k, v) for t, sums in added.items() for l, acc in enumerate(sums) for k, v in acc.metrics().items()
+        ]
     df = pd.DataFrame(rows, columns=COLUMNS)
     if model_name is not None:
         df.insert(0, "model", model_name)

@@ -225,27 +225,3 @@ def regmean_plusplus(
     setting of the RegMean++ paper's CLIP results in FusionBench (84.4 on ViT-B/32 TA8).
     The stem and the final LayerNorm are the experts' mean."""
     return _regmean(base, experts, calib_data, reduce_nondiag, True, blocks, progress)
-
-
-MERGERS_WITH_DATA: dict[str, Callable[..., nn.Module]] = {
-    "regmean": regmean,
-    "regmean_plusplus": regmean_plusplus,
-}
-
-
-def merge_with_data(
-    method: str,
-    *,
-    base: nn.Module,
-    experts: Mapping[str, nn.Module],
-    calib_data: Mapping[str, list],
-    **params,
-) -> nn.Module:
-    """Merge ``experts`` into a new model with a method that reads calibration data
-    (:data:`MERGERS_WITH_DATA`): ``calib_data`` is ``{task: [batch, ...]}`` as for
-    :func:`featcal.calibrate` (a batch is a tensor or a dict of model inputs; an
-    ``attention_mask`` keeps padding out). ``params`` are the method's own
-    (``reduce_nondiag``, ``blocks``, ``progress``); unknown ones raise a ``TypeError``."""
-    if method not in MERGERS_WITH_DATA:
-        raise ValueError(f"unknown data-using merge method {method!r}; choose one of {sorted(MERGERS_WITH_DATA)}.")
-    return MERGERS_WITH_DATA[method](base=base, experts=experts, calib_data=calib_data, **params)

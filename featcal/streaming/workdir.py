@@ -2,13 +2,15 @@
 
 ``.NAME.featcal-partial`` beside ``out`` holds the calibrated blocks so far (``blocks/``), the streams
 at the input of the next block (``streams-GGGGG.safetensors``: the calibrating and the experts' hidden
-states after block GGGGG) and ``state.json`` (the fingerprint of the run's inputs, the last block done,
-the report so far, the name of its streams file).
+states after block GGGGG; a run on W ranks: ``streams-GGGGG-R-of-W.safetensors``, rank R's batches,
+each under its index among all of its task's batches) and ``state.json`` (the fingerprint of the run's
+inputs, the last block done, the report so far, the names of its streams files).
 
-A checkpoint is one atomic commit (:func:`commit`): the new streams go to a file of their own, carrying
-the generation (the last block done) in their metadata, then ``state.json`` naming that file is renamed
-into place (the commit), and only then are older streams files deleted. A failure between the two
-writes leaves the previous state and its streams intact; on load the generations must agree.
+A checkpoint is one atomic commit (:func:`commit`): the new streams go to files of their own, carrying
+the generation (the last block done) in their metadata, then ``state.json`` naming those files is
+renamed into place (the commit), and only then are older streams files deleted. A failure between
+the writes leaves the previous state and its streams intact; on load the generations must agree
+(:func:`check_streams`).
 
 The fingerprint (:func:`fingerprint_checkpoint`) covers the inputs' contents, not only their paths:
 each file's size and modification time, each shard's header and a sample of its bytes, so that
@@ -24,20 +26,17 @@ import os
 import resource
 import shutil
 from pathlib import Path
-from typing import Mapping
 
-import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from featcal.model.checkpoints import INDEX
+from featcal.model.validate import data_digest  # noqa: F401  (the same digest the ranks compare)
 from featcal.util import outdir
 
 log = logging.getLogger(__name__)
 
 PARTIAL = ".featcal-partial"
 STATE = "state.json"
-STREAMS = "streams-{:05d}.safetensors"
 SAMPLE_WINDOWS, WINDOW_BYTES = 32, 1 << 16  # the bytes of each shard that the fingerprint hashes
 
 
@@ -52,26 +51,7 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def data_digest(calib_data: Mapping[str, list]) -> str:
-    """A hash of every batch's tensors (shapes, dtypes and bytes): a resumed run must see the same data."""
-    h = hashlib.sha256()
-
-    def add(x):
-        if torch.is_tensor(x):
-            h.update(f"{x.dtype}{tuple(x.shape)}".encode())
-            h.update(x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        elif isinstance(x, Mapping):
-            for k in sorted(x):
-                h.update(str(k).encode())
-                add(x[k])
-        else:
-            h.update(repr(x).encode())
-
-    for task in calib_data:
-        h.update(task.encode())
-        for b in calib_data[task]:
-            add(b)
-    return h.hexdigest()
+# ------------------------------------------------------------------ the fingerprint
 
 
 def file_fingerprint(path: Path, data_start: int = 0) -> str:
@@ -93,19 +73,21 @@ def file_fingerprint(path: Path, data_start: int = 0) -> str:
 
 
 def fingerprint_checkpoint(ckpt) -> dict:
-    """``{file: fingerprint}`` of a model directory's config, index and shards (see the module's
-    docstring): what a resumed run must find unchanged."""
+    """``{file: fingerprint}`` of every JSON and safetensors file of a model directory (config,
+    index, shards; a LoRA adapter's config and weights): what a resumed run must find unchanged."""
     out = {}
-    for name in sorted({"config.json", INDEX, *ckpt.files.values()}):
-        p = ckpt.path / name
-        if not p.is_file():
+    for p in sorted(ckpt.path.iterdir()):
+        if not p.is_file() or p.suffix not in (".json", ".safetensors"):
             continue
         start = 0
-        if name.endswith(".safetensors"):
+        if p.suffix == ".safetensors":
             with open(p, "rb") as f:
                 start = 8 + int.from_bytes(f.read(8), "little")
-        out[name] = file_fingerprint(p, start)
+        out[p.name] = file_fingerprint(p, start)
     return out
+
+
+# ------------------------------------------------------------------ writes and the commit
 
 
 def save_atomic(tensors: dict, path: Path, metadata: dict | None = None) -> None:
@@ -114,48 +96,60 @@ def save_atomic(tensors: dict, path: Path, metadata: dict | None = None) -> None
     os.replace(path.with_suffix(".part"), path)
 
 
-def commit(work: Path, state: dict, streams: dict | None) -> None:
-    """One checkpoint: ``streams`` (None after the last block) saved under the generation
-    ``state["done"]``, then ``state`` (naming them) renamed into place, then older streams deleted."""
-    gen = state["done"]
-    name = None
-    if streams is not None:
-        name = STREAMS.format(gen)
-        save_atomic(streams, work / name, metadata={"generation": str(gen)})
-    state["streams"] = name
-    write_json_atomic({k: v for k, v in state.items() if not k.startswith("prior_")}, work / STATE)
-    for old in work.glob("streams-*.safetensors"):
-        if old.name != name:
-            old.unlink()
-
-
-def streams_file(work: Path, state: dict) -> Path:
-    """The streams file of the committed ``state``, checked to carry its generation."""
-    name = state.get("streams")
-    path = work / name if name else None
-    gen = None
-    if path is not None and path.is_file():
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            gen = (f.metadata() or {}).get("generation")
-    if gen != str(state["done"]):
-        raise ValueError(
-            f"resume: the work directory {str(work)!r} is inconsistent (state after block {state['done']}, "
-            f"streams of generation {gen}); pass force=True (--force) to start afresh."
-        )
-    return path
-
-
 def write_json_atomic(doc: dict, path: Path) -> None:
     part = path.with_suffix(".part")
     part.write_text(json.dumps(doc, indent=1, default=str))
     os.replace(part, path)
 
 
-def open_work(work: Path, fingerprint: dict, *, resume: bool, force: bool) -> dict:
+def streams_files(dist, generation: int) -> list[str]:
+    """The streams files of generation ``generation`` of a run on ``dist``'s ranks (one process: one file)."""
+    if dist is None:
+        return [f"streams-{generation:05d}.safetensors"]
+    return [f"streams-{generation:05d}-{r}-of-{dist.size}.safetensors" for r in range(dist.size)]
+
+
+def save_streams(work: Path, name: str, flat: dict, generation: int) -> None:
+    """One rank's streams of ``generation`` (in the file's metadata, checked on load)."""
+    save_atomic(flat, work / name, metadata={"generation": str(generation)})
+
+
+def commit(work: Path, state: dict, files: list[str]) -> None:
+    """The checkpoint: ``state`` naming its streams ``files`` (saved before) renamed into place,
+    then every other streams file deleted."""
+    state["streams"] = files
+    write_json_atomic({k: v for k, v in state.items() if not k.startswith("prior_")}, work / STATE)
+    for old in work.glob("streams*.safetensors"):
+        if old.name not in files:
+            old.unlink()
+
+
+def check_streams(work: Path, state: dict) -> list[str]:
+    """The streams files of the committed ``state``, each checked to carry its generation."""
+    files = state.get("streams")
+    for name in files or [None]:
+        gen = None
+        if name is not None and (work / name).is_file():
+            with safe_open(str(work / name), framework="pt", device="cpu") as f:
+                gen = (f.metadata() or {}).get("generation")
+        if gen != str(state["done"]):
+            raise ValueError(
+                f"resume: the work directory {str(work)!r} is inconsistent (state after block {state['done']}, "
+                f"streams {name!r} of generation {gen}); pass force=True (--force) to start afresh."
+            )
+    return files
+
+
+# ------------------------------------------------------------------ opening it
+
+
+def open_work(work: Path, fingerprint: dict, *, resume: bool, force: bool, dist=None) -> dict:
     """The run's state: fresh, or the one a killed run left in ``work`` (``resume``), which must
-    have the same ``fingerprint``; a stale work directory is removed only with ``resume`` or ``force``,
-    and only if featcal made it (its marker, or a state.json)."""
-    state = {"fingerprint": fingerprint, "done": -1, "modules": [], "blocks": [], "streams": None}
+    have the same ``fingerprint`` and consistent streams; a stale work directory is removed only with
+    ``resume`` or ``force``, and only if featcal made it (its marker, or a state.json). Under a
+    process group (``dist``) every rank reads it, then rank 0 alone changes it."""
+    state = {"fingerprint": fingerprint, "done": -1, "modules": [], "blocks": [], "streams": []}
+    stale = False
     if work.exists():
         if resume and (work / STATE).is_file():
             saved = json.loads((work / STATE).read_text())
@@ -166,20 +160,27 @@ def open_work(work: Path, fingerprint: dict, *, resume: bool, force: bool) -> di
                     "changed since); resume it with the same models, merge, config and data, or pass "
                     "force=True to start afresh."
                 )
-            if saved["done"] >= 0 and saved.get("streams") is not None:
-                streams_file(work, saved)  # the generations agree
+            if saved["done"] >= 0 and saved.get("streams") != []:
+                check_streams(work, saved)  # the generations agree
             state = saved
             log.info("resuming after block %d from %s", state["done"], work)
         elif resume or force:
-            _remove_work(work)
+            stale = True
         else:
             raise FileExistsError(
                 f"{str(work)!r} holds a run that did not finish; pass resume=True (--resume) to continue it "
                 "or force=True (--force) to start afresh."
             )
-    if not work.exists():
-        work.mkdir(parents=True)
-        outdir.mark(work, "work", listed=False)
+    if dist is not None:  # every rank has read the work directory before rank 0 changes it
+        dist.barrier("reading the work directory")
+    if dist is None or dist.rank == 0:
+        if stale:
+            _remove_work(work)
+        if not work.exists():
+            work.mkdir(parents=True)
+            outdir.mark(work, "work", listed=False)
+    if dist is not None:
+        dist.barrier("making the work directory")
     state["prior_modules"], state["prior_blocks"] = list(state["modules"]), list(state["blocks"])
     return state
 
