@@ -83,8 +83,10 @@ class Param:
         elif isinstance(d, int):
             want, ok = "a whole number", isinstance(value, int) and not isinstance(value, bool)
         elif isinstance(d, float):
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            want, value = "a finite number", float(value) if ok else value
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            want, value = "a number", float(value) if ok else value
+            if ok and not math.isfinite(value):  # NaN in, error out
+                want, ok = "a finite number", False
         elif isinstance(d, str):
             want, ok = "a string", isinstance(value, str)
         else:
