@@ -56,6 +56,12 @@ def zoo_needs_build(source: str) -> bool:
     from featcal.zoo import NAMES
     from featcal.zoo.demo import needs_build
 
+    if source == "smollm2" and source not in _READY:  # the LLM zoo: tens of minutes on a CPU
+        from featcal.zoo.smollm2 import needs_build as llm_needs_build
+
+        if llm_needs_build():
+            return True
+        _READY.add(source)
     if source not in NAMES or source in _READY:
         return False
     if needs_build(NAMES[source]):
@@ -65,11 +71,16 @@ def zoo_needs_build(source: str) -> bool:
 
 
 def build_zoo(source: str, on_step) -> None:
-    """Build the demo zoo ``source`` into the cache, reporting its
+    """Build the demo zoo (or the LLM zoo) ``source`` into the cache, reporting its
     :class:`featcal.util.progress.Progress` to ``on_step`` (and bars to the server's terminal)."""
     from featcal.zoo import NAMES
     from featcal.zoo.demo import build_demo, demo_path
 
+    if source == "smollm2":
+        from featcal.zoo.smollm2 import ensure_built
+
+        ensure_built(progress=True, on_step=on_step)
+        return
     build_demo(demo_path(NAMES[source]), variant=NAMES[source], progress=True, on_step=on_step)
 
 

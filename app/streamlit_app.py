@@ -30,6 +30,7 @@ PAGES = [
     ("tune.py", "Tune", ":material/search:"),
     ("studies.py", "Studies", ":material/science:"),
     ("compare.py", "Compare", ":material/compare:"),
+    ("generate.py", "Generate", ":material/chat:"),  # LLM zoos: one prompt, every model's reply
 ]
 
 st.set_page_config(page_title="featcal", page_icon=":material/tune:", layout="wide")

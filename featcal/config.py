@@ -177,6 +177,9 @@ class FastPaths:
     scratch_keep: int = 1 << 26
     # Statistics form of every Linear input, one of FORMS (None: the cheapest for its widths and rows).
     form: str | None = None
+    # Under a process group (featcal.engine.distributed): "owner" solves each module on one rank and sends
+    # the result to the others, "everywhere" adds every sum onto every rank and solves there too.
+    dist_solve: str = "owner"
 
     def __post_init__(self):
         def count(name: str, lowest: int, off: str) -> None:
@@ -192,6 +195,8 @@ class FastPaths:
         v = self.direct_rows
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < float("inf"):
             raise ValueError(f"FastPaths.direct_rows must be a finite number >= 0, got {v!r}.")
+        if self.dist_solve not in ("owner", "everywhere"):
+            raise ValueError(f"FastPaths.dist_solve must be 'owner' or 'everywhere', got {self.dist_solve!r}.")
         if self.form is not None and self.form not in FORMS:
             raise ValueError(f"FastPaths.form must be one of {FORMS} or None (the cheapest), got {self.form!r}.")
 

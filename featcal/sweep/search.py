@@ -387,7 +387,7 @@ def tune_zoo(
     for task in zoo.tasks:
         x, y = zoo.split(task, "val")
         val[task] = (x[:val_per_task], y[:val_per_task]) if val_per_task else (x, y)
-    logits = HeadLogits(zoo.features, zoo.heads)
+    logits = HeadLogits(zoo.features, zoo.heads) if zoo.heads else zoo.logits  # an LLM zoo: its own view
     result = tune(
         merged,
         zoo.base,
