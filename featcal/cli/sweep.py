@@ -154,6 +154,9 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--ray", action="store_true", help="run previews and exact runs as Ray tasks")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray started by --ray")
     p.add_argument(
+        "--ray-address", metavar="auto|HOST:PORT", help="run the jobs on this existing Ray cluster (implies --ray)"
+    )
+    p.add_argument(
         "--report",
         action="store_true",
         help="after choosing, print and write the TEST accuracy of the anchor and the tuned setting",
@@ -181,7 +184,7 @@ def run_tune(args: argparse.Namespace) -> int:
             n_confirm=args.n_confirm,
             rounds=args.rounds,
             top_k=args.top_k,
-            ray=args.ray,
+            ray=args.ray_address or args.ray,
             num_cpus=args.num_cpus,
         ),
         progress=not args.quiet,
@@ -198,7 +201,7 @@ def run_tune(args: argparse.Namespace) -> int:
     b = res.best
     print(
         f"{len(res.table)} points previewed, {int(res.table.confirmed.sum())} exact runs, {res.seconds:.1f} s "
-        f"({'Ray' if args.ray else 'one process'}); score: val {res.score}"
+        f"({'Ray' if args.ray or args.ray_address else 'one process'}); score: val {res.score}"
     )
     print(
         f"best: lam={b['lam']:.4g} rho={b['rho']:.4g} alpha={b['alpha']:.4g}  val {b['score']:.4f} "
