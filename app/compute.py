@@ -202,7 +202,7 @@ def load_preview(scratch: nn.Module, calibrated: nn.Module, report, config: Feat
     into ``scratch`` (a model of the same architecture), in place; the statistics fix every
     other setting."""
     scratch.load_state_dict(calibrated.state_dict())
-    report.preview_state.load_into(scratch, config.lam, config.rho, config.alpha)
+    report.preview_state.load_into(scratch, config.setting)
     return scratch.eval()
 
 

@@ -66,7 +66,10 @@ def zoo_picker() -> str:
     if pick != OTHER:
         return pick
     path = st.sidebar.text_input(
-        "Zoo spec (YAML) or zoo directory", key="zoo_path", **BIND, placeholder="~/zoos/my-zoo.yaml"
+        "Zoo spec or FusionBench model pool (YAML), or zoo directory",
+        key="zoo_path",
+        **BIND,
+        placeholder="~/zoos/my-zoo.yaml",
     )
     return path.strip()
 

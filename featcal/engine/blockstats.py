@@ -61,7 +61,7 @@ class Context:
     fixed_alpha: float | None  # set: sums and systems for this alpha only (no preview); None: for any alpha
     scratch: Scratch = field(default_factory=Scratch)  # where the big buffers come from and go back to
     warn_rows: list[str] = field(default_factory=list)  # the first "fewer rows than width" warning
-    fallbacks: list[str] = field(default_factory=list)  # solves re-done in float64 (featcal.method.solve.EigenSolve)
+    fallbacks: list[str] = field(default_factory=list)  # solves re-done in float64 (featcal.method.linalg.EigenSolve)
 
 
 def token_weights(
@@ -269,13 +269,21 @@ class BlockSystems:
     """Each target's system of ``block``, built from the tasks' statistics as they come
     (one task's, or every task's at once with a leading task axis)."""
 
+    direct_ok = True  # one-batch tasks may keep their rows instead of a Gram matrix (direct sums)
+
     def __init__(self, ctx: Context, block: int, targets):
         self.ctx, self.block, self.targets = ctx, block, targets
         self.systems: dict[str, Any] = {}
         self.norm_parts: dict[str, list] = {t.name: [] for t in targets if t.kind == arch.LAYERNORM}
         self.shared_S: dict[tuple, str] = {}  # group -> the target whose system owns its S
 
+    def task_rows(self, task: str, rows: int) -> int:
+        """The row count of ``task`` the statistics' form is chosen from (here: this process's)."""
+        return rows
+
     def add(self, acc: BlockStats, expert_params: dict, task: str) -> None:
+        """Add one task's terms (every task's, with a leading task axis) into every target's
+        system, and hand the statistics' buffers back to the scratch."""
         ctx = self.ctx
         dt, device = ctx.cfg.stats_dtype, ctx.device
         lead = acc.lead
@@ -303,6 +311,7 @@ class BlockSystems:
                 e, m = stats.norm_moments(acc.group(t))
                 parts = (e, m, W_i.to(device, dt), None if b_i is None else b_i.to(device, dt))
                 self.norm_parts[t.name].append(tuple(x if lead or x is None else x[None] for x in parts))  # (tasks, d)
+        acc.release()  # the sums are in the systems now
 
     def finish(self) -> dict:
         for name, parts in self.norm_parts.items():

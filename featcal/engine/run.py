@@ -33,13 +33,15 @@ import torch
 from torch import nn
 
 from featcal.config import FastPaths, FeatCalConfig
-from featcal.engine import snapshot
+from featcal.engine import distributed, snapshot
 from featcal.engine.blocksource import BlockSource, DeviceBlocks, check_device, to_host
 from featcal.engine.blockstats import Context
+from featcal.engine.dist_systems import share_solutions
+from featcal.engine.preview import Kept, Preview
 from featcal.engine.report import BlockRecord, CalibrationReport, ModuleRecord
 from featcal.engine.state import RunState, Stream
 from featcal.engine.trace import ExpertTrace
-from featcal.method import solve
+from featcal.method import linalg, solve
 from featcal.model import arch, validate
 from featcal.model import loading as sources
 from featcal.model.capture import sequence_first
@@ -94,27 +96,22 @@ def _solve_block(run: RunState, block: int, blk: nn.Module, targets, systems: di
     them). The factorisations' buffers come from the scratch and go back to it, and so do
     the systems' ``S`` unless ``run.keep`` holds on to them."""
     cfg, scratch, keep = run.ctx.cfg, run.ctx.scratch, run.keep
+    setting = cfg.setting
     new_params = []
-    factors = solve.Factors(run.ctx.fast.lapack_min_d, take=scratch.take)  # one per shared S (q/k/v)
+    factors = linalg.Factors(run.ctx.fast.lapack_min_d, take=scratch.take)  # one per shared S (q/k/v)
     for t in targets:
         t0 = time.perf_counter()
         W_mer, b_mer = arch.get_params(blk, t)
         if keep is not None:
             W_mer, b_mer = W_mer.clone(), None if b_mer is None else b_mer.clone()
         W_0, b_0 = arch.get_params(run.base_blocks[block], t)
-        W_0 = W_0.to(W_mer.device)
-        b_0 = None if b_0 is None else b_0.to(W_mer.device)
+        ends = solve.Endpoints(W_mer, b_mer, W_0.to(W_mer.device), None if b_0 is None else b_0.to(W_mer.device))
         sysm = systems[t.name]
         if t.kind == arch.LINEAR:
             W, b, SWt = solve.solve_linear(
                 sysm,
-                W_mer,
-                b_mer,
-                W_0,
-                b_0,
-                lam=cfg.lam,
-                rho=cfg.rho,
-                alpha=cfg.alpha,
+                ends,
+                setting,
                 eps=cfg.eps,
                 bias=cfg.bias,
                 what=f"block {block} {t.name}",
@@ -126,7 +123,7 @@ def _solve_block(run: RunState, block: int, blk: nn.Module, targets, systems: di
             )
             d_in, d_out, rows = W.shape[1], W.shape[0], sysm.min_rows
         else:
-            W, b = solve.solve_norm(sysm, W_mer, b_mer, W_0, b_0, lam=cfg.lam, rho=cfg.rho, eps=cfg.eps)
+            W, b = solve.solve_norm(sysm, ends, setting, eps=cfg.eps)
             before = solve.norm_residual(sysm, W_mer, b_mer)
             after = solve.norm_residual(sysm, W, b)
             d_in = d_out = W.shape[0]
@@ -140,7 +137,7 @@ def _solve_block(run: RunState, block: int, blk: nn.Module, targets, systems: di
             ModuleRecord(run.offset + block, t.name, t.kind, d_in, d_out, rows, before, after, time.perf_counter() - t0)
         )
         if keep is not None:
-            keep.append((run.offset + block, t, sysm, W_mer, b_mer, W_0, b_0))
+            keep.append(Kept(run.offset + block, t, sysm, ends))
     for t, W, b in new_params:
         arch.set_params(blk, t, W, b)
     run.ctx.fallbacks.extend(factors.notes)
@@ -166,6 +163,8 @@ def _advance(run: RunState, block: int, blk: nn.Module, pool) -> None:
                 outs[task, b] = nxt.with_hidden(to_host(nxt.hidden)) if offload else nxt
     for task, st in run.streams.items():
         calls = [outs[task, b] for b in range(len(st.cal))]
+        if not calls:  # a rank may hold no batch of a task
+            continue
         seq = sequence_first(blk)  # (T, B, d) streams: the mask is (B, T)
         finite = [
             _finite_unpadded(c.hidden.transpose(0, 1) if seq and c.hidden.dim() == 3 else c.hidden, cc.mask)
@@ -210,7 +209,8 @@ def _calibrate_stack(
     untouched = arch.untouched_norms(blks[0]) if cfg.layernorm else []
     if untouched:  # say so: their affine stays the merged one
         msg = f"{path}: norms featcal does not calibrate keep their merged values: {', '.join(untouched)}."
-        warnings.warn(msg, stacklevel=4)
+        if distributed.is_main():  # one process of a group says it
+            warnings.warn(msg, stacklevel=4)
         report.warnings.append(msg)
     source = block_source
     if source is None and ctx.device != device_of(model):  # one block of each model on the device at a time
@@ -233,7 +233,8 @@ def _visit_blocks(run: RunState, source: BlockSource, model, blks, experts, cali
     )
     run.streams, run.offload = streams, cfg.offload_streams or source.offload(streams)
     desc = "FeatCal" if path == report.blocks_path else f"FeatCal {path}"
-    bar = progress_bar(range(source.first, len(blks)), desc=desc, unit="block", show=progress)
+    show = progress and (run.dist is None or run.dist.rank == 0)  # one bar: rank 0's
+    bar = progress_bar(range(source.first, len(blks)), desc=desc, unit="block", show=show)
     for block in bar:
         source.enter(block)  # block `block` of every model where it runs
         blk = blks[block]
@@ -247,7 +248,10 @@ def _visit_blocks(run: RunState, source: BlockSource, model, blks, experts, cali
         ctx.scratch.trim(fast.scratch_keep)  # big Gram buffers go before the solve (kept, they add to its peak)
         t1 = time.perf_counter()
         # 2. Solve all modules of the block, then load them together.
-        _solve_block(run, block, blk, targets, systems)
+        first_record = len(report.modules)  # (this rank's share of the modules, under a process group)
+        _solve_block(run, block, blk, [t for t in targets if t.name in systems], systems)
+        if run.dist is not None:  # every rank gets every module's new parameters
+            share_solutions(run.dist, report, blk, targets, first_record)
         ctx.scratch.trim(fast.scratch_keep)  # and big systems and factors before the advance
         t2 = time.perf_counter()
         # 3. Advance the calibrating streams through the calibrated block.
@@ -266,11 +270,11 @@ def _summarised(notes: list[str], first: int = 3) -> list[str]:
 
 def _checked_models(merged, base, experts, calib_data, blocks, block_source):
     """``(tasks, base, experts, path)``: the tasks checked against the data, base and experts as
-    models (a state dict or a model directory loaded into a copy of ``merged``), and the blocks'
-    path(s) after checking that every model has ``merged``'s architecture."""
+    models (a state dict or a model directory loaded into a copy of ``merged``, a LoRA adapter
+    merged onto ``base``), and the blocks' path(s) after checking that every model has ``merged``'s architecture."""
     tasks = validate.check_tasks(experts, calib_data)
     base = sources.as_model(base, merged, "base")
-    experts = {t: sources.as_model(experts[t], merged, f"expert {t!r}") for t in tasks}
+    experts = {t: sources.as_model(experts[t], merged, f"expert {t!r}", base=base) for t in tasks}  # LoRA: on base
 
     def stacks_of(m: nn.Module) -> str:
         return arch.STACK_SEP.join(p for p, _ in arch.resolve_stacks(m, blocks))
@@ -306,7 +310,8 @@ def calibrate(
         experts: ``{task: M_i}``, same architecture as ``merged``. ``base`` and each expert may
             also be a state dict, a checkpoint file or a local model directory (Hugging Face
             ``save_pretrained`` layout), loaded strictly into a copy of ``merged``
-            (:mod:`featcal.model.loading`).
+            (:mod:`featcal.model.loading`); an expert may be a PEFT LoRA adapter directory on
+            ``base`` (:mod:`featcal.model.lora`).
         calib_data: ``{task: [batch, ...]}``; a batch is a tensor (``model(batch)``) or a
             dict (``model(**batch)``; an ``attention_mask`` in it marks padding).
         config: hyper-parameters and switches (:class:`FeatCalConfig`).
@@ -340,9 +345,13 @@ def calibrate(
     tasks, base, experts, path = _checked_models(merged, base, experts, calib_data, blocks, block_source)
 
     # 2. The model to calibrate, and its stacks of blocks (an encoder-decoder's two, in forward order).
+    device = device_of(merged) if device is None else check_device(device)
+    dist = distributed.current(device, "everywhere" if keep_stats else fast.dist_solve)
+    if dist is not None:  # the same inputs on every rank, then this rank's share of the batches
+        dist.check_same(distributed.input_digests(merged, base, experts, {t: calib_data[t] for t in tasks}, cfg, path))
+        calib_data = dist.my_share({t: calib_data[t] for t in tasks})
     model = merged if inplace else copy.deepcopy(merged)
     stacks = path.split(arch.STACK_SEP)
-    device = device_of(model) if device is None else check_device(device)
     if block_source is not None and len(stacks) > 1:
         raise ValueError(f"block_source works on one stack of blocks; {path!r} has {len(stacks)}.")
     restore_modes = to_eval(model, base, *experts.values())  # each submodule's flag comes back exactly
@@ -352,15 +361,20 @@ def calibrate(
         what = (path, cfg.linear, cfg.layernorm, tuple(cfg.modules or ()), cfg.offload_streams, str(device))
         trace = expert_trace.bind(experts, calib_data, tasks, what)
     ctx = Context(cfg, fast, 0, device, fixed_alpha=None if keep_stats else cfg.alpha)
-    run = RunState(ctx, report, [] if keep_stats else None, trace)
+    run = RunState(ctx, report, [] if keep_stats else None, trace, dist=dist)
     try:
         # 3. Each stack in forward order, block by block.
         for stack in stacks:
             _calibrate_stack(
                 run, model, stack, base, experts, {t: calib_data[t] for t in tasks}, progress, block_source
             )
+        if dist is not None:  # the warnings of the modules other ranks solved
+            parts = dist.gather_objects((ctx.warn_rows, ctx.fallbacks), "gathering the warnings")
+            ctx.warn_rows = [m for w, _ in parts for m in w][:1]
+            ctx.fallbacks = [m for _, f in parts for m in f]
         for msg in ctx.warn_rows + _summarised(ctx.fallbacks):
-            warnings.warn(msg, stacklevel=3)
+            if dist is None or dist.rank == 0:  # one process of a group says it
+                warnings.warn(msg, stacklevel=3)
             report.warnings.append(msg)
     except BaseException:
         if inplace:
@@ -369,8 +383,6 @@ def calibrate(
     finally:
         restore_modes()
     if keep_stats:
-        from featcal.engine.preview import Preview
-
         report.preview_state = Preview(model, path, run.keep, cfg.eps, cfg.bias)
     report.seconds = time.perf_counter() - t_start
     return model, report

@@ -20,6 +20,7 @@ from torch import nn
 
 from featcal.engine.blocksource import to_host
 from featcal.engine.blockstats import BlockStats, BlockSystems
+from featcal.engine.dist_systems import DistBlockSystems
 from featcal.engine.state import RunState, Stream
 from featcal.model import arch
 from featcal.model.capture import Captured, capture, per_task, sliced, stacked
@@ -32,7 +33,7 @@ def pool(streams: dict[str, Stream], max_rows: int) -> tuple[list[tuple[str, int
     :func:`featcal.model.streams.pool_spans`; ``max_rows``: :attr:`FastPaths.pool_rows`)."""
     keys = [(task, b) for task, st in streams.items() for b in range(len(st.cal))]
     calls = [streams[task].cal[b] for task, b in keys]
-    spans = pool_spans(calls, max_rows)
+    spans = pool_spans(calls, max_rows) if calls else None  # (a rank may hold no batch)
     return None if spans is None else (keys, calls, spans)
 
 
@@ -113,8 +114,7 @@ def _add_stacked(
     rows = streams[tasks[0]].cal[0].hidden.shape[:-1].numel()
     acc = BlockStats(run.ctx, block, targets, expert_params, merged_params, rows, lead=1)
     acc.add(per_task(merged_cap, len(tasks)), ce_stack, None)
-    into.add(acc, expert_params, tasks[0])
-    acc.release()
+    into.add(acc, expert_params, tasks[0])  # (which hands the sums' buffers back)
 
 
 def _add_each_task(
@@ -134,8 +134,9 @@ def _add_each_task(
     for task, st in run.streams.items():
         eblk = run.expert_blocks[task][block]
         expert_params = {t.name: arch.get_params(eblk, t) for t in targets}
-        rows = sum(c.hidden.shape[:-1].numel() for c in st.cal)
-        acc = BlockStats(run.ctx, block, targets, expert_params, merged_params, rows, one_batch=len(st.cal) == 1)
+        rows = into.task_rows(task, sum(c.hidden.shape[:-1].numel() for c in st.cal))  # all ranks' rows
+        one_batch = len(st.cal) == 1 and into.direct_ok
+        acc = BlockStats(run.ctx, block, targets, expert_params, merged_params, rows, one_batch=one_batch)
         for b, cc in enumerate(st.cal):
             if caps is not None:
                 cs = caps.pop((task, b))
@@ -144,8 +145,7 @@ def _add_each_task(
                     run_block(blk, cc, device)
             ce = _expert_step(run, eblk, targets, st, b, (run.path, block, task, b))
             acc.add(cs, ce, cc.mask_for)  # each input's padding mask: the decoder's or the encoder's tokens
-        into.add(acc, expert_params, task)
-        acc.release()
+        into.add(acc, expert_params, task)  # (which hands the sums' buffers back)
 
 
 def block_systems(run: RunState, block: int, blk: nn.Module, targets, pool) -> dict:
@@ -155,10 +155,14 @@ def block_systems(run: RunState, block: int, blk: nn.Module, targets, pool) -> d
     (cheaper; no preview from them; their ``S`` then come from the scratch, as do the
     statistics' buffers in any case: kept from task to task and block to block)."""
     merged_params = {t.name: arch.get_params(blk, t) for t in targets}
-    into = BlockSystems(run.ctx, block, targets)
+    if run.dist is None:
+        into = BlockSystems(run.ctx, block, targets)
+    else:  # each task's sums added across the ranks before its systems are built
+        rows = {task: sum(c.hidden.shape[:-1].numel() for c in st.cal) for task, st in run.streams.items()}
+        into = DistBlockSystems(run.ctx, block, targets, run.dist, rows)
     merged_cap = _pooled_capture(blk, targets, pool, run.ctx.device)
     widths = [p[0].shape[-1] for t, p in zip(targets, merged_params.values()) if t.kind == arch.LINEAR]
-    if _batchable(run.streams, pool, widths, run.ctx.fast.stack_max):
+    if run.dist is None and _batchable(run.streams, pool, widths, run.ctx.fast.stack_max):
         _add_stacked(run, block, targets, merged_params, merged_cap, into)
     else:
         _add_each_task(run, block, blk, targets, merged_params, merged_cap, pool, into)

@@ -10,6 +10,7 @@ from typing import Mapping
 from torch import nn
 
 from featcal.engine.blockstats import Context
+from featcal.engine.distributed import Dist
 from featcal.engine.report import CalibrationReport
 from featcal.engine.trace import ExpertTrace
 from featcal.model.streams import BlockCall
@@ -38,3 +39,4 @@ class RunState:
     expert_blocks: Mapping[str, nn.ModuleList] | None = None
     streams: dict[str, Stream] | None = None
     offload: bool = False  # the streams go to the host between blocks
+    dist: Dist | None = None  # the process group sharing the batches (featcal.engine.distributed)

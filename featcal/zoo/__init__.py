@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from featcal.zoo import spec
+from featcal.zoo import fusionbench, spec
 from featcal.zoo.core import SPLITS, TaskData, Zoo, evaluate
 from featcal.zoo.demo import DEMO_VERSION, build_demo, cache_dir, demo_path, load_demo
 from featcal.zoo.io import OutputExistsError, load_model, save_model
@@ -78,7 +78,8 @@ def load_any(name_or_path: str | os.PathLike, progress: bool = True, rebuild: bo
     - ``demo`` / ``demo-fashion``: the embedded demo zoo (built and cached on first use);
     - ``real-text``: the real text zoo (built and cached on first use from installed packages);
     - ``smollm2``: the LLM zoo (:mod:`featcal.zoo.smollm2`, likewise);
-    - a ``.yaml`` / ``.yml`` file: a spec of real models (:func:`featcal.zoo.spec.load`);
+    - a ``.yaml`` / ``.yml`` file: a spec of real models (:func:`featcal.zoo.spec.load`), or a
+      FusionBench CLIP model pool (:mod:`featcal.zoo.fusionbench`);
     - a directory in the demo's layout (``meta.json`` of kind ``featcal-zoo``).
 
     ``~`` and ``$VARS`` in a path are expanded. ``rebuild`` applies to the built-in
@@ -94,6 +95,8 @@ def load_any(name_or_path: str | os.PathLike, progress: bool = True, rebuild: bo
     if path.suffix.lower() in (".yaml", ".yml"):
         if not path.is_file():
             raise FileNotFoundError(f"zoo spec {key!r} does not exist.")
+        if fusionbench.is_pool(path):  # a FusionBench model pool, read as the spec it makes
+            return _on(spec.load(fusionbench.pool_spec(path), device=device), device)
         return _on(spec.load(path, device=device), device)
     if path.is_dir() and is_zoo_dir(path):
         return _on(read_zoo_dir(path), device)

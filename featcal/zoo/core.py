@@ -18,7 +18,7 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
-from featcal.baselines.merging import merge
+from featcal.baselines.registry import merge
 from featcal.model.streams import device_of
 from featcal.zoo.tokens import as_batch
 

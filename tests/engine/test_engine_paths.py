@@ -64,13 +64,14 @@ def test_every_statistics_form_gives_the_same_calibration(kind):
             assert a.residual_after == pytest.approx(b.residual_after, rel=1e-3, abs=1e-6), (form, a.name)
         if report.preview_state is None:
             continue
-        seen = [e[2].res.k_mm is not None for e in report.preview_state.entries if e[1].kind == "linear"]
+        entries = report.preview_state.entries
+        seen = [e.system.res.k_mm is not None for e in entries if e.target.kind == "linear"]
         assert sum(seen) >= 4, "the report's residual before should come from the merged outputs seen"
-        for blk, t, sysm, W_mer, b_mer, _, _ in report.preview_state.entries:
-            if t.kind == "linear":
-                direct = solve.linear_residual(sysm, W_mer, b_mer, 0.3)  # through S W_mer^T
-                rec = next(m for m in report.modules if m.block == blk and m.name == t.name)
-                assert rec.residual_before == pytest.approx(direct, rel=1e-3, abs=1e-6), (form, t.name)
+        for e in entries:
+            if e.target.kind == "linear":
+                direct = solve.linear_residual(e.system, e.ends.W_mer, e.ends.b_mer, 0.3)  # through S W_mer^T
+                rec = next(m for m in report.modules if m.block == e.block and m.name == e.target.name)
+                assert rec.residual_before == pytest.approx(direct, rel=1e-3, abs=1e-6), (form, e.target.name)
 
 
 @pytest.mark.parametrize("kind", ARCHS)
@@ -131,14 +132,14 @@ def test_direct_sums_of_one_batch_tasks_change_nothing(kind, keep_stats, threads
     """Tasks of one batch with few rows for their inputs' widths add their rows' Gram matrix
     straight into the systems (BLAS syrk on one thread): the model, the report and a preview
     equal those of the running Gram sums, and a second run (buffers reused) is the same."""
-    from featcal.method import stats
+    from featcal.method import linalg
 
     base, experts, merged, data = tiny.zoo(kind, n_tasks=3)
     one = {t: [bs[0][:1]] for t, bs in data.items()}  # 5 token rows against widths 32, 64, 96
     direct = []
-    real = stats.add_rows_gram
-    monkeypatch.setattr(stats, "add_rows_gram", lambda *a: direct.append(a[0].shape) or real(*a))
-    monkeypatch.setattr("featcal.method.solve.add_rows_gram", stats.add_rows_gram)
+    real = linalg.add_rows_gram
+    monkeypatch.setattr(linalg, "add_rows_gram", lambda *a: direct.append(a[0].shape) or real(*a))
+    monkeypatch.setattr("featcal.method.solve.add_rows_gram", linalg.add_rows_gram)
     cfg = FeatCalConfig.clip(alpha=0.4)
 
     def run(fast):
@@ -148,7 +149,7 @@ def test_direct_sums_of_one_batch_tasks_change_nothing(kind, keep_stats, threads
     torch.set_num_threads(threads or max(old, 2))
     try:
         got, rep_got = run(FastPaths(stack_max=0))  # task by task
-        assert direct and (stats._blas("syrk", torch.zeros(1)) is not None) == (threads == 1)
+        assert direct and (linalg._blas("syrk", torch.zeros(1)) is not None) == (threads == 1)
         again, rep_again = run(FastPaths(stack_max=0))
         tiny.assert_same_calibration(again, rep_again, got, rep_got)
         direct.clear()

@@ -64,6 +64,7 @@ ZOO_LAYERS = {
         "featcal.zoo.spec",
         "featcal.zoo.store",
         "featcal.zoo.scores",
+        "featcal.zoo.fusionbench",
         "featcal.zoo.text_data",  # reads WordNet for the LLM zoo's tasks too
         "featcal.zoo.llm_tasks",
         "featcal.zoo.lm",
