@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import warnings
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from featcal.cli.common import (
 from featcal.config import FeatCalConfig
 from featcal.sweep import studies
 from featcal.sweep.search import Grid, TuneConfig, holdout_report, tune_zoo
+from featcal.util import outdir
 
 STUDIES = ("sample-efficiency", "robustness")
 TUNE_HELP = "choose FeatCal's (lam, rho, alpha) on the validation split"
@@ -62,13 +62,9 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def _out_dir(path: str, force: bool) -> Path:
-    """Create the output directory once there is something to write (replaced if ``force``)."""
-    check_out(path, force)
-    out = Path(path)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    return out
+    """Create the output directory once there is something to write (replaced if ``force`` and
+    featcal wrote it, :func:`featcal.util.outdir.fresh_dir`)."""
+    return outdir.fresh_dir(path, force, kind="sweep")
 
 
 def _figures():
