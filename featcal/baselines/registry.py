@@ -75,8 +75,11 @@ class Param:
 
     def check(self, method: str, value: Any) -> Any:
         """``value`` as this parameter takes it (an int given for a float becomes a float), or a
-        ``ValueError`` naming the method, the parameter and what it takes."""
+        ``ValueError`` naming the method, the parameter and what it takes. A number may also come
+        per task, as ``{task: number}`` (mergekit's per-model densities): each is checked."""
         d = self.default
+        if isinstance(value, Mapping) and isinstance(d, (int, float)) and not isinstance(d, bool):
+            return {k: self.check(method, v) for k, v in value.items()}
         want = None
         if isinstance(d, bool):
             want, ok = "true or false", isinstance(value, bool)
