@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -74,8 +75,11 @@ class Param:
 
     def check(self, method: str, value: Any) -> Any:
         """``value`` as this parameter takes it (an int given for a float becomes a float), or a
-        ``ValueError`` naming the method, the parameter and what it takes."""
+        ``ValueError`` naming the method, the parameter and what it takes. A number may also come
+        per task, as ``{task: number}`` (mergekit's per-model densities): each is checked."""
         d = self.default
+        if isinstance(value, Mapping) and isinstance(d, (int, float)) and not isinstance(d, bool):
+            return {k: self.check(method, v) for k, v in value.items()}
         want = None
         if isinstance(d, bool):
             want, ok = "true or false", isinstance(value, bool)
@@ -84,6 +88,8 @@ class Param:
         elif isinstance(d, float):
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             want, value = "a number", float(value) if ok else value
+            if ok and not math.isfinite(value):  # NaN in, error out
+                want, ok = "a finite number", False
         elif isinstance(d, str):
             want, ok = "a string", isinstance(value, str)
         else:
