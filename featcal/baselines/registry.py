@@ -247,7 +247,9 @@ def get(name: str, *kinds: str) -> Method:
         known = names(*kinds)
         aliases = [a for a, n in ALIASES.items() if n in known]
         what = "method"
-        if kinds and set(kinds) <= {"merger", "data_merger"}:
+        if kinds == ("data_merger",):
+            what = "data-using merge method"
+        elif kinds and set(kinds) <= {"merger", "data_merger"}:
             what = "merge method"
         elif kinds and set(kinds) <= {"calibrator", "trained"}:
             what = "calibrator"
