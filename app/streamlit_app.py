@@ -19,7 +19,16 @@ if str(HERE.parent) not in sys.path:
 
 import streamlit as st
 
-from app import controls, state
+from app import binding
+
+# 0. Served where the user did not ask (another directory's Streamlit config, no address):
+# refuse before anything is loaded.
+if (refused := binding.check(st)) is not None:
+    st.set_page_config(page_title="featcal", layout="centered")
+    st.error(refused)
+    st.stop()
+
+from app import controls, state  # noqa: E402  (after the address check: nothing loaded before it)
 
 # (file, title, icon); tune and studies are other engineers' pages, listed when present.
 PAGES = [

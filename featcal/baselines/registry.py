@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -87,6 +88,8 @@ class Param:
         elif isinstance(d, float):
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             want, value = "a number", float(value) if ok else value
+            if ok and not math.isfinite(value):  # NaN in, error out
+                want, ok = "a finite number", False
         elif isinstance(d, str):
             want, ok = "a string", isinstance(value, str)
         else:

@@ -251,6 +251,7 @@ def test_tune_and_study_command_lines_write_their_files(tmp_path, capsys):
         == 0
     )
     assert {p.name for p in out.iterdir()} == {
+        ".featcal-output.json",  # featcal's marker: --force may replace this directory
         "best.json",
         "table.csv",
         "test_report.csv",
@@ -283,7 +284,8 @@ def test_tune_and_study_command_lines_write_their_files(tmp_path, capsys):
         )
         == 0
     )
-    assert {p.name for p in se.iterdir()} == {"rows.csv", "summary.csv", "sample_efficiency.html", "plotly.min.js"}
+    files = {".featcal-output.json", "rows.csv", "summary.csv", "sample_efficiency.html", "plotly.min.js"}
+    assert {p.name for p in se.iterdir()} == files
 
 
 def test_tune_options_are_one_object_with_keyword_overrides():
