@@ -254,7 +254,7 @@ def load_legacy_state_dict(path: str | os.PathLike) -> dict:
 
 def _hf_class(model_dir: Path):
     """The library class config.json's ``architectures`` names (never the directory's own code)."""
-    from featcal.model.checkpoints import library_model_class
+    from featcal.model.allowed import library_model_class
 
     names = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
     if not names:

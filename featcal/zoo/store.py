@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from featcal.model.checkpoints import check_model_kwargs, library_model_class
+from featcal.model.allowed import check_model_kwargs, library_model_class
 from featcal.util import outdir
 from featcal.zoo.core import SPLITS, TaskData, Zoo
 from featcal.zoo.io import atomic_dir, quiet_transformers, tree_sha256
