@@ -32,7 +32,8 @@ PAGES = [
     ("compare.py", "Compare", ":material/compare:"),
 ]
 
-st.set_page_config(page_title="featcal", page_icon=":material/tune:", layout="wide")
+ICON = HERE / "icon.png"  # a local file: a ":material/...:" page icon makes the browser fetch it from Google
+st.set_page_config(page_title="featcal", page_icon=str(ICON), layout="wide")
 
 # 1. The pages.
 pages = [
@@ -45,6 +46,7 @@ page = st.navigation(pages)
 # 2. The zoo.
 st.sidebar.title("featcal")
 source = controls.zoo_picker()
+st.set_page_config(page_title=f"{page.title} · {source or 'no zoo'} · featcal")  # the tab names the zoo loading
 zoo, error = state.zoo_or_error(source)
 
 # 3. The open page, once the zoo is there.
@@ -52,6 +54,7 @@ if error is not None:
     st.error(error)
     st.stop()
 st.session_state["_zoo_source"] = source
+st.set_page_config(page_title=f"{page.title} · {zoo.name} · featcal")
 st.sidebar.caption(
     f"**{zoo.name}**: {len(zoo.tasks)} tasks, {zoo.fmt} format, on {state.device()}. "
     "Post-merging feature calibration, arXiv 2605.13030."

@@ -91,7 +91,7 @@ def test_the_table_and_residuals_are_drawn_only_when_opened(tiny_zoo_dir):
     # The drift chart, the two cosine charts and the experts' task-vector matrix; no table.
     assert len(at.get("plotly_chart")) == 4 and not at.dataframe
     at.session_state["cal_residuals_open"] = True  # what a click on them does
-    at.session_state["cal_table_exact"] = True
+    at.session_state["cal_table"] = True
     _ok(at.run())
     assert len(at.get("plotly_chart")) == 5 and len(at.dataframe) == 1
     assert any("Exact FeatCal done" in c.value for c in at.caption)  # the status line
@@ -121,7 +121,7 @@ def test_the_calibration_gets_the_config_the_url_sets(tiny_zoo_dir, monkeypatch)
     real_calibrate, configs = compute.calibrate, []
     monkeypatch.setattr(compute, "calibrate", lambda *a, **k: configs.append(a[3]) or real_calibrate(*a, **k))
     _page(_app(tiny_zoo_dir, log_lam=-2.7, rho=1.35, alpha=0.45, n_cal=16, bias="false").run(), "calibrate")
-    assert configs == [FeatCalConfig.clip(lam=10**-2.7, rho=1.35, alpha=0.45, bias=False, layernorm=True)]
+    assert configs == [FeatCalConfig.clip(lam=0.002, rho=1.35, alpha=0.45, bias=False, layernorm=True)]  # 10^-2.7
 
 
 @pytest.mark.parametrize(
@@ -241,11 +241,11 @@ def test_widget_values_become_the_featcal_config():
     from featcal import FeatCalConfig
 
     cal = AppCal.from_widgets(log_lam=-1.3, rho=1.5, alpha=0.45, n=16, bias=False, layernorm=True)
-    assert cal.config.lam == 10**-1.3 and cal.n == 16
-    assert cal.config == FeatCalConfig.clip(lam=10**-1.3, rho=1.5, alpha=0.45, bias=False, layernorm=True)
+    assert cal.config.lam == 0.05 and cal.n == 16  # the paper's λ exactly (10^-1.3 = 0.0501...)
+    assert cal.config == FeatCalConfig.clip(lam=0.05, rho=1.5, alpha=0.45, bias=False, layernorm=True)
     assert cal.config.token_weights is not None  # the CLIP preset's, as before
     assert AppCal.from_widgets(-1.2999999999999998, 1.5, 0.45, 16, False, True) == cal  # one cache entry
-    assert "λ=0.0501" in cal.label and "n=16/task" in cal.label and "bias" not in cal.label
+    assert "λ=0.05," in cal.label and "n=16/task" in cal.label and "bias" not in cal.label
     with pytest.raises(ValueError, match="lam"):
         AppCal.from_widgets(float("nan"), 1.5, 0.45, 16, False, True)
 
