@@ -371,3 +371,16 @@ def expert_task_vectors(source: str, fp: str) -> pd.DataFrame:
     zoo = _zoo(source, device())
     with workers.torch_lock():
         return task_vector_matrix(zoo.base, zoo.experts)
+
+
+@st.cache_data(max_entries=4, show_spinner=False)
+def weight_views(source: str, fp: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The experts' weight-space views (:mod:`diagnostics.weights`): per tensor and per
+    block (constant for a zoo)."""
+    from diagnostics.weights import block_table, weight_table
+
+    zoo = _zoo(source, device())
+    matrix = expert_task_vectors(source, fp)
+    with workers.torch_lock():
+        table = weight_table(zoo.base, zoo.experts)
+    return table, block_table(table, matrix)

@@ -26,6 +26,7 @@ PAGES = [
     ("zoo.py", "Zoo", ":material/inventory_2:"),
     ("drift.py", "Drift", ":material/stacked_line_chart:"),
     ("calibrate.py", "Calibrate", ":material/tune:"),
+    ("weights.py", "Weights", ":material/grid_on:"),
     ("export.py", "Export", ":material/download:"),
     ("tune.py", "Tune", ":material/search:"),
     ("studies.py", "Studies", ":material/science:"),

@@ -57,6 +57,19 @@ def test_every_page_runs_on_a_zoo_directory(tiny_zoo_dir):
     assert any(m.label == "mean accuracy" for m in _page(at, "calibrate").metric)
 
 
+def test_the_weights_page_shows_every_view_beside_the_drift(tiny_zoo_dir):
+    at = _page(_ok(_app(tiny_zoo_dir).run()), "weights")
+    assert len(at.get("plotly_chart")) == 4 and len(at.dataframe) == 1
+    assert any("Spearman" in c.value for c in at.caption)
+    names = {b.proto.label for b in at.get("download_button")}
+    for name in ("weights_vs_drift", "weights_per_block", "weights_per_tensor", "weights_drift_correlation"):
+        assert {f"{name}.csv", f"{name}.parquet"} <= names, names
+    for view in ("spectral_overlap", "tau_norm"):  # every view draws
+        at.session_state["w_view"] = view
+        _ok(at.run())
+        assert len(at.get("plotly_chart")) == 4
+
+
 @pytest.mark.parametrize("key,value", [("log_lam", 0.5), ("rho", 0.5), ("alpha", 0.9)])
 def test_each_calibration_slider_changes_the_numbers(tiny_zoo_dir, key, value):
     at = _page(_app(tiny_zoo_dir).run(), "calibrate")
