@@ -66,7 +66,7 @@ def zoo_needs_build(source: str) -> bool:
 
 def build_zoo(source: str, on_step) -> None:
     """Build the built-in zoo ``source`` (a demo zoo, ``real-text``) into the cache, reporting
-    its :class:`featcal.progress.Progress` to ``on_step`` (and bars to the server's terminal)."""
+    its :class:`featcal.util.progress.Progress` to ``on_step`` (and bars to the server's terminal)."""
     from featcal.zoo import NAMES, realtext
     from featcal.zoo.demo import build_demo, demo_path
 
@@ -87,8 +87,8 @@ def cpu_threads(zoo, device: str, alone: bool = False) -> int:
     else 1 for small models on the CPU, whose work runs in pairs (output scores beside
     the drift): their ops are too small to split, so two one-thread jobs side by side beat
     two-thread jobs one after the other (measured: benchmarks/README.md, 'App latency');
-    "every core" is those the load leaves free (:func:`featcal.threads.free_cores`)."""
-    from featcal.threads import free_cores, load_average, usable_cores
+    "every core" is those the load leaves free (:func:`featcal.util.threads.free_cores`)."""
+    from featcal.util.threads import free_cores, load_average, usable_cores
 
     env = os.environ.get("FEATCAL_APP_THREADS")
     if env:
@@ -192,9 +192,9 @@ def expert_trace(zoo, data: dict, budget: int = STREAMS_BYTES):
 
 def _stream_size(zoo, data: dict) -> tuple[float, int, int]:
     """``(bytes of one example's hidden state, examples in data, blocks)``, from one stem run."""
-    from featcal.arch import resolve_blocks
-    from featcal.streams import catch_block_inputs
-    from featcal.validate import batch_len
+    from featcal.model.arch import resolve_blocks
+    from featcal.model.streams import catch_block_inputs
+    from featcal.model.validate import batch_len
 
     task = zoo.tasks[0]
     expert = zoo.experts[task]
@@ -337,7 +337,7 @@ def features_on_device(zoo):
     """``zoo.features`` with the batch moved to the model's device first (a zoo's reader
     expects it there; the data stays on the CPU). *Belongs in diagnostics*:
     ``expert_cosine`` could move batches as :func:`diagnostics.default_features` does."""
-    from featcal.streams import device_of, to_device
+    from featcal.model.streams import device_of, to_device
 
     return lambda model, batch: zoo.features(model, to_device(batch, device_of(model)))
 
@@ -377,7 +377,7 @@ def task_summary(scores: dict[str, pd.DataFrame]) -> pd.DataFrame:
 
 
 def model_size(model: nn.Module) -> tuple[int, int]:
-    """``(parameters, bytes)`` of a model. *Belongs in featcal* (``featcal.arch``)."""
+    """``(parameters, bytes)`` of a model. *Belongs in featcal* (``featcal.model.arch``)."""
     params = sum(p.numel() for p in model.parameters())
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     nbytes += sum(b.numel() * b.element_size() for b in model.buffers())

@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from featcal.tune_figures import LAYOUT, title_layout  # one layout for the app's and the command line's figures
+from featcal.sweep.figures import LAYOUT, title_layout  # one layout for the app's and the command line's figures
 
 # One colour per quantity, the same in every figure.
 COLORS = {

@@ -36,7 +36,7 @@ MERGE_METHODS = {
     "iso_cts": "Iso-CTS",
     "tsv": "TSV",
 }
-# Slider (min, max, step) of every merger parameter; defaults come from featcal.merging.
+# Slider (min, max, step) of every merger parameter; defaults come from featcal.baselines.merging.
 MERGE_PARAMS = {
     "task_arithmetic": {"scale": (0.05, 1.0, 0.05)},
     "ties": {"density": (0.05, 1.0, 0.05), "scale": (0.05, 2.0, 0.05)},
@@ -52,15 +52,15 @@ CAL_DEFAULTS = dict(log_lam=-1.3, rho=2.0, alpha=0.3, n_cal=DEFAULT_N, bias=True
 
 
 def merge_default(method: str, name: str) -> float:
-    """The default of a merger parameter, read from its function in :mod:`featcal.merging`."""
-    from featcal.merging import MERGERS
+    """The default of a merger parameter, read from its function in :mod:`featcal.baselines.merging`."""
+    from featcal.baselines.merging import MERGERS
 
     return float(inspect.signature(MERGERS[method]).parameters[name].default)
 
 
 @dataclass(frozen=True)
 class Merger:
-    """A merge method (a key of :data:`featcal.merging.MERGERS`) and its parameters."""
+    """A merge method (a key of :data:`featcal.baselines.merging.MERGERS`) and its parameters."""
 
     method: str
     params: tuple[tuple[str, float], ...] = ()  # (name, value) pairs, in the sliders' order

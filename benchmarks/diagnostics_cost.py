@@ -29,7 +29,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from diagnostics import diagnose, drift_table, expert_cosine, output_drift, task_vector_cosine
-from featcal.arch import resolve_blocks
+from featcal.model.arch import resolve_blocks
 from featcal.zoo.core import TaskData, Zoo
 
 SIZES = {  # name -> CLIPVisionConfig fields

@@ -146,7 +146,7 @@ def _streamed_rows(args) -> list[dict]:
     from transformers import LlamaForCausalLM
 
     from featcal import calibrate, calibrate_checkpoints, merge
-    from featcal.checkpoints import load_token_data
+    from featcal.model.checkpoints import load_token_data
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"

@@ -28,7 +28,8 @@ C.setup_path()
 
 import torch
 
-from featcal import FeatCalConfig, arch, calibrate
+from featcal import FeatCalConfig, calibrate
+from featcal.model import arch
 
 
 def _params(model) -> torch.Tensor:

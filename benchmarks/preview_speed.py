@@ -34,7 +34,7 @@ C.setup_path()
 import torch
 
 from featcal import FeatCalConfig
-from featcal.preview import Preview
+from featcal.engine.preview import Preview
 
 TASKS = {"tiny": 3, "demo": 7, "vit-b32": 8}  # experts per size (the demo zoo has 7 tasks)
 # Settings the timed calls cycle through (lam, rho, alpha), so nothing is reused between calls.

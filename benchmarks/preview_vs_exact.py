@@ -31,8 +31,9 @@ C.setup_path()
 
 import torch
 
-from featcal import FeatCalConfig, arch, calibrate
-from featcal.tune_jobs import preview_distance
+from featcal import FeatCalConfig, calibrate
+from featcal.model import arch
+from featcal.sweep.jobs import preview_distance
 from featcal.zoo import load_any as load_zoo
 from featcal.zoo.core import evaluate
 

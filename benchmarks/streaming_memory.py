@@ -59,7 +59,7 @@ def write_llama_zoo(root: Path, width: int, n_experts: int, layers: int = LAYERS
     under ``root``; the token file of ``n_experts`` tasks. Returns the bytes of one model."""
     from transformers import LlamaForCausalLM
 
-    from featcal.checkpoints import save_token_data
+    from featcal.model.checkpoints import save_token_data
 
     torch.manual_seed(seed)
     base = LlamaForCausalLM(llama_config(width, layers)).to(dtype).eval()
@@ -91,7 +91,7 @@ def child(mode: str, root: Path, n_experts: int, device: str) -> dict:
     from transformers import LlamaForCausalLM  # the baseline includes every import
 
     from featcal import FeatCalConfig, calibrate, calibrate_checkpoints, merge
-    from featcal.checkpoints import load_token_data
+    from featcal.model.checkpoints import load_token_data
 
     baseline = _vmhwm_mb()
     tasks = [f"task{i}" for i in range(n_experts)]

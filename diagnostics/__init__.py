@@ -34,7 +34,7 @@ from diagnostics.drift import (
 )
 from diagnostics.output import default_features, expert_cosine, output_drift
 from diagnostics.similarity import WHOLE, linear_cka, task_vector_cosine, task_vector_matrix
-from featcal.metrics import kl_rows
+from featcal.util.metrics import kl_rows
 
 __all__ = [
     "diagnose",

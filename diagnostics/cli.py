@@ -7,8 +7,8 @@ against a zoo's experts, written as tables plus ``summary.txt``.
 
 The command line is a thin layer: :func:`add_arguments` declares the options,
 :func:`run` loads, builds the model, calls :func:`diagnostics.diagnose` and writes;
-both are a row of :data:`featcal.cli.COMMANDS`. Bad input raises ``ValueError`` /
-``FileNotFoundError`` (or :class:`featcal.cli_common.UserError` for an existing output),
+both are a row of :data:`featcal.cli.commands.COMMANDS`. Bad input raises ``ValueError`` /
+``FileNotFoundError`` (or :class:`featcal.cli.common.UserError` for an existing output),
 which ``featcal`` reports as one ``featcal: error:`` line.
 """
 
@@ -19,11 +19,11 @@ from pathlib import Path
 
 from diagnostics import diagnose
 from diagnostics.similarity import TOKENS
-from featcal.cli_common import add_common, add_out, add_zoo, check_out, zoo_from_args
+from featcal.baselines.merging import MERGERS
+from featcal.cli.common import add_common, add_out, add_zoo, check_out, zoo_from_args
 from featcal.config import FeatCalConfig
-from featcal.engine import calibrate
-from featcal.merging import MERGERS
-from featcal.streams import device_of
+from featcal.engine.run import calibrate
+from featcal.model.streams import device_of
 from featcal.zoo.io import atomic_dir, load_model
 
 FORMATS = ("csv", "parquet")

@@ -38,9 +38,9 @@ from torch import nn
 from diagnostics.drift import drift_table
 from diagnostics.output import output_drift
 from featcal import FeatCalConfig, calibrate, escal, surgery, surgery_v2
-from featcal.merging import MERGERS
-from featcal.progress import bar
-from featcal.regmean import MERGERS_WITH_DATA, merge_with_data
+from featcal.baselines.merging import MERGERS
+from featcal.baselines.regmean import MERGERS_WITH_DATA, merge_with_data
+from featcal.util.progress import bar
 from featcal.zoo.core import evaluate
 
 ALIASES = {"ta": "task_arithmetic"}

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from diagnostics import compare as cmp
-from featcal.cli_common import UserError, _parse_value, add_common, add_zoo, check_out, zoo_from_args
+from featcal.cli.common import UserError, _parse_value, add_common, add_zoo, check_out, zoo_from_args
 
 DEFAULT_METHODS = "ta,ties,iso_c,regmean_plusplus,ta+featcal,iso_c+featcal,ta+escal,ta+surgery,ta+surgery_v2"
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from featcal.tune_figures import CYCLE, LAYOUT
+from featcal.sweep.figures import CYCLE, LAYOUT
 
 REFERENCE_STYLE = {"experts": ("#111827", "dash"), "base": ("#9ca3af", "dot")}
 

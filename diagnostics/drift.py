@@ -13,8 +13,8 @@ so ``e_l = m_l + p_l`` exactly, and ``|e_l|^2 = <e_l, m_l> + <e_l, p_l>`` splits
 the squared drift additively (the norms themselves do not add).
 
 One pass per task: a model stream and an expert stream start at block 0
-(:func:`featcal.streams.catch_block_inputs`, one stem run each per batch) and
-move one block at a time (:func:`featcal.streams.run_block`); no prefix is ever
+(:func:`featcal.model.streams.catch_block_inputs`, one stem run each per batch) and
+move one block at a time (:func:`featcal.model.streams.run_block`); no prefix is ever
 re-run. Per batch and block the model's block runs twice (``f_mod,l`` on its own
 stream, and the one extra call ``f_mod,l(h_exp,l-1)``) and the expert's once.
 Everything is reduced into running sums as the batches pass; only the current
@@ -38,10 +38,9 @@ import torch
 from torch import nn
 
 from diagnostics.similarity import TOKENS, CKASums, accumulate_cka, cosine_rows, linear_cka, pool_examples
-from featcal.arch import resolve_blocks
-from featcal.modes import eval_mode
-from featcal.progress import bar as progress_bar
-from featcal.streams import (
+from featcal.model.arch import resolve_blocks
+from featcal.model.modes import eval_mode
+from featcal.model.streams import (
     BlockCall,
     ExpertStreams,
     advance,
@@ -51,7 +50,8 @@ from featcal.streams import (
     device_of,
     run_block,
 )
-from featcal.validate import architecture, batch_len, check_same_params, check_tasks
+from featcal.model.validate import architecture, batch_len, check_same_params, check_tasks
+from featcal.util.progress import bar as progress_bar
 
 COLUMNS = ["task", "block", "metric", "value"]
 

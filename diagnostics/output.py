@@ -21,9 +21,9 @@ from torch import nn
 
 from diagnostics.drift import COLUMNS
 from diagnostics.similarity import WHOLE, cosine_rows, pool_examples
-from featcal.metrics import kl_rows
-from featcal.modes import eval_mode
-from featcal.streams import call_model, device_of, to_device
+from featcal.model.modes import eval_mode
+from featcal.model.streams import call_model, device_of, to_device
+from featcal.util.metrics import kl_rows
 
 FeaturesFn = Callable[[nn.Module, Any], torch.Tensor]
 

@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from featcal.arch import resolve_blocks
+from featcal.model.arch import resolve_blocks
 
 WHOLE = -1  # ``block`` value of a whole-model measurement (all parameters, final features)
 EPS = 1e-12

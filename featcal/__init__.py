@@ -7,13 +7,14 @@ Usage::
     model, report = calibrate(merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig.clip())
 """
 
-from featcal.calibrators import TaskCalibrated, escal, surgery, surgery_v2
+from featcal import _moved  # noqa: F401  (installs the old flat layout's import names; see its docstring)
+from featcal.baselines.merging import MERGERS, merge
+from featcal.baselines.regmean import MERGERS_WITH_DATA, merge_with_data
+from featcal.baselines.trained.calibrators import TaskCalibrated, escal, surgery, surgery_v2
 from featcal.config import FastPaths, FeatCalConfig, TokenWeights
-from featcal.engine import ExpertTrace, calibrate
-from featcal.merging import MERGERS, merge
-from featcal.regmean import MERGERS_WITH_DATA, merge_with_data
-from featcal.report import CalibrationReport
-from featcal.streaming import calibrate_checkpoints
+from featcal.engine.report import CalibrationReport
+from featcal.engine.run import ExpertTrace, calibrate
+from featcal.streaming.run import calibrate_checkpoints
 
 __all__ = [
     "FeatCalConfig",

@@ -126,7 +126,7 @@ class FeatCalConfig:
         return d
 
 
-FORMS = ("P", "Q", "QQ")  # the exact forms of the cross-moment statistics (featcal.stats)
+FORMS = ("P", "Q", "QQ")  # the exact forms of the cross-moment statistics (featcal.method.stats)
 
 
 @dataclass(frozen=True)

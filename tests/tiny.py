@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from featcal.arch import block_targets, get_params, resolve_blocks
+from featcal.model.arch import block_targets, get_params, resolve_blocks
 
 
 class ToyBlock(nn.Module):

@@ -10,8 +10,8 @@ import streamlit as st
 from app import compute, figures, state, workers
 from diagnostics import compare as cmp
 from diagnostics import compare_figures as figs
-from featcal.merging import MERGERS
-from featcal.regmean import MERGERS_WITH_DATA
+from featcal.baselines.merging import MERGERS
+from featcal.baselines.regmean import MERGERS_WITH_DATA
 
 zoo, source = state.active_zoo(), state.active_source()
 fp = state.fingerprint(source)

@@ -1,16 +1,17 @@
 """Studies page: the paper's sample-efficiency and robustness studies on the open zoo.
 
 Each study runs on its "Run" button (minutes on a CPU; cached per setting through
-:mod:`featcal.studies`), or reads the ``rows.csv`` that ``featcal study ... --out DIR``
-wrote. Both draw the same figures (:mod:`featcal.tune_figures`) and summary table.
+:mod:`featcal.sweep.studies`), or reads the ``rows.csv`` that ``featcal study ... --out DIR``
+wrote. Both draw the same figures (:mod:`featcal.sweep.figures`) and summary table.
 """
 
 import pandas as pd
 import streamlit as st
 
 from app import compute, controls, settings, state, ui, workers
-from featcal import studies, tune_figures
 from featcal.config import FeatCalConfig
+from featcal.sweep import figures as tune_figures
+from featcal.sweep import studies
 
 zoo, source = state.active_zoo(), state.active_source()
 fp = state.fingerprint(source)

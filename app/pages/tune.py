@@ -2,7 +2,7 @@
 choose on the validation split; the test split only on request, after the choice.
 
 1. the sweep's settings (the merger comes from the Zoo page);
-2. the sweep runs on "Run sweep" (cached per setting: :func:`featcal.tune.tune_zoo`);
+2. the sweep runs on "Run sweep" (cached per setting: :func:`featcal.sweep.search.tune_zoo`);
 3. the chosen setting, the table of every point, the parallel-coordinates plot and the
    (rho, alpha) heatmap at a chosen lambda; a button scores anchor and tuned on test.
 """
@@ -14,9 +14,9 @@ import pandas as pd
 import streamlit as st
 
 from app import compute, controls, settings, state, ui, workers
-from featcal import tune_figures
 from featcal.config import FeatCalConfig
-from featcal.tune import Grid, holdout_report, tune_zoo
+from featcal.sweep import figures as tune_figures
+from featcal.sweep.search import Grid, holdout_report, tune_zoo
 
 GRIDS = {
     "quick · 3 × 3 × 3": Grid(lam=(0.01, 0.05, 0.3), rho=(1.0, 2.0, 2.5), alpha=(0.15, 0.3, 0.5)),

@@ -18,8 +18,8 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
-from featcal.merging import merge
-from featcal.streams import device_of
+from featcal.baselines.merging import merge
+from featcal.model.streams import device_of
 from featcal.zoo.tokens import as_batch
 
 SPLITS = ("calib", "val", "test")

@@ -17,7 +17,7 @@ from typing import Mapping
 
 import torch
 
-from featcal.progress import bar
+from featcal.util.progress import bar
 from featcal.zoo.core import TaskData
 from featcal.zoo.loaders import ModelInfo
 from featcal.zoo.locate import LocatedData, parquet_files

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from featcal.progress import Progress
+from featcal.util.progress import Progress
 from featcal.zoo.core import Zoo
 from featcal.zoo.demo_recipe import DEMO_VERSION, Recipe, build_parts, recipe_sha256
 from featcal.zoo.fashion import build_fashion_parts, find_fashion_mnist
@@ -114,7 +114,7 @@ def load_demo(
             Fashion-MNIST tasks; needs the Debian package ``dataset-fashion-mnist``).
         verify: check the cached files against their recorded sha256 (the shipped
             copy is always checked).
-        on_step: called with the build's :class:`~featcal.progress.Progress` (stage,
+        on_step: called with the build's :class:`~featcal.util.progress.Progress` (stage,
             step, estimated time left), e.g. to drive an app's progress bar.
 
     A cache built from another recipe (an older featcal) is rebuilt.

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from featcal.progress import Progress, Tracker
+from featcal.util.progress import Progress, Tracker
 from featcal.zoo.core import SPLITS
 from featcal.zoo.demo_data import TASKS, drop_duplicates, make_task
 from featcal.zoo.store import pooler_output, to_pixels
@@ -95,7 +95,7 @@ DATA_WORK, HEAD_WORK = 15.0, 3.0
 
 
 def build_work(recipe: Recipe, n_tasks: int | None = None) -> float:
-    """The build's cost in training steps, for :class:`featcal.progress.Tracker`'s estimate."""
+    """The build's cost in training steps, for :class:`featcal.util.progress.Tracker`'s estimate."""
     n = len(recipe.tasks) if n_tasks is None else n_tasks
     return n * DATA_WORK + recipe.pretrain_steps + n * (HEAD_WORK + recipe.finetune_steps)
 
@@ -108,7 +108,7 @@ def build_parts(
 ) -> dict:
     """Run the recipe on ``device``; returns the keyword arguments of :func:`featcal.zoo.store.write_zoo_dir`
     (models and heads on the CPU). ``progress`` shows a bar per stage; ``on_step`` receives
-    the stage, the step and the estimated time left (see :class:`featcal.progress.Tracker`)."""
+    the stage, the step and the estimated time left (see :class:`featcal.util.progress.Tracker`)."""
     track = Tracker(build_work(recipe), on_step=on_step, show=progress)
     torch.manual_seed(recipe.seed)
     arrays, pretrain = make_data(recipe, track=track)

@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from featcal.progress import Progress, Tracker
+from featcal.util.progress import Progress, Tracker
 from featcal.zoo.core import Zoo
 from featcal.zoo.demo_recipe import HEAD_WORK, Recipe, finetune, make_head, train_minus_val
 from featcal.zoo.store import read_arrays

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from featcal.checkpoints import read_state_dict
+from featcal.model.checkpoints import read_state_dict
 from featcal.zoo.locate import Found
 from featcal.zoo.schema import ModelSpec, ZooSpec
 

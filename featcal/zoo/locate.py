@@ -28,7 +28,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from featcal.checkpoints import HF_WEIGHTS
+from featcal.model.checkpoints import HF_WEIGHTS
 from featcal.zoo.resolve import Missing, MissingResourcesError, hf_fix, hf_snapshot
 from featcal.zoo.schema import DataSpec, ModelSpec, ZooSpec
 

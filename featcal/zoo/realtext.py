@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from featcal.progress import Progress, Tracker
+from featcal.util.progress import Progress, Tracker
 from featcal.zoo import text_data
 from featcal.zoo.core import SPLITS, Zoo
 from featcal.zoo.demo import _default_threads, _torch_threads, cache_dir

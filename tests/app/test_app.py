@@ -528,7 +528,7 @@ def test_small_models_pair_work_on_one_thread_each_and_run_alone_on_every_core(t
     from app import compute
 
     zoo = compute.load_zoo(tiny_zoo_dir, "cpu")
-    from featcal import threads
+    from featcal.util import threads
 
     monkeypatch.delenv("FEATCAL_APP_THREADS", raising=False)
     monkeypatch.setattr(threads, "usable_cores", lambda: 6)
@@ -547,7 +547,7 @@ def test_a_zoo_build_reports_its_progress_on_the_page(monkeypatch):
     """When the demo zoo must be built, the app builds it with a progress callback (drawn as
     st.progress with the stage, step and time left) before loading it."""
     from app import compute
-    from featcal.progress import Progress
+    from featcal.util.progress import Progress
 
     calls = []
 

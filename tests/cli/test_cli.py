@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from featcal import cli
+from featcal.cli import commands as cli
 from featcal.zoo import load_any
 from featcal.zoo.core import evaluate
 

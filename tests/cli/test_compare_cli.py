@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from featcal import cli
+from featcal.cli import commands as cli
 from featcal.zoo import load_any
 from featcal.zoo.scores import expert_accuracies
 

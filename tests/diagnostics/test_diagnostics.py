@@ -26,8 +26,8 @@ from diagnostics import (
 )
 from diagnostics.drift import batch_first, select_rows
 from diagnostics.similarity import CKASums, accumulate_cka, linear_cka
-from featcal.arch import resolve_blocks
-from featcal.streams import catch_block_inputs
+from featcal.model.arch import resolve_blocks
+from featcal.model.streams import catch_block_inputs
 from featcal.zoo.core import TaskData, Zoo
 from tiny import ToyModel, perturbed, tiny_hf_clip, tiny_open_clip_vit, toy_data, toy_zoo
 
@@ -263,7 +263,7 @@ def test_a_models_own_streams_kept_while_reading_it_give_the_same_table(kind):
     """streams_while keeps the model's stream while ``fn`` runs it; drift_table given both
     caches then runs the model's blocks once per batch (the cross call) and the experts' none."""
     from diagnostics import streams_while
-    from featcal.streams import call_model
+    from featcal.model.streams import call_model
 
     model, expert, batches = _pair(kind)
     data = {"a": batches}
@@ -295,7 +295,7 @@ def test_a_models_own_streams_kept_while_reading_it_give_the_same_table(kind):
 
 def test_streams_while_needs_a_function_that_runs_every_block():
     from diagnostics import streams_while
-    from featcal.streams import catch_block_inputs
+    from featcal.model.streams import catch_block_inputs
 
     model, expert, batches = _pair("toy")
     _, blks = resolve_blocks(model)
@@ -448,7 +448,7 @@ def test_cli_writes_tables_and_summary(tmp_path, monkeypatch, which):
     from featcal.zoo.io import save_model
 
     zoo = _toy_zoo_obj()
-    monkeypatch.setattr("featcal.cli_common.load_any", lambda spec, progress=True, device="cpu": zoo)
+    monkeypatch.setattr("featcal.cli.common.load_any", lambda spec, progress=True, device="cpu": zoo)
     if which == "DIR":
         which = str(save_model(zoo.merged("task_arithmetic"), tmp_path / "saved", fmt="torch"))
     parser = cli.add_arguments(argparse.ArgumentParser(prog="featcal diagnose"))
@@ -464,10 +464,10 @@ def test_cli_writes_tables_and_summary(tmp_path, monkeypatch, which):
 
 
 def test_featcal_cli_has_diagnose(tmp_path, monkeypatch, capsys):
-    from featcal import cli as featcal_cli
+    from featcal.cli import commands as featcal_cli
 
     zoo = _toy_zoo_obj()
-    monkeypatch.setattr("featcal.cli_common.load_any", lambda spec, progress=True, device="cpu": zoo)
+    monkeypatch.setattr("featcal.cli.common.load_any", lambda spec, progress=True, device="cpu": zoo)
     argv = ["diagnose", "--zoo", "toy", "--n-per-task", "4", "--format", "parquet", "--out", str(tmp_path / "d")]
     assert featcal_cli.main(argv) == 0
     assert "KL(expert || merged)" in capsys.readouterr().out

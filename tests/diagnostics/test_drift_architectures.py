@@ -9,8 +9,8 @@ import torch
 
 import tiny
 from diagnostics import drift_table, drift_tokens
-from featcal.arch import resolve_blocks
-from featcal.streams import catch_block_inputs
+from featcal.model.arch import resolve_blocks
+from featcal.model.streams import catch_block_inputs
 
 torch.set_num_threads(1)
 
@@ -79,7 +79,7 @@ def test_cached_streams_give_the_same_table(case):
     (streams_while) carry what each block hands on: the same table as computing them."""
     from diagnostics import expert_streams
     from diagnostics.drift import streams_while
-    from featcal.streams import call_model
+    from featcal.model.streams import call_model
 
     path, model, expert, batches, _ = case
     data = {"a": batches}

@@ -6,8 +6,8 @@ import torch
 
 import tiny
 from featcal import FeatCalConfig, calibrate
-from featcal.arch import block_targets, get_params, resolve_stacks
-from featcal.blockstats import token_weights
+from featcal.engine.blockstats import token_weights
+from featcal.model.arch import block_targets, get_params, resolve_stacks
 
 CFG = FeatCalConfig(stats_dtype=torch.float64)
 
@@ -112,7 +112,7 @@ def test_rms_norms_are_calibrated_behind_the_layernorm_switch():
     layernorm=True and left alone with layernorm=False; other norms are named in the report."""
     from torch import nn
 
-    from featcal.arch import LAYERNORM, untouched_norms
+    from featcal.model.arch import LAYERNORM, untouched_norms
 
     for model, block in ((tiny.tiny_llama(), "model.layers"), (tiny.tiny_t5(), "encoder.block")):
         blk = model.get_submodule(block)[0]
@@ -142,8 +142,8 @@ def test_rms_norms_are_calibrated_behind_the_layernorm_switch():
 def test_norm_scale_is_the_least_squares_fit():
     """Per channel, the scale update is the ridge least-squares fit of ``gamma z`` to every
     expert's ``gamma_i z`` (``z`` the RMS-normalised input, rows weighted within a task)."""
-    from featcal import solve
-    from featcal.reference import layernorm_moments, norm_scale
+    from featcal.method import solve
+    from featcal.method.reference import layernorm_moments, norm_scale
 
     gen = torch.Generator().manual_seed(0)
     d, lam, eps = 5, 0.3, 1e-6

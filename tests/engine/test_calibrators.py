@@ -8,10 +8,10 @@ import torch
 
 from diagnostics import drift_table
 from featcal import TaskCalibrated, escal, merge, surgery, surgery_v2
-from featcal.arch import resolve_blocks
-from featcal.calibrator_modules import Bridge, SurgeryAdapter, escal_weights
-from featcal.streams import call_model
-from featcal.validate import check_same_params
+from featcal.baselines.trained.modules import Bridge, SurgeryAdapter, escal_weights
+from featcal.model.arch import resolve_blocks
+from featcal.model.streams import call_model
+from featcal.model.validate import check_same_params
 from tiny import perturbed, state_snapshot, tiny_llama, zoo
 
 TOY_PROJ = dict(qkv=("proj",), mlp_out="fc2")  # the toy block's token mixer stands in for q/k/v
@@ -300,7 +300,7 @@ def test_evaluate_scores_each_task_with_its_own_modules(tiny_zoo_dir):
 
 
 def test_the_loss_reads_only_the_chosen_and_unpadded_tokens():
-    from featcal.calibrator_training import distance
+    from featcal.baselines.trained.training import distance
 
     gen = torch.Generator().manual_seed(0)
     h, target = torch.randn(2, 4, 3, generator=gen), torch.randn(2, 4, 3, generator=gen)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from featcal import FeatCalConfig, calibrate
-from featcal.reference import calibrate_reference
+from featcal.method.reference import calibrate_reference
 from tiny import ToyModel, all_target_params, assert_same_calibration, toy_data, toy_zoo
 
 
@@ -192,19 +192,19 @@ def test_half_precision_models_solve_like_the_float64_reference(dtype, monkeypat
     (before it is rounded into the model) equals the float64 reference's on the same model's
     captured inputs. It was 2.5e-4 (W) and 5e-4 (b) off in bf16: ``W_i xe`` came from the
     module's bf16 output less its bias."""
-    import featcal.arch
-    import featcal.reference
+    import featcal.method.reference
+    import featcal.model.arch
     import tiny
 
     solved: list[tuple] = []
-    set_params = featcal.arch.set_params
+    set_params = featcal.model.arch.set_params
 
     def spy(blk, t, W, b):
         solved.append((t.name, W.double().clone(), None if b is None else b.double().clone()))
         return set_params(blk, t, W, b)
 
-    monkeypatch.setattr(featcal.arch, "set_params", spy)
-    monkeypatch.setattr(featcal.reference, "set_params", spy)
+    monkeypatch.setattr(featcal.model.arch, "set_params", spy)
+    monkeypatch.setattr(featcal.method.reference, "set_params", spy)
     base, experts, merged, data = tiny.zoo("hf_clip")
     base, merged = base.to(dtype), merged.to(dtype)
     experts = {t: e.to(dtype) for t, e in experts.items()}
@@ -212,7 +212,7 @@ def test_half_precision_models_solve_like_the_float64_reference(dtype, monkeypat
     calibrate(merged, base=base, experts=experts, calib_data=data, config=cfg, progress=False)
     got, solved[:] = solved[:], []
     calibrate_reference(merged, base=base, experts=experts, calib_data=data, config=cfg)
-    n0 = len(featcal.arch.block_targets(featcal.arch.resolve_blocks(merged)[1][0]))
+    n0 = len(featcal.model.arch.block_targets(featcal.model.arch.resolve_blocks(merged)[1][0]))
     for (name, W, b), (name_r, W_r, b_r) in zip(got[:n0], solved[:n0]):
         assert name == name_r
         assert _rel(W, W_r) < 1e-9, name

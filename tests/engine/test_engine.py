@@ -7,8 +7,8 @@ import torch
 
 import tiny
 from featcal import FeatCalConfig, calibrate
-from featcal.arch import block_targets, resolve_blocks
-from featcal.streams import catch_block_inputs, run_block
+from featcal.model.arch import block_targets, resolve_blocks
+from featcal.model.streams import catch_block_inputs, run_block
 
 ARCHS = ["toy", "hf_clip", "open_clip"]
 
@@ -152,7 +152,7 @@ def test_block_by_block_streams_equal_the_full_forward(kind):
 
 
 def test_packed_attention_context_is_the_out_proj_input():
-    from featcal.capture import capture
+    from featcal.model.capture import capture
 
     model = tiny.tiny_open_clip_vit(3)
     _, blks = resolve_blocks(model)

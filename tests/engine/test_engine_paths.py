@@ -37,7 +37,7 @@ def test_every_statistics_form_gives_the_same_calibration(kind):
     """The engine picks P, Q or QQ per module by cost, and sums for one alpha only unless
     the statistics are kept; forcing each gives the same model and the same report (the
     merged residual from the data equals the one from S)."""
-    from featcal import solve, stats
+    from featcal.method import solve, stats
 
     base, experts, merged, data = tiny.zoo(kind)
     runs = {}
@@ -77,12 +77,12 @@ def test_every_statistics_form_gives_the_same_calibration(kind):
 def test_pooling_the_calibrating_streams_changes_nothing(kind, monkeypatch):
     """Small runs move every task's calibrating batches through a block in one call; the
     model and the report equal those of one call per batch."""
-    import featcal.streams as streams
+    import featcal.model.streams as streams
 
     base, experts, merged, data = tiny.zoo(kind)
     calls = {}
     real = streams.pool_spans
-    monkeypatch.setattr("featcal.engine.pool_spans", lambda c, m: calls.setdefault(len(c), real(c, m)))
+    monkeypatch.setattr("featcal.engine.run.pool_spans", lambda c, m: calls.setdefault(len(c), real(c, m)))
 
     def run(fast):
         return _calibrate(merged, base, experts, data, FeatCalConfig.clip(), fast)
@@ -104,7 +104,7 @@ def test_reducing_every_task_as_one_stack_changes_nothing(kind, keep_stats, form
     preset: token weights in the last block, biases, LayerNorms; each statistics form, or
     the cheapest); the model, the report and the kept statistics (a preview) equal those of
     one task at a time."""
-    import featcal.engine as engine
+    import featcal.engine.run as engine
 
     base, experts, merged, data = tiny.zoo(kind, n_tasks=3)
     one = _one_batch_a_task(data)
@@ -131,14 +131,14 @@ def test_direct_sums_of_one_batch_tasks_change_nothing(kind, keep_stats, threads
     """Tasks of one batch with few rows for their inputs' widths add their rows' Gram matrix
     straight into the systems (BLAS syrk on one thread): the model, the report and a preview
     equal those of the running Gram sums, and a second run (buffers reused) is the same."""
-    from featcal import stats
+    from featcal.method import stats
 
     base, experts, merged, data = tiny.zoo(kind, n_tasks=3)
     one = {t: [bs[0][:1]] for t, bs in data.items()}  # 5 token rows against widths 32, 64, 96
     direct = []
     real = stats.add_rows_gram
     monkeypatch.setattr(stats, "add_rows_gram", lambda *a: direct.append(a[0].shape) or real(*a))
-    monkeypatch.setattr("featcal.solve.add_rows_gram", stats.add_rows_gram)
+    monkeypatch.setattr("featcal.method.solve.add_rows_gram", stats.add_rows_gram)
     cfg = FeatCalConfig.clip(alpha=0.4)
 
     def run(fast):
@@ -222,7 +222,7 @@ def test_calibrate_rejects_fast_paths_of_another_type():
 
 
 def test_pool_spans_only_for_calls_that_can_run_as_one():
-    from featcal.streams import BlockCall, pool_spans
+    from featcal.model.streams import BlockCall, pool_spans
 
     h = torch.zeros(4, 5, 8)
     plain = [BlockCall(h), BlockCall(h[:3])]

@@ -4,7 +4,7 @@ import torch
 
 import tiny
 from featcal import FeatCalConfig, calibrate
-from featcal.arch import block_targets, get_params
+from featcal.model.arch import block_targets, get_params
 
 
 def _params(model):

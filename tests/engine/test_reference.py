@@ -1,4 +1,4 @@
-"""The fast engine against the plain float64 reference (featcal/reference.py), and the
+"""The fast engine against the plain float64 reference (featcal/method/reference.py), and the
 reference's maths against closed-form truths (docs/maths.md)."""
 
 import copy
@@ -9,8 +9,7 @@ import torch
 
 import tiny
 from featcal import FastPaths, FeatCalConfig, calibrate, merge
-from featcal.arch import block_targets, get_params, resolve_stacks
-from featcal.reference import (
+from featcal.method.reference import (
     anchor,
     calibrate_reference,
     layernorm_affine,
@@ -20,6 +19,7 @@ from featcal.reference import (
     task_scale,
     task_statistics,
 )
+from featcal.model.arch import block_targets, get_params, resolve_stacks
 
 # ---------------------------------------------------------------------------- engine == reference
 

@@ -8,7 +8,7 @@ import torch
 
 import tiny
 from featcal import MERGERS_WITH_DATA, merge_with_data
-from featcal.arch import block_targets, resolve_blocks
+from featcal.model.arch import block_targets, resolve_blocks
 
 METHODS = sorted(MERGERS_WITH_DATA)
 

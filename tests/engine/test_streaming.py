@@ -1,4 +1,4 @@
-"""Streaming calibration from checkpoint shards (featcal.streaming): the streamed run equals the
+"""Streaming calibration from checkpoint shards (featcal.streaming.run): the streamed run equals the
 in-memory `calibrate` on the same models and data, with a merge on the fly and with a merged
 directory; a killed run leaves no complete-looking output and resumes to the same model."""
 
@@ -11,8 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import tiny
 from featcal import FeatCalConfig, calibrate, calibrate_checkpoints, merge
-from featcal.checkpoints import INDEX, load_token_data, save_token_data
-from featcal.streaming import partial_dir
+from featcal.model.checkpoints import INDEX, load_token_data, save_token_data
+from featcal.streaming.run import partial_dir
 
 TASKS = ("math", "code", "chat")
 CFG = FeatCalConfig.llama("3b", lam=1e-3)
@@ -169,7 +169,7 @@ def test_bad_inputs_name_the_problem(zoo, tmp_path):
 
 
 def test_cli_streams_checkpoints(zoo, tmp_path):
-    from featcal.cli import main
+    from featcal.cli.commands import main
 
     out = tmp_path / "cal"
     argv = ["calibrate", "--base", str(zoo["root"] / "base")]
@@ -196,8 +196,8 @@ def test_one_block_at_a_time_source_gives_the_same_model(zoo):
     """The in-memory run with ``device=`` another device than the models' goes through
     DeviceBlocks (block l of every model moved there and back, the streams moved once); on the
     CPU the moves are no-ops, but every step of that path runs and must leave the result as is."""
-    from featcal import arch
-    from featcal.blocksource import DeviceBlocks
+    from featcal.engine.blocksource import DeviceBlocks
+    from featcal.model import arch
 
     want, _ = _in_memory(zoo)
     model = copy.deepcopy(zoo["merged"])

@@ -1,4 +1,4 @@
-"""A stream moved block by block (featcal.streams) is the model's own forward pass: at every
+"""A stream moved block by block (featcal.model.streams) is the model's own forward pass: at every
 block it equals the hidden states that hooks on the real model's blocks see, per architecture.
 The engine, the reference and the drift table all move their streams this way."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import tiny
-from featcal.arch import block_kind, resolve_blocks, resolve_stacks
-from featcal.streams import advance, call_model, catch_block_inputs
+from featcal.model.arch import block_kind, resolve_blocks, resolve_stacks
+from featcal.model.streams import advance, call_model, catch_block_inputs
 
 
 def _real_hidden(model, blks, batch):

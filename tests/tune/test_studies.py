@@ -1,4 +1,4 @@
-"""Corruptions (featcal.corrupt) and the paper's studies (featcal.studies) on tiny models."""
+"""Corruptions (featcal.sweep.corrupt) and the paper's studies (featcal.sweep.studies) on tiny models."""
 
 import itertools
 
@@ -7,8 +7,8 @@ import torch
 
 import tiny
 from featcal import FeatCalConfig
-from featcal.corrupt import CORRUPTIONS, corrupt
-from featcal.studies import robustness, sample_efficiency, summarize
+from featcal.sweep.corrupt import CORRUPTIONS, corrupt
+from featcal.sweep.studies import robustness, sample_efficiency, summarize
 from featcal.zoo.core import TaskData, Zoo
 from featcal.zoo.store import pooler_output
 

@@ -1,4 +1,4 @@
-"""Sweeps and automatic selection (featcal.tune) on tiny seeded models."""
+"""Sweeps and automatic selection (featcal.sweep.search) on tiny seeded models."""
 
 import collections
 import copy
@@ -11,7 +11,7 @@ import torch
 
 import tiny
 from featcal import FeatCalConfig
-from featcal.tune import Grid, TuneConfig, tune, tune_zoo
+from featcal.sweep.search import Grid, TuneConfig, tune, tune_zoo
 from featcal.zoo.core import TaskData, Zoo
 
 SMALL = Grid(lam=(0.01, 0.5), rho=(0.5, 2.0), alpha=(0.0, 0.6))
@@ -183,7 +183,7 @@ def test_tune_page_runs_a_sweep_on_a_tiny_zoo(tmp_path):
 
 
 def test_sweep_parallel_labels_lambda_at_the_values_tried():
-    from featcal.tune_figures import sweep_parallel
+    from featcal.sweep.figures import sweep_parallel
 
     table = pd.DataFrame(
         {"point": range(3), "lam": [0.005, 0.05, 0.3], "rho": 2.0, "alpha": 0.3, "preview": [1.0, 2.0, 3.0]}
@@ -194,7 +194,7 @@ def test_sweep_parallel_labels_lambda_at_the_values_tried():
 
 
 def test_grid_edges_and_widening():
-    from featcal.tune_figures import grid_edges, widen
+    from featcal.sweep.figures import grid_edges, widen
 
     axes = {"lam": (0.01, 0.05, 0.3), "rho": (1.0, 2.0, 2.5), "alpha": (0.3,)}
     assert grid_edges({"lam": 0.05, "rho": 2.0, "alpha": 0.3}, axes) == {}  # one-value axes have no edge
@@ -208,7 +208,7 @@ def test_grid_edges_and_widening():
 
 
 def test_sweep_heatmap_labels_are_rounded_and_the_star_explained():
-    from featcal.tune_figures import sweep_heatmap
+    from featcal.sweep.figures import sweep_heatmap
 
     alphas = (0.1 + 0.2, 0.5)  # 0.30000000000000004: a value as a refinement makes it
     rows = [
@@ -226,7 +226,7 @@ def test_tune_and_study_command_lines_write_their_files(tmp_path, capsys):
     import json
 
     from app_zoo import write_tiny_zoo
-    from featcal.cli import main
+    from featcal.cli.commands import main
 
     zoo = str(write_tiny_zoo(tmp_path / "tiny"))
     out = tmp_path / "tune"

@@ -3,6 +3,8 @@
 - the library (``featcal/``, ``diagnostics/``) never imports the app (``app/``);
 - ``featcal/`` imports ``diagnostics/`` only in its command-line table (:data:`CLI_TABLE`);
 - the module import graph has no cycle;
+- featcal's folders import one way, lower to higher (:data:`FOLDER_LAYERS`): util and config <- model
+  <- method <- engine <- baselines, streaming <- sweep, zoo <- cli, and the package's ``__init__`` on top;
 - the zoo's modules import one way: schema <- locate <- load <- build (:data:`ZOO_LAYERS`);
 - no tracked file points outside the repository (to a ``shared`` folder beside it).
 
@@ -30,8 +32,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("featcal", "diagnostics", "app")
 LIBRARY = ("featcal", "diagnostics")
-CLI_TABLE = "featcal.cli"  # the one featcal module allowed to import diagnostics
+CLI_TABLE = "featcal.cli.commands"  # the one featcal module allowed to import diagnostics
 OUTSIDE = "../" + "shared"  # spelled in two parts so this file does not match itself
+# featcal's folders, lowest first: a module may import its own layer and those before it.
+FOLDER_LAYERS = {
+    "base": ("featcal._moved", "featcal.config", "featcal.util"),
+    "model": ("featcal.model",),
+    "method": ("featcal.method",),
+    "engine": ("featcal.engine",),
+    "baselines, streaming": ("featcal.baselines", "featcal.streaming"),
+    "sweep, zoo": ("featcal.sweep", "featcal.zoo"),
+    "cli": ("featcal.cli", "featcal.__main__"),
+    "package": ("featcal",),
+}
 # featcal.zoo's layers, lowest first: a module may import its own layer and those before it.
 ZOO_LAYERS = {
     "base": (
@@ -207,6 +220,32 @@ def featcal_imports_of_diagnostics(graph: dict[str, set[str]]) -> list[str]:
     ]
 
 
+def folder_layer(module: str) -> str | None:
+    """The :data:`FOLDER_LAYERS` layer of a featcal module (its longest listed prefix; ``featcal`` itself
+    names only the package's ``__init__``), None where no layer lists it."""
+    best, found = -1, None
+    for layer, prefixes in FOLDER_LAYERS.items():
+        for prefix in prefixes:
+            listed = module == prefix or (prefix != "featcal" and module.startswith(prefix + "."))
+            if listed and len(prefix) > best:
+                best, found = len(prefix), layer
+    return found
+
+
+def folder_layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """``"importer (layer) -> imported (later layer)"`` for every featcal import against
+    :data:`FOLDER_LAYERS`, and ``"module: in no layer"`` for a featcal module outside them all."""
+    names = list(FOLDER_LAYERS)
+    out = [f"{m}: in no layer of FOLDER_LAYERS" for m in sorted(graph) if _in(m, "featcal") and not folder_layer(m)]
+    for m in sorted(graph):
+        lm = folder_layer(m)
+        for t in sorted(graph[m]):
+            lt = folder_layer(t)
+            if lm and lt and names.index(lt) > names.index(lm):
+                out.append(f"{m} ({lm}) -> {t} ({lt})")
+    return out
+
+
 def zoo_layer_violations(graph: dict[str, set[str]]) -> list[str]:
     """``"importer (layer) -> imported (later layer)"`` for every zoo import against :data:`ZOO_LAYERS`,
     and ``"module: in no layer"`` for a zoo module not placed in one."""
@@ -279,6 +318,23 @@ def test_zoo_layers_catch_an_upward_import_and_an_unplaced_module():
     ]
 
 
+def test_folder_layers_catch_an_upward_import():
+    g = {
+        "featcal.method.solve": {"featcal.engine.run", "featcal.model.arch", "featcal.config"},
+        "featcal.engine.run": {"featcal.method.solve"},
+        "featcal.stray": set(),
+    }
+    assert folder_layer_violations(g) == [
+        "featcal.stray: in no layer of FOLDER_LAYERS",
+        "featcal.method.solve (method) -> featcal.engine.run (engine)",
+    ]
+
+
+def test_featcal_folders_import_one_way(graph):
+    bad = folder_layer_violations(graph)
+    assert not bad, f"an import against featcal's folder layers (FOLDER_LAYERS, lowest first): {bad}"
+
+
 def test_library_never_imports_the_app(graph):
     bad = library_imports_of_app(graph)
     assert not bad, f"featcal/ and diagnostics/ must not import app/ (the app is a view over them): {bad}"
@@ -322,6 +378,7 @@ def main() -> int:
         ("import cycles", [" <-> ".join(c) for c in found]),
         ("library modules importing the app", library_imports_of_app(g)),
         (f"featcal modules other than {CLI_TABLE} importing diagnostics", featcal_imports_of_diagnostics(g)),
+        ("featcal imports against its folder layers", folder_layer_violations(g)),
         ("zoo imports against its layers", zoo_layer_violations(g)),
         (f"tracked files citing {OUTSIDE!r}", files_pointing_outside() or []),
     ]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from featcal import merge
-from featcal.merging import MERGERS
+from featcal.baselines.merging import MERGERS
 
 
 def _sds(seed=0, n=3):
@@ -138,7 +138,7 @@ def test_iso_c_flattens_the_spectrum_of_the_summed_task_vector():
 
 
 def test_iso_cts_split_gives_the_rest_evenly_to_the_tasks():
-    from featcal.merging_spectral import iso_cts_split
+    from featcal.baselines.spectral import iso_cts_split
 
     for k, n_tasks, f in [(768, 8, 0.8), (6, 3, 0.5), (5, 3, 0.8), (4, 7, 0.1), (12, 5, 0.0)]:
         c, r = iso_cts_split(k, n_tasks, f)
@@ -213,7 +213,7 @@ def test_tsv_on_orthogonal_truncations_is_their_sum():
 
 
 def test_wudi_lowers_its_objective_and_is_deterministic():
-    from featcal.merging_spectral import wudi_objective
+    from featcal.baselines.spectral import wudi_objective
 
     base, experts = _matrix_sds(shape=(6, 9))
     taus = _taus(base, experts)
@@ -229,7 +229,7 @@ def test_wudi_lowers_its_objective_and_is_deterministic():
 
 
 def test_wudi_objective_tall_and_wide_forms_agree():
-    from featcal.merging_spectral import wudi_objective
+    from featcal.baselines.spectral import wudi_objective
 
     gen = torch.Generator().manual_seed(2)
     taus = torch.randn(3, 7, 4, dtype=torch.float64, generator=gen)

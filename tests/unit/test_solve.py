@@ -6,7 +6,8 @@ from operator import attrgetter
 import pytest
 import torch
 
-from featcal import FastPaths, solve, stats
+from featcal import FastPaths
+from featcal.method import solve, stats
 
 
 @pytest.fixture(autouse=True)
@@ -244,7 +245,7 @@ def test_lu_fallback_reads_the_upper_triangle(lapack_from):
 def test_factors_share_one_factorisation_per_system_and_give_its_buffer_back():
     """Systems sharing one ``S`` (q/k/v) share its factorisation; LAPACK's copy of ``S`` comes
     from ``take`` and goes back on close."""
-    from featcal.blockstats import Scratch
+    from featcal.engine.blockstats import Scratch
 
     gen = torch.Generator().manual_seed(7)
     A, B = torch.randn(6, 6, generator=gen), torch.randn(6, 6, generator=gen)
@@ -368,7 +369,7 @@ def test_rows_gram_norm_and_syrk_update(threads, dtype):
 
 
 def test_scratch_hands_back_zeroed_buffers():
-    from featcal.blockstats import Scratch
+    from featcal.engine.blockstats import Scratch
 
     sc = Scratch()
     a = sc.take((3, 4), torch.float32, "cpu")

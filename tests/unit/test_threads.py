@@ -1,9 +1,9 @@
-"""featcal.threads: the default torch CPU threads, from the model's size and the machine's load."""
+"""featcal.util.threads: the default torch CPU threads, from the model's size and the machine's load."""
 
 import pytest
 from torch import nn
 
-from featcal import threads
+from featcal.util import threads
 
 
 def test_small_models_get_one_thread_whatever_the_machine():
@@ -35,7 +35,7 @@ def test_default_threads_reads_the_model_the_env_and_the_device(monkeypatch):
 def test_cli_threads_option_takes_auto_or_a_positive_number():
     import argparse
 
-    from featcal.cli_common import add_common
+    from featcal.cli.common import add_common
 
     p = argparse.ArgumentParser()
     add_common(p)
@@ -50,7 +50,7 @@ def test_apply_threads_auto_waits_for_the_model(monkeypatch):
 
     import torch
 
-    from featcal.cli_common import apply_threads
+    from featcal.cli.common import apply_threads
 
     monkeypatch.delenv(threads.ENV, raising=False)
     before = torch.get_num_threads()

@@ -122,7 +122,7 @@ def test_config_rejects_invalid_values():
 def test_large_parameters_are_checked_exactly(value, bad):
     """Large parameters are checked through their sum; a sum that overflows on finite
     values (3e38 + 3e38) is not mistaken for NaN/Inf."""
-    from featcal import validate
+    from featcal.model import validate
 
     p = torch.zeros(validate.SMALL * 2)
     p[7] = p[-1] = value

@@ -86,7 +86,7 @@ def test_missing_packages_are_listed_together_with_their_install_commands(monkey
 
 
 def test_zoo_build_without_the_packages_is_one_clear_error(monkeypatch, tmp_path, capsys):
-    from featcal.cli import main
+    from featcal.cli.commands import main
 
     monkeypatch.setenv("FEATCAL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(text_data, "FORTUNES_DIR", tmp_path / "no-fortunes")

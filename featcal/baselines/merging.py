@@ -1,0 +1,268 @@
+"""Model mergers as pure functions over state dicts.
+
+Every merger takes the base state dict ``theta_0`` and a mapping of expert
+state dicts ``theta_i`` and returns a *new* state dict; nothing passed in is
+modified. Floating-point entries are merged in float32 (or float64 when the
+inputs are) and cast back to the base dtype; integer entries and buffers that
+are not floating point are copied from the base.
+
+The matrix mergers (``iso_c``, ``iso_cts``, ``tsv``, ``wudi``) follow FusionBench's
+conventions so that their numbers compare with its tables: their rule (the maths, in
+:mod:`featcal.baselines.spectral`) applies to every 2-D entry of the state dict (on a CLIP ViT the
+position embedding too, not only Linear weights), and every other floating entry gets the
+mean task vector ``mean_i tau_i`` (times the method's scale where it has one).
+
+Registry: ``MERGERS`` maps a method name to its function, and
+:func:`merge` dispatches on it.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Callable, Mapping
+
+import torch
+
+from featcal.baselines import spectral
+from featcal.util.progress import bar
+
+StateDict = Mapping[str, torch.Tensor]
+
+
+def _check_compatible(base: StateDict, experts: Mapping[str, StateDict]) -> None:
+    if not experts:
+        raise ValueError("merge needs at least one expert state dict; got none.")
+    for task, sd in experts.items():
+        missing = [k for k in base if k not in sd]
+        extra = [k for k in sd if k not in base]
+        if missing or extra:
+            first = (missing or extra)[0]
+            where = "missing from" if missing else "not in the base but in"
+            raise ValueError(
+                f"expert {task!r}: parameter {first!r} is {where} the expert state dict; "
+                "all experts must share the base architecture (same parameter names)."
+            )
+        for k, v in base.items():
+            if sd[k].shape != v.shape:
+                raise ValueError(
+                    f"expert {task!r}: parameter {k!r} has shape {tuple(sd[k].shape)}, "
+                    f"the base has {tuple(v.shape)}; experts must be fine-tuned from this base."
+                )
+
+
+def _work_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _task_vectors(base: StateDict, experts: Mapping[str, StateDict], key: str) -> torch.Tensor:
+    """Stacked task vectors ``tau_i = theta_i - theta_0`` for one entry: (n_tasks, *shape)."""
+    b = base[key].to(_work_dtype(base[key]))
+    return torch.stack([sd[key].to(b.dtype) - b for sd in experts.values()])
+
+
+def _merge_each(
+    base: StateDict, experts: Mapping[str, StateDict], combine: Callable[[str, torch.Tensor], torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Apply ``theta = theta_0 + combine(key, taus)`` to every floating entry."""
+    _check_compatible(base, experts)
+    out: dict[str, torch.Tensor] = {}
+    for key, theta0 in base.items():
+        if not torch.is_floating_point(theta0):
+            out[key] = theta0.clone()
+            continue
+        taus = _task_vectors(base, experts, key)  # (n_tasks, *shape)
+        merged = theta0.to(taus.dtype) + combine(key, taus)
+        out[key] = merged.to(theta0.dtype)
+    return out
+
+
+def average(base: StateDict, experts: Mapping[str, StateDict]) -> dict[str, torch.Tensor]:
+    """Simple averaging: ``theta = mean_i theta_i``."""
+    return _merge_each(base, experts, lambda _k, taus: taus.mean(0))
+
+
+def task_arithmetic(base: StateDict, experts: Mapping[str, StateDict], scale: float = 0.3) -> dict[str, torch.Tensor]:
+    """Task Arithmetic: ``theta = theta_0 + scale * sum_i (theta_i - theta_0)``."""
+    return _merge_each(base, experts, lambda _k, taus: scale * taus.sum(0))
+
+
+def _trim_top(taus: torch.Tensor, density: float) -> torch.Tensor:
+    """Keep the top ``density`` fraction of each task vector by magnitude (per entry tensor)."""
+    if density >= 1.0:
+        return taus
+    flat = taus.reshape(taus.shape[0], -1)  # (n_tasks, numel)
+    k = max(1, int(round(density * flat.shape[1])))
+    idx = flat.abs().topk(k, dim=1).indices
+    mask = torch.zeros_like(flat, dtype=torch.bool).scatter_(1, idx, True)
+    return (flat * mask).reshape(taus.shape)
+
+
+def ties(
+    base: StateDict, experts: Mapping[str, StateDict], density: float = 0.2, scale: float = 0.3, disjoint: str = "mean"
+) -> dict[str, torch.Tensor]:
+    """TIES merging (Yadav et al. 2023).
+
+    1. trim: keep the top ``density`` fraction of each task vector by magnitude
+       (per parameter tensor);
+    2. elect: the sign of the summed trimmed vectors, entrywise;
+    3. disjoint merge: the mean (``disjoint="mean"``) or sum (``"sum"``) of the
+       entries that agree with the elected sign;
+    then ``theta = theta_0 + scale * tau``.
+    """
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"ties: density must be in (0, 1], got {density}.")
+    if disjoint not in ("mean", "sum"):
+        raise ValueError(f"ties: disjoint must be 'mean' or 'sum', got {disjoint!r}.")
+
+    def combine(_key: str, taus: torch.Tensor) -> torch.Tensor:
+        trimmed = _trim_top(taus, density)
+        sign = torch.sign(trimmed.sum(0))  # (*shape)
+        agree = (torch.sign(trimmed) == sign) & (trimmed != 0)
+        total = (trimmed * agree).sum(0)
+        if disjoint == "sum":
+            return scale * total
+        count = agree.sum(0).clamp(min=1)
+        return scale * total / count
+
+    return _merge_each(base, experts, combine)
+
+
+def dare(
+    base: StateDict, experts: Mapping[str, StateDict], drop: float = 0.9, scale: float = 0.3, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """DARE (Yu et al. 2024) on top of Task Arithmetic: drop each task-vector entry
+    with probability ``drop``, rescale the rest by ``1 / (1 - drop)``, then
+    ``theta = theta_0 + scale * sum_i tau_i``. Seeded: the same seed gives the same merge."""
+    if not 0.0 <= drop < 1.0:
+        raise ValueError(f"dare: drop must be in [0, 1), got {drop}.")
+    gen = torch.Generator().manual_seed(seed)
+
+    def combine(_key: str, taus: torch.Tensor) -> torch.Tensor:
+        keep = torch.rand(taus.shape, generator=gen) >= drop
+        return scale * (taus * keep.to(taus.dtype) / (1.0 - drop)).sum(0)
+
+    return _merge_each(base, experts, combine)
+
+
+def _merge_matrices(
+    base: StateDict,
+    experts: Mapping[str, StateDict],
+    rule: Callable[[torch.Tensor], torch.Tensor],
+    scale: float = 1.0,
+    desc: str = "",
+    progress: bool = False,
+) -> dict[str, torch.Tensor]:
+    """``theta = theta_0 + scale * rule(taus)`` for every 2-D entry (``taus``: ``(T, m, n)``) and
+    ``theta_0 + scale * mean_i tau_i`` for every other floating entry; a progress bar over
+    the 2-D entries with ``progress``."""
+    _check_compatible(base, experts)
+    n_matrices = sum(1 for v in base.values() if torch.is_floating_point(v) and v.dim() == 2)
+    with bar(total=n_matrices, desc=desc, unit="matrix", show=progress) as b:
+
+        def combine(_key: str, taus: torch.Tensor) -> torch.Tensor:
+            if taus.dim() != 3:
+                return scale * taus.mean(0)
+            b.update()
+            return scale * rule(taus)
+
+        return _merge_each(base, experts, combine)
+
+
+def _check_scale(method: str, scale: float) -> None:
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"{method}: scale must be a number, got {scale!r}.")
+
+
+def iso_c(base: StateDict, experts: Mapping[str, StateDict], scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """Iso-C (isotropic merging in the common subspace, Marczak et al. 2025): per 2-D entry the
+    summed task vector with its spectrum flattened to the mean singular value
+    (:func:`featcal.baselines.spectral.iso_c_task_vector`), ``theta = theta_0 + scale * tau``;
+    other entries ``theta_0 + scale * mean_i tau_i``. Default scale 1.0 (FusionBench's)."""
+    _check_scale("iso_c", scale)
+    return _merge_matrices(base, experts, spectral.iso_c_task_vector, scale)
+
+
+def iso_cts(
+    base: StateDict, experts: Mapping[str, StateDict], scale: float = 1.0, common_space_fraction: float = 0.8
+) -> dict[str, torch.Tensor]:
+    """Iso-CTS (isotropic merging in common and task-specific subspaces, Marczak et al. 2025):
+    per 2-D entry the top ``common_space_fraction`` of the summed task vector's spectrum plus
+    each task's own top directions outside it, orthogonalised and flattened
+    (:func:`featcal.baselines.spectral.iso_cts_task_vector`); ``theta = theta_0 + scale * tau``,
+    other entries as in :func:`iso_c`. Defaults scale 1.0, fraction 0.8 (FusionBench's)."""
+    _check_scale("iso_cts", scale)
+    if not 0.0 <= common_space_fraction <= 1.0:
+        raise ValueError(f"iso_cts: common_space_fraction must be in [0, 1], got {common_space_fraction}.")
+    rule = functools.partial(spectral.iso_cts_task_vector, common_space_fraction=common_space_fraction)
+    return _merge_matrices(base, experts, rule, scale)
+
+
+def tsv(base: StateDict, experts: Mapping[str, StateDict], scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """TSV-Merge (task singular vectors, Gargiulo et al. 2025): per 2-D entry each task's top
+    ``k // T`` singular triplets, their singular vectors orthogonalised across tasks
+    (:func:`featcal.baselines.spectral.tsv_task_vector`); ``theta = theta_0 + scale * tau``,
+    other entries ``theta_0 + scale * mean_i tau_i``. Default scale 1.0 (FusionBench's).
+    An entry with fewer singular values than tasks keeps nothing of them (``k // T = 0``):
+    a warning says so."""
+    _check_scale("tsv", scale)
+    small = [k for k, v in base.items() if v.is_floating_point() and v.dim() == 2 and min(v.shape) < len(experts)]
+    if small:
+        warnings.warn(
+            f"tsv: {len(small)} 2-D entries (first {small[0]!r}) have fewer singular values than there "
+            f"are tasks ({len(experts)}); they keep no rank per task and stay at the base.",
+            stacklevel=3,
+        )
+    return _merge_matrices(base, experts, spectral.tsv_task_vector, scale)
+
+
+def wudi(
+    base: StateDict,
+    experts: Mapping[str, StateDict],
+    iters: int = 400,
+    lr: float = 1e-5,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, torch.Tensor]:
+    """WUDI merging (Cheng et al. 2025): per 2-D entry, ``iters`` Adam steps from ``sum_i tau_i``
+    on the interference objective :func:`featcal.baselines.spectral.wudi_objective`;
+    ``theta = theta_0 + tau`` (no scale), other entries ``theta_0 + mean_i tau_i``. Defaults
+    400 steps at learning rate 1e-5 (FusionBench's). The optimisation draws nothing at random;
+    it runs under torch's generator seeded with ``seed`` (restored afterwards), so that the
+    same call gives the same merge. A progress bar over the 2-D entries with ``progress``."""
+    if not isinstance(iters, int) or isinstance(iters, bool) or iters < 0:
+        raise ValueError(f"wudi: iters must be a non-negative integer, got {iters!r}.")
+    if not lr > 0:
+        raise ValueError(f"wudi: lr must be positive, got {lr!r}.")
+    rule = functools.partial(spectral.wudi_task_vector, iters=iters, lr=lr)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _merge_matrices(base, experts, rule, 1.0, desc="wudi", progress=progress)
+
+
+MERGERS: dict[str, Callable[..., dict[str, torch.Tensor]]] = {
+    "average": average,
+    "task_arithmetic": task_arithmetic,
+    "ties": ties,
+    "dare": dare,
+    "iso_c": iso_c,
+    "iso_cts": iso_cts,
+    "tsv": tsv,
+    "wudi": wudi,
+}
+
+
+def merge(
+    method: str, base_sd: StateDict, expert_sds: Mapping[str, StateDict] | list, **params
+) -> dict[str, torch.Tensor]:
+    """Merge expert state dicts into a new one with a registered method.
+
+    ``expert_sds`` is a mapping ``{task: state_dict}`` (a list is accepted and
+    numbered). ``params`` are the method's own keyword arguments (``scale``,
+    ``density``, ...); unknown ones raise a ``TypeError`` naming them.
+    """
+    if method not in MERGERS:
+        raise ValueError(f"unknown merge method {method!r}; choose one of {sorted(MERGERS)}.")
+    if not isinstance(expert_sds, Mapping):
+        expert_sds = {str(i): sd for i, sd in enumerate(expert_sds)}
+    return MERGERS[method](base_sd, expert_sds, **params)

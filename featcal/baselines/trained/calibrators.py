@@ -1,0 +1,381 @@
+"""Trained post-merging calibrators: task-specific modules added to a merged model and trained
+to pull its features toward each expert's. featcal implements them to compare FeatCal with
+(FeatCal adds no module and trains nothing).
+
+- :func:`escal` (Error-Subspace Calibration): a bridge ``h <- h + U_w A U_r^T h`` after every
+  block, with fixed bases from the merging errors and only ``A`` (``r x r``) trained (MSE).
+- :func:`surgery` (Representation Surgery): ``z <- z - W_up ReLU(W_down z)`` on the last
+  block's output (L1).
+- :func:`surgery_v2`: the same module after every block, layer-wise L1.
+
+Each returns a :class:`TaskCalibrated`, whose ``for_task(task)`` is the merged model with that
+task's modules inside its blocks (so ``featcal.evaluate`` and the diagnostics run on it), with
+its added parameters, its training time and its measured inference overhead. Unlike the Surgery
+papers (trained on unlabeled test data), training uses only the calibration data given. The
+models given are never changed.
+
+Usage::
+
+    cal = featcal.escal(merged, experts, zoo.calib_data(64), rank=64, epochs=200, device="cpu")
+    featcal.evaluate(cal.for_task("digits"), zoo, tasks=["digits"])
+    cal.added_parameters, cal.training_seconds, cal.measure_overhead(batch)
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from featcal.baselines.trained.modules import Bridge, SurgeryAdapter, error_bases, escal_weights, frozen, insert
+from featcal.baselines.trained.training import Schedule, TaskRun, block_weights, check_schedule, train_task
+from featcal.model.arch import resolve_blocks
+from featcal.model.modes import eval_mode
+from featcal.model.streams import call_model, device_of, to_device
+from featcal.model.validate import batch_len, check_same_params, check_tasks
+
+LAST_READ = ("write", "own_qkv")
+
+
+@dataclass
+class TaskCalibrated:
+    """A merged model plus trained task-specific modules: what a calibrator returns.
+
+    Attributes:
+        method: ``escal``, ``surgery`` or ``surgery_v2``.
+        merged: the calibrator's own copy of the merged model (on the training device).
+        blocks: the dotted path of the model's blocks.
+        modules: ``{task: {block index: module}}``; a module acts on that block's output.
+        runs: ``{task: TaskRun}``: the loss at every step and the training seconds.
+        settings: the hyper-parameters used.
+        inference_overhead: the last :meth:`measure_overhead` result (None before).
+    """
+
+    method: str
+    merged: nn.Module
+    blocks: str
+    modules: dict[str, dict[int, nn.Module]]
+    runs: dict[str, TaskRun]
+    settings: dict[str, Any]
+    inference_overhead: dict[str, float] | None = field(default=None)
+
+    @property
+    def tasks(self) -> list[str]:
+        return list(self.modules)
+
+    def for_task(self, task: str) -> nn.Module:
+        """A new model: the merged model with ``task``'s modules after their blocks (as buffers,
+        so its parameters are the merged model's, under the same names)."""
+        if task not in self.modules:
+            raise KeyError(f"no modules for task {task!r}; this {self.method} calibration has {self.tasks}.")
+        model = copy.deepcopy(self.merged)
+        _, blks = resolve_blocks(model, self.blocks)
+        for l, module in self.modules[task].items():
+            insert(blks[l], frozen(copy.deepcopy(module)))
+        return model.eval()
+
+    @property
+    def added_parameters(self) -> dict[str, Any]:
+        """Numbers added per task (``trained``: optimised; ``stored``: trained plus fixed bases),
+        their totals over tasks, and ``stored_fraction``: one task's stored numbers over the
+        merged model's parameters."""
+        per_task = {
+            t: {
+                "trained": sum(p.numel() for m in mods.values() for p in m.parameters()),
+                "stored": sum(p.numel() for m in mods.values() for p in (*m.parameters(), *m.buffers())),
+            }
+            for t, mods in self.modules.items()
+        }
+        n_model = sum(p.numel() for p in self.merged.parameters())
+        stored = [v["stored"] for v in per_task.values()]
+        return {
+            "per_task": per_task,
+            "trained": sum(v["trained"] for v in per_task.values()),
+            "stored": sum(stored),
+            "stored_fraction": max(stored) / n_model,
+        }
+
+    @property
+    def training_seconds(self) -> float:
+        """Wall-clock seconds of training, all tasks (the experts' targets included)."""
+        return sum(r.seconds for r in self.runs.values())
+
+    @torch.no_grad()
+    def measure_overhead(self, batch: Any, task: str | None = None, repeats: int = 5) -> dict[str, float]:
+        """Time one forward pass on ``batch`` without and with ``task``'s modules (default: the
+        first task): medians of ``repeats`` calls each, the two models taking turns, after one
+        warm-up call each. Returns (and keeps as :attr:`inference_overhead`) ``seconds_merged``,
+        ``seconds_calibrated`` and ``overhead`` (their ratio minus 1)."""
+        if repeats < 1:
+            raise ValueError(f"repeats must be at least 1, got {repeats}.")
+        with_mods = self.for_task(task or self.tasks[0])
+        batch = to_device(batch, device_of(self.merged))
+        models = {"seconds_merged": self.merged, "seconds_calibrated": with_mods}
+        times: dict[str, list[float]] = {name: [] for name in models}
+        with eval_mode(self.merged):
+            for model in models.values():
+                call_model(model, batch)
+            for _ in range(repeats):  # interleaved, so a change in the machine's load hits both
+                for name, model in models.items():
+                    times[name].append(_timed(model, batch))
+        seconds = {name: statistics.median(ts) for name, ts in times.items()}
+        seconds["overhead"] = seconds["seconds_calibrated"] / seconds["seconds_merged"] - 1.0
+        self.inference_overhead = seconds
+        return seconds
+
+
+def _timed(model: nn.Module, batch: Any) -> float:
+    sync = torch.cuda.synchronize if device_of(model).type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    call_model(model, batch)
+    sync()
+    return time.perf_counter() - start
+
+
+# ----------------------------------------------------------------------------- the three methods
+
+
+def escal(
+    merged: nn.Module,
+    experts: Mapping[str, nn.Module],
+    calib_data: Mapping[str, list],
+    *,
+    rank: int = 128,
+    epochs: int = 200,
+    lr: float = 3e-3,
+    batch: int = 16,
+    seed: int = 0,
+    block_weights: Sequence[float] | None = None,
+    last_read: str = "write",
+    qkv: tuple[str, ...] | None = None,
+    mlp_out: str | None = None,
+    tokens: str = "all",
+    blocks: str | None = None,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+) -> TaskCalibrated:
+    """ESCal: per task and block l, a bridge ``h <- h + U_w A U_r^T h`` on the block's output.
+
+    ``U_r``: top-r right singular vectors of block l+1's stacked q/k/v merging error (expert i
+    minus merged); ``U_w``: top-r left singular vectors of block l's MLP output projection
+    error; both fixed. Only ``A`` (``r x r``, zero at the start) is trained, with Adam, to match
+    expert i's block outputs (MSE) on ``calib_data``. Adds ``L r^2`` trained and
+    ``L r^2 + 2 L d r`` stored numbers per task.
+
+    Where the paper is silent, featcal chooses (each a parameter):
+
+    - ``last_read``: the last block has no block l+1; ``"write"`` (default) reads it through
+      its own write basis (the bridge maps the error subspace into itself), ``"own_qkv"``
+      through the last block's own q/k/v error.
+    - ``block_weights``: the loss weight of each block's MSE (default: equal weights; given
+      weights are normalised to sum 1).
+    - ``lr``: 3e-3 (Adam; of 1e-3, 3e-3 and 1e-2, the best on the demo zoo's val split for two
+      tasks at 100 epochs). ``tokens``: ``"all"`` (every non-padding token) or ``"cls"``.
+
+    ``rank`` is capped by the model's width. ``epochs`` passes over the task's examples in
+    minibatches of ``batch``. ``qkv`` / ``mlp_out`` name the projections (target names of
+    :func:`featcal.model.arch.block_targets`) when the architecture is not in
+    :data:`featcal.baselines.trained.modules.ESCAL_TABLE` (HF CLIP, open_clip, Llama, BERT).
+    """
+    if last_read not in LAST_READ:
+        raise ValueError(f"last_read={last_read!r}; choose one of {LAST_READ}.")
+    if rank < 1 or epochs < 1:
+        raise ValueError(f"rank and epochs must be at least 1, got rank={rank}, epochs={epochs}.")
+    path, blks = _checked(merged, experts, calib_data, blocks)
+    r = min([rank] + [min(w.shape) for b in blks for w in escal_weights(b, qkv, mlp_out)])
+
+    def make(task: str, model: nn.Module) -> dict[int, nn.Module]:
+        dev = device_of(model)
+        merged_w = [escal_weights(b, qkv, mlp_out) for b in resolve_blocks(model, path)[1]]
+        _, eblks = resolve_blocks(experts[task], path)
+        expert_w = [tuple(w.to(dev) for w in escal_weights(b, qkv, mlp_out)) for b in eblks]
+        mods = {}
+        for l in range(len(blks)):
+            read = l + 1 if l + 1 < len(blks) else l
+            U_r, U_w = error_bases(expert_w[read][0], merged_w[read][0], expert_w[l][1], merged_w[l][1], r)
+            if l + 1 == len(blks) and last_read == "write":
+                U_r = U_w
+            mods[l] = Bridge(U_r.float(), U_w.float())
+        return mods
+
+    steps = epochs * _per_epoch(calib_data, batch)
+    settings = dict(rank=r, epochs=epochs, steps=steps, lr=lr, batch=batch, seed=seed, last_read=last_read)
+    return _run(
+        "escal",
+        merged,
+        experts,
+        calib_data,
+        path,
+        make,
+        loss="mse",
+        steps=steps,
+        lr=lr,
+        batch=batch,
+        seed=seed,
+        tokens=tokens,
+        weights=block_weights,
+        settings=settings,
+        device=device,
+        progress=progress,
+    )
+
+
+def surgery(
+    merged: nn.Module,
+    experts: Mapping[str, nn.Module],
+    calib_data: Mapping[str, list],
+    *,
+    rank: int = 16,
+    steps: int = 500,
+    lr: float = 1e-3,
+    batch: int = 16,
+    seed: int = 0,
+    tokens: str = "all",
+    blocks: str | None = None,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+) -> TaskCalibrated:
+    """Representation Surgery: per task, ``z <- z - W_up ReLU(W_down z)`` on the last block's
+    output ``z`` (featcal's choice: the last point inside the block structure, what every
+    feature reader, pooled or projected, is computed from; per token), ``W_up`` zero at the
+    start, trained with Adam on the L1 distance to expert i's last block output. Adds
+    ``2 d r`` numbers per task."""
+    path, blks = _checked(merged, experts, calib_data, blocks)
+    last = len(blks) - 1
+    gen = torch.Generator().manual_seed(seed)
+
+    def make(task: str, model: nn.Module) -> dict[int, nn.Module]:
+        return {last: SurgeryAdapter(_width(model, path), rank, gen, device=device_of(model))}
+
+    settings = dict(rank=rank, steps=steps, lr=lr, batch=batch, seed=seed)
+    return _run(
+        "surgery",
+        merged,
+        experts,
+        calib_data,
+        path,
+        make,
+        loss="l1",
+        steps=steps,
+        lr=lr,
+        batch=batch,
+        seed=seed,
+        tokens=tokens,
+        weights=None,
+        settings=settings,
+        device=device,
+        progress=progress,
+    )
+
+
+def surgery_v2(
+    merged: nn.Module,
+    experts: Mapping[str, nn.Module],
+    calib_data: Mapping[str, list],
+    *,
+    rank: int = 16,
+    steps: int = 500,
+    lr: float = 1e-3,
+    batch: int = 16,
+    seed: int = 0,
+    block_weights: Sequence[float] | None = None,
+    tokens: str = "all",
+    blocks: str | None = None,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+) -> TaskCalibrated:
+    """SurgeryV2: per task, Surgery's module after every block, trained with Adam on the sum
+    over blocks of the L1 distance to expert i's block outputs (``block_weights``: default equal,
+    normalised to sum 1). Adds ``2 L d r`` numbers per task."""
+    path, blks = _checked(merged, experts, calib_data, blocks)
+    gen = torch.Generator().manual_seed(seed)
+
+    def make(task: str, model: nn.Module) -> dict[int, nn.Module]:
+        d = _width(model, path)
+        return {l: SurgeryAdapter(d, rank, gen, device=device_of(model)) for l in range(len(blks))}
+
+    settings = dict(rank=rank, steps=steps, lr=lr, batch=batch, seed=seed)
+    return _run(
+        "surgery_v2",
+        merged,
+        experts,
+        calib_data,
+        path,
+        make,
+        loss="l1",
+        steps=steps,
+        lr=lr,
+        batch=batch,
+        seed=seed,
+        tokens=tokens,
+        weights=block_weights,
+        settings=settings,
+        device=device,
+        progress=progress,
+    )
+
+
+# ----------------------------------------------------------------------------- shared plumbing
+
+
+def _checked(merged, experts, calib_data, blocks) -> tuple[str, nn.ModuleList]:
+    check_tasks(experts, calib_data)
+    for t, expert in experts.items():
+        check_same_params(merged, expert, f"expert {t!r}")
+    return resolve_blocks(merged, blocks)
+
+
+def _per_epoch(calib_data: Mapping[str, list], batch: int) -> int:
+    """Minibatches per pass over a task's examples (the largest task's)."""
+    n = max(sum(batch_len(b) for b in bs) for bs in calib_data.values())
+    return max(1, -(-n // batch))
+
+
+@torch.no_grad()
+def _width(model: nn.Module, path: str) -> int:
+    """The hidden width ``d``: the width of the last block's first LayerNorm (or, with none,
+    its first Linear's input width: RMSNorm models)."""
+    _, blks = resolve_blocks(model, path)
+    ln = [m for m in blks[-1].modules() if isinstance(m, nn.LayerNorm)]
+    if ln:
+        return int(ln[0].normalized_shape[-1])
+    return int(next(m for m in blks[-1].modules() if isinstance(m, nn.Linear)).in_features)
+
+
+def _run(
+    method,
+    merged,
+    experts,
+    calib_data,
+    path,
+    make,
+    *,
+    loss,
+    steps,
+    lr,
+    batch,
+    seed,
+    tokens,
+    weights,
+    settings,
+    device,
+    progress,
+) -> TaskCalibrated:
+    """Train each task's modules on a private copy of the merged model (frozen)."""
+    check_schedule(steps, lr, batch, tokens)
+    model = copy.deepcopy(merged).to(device if device is not None else device_of(merged)).eval()
+    model.requires_grad_(False)
+    modules, runs = {}, {}
+    for task in experts:
+        mods = make(task, model)
+        sched = Schedule(steps, lr, batch, seed, loss, tokens, block_weights(weights, sorted(mods)))
+        runs[task] = train_task(model, path, experts[task], calib_data[task], mods, sched, f"{method} {task}", progress)
+        modules[task] = mods
+    settings = dict(settings, tokens=tokens, device=str(device_of(model)))
+    return TaskCalibrated(method, model, path, modules, runs, settings)

@@ -1,0 +1,293 @@
+"""``featcal tune`` and ``featcal study``: the sweep and the paper's studies from the command line.
+
+    featcal tune --zoo demo --out runs/tune                      # grid, previews, 4 exact confirmations
+    featcal tune --zoo demo --ray --search adaptive --report --out runs/tune
+    featcal tune --zoo demo --grid "lam=0.01,0.05,0.2;rho=1,2;alpha=0.2,0.3,0.5" --out runs/tune
+    featcal study sample-efficiency --zoo demo --seeds 0,1,2 --out runs/se
+    featcal study robustness --zoo demo --severities 1,3,5 --out runs/robust
+
+``tune`` writes ``best.json``, ``table.csv``, ``sweep_parallel.html`` and
+``sweep_heatmap.html`` (and with ``--report`` ``test_report.csv``: the test
+accuracy of the merged model, the anchor and the tuned setting, measured after
+the choice). ``study`` writes ``rows.csv`` (tidy), ``summary.csv`` and its figure.
+The figures (:mod:`featcal.sweep.figures`) need plotly; without it they are skipped
+with a warning.
+
+The command line is a thin layer: ``add_*_arguments`` declare the options, ``run_*``
+load the zoo, call :mod:`featcal.sweep.search` / :mod:`featcal.sweep.studies` and write. Both are
+rows of :data:`featcal.cli.commands.COMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+from featcal.baselines.merging import MERGERS
+from featcal.cli.common import add_common, add_out, add_zoo, check_merge_method, check_out, parse_params, zoo_from_args
+from featcal.config import FeatCalConfig
+from featcal.sweep import studies
+from featcal.sweep.search import Grid, holdout_report, tune_zoo
+
+STUDIES = ("sample-efficiency", "robustness")
+TUNE_HELP = "choose FeatCal's (lam, rho, alpha) on the validation split"
+STUDY_HELP = "the paper's studies: sample efficiency, robustness to corrupted calibration data"
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(v) for v in text.split(",") if v.strip())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",") if v.strip())
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
+def _out_dir(path: str, force: bool) -> Path:
+    """Create the output directory once there is something to write (replaced if ``force``)."""
+    check_out(path, force)
+    out = Path(path)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    return out
+
+
+def _figures():
+    """:mod:`featcal.sweep.figures`, or None with a warning when plotly is not installed."""
+    try:
+        from featcal.sweep import figures as tune_figures
+    except ImportError as err:  # plotly is optional (featcal[app])
+        warnings.warn(f"no figures written ({err}).", stacklevel=2)
+        return None
+    return tune_figures
+
+
+def to_markdown(df, floatfmt: str = ".2f") -> str:
+    """A pipe table of ``df`` (no dependency on tabulate)."""
+
+    def cell(v):
+        if isinstance(v, float):
+            return "" if v != v else format(v, floatfmt)
+        return str(v)
+
+    cols = [str(c) for c in df.columns]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    add_zoo(p)
+    add_out(p)
+    add_common(p)
+
+
+PRESETS = {"clip": FeatCalConfig.clip, "default": FeatCalConfig}
+
+
+def _featcal_config(args):
+    return PRESETS[args.preset](lam=args.lam, rho=args.rho, alpha=args.alpha)
+
+
+def _anchor_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lam", type=float, default=0.05, help="lambda of the anchor / studied setting (paper CLIP: 0.05)")
+    p.add_argument("--rho", type=float, default=2.0, help="rho of the anchor / studied setting (paper CLIP: 2.0)")
+    p.add_argument("--alpha", type=float, default=0.3, help="alpha of the anchor / studied setting (paper CLIP: 0.3)")
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="clip",
+        help="switches and token weights: clip (the CLIP preset's last-block token weights, default) or "
+        "default (FeatCalConfig(): no token weights, e.g. for mean-pooled text models)",
+    )
+
+
+# ------------------------------------------------------------------ featcal tune
+
+
+def add_tune_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Declare the ``tune`` options on ``p``."""
+    _common(p)
+    p.add_argument(
+        "--merge", default="task_arithmetic", choices=sorted(MERGERS), help="merge method (default: task_arithmetic)"
+    )
+    p.add_argument(
+        "--merge-param",
+        action="append",
+        metavar="NAME=VALUE",
+        help="a parameter of the merge method (repeatable; default: its own defaults)",
+    )
+    p.add_argument("--n-calib", type=int, default=256, help="calibration examples per task (calib split)")
+    p.add_argument("--seed", type=int, default=42, help="seed drawing the calibration examples")
+    p.add_argument("--val-per-task", type=int, default=None, help="val examples per task scored (default: all)")
+    _anchor_args(p)
+    p.add_argument(
+        "--grid",
+        default=None,
+        help="axes as 'lam=0.01,0.05;rho=1,2;alpha=0.3' (default: 5 x 5 x 5 around the paper's setting)",
+    )
+    p.add_argument(
+        "--search",
+        choices=("grid", "adaptive"),
+        default="grid",
+        help="'adaptive' refines around the best previews after the grid",
+    )
+    p.add_argument("--rounds", type=int, default=2, help="adaptive: refinement rounds")
+    p.add_argument("--top-k", type=int, default=3, help="adaptive: previews refined per round")
+    p.add_argument("--n-confirm", type=int, default=4, help="best previews re-run exactly")
+    p.add_argument(
+        "--score",
+        choices=("auto", "accuracy", "kl"),
+        default="auto",
+        help="val accuracy (needs labels), KL to the experts, or auto",
+    )
+    p.add_argument("--ray", action="store_true", help="run previews and exact runs as Ray tasks")
+    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray started by --ray")
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="after choosing, print and write the TEST accuracy of the anchor and the tuned setting",
+    )
+    return p
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    params = parse_params(args.merge_param, args.merge)
+    grid = Grid.parse(args.grid) if args.grid else None
+    check_out(args.out, args.force)
+    zoo = zoo_from_args(args)
+    res = tune_zoo(
+        zoo,
+        method=args.merge,
+        merge_params=params,
+        n_calib=args.n_calib,
+        seed=args.seed,
+        val_per_task=args.val_per_task,
+        config=_featcal_config(args),
+        grid=grid,
+        search=args.search,
+        score=args.score,
+        n_confirm=args.n_confirm,
+        rounds=args.rounds,
+        top_k=args.top_k,
+        ray=args.ray,
+        num_cpus=args.num_cpus,
+        progress=not args.quiet,
+    )
+    out = _out_dir(args.out, args.force)
+    res.table.to_csv(out / "table.csv", index=False)
+    info = res.to_dict()
+    figs = _figures()
+    if figs is not None:
+        figs.sweep_parallel(res.table, res.score).write_html(out / "sweep_parallel.html", include_plotlyjs="directory")
+        figs.sweep_heatmap(res.table, score=res.score).write_html(
+            out / "sweep_heatmap.html", include_plotlyjs="directory"
+        )
+    b = res.best
+    print(
+        f"{len(res.table)} points previewed, {int(res.table.confirmed.sum())} exact runs, {res.seconds:.1f} s "
+        f"({'Ray' if args.ray else 'one process'}); score: val {res.score}"
+    )
+    print(
+        f"best: lam={b['lam']:.4g} rho={b['rho']:.4g} alpha={b['alpha']:.4g}  val {b['score']:.4f} "
+        f"(anchor lam={res.config.lam:g} rho={res.config.rho:g} alpha={res.config.alpha:g}: {b['anchor_score']:.4f})"
+    )
+    if args.report:
+        rep = holdout_report(zoo, res)
+        rep.to_csv(out / "test_report.csv", index=False)
+        info["test_report"] = rep.to_dict(orient="records")
+        print("\nTEST accuracy (%), measured after the choice:\n")
+        print(to_markdown(rep))
+    (out / "best.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
+    print(f"\nwrote {out}/")
+    return 0
+
+
+# ------------------------------------------------------------------ featcal study
+
+
+def add_study_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Declare the ``study`` options on ``p``."""
+    p.add_argument("study", choices=STUDIES, help="which study")
+    _common(p)
+    _anchor_args(p)
+    p.add_argument(
+        "--seeds",
+        type=_ints,
+        default=None,
+        help="seeds of the calibration draw (default: 0,1,2 for sample-efficiency, 0 for robustness)",
+    )
+    p.add_argument("--max-test", type=int, default=None, help="test examples per task (default: the whole split)")
+    p.add_argument(
+        "--budgets", type=_ints, default=studies.BUDGETS, help="sample-efficiency: examples per task, comma-separated"
+    )
+    p.add_argument(
+        "--mergers",
+        type=_names,
+        default=studies.BASELINES,
+        help="sample-efficiency: baseline mergers, each with its own default parameters "
+        f"(any of {', '.join(sorted(MERGERS))})",
+    )
+    p.add_argument("--merge", default="task_arithmetic", help="the merger FeatCal calibrates")
+    p.add_argument("--corruptions", type=_names, default=studies.CORRUPTIONS, help="robustness: corruptions")
+    p.add_argument("--severities", type=_floats, default=(1.0, 3.0, 5.0), help="robustness: severities in [0, 5]")
+    p.add_argument("--n-calib", type=int, default=256, help="robustness: calibration examples per task")
+    return p
+
+
+def run_study(args: argparse.Namespace) -> int:
+    cfg = _featcal_config(args)
+    for m in (args.merge, *args.mergers):
+        check_merge_method(m)
+    check_out(args.out, args.force)
+    zoo = zoo_from_args(args)
+    figs = _figures()
+    if args.study == "sample-efficiency":
+        mergers = list(dict.fromkeys((args.merge, *args.mergers)))
+        rows = studies.sample_efficiency(
+            zoo,
+            budgets=args.budgets,
+            seeds=args.seeds or (0, 1, 2),
+            mergers=mergers,
+            calibrate_on=(args.merge,),
+            config=cfg,
+            max_per_task=args.max_test,
+            progress=not args.quiet,
+        )
+        summary = studies.summarize(rows, by=("method", "n"))
+        fig = figs.sample_efficiency_curve(rows) if figs else None
+        name = "sample_efficiency"
+    else:
+        rows = studies.robustness(
+            zoo,
+            corruptions=args.corruptions,
+            severities=args.severities,
+            n_calib=args.n_calib,
+            seeds=args.seeds or (0,),
+            merger=args.merge,
+            config=cfg,
+            max_per_task=args.max_test,
+            progress=not args.quiet,
+        )
+        summary = studies.summarize(rows, by=("method", "corruption", "severity"))
+        fig = figs.robustness_bars(rows) if figs else None
+        name = "robustness"
+    out = _out_dir(args.out, args.force)
+    rows.to_csv(out / "rows.csv", index=False)
+    summary.to_csv(out / "summary.csv", index=False)
+    if fig is not None:
+        fig.write_html(out / f"{name}.html", include_plotlyjs="directory")
+    print(f"{name}: test accuracy (%), task average, mean and std over seeds\n")
+    print(to_markdown(summary))
+    print(f"\nwrote {out}/")
+    return 0

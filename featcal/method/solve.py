@@ -1,0 +1,540 @@
+"""The closed-form FeatCal solves, as pure functions over tensors (docs/maths.md, 'Linear weight',
+'Linear bias' and 'LayerNorm affine').
+
+Linear (``W`` is out x in, ``y = W x + b``), with ``s_i = 1/max(||C_i||_F, eps)``
+and ``W_anc = rho W_mer + (1 - rho) W_0``::
+
+    W^T = (sum_i s_i C_i + (lam + eps) I)^-1 (sum_i s_i X_i W_i^T + lam W_anc^T)
+    b   = [sum_i s_i (b_i + W_i mu_t,i - W mu_s,i) + lam b_anc] / (sum_i s_i + lam)
+
+With ``X_i = alpha P_i + (1 - alpha) C_i`` the task sums split into terms that
+do not depend on (lam, rho, alpha): ``S = sum s_i C_i``, ``U = sum s_i C_i W_i^T``,
+``V = sum s_i (P_i - C_i) W_i^T``, so that the right-hand side is
+``U + alpha V + lam W_anc^T``. A :class:`LinearSystem` holds these terms (and
+the few scalars the relative residual needs); it is built task by task and
+solved for any setting.
+
+LayerNorm affine, per channel (tasks unweighted), a 2x2 system
+``[sum e + lam, sum m; sum m, N + lam] [gamma; beta] = [...]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, fields, replace
+from typing import Callable
+
+import torch
+
+from featcal.config import FastPaths
+from featcal.method.stats import LinearMoments, add_gram, add_rows_gram, add_weighted, inner, one_blas_thread
+
+log = logging.getLogger(__name__)
+
+
+def symmetric(S: torch.Tensor) -> torch.Tensor:
+    """The full symmetric matrix whose upper triangle is ``S``'s (a new tensor; the systems
+    keep only their upper triangle up to date, :func:`featcal.method.stats.accumulate_gram`)."""
+    return S.triu() + S.triu(1).T
+
+
+def anchor(mer: torch.Tensor, base: torch.Tensor, rho: float) -> torch.Tensor:
+    """``rho * mer + (1 - rho) * base``."""
+    return rho * mer + (1.0 - rho) * base
+
+
+@dataclass
+class ResidualTerms:
+    """The task sums that only the relative residual reads (:func:`linear_residuals`), beyond
+    the solve's: ``K(alpha) = sum s_i E|W_i xt|^2 = a^2 k_ee + 2a(1-a) k_se + (1-a)^2 k_ss``
+    and the bias cross terms. Shapes: ``n`` tasks, ``d`` input width, ``o`` output width."""
+
+    k_ee: torch.Tensor  # ()      sum s_i E|W_i xe|^2
+    k_se: torch.Tensor  # ()      sum s_i E[(W_i xs).(W_i xe)]
+    k_ss: torch.Tensor  # ()      sum s_i E|W_i xs|^2
+    sbs: torch.Tensor  # (n, o)  s_i b_i per task     } sum s_i b_i.W mu_s,i = sum(sbs * (mus @ W^T))
+    mus: torch.Tensor  # (n, d)  mu_s,i per task     }
+    c_s: torch.Tensor  # ()      sum s_i b_i.W_i mu_s,i
+    c_v: torch.Tensor  # ()      sum s_i b_i.W_i (mu_e,i - mu_s,i)
+    bb: torch.Tensor  # ()      sum s_i |b_i|^2
+    k_mm: torch.Tensor | None  # () sum s_i E|W_mer xs|^2 (None once a task did not see it)
+
+    @classmethod
+    def zeros(cls, d: int, o: int, dtype: torch.dtype, device) -> "ResidualTerms":
+        def z(*shape) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        return cls(
+            k_ee=z(()), k_se=z(()), k_ss=z(()), sbs=z(0, o), mus=z(0, d), c_s=z(()), c_v=z(()), bb=z(()), k_mm=z(())
+        )
+
+
+@dataclass
+class LinearSystem:
+    """Task-summed terms of one Linear target's normal equations (no hyper-parameter in them).
+
+    Shapes: ``d`` input width, ``o`` output width. ``S`` is kept up to date on its upper
+    triangle only (:func:`symmetric` gives the whole); ``U`` and ``V`` are in the weight
+    layout (their transposes are contiguous).
+    """
+
+    S: torch.Tensor  # (d, d)  sum s_i C_i (upper triangle)
+    U: torch.Tensor  # (d, o)  sum s_i C_i W_i^T
+    V: torch.Tensor | None  # (d, o)  sum s_i (P_i - C_i) W_i^T (None in a one-alpha system)
+    s_sum: torch.Tensor  # ()      sum s_i
+    m_s: torch.Tensor  # (d,)    sum s_i mu_s,i
+    sb: torch.Tensor  # (o,)    sum s_i b_i
+    ub: torch.Tensor  # (o,)    sum s_i W_i mu_s,i
+    vb: torch.Tensor  # (o,)    sum s_i W_i (mu_e,i - mu_s,i)
+    res: ResidualTerms  # what the relative residual reads besides these
+    n_tasks: int = 0
+    min_rows: int = 0
+    owns_S: bool = True  # False: S is another system's (modules reading one input share it)
+    alpha: float | None = None  # set: U holds U + alpha V for this alpha alone, V is unused
+
+    @classmethod
+    def zeros(
+        cls,
+        d: int,
+        o: int,
+        dtype: torch.dtype,
+        device,
+        S: torch.Tensor | None = None,
+        alpha: float | None = None,
+        take: Callable | None = None,
+    ) -> "LinearSystem":
+        """Empty sums; ``S`` given: share that system's ``S`` (same input, so same ``S``),
+        which :func:`add_task` then leaves to its owner. ``alpha`` given: a system for that
+        alpha only (``U`` holds ``U + alpha V``; :func:`solve_linear` refuses another).
+        ``take(shape, dtype, device)``: where a new ``S`` comes from (default ``torch.zeros``)."""
+
+        def z(*shape) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        owns_S = S is None
+        if owns_S:
+            S = z(d, d) if take is None else take((d, d), dtype, device)
+        return cls(
+            S=S,
+            U=z(o, d).T,
+            V=z(o, d).T if alpha is None else None,
+            s_sum=z(()),
+            m_s=z(d),
+            sb=z(o),
+            ub=z(o),
+            vb=z(o),
+            res=ResidualTerms.zeros(d, o, dtype, device),
+            owns_S=owns_S,
+            alpha=alpha,
+        )
+
+    def to(self, device) -> "LinearSystem":
+        """The system with every tensor on ``device`` (a new object; tensors already there are shared)."""
+        return replace(_tensors_to(self, device), res=_tensors_to(self.res, device))
+
+
+def _tensors_to(obj, device):
+    """A new dataclass like ``obj`` with its tensor fields moved to ``device``."""
+    return replace(
+        obj, **{f.name: getattr(obj, f.name).to(device) for f in fields(obj) if torch.is_tensor(getattr(obj, f.name))}
+    )
+
+
+def add_task(
+    sys: LinearSystem, mom: LinearMoments, W_i: torch.Tensor, b_i: torch.Tensor | None, eps: float
+) -> LinearSystem:
+    """Add task i's terms (in place; returns ``sys``).
+
+    ``mom``: the task's sums (:func:`featcal.method.stats.linear_moments`); ``W_i`` ``(o, d)``,
+    ``b_i`` ``(o,)`` or ``None``: expert i's parameters. With a leading task axis on all of
+    them (``mom`` of every task, ``W_i`` ``(T, o, d)``, ``b_i`` ``(T, o)``), every task at once
+    (each sum over the tasks one operation); one task is a stack of one.
+    """
+    if not mom.w.dim():
+        mom = replace(
+            mom, **{f.name: getattr(mom, f.name)[None] for f in fields(mom) if torch.is_tensor(getattr(mom, f.name))}
+        )
+        W_i, b_i = W_i[None], None if b_i is None else b_i[None]
+    dt = sys.S.dtype
+    W = W_i.to(dt)
+    w = mom.w.to(dt)  # (T,)
+    s = w / torch.maximum(mom.c_norm.to(dt), eps * w)  # s_i = 1 / max(||C_i / w||_F, eps): C holds sums
+    f = s / w  # sums -> s_i times means
+    U, V = sys.U.T, None if sys.V is None else sys.V.T  # (o, d) contiguous
+    CW, PW = (None if x is None else x.mT for x in (mom.CW, mom.PW))  # (T, o, d) contiguous
+    if sys.owns_S and mom.C is not None:
+        add_gram(sys.S, mom.C, f, mom.edges)
+    elif sys.owns_S:  # direct sums: C = Z^T Z, one task at a time
+        for Z, f_t in zip(mom.Z, f.tolist()):
+            add_rows_gram(sys.S, Z.to(dt), f_t, mom.edges)
+    if sys.alpha is None:
+        add_weighted(U, CW, f)
+        add_weighted(add_weighted(V, PW, f), CW, -f)
+    elif mom.T is not None:
+        add_weighted(U, mom.T.mT, f)
+    else:
+        add_weighted(add_weighted(U, CW, f * (1.0 - sys.alpha)), PW, f * sys.alpha)
+    sys.s_sum += s.sum()
+    mu_s, mu_e = mom.mu_s.to(dt), mom.mu_e.to(dt)  # (T, d)
+    sys.m_s.add_(s @ mu_s)
+    Wmu_s, Wmu_d = (W @ torch.stack([mu_s, mu_e - mu_s], -1)).unbind(-1)  # (T, o) each: W read once
+    sys.ub.add_(s @ Wmu_s)
+    sys.vb.add_(s @ Wmu_d)
+    res = sys.res
+    res.k_ee += f @ mom.k_ee.to(dt)
+    res.k_se += f @ mom.k_se.to(dt)
+    res.k_ss += f @ mom.k_ss.to(dt)
+    if res.k_mm is not None:
+        res.k_mm = None if mom.k_mm is None else res.k_mm + f @ mom.k_mm.to(dt)
+    if b_i is not None:
+        b = b_i.to(dt)
+        sys.sb.add_(s @ b)
+        res.sbs = torch.cat([res.sbs, s[:, None] * b])
+        res.mus = torch.cat([res.mus, mu_s])
+        res.c_s += s @ (b * Wmu_s).sum(-1)
+        res.c_v += s @ (b * Wmu_d).sum(-1)
+        res.bb += s @ (b * b).sum(-1)
+    sys.min_rows = mom.rows if sys.n_tasks == 0 else min(sys.min_rows, mom.rows)
+    sys.n_tasks += len(w)
+    return sys
+
+
+def _lapack_cholesky(A: torch.Tensor) -> torch.Tensor | None:
+    """The lower Cholesky factor of ``A`` (CPU float32/float64), computed in place by LAPACK's
+    ``potrf`` on the upper triangle of the row-major ``A`` (the lower one of its column-major
+    view): no copy of ``A`` and no zeroing of its other triangle, which
+    ``torch.linalg.cholesky_ex`` does; on one thread, since OpenBLAS's worker threads spin on
+    after a call and slow torch's next operation. The factor's other triangle keeps
+    leftovers that the triangular solves never read. None when ``A`` is not numerically
+    positive definite (``A`` is then partly overwritten)."""
+    from scipy.linalg import lapack
+
+    potrf = lapack.spotrf if A.dtype == torch.float32 else lapack.dpotrf
+    with one_blas_thread():
+        c, info = potrf(A.numpy().T, lower=1, clean=0, overwrite_a=1)
+    return torch.from_numpy(c) if info == 0 else None
+
+
+def _triangular_solves(L: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """``(L L^T)^-1 B`` by two triangular solves on the column-major ``L`` from LAPACK as it is
+    (``torch.cholesky_solve`` would first copy it)."""
+    y = torch.linalg.solve_triangular(L, B.to(L.dtype), upper=False)
+    return torch.linalg.solve_triangular(L.mT, y, upper=True)
+
+
+def noise_floor(S: torch.Tensor) -> float:
+    """The size below which an eigenvalue of the Gram-like ``S`` (its upper triangle) is rounding
+    noise of its own dtype: ``d * eps_dtype * max(diag S)`` (the rounding of ``d``-term sums of
+    entries up to ``max(diag S)``)."""
+    d = S.shape[0]
+    return d * torch.finfo(S.dtype).eps * float(S.diagonal().abs().max())
+
+
+class EigenSolve:
+    """``(S + shift I)^-1`` in float64 from the eigendecomposition of ``S`` (upper triangle), the
+    fallback when its factorisation in ``S``'s dtype fails or is dominated by rounding noise.
+    Eigenvalues within the noise floor of ``S``'s dtype (:func:`noise_floor`) are taken as exact
+    zeros: on that subspace the data say nothing, and :meth:`ridge` takes the solution from the
+    anchor term alone, as exact arithmetic would (``U`` and ``V`` lie in the span of the
+    calibrating rows, i.e. in the range of ``S``)."""
+
+    def __init__(self, S: torch.Tensor, shift: float, what: str = "system"):
+        A = symmetric(S.double())
+        self.dtype, self.shift, self.what = S.dtype, shift, what
+        self.evals, self.Q = torch.linalg.eigh(A)  # (d,), (d, d)
+        self.noise = self.evals.abs() <= (noise_floor(S) if S.dtype != torch.float64 else 0.0)
+        self.evals = self.evals.masked_fill(self.noise, 0.0)
+        self.den = (self.evals + shift)[:, None]  # (d, 1)
+        if not bool((self.den != 0).all()):
+            raise FloatingPointError(f"{what}: the FeatCal system is singular; raise lam or eps.")
+
+    def __call__(self, B: torch.Tensor) -> torch.Tensor:
+        """``(S + shift I)^-1 B`` (noise eigenvalues as zeros), in ``B``'s dtype."""
+        QtB = self.Q.T @ B.double()
+        return (self.Q @ (QtB / self.den)).to(B.dtype)
+
+    def ridge(self, data: torch.Tensor, anchor_t: torch.Tensor, lam: float) -> torch.Tensor:
+        """``(S + shift I)^-1 (data + lam anchor_t)`` with ``data``'s components on the noise
+        subspace dropped (they are rounding noise of ``S``'s dtype, which ``1 / shift`` would
+        blow up). In ``S``'s dtype."""
+        Qd, Qa = self.Q.T @ data.double(), self.Q.T @ anchor_t.double()  # (d, o)
+        Qd[self.noise] = 0.0
+        return (self.Q @ ((Qd + lam * Qa) / self.den)).to(self.dtype)
+
+
+def spd_factor(
+    S: torch.Tensor,
+    shift: float = 0.0,
+    what: str = "system",
+    take: Callable | None = None,
+    lapack_min_d: int | None = FastPaths.lapack_min_d,
+    notes: list | None = None,
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A solver ``B -> (S + shift I)^-1 B`` for the symmetric matrix whose upper triangle is
+    ``S``'s (``S + shift I`` positive definite): Cholesky (in place by LAPACK on a copy for
+    CPU systems ``lapack_min_d`` wide or wider, else torch's). When the factorisation fails,
+    or succeeds only on a pivot within the rounding noise of ``S``'s dtype (:func:`noise_floor`:
+    ``shift`` too small for the statistics' precision, e.g. ``lam = 0`` with fewer rows than
+    width), an :class:`EigenSolve` in float64 instead, logged and noted in ``notes``. ``S`` is
+    left as it is; ``take(shape, dtype, device, zero)``: where that copy's buffer comes from (a
+    fresh big tensor costs its page faults; the solver keeps it)."""
+    lapack = (
+        lapack_min_d is not None
+        and S.shape[0] >= lapack_min_d
+        and S.device.type == "cpu"
+        and S.dtype in (torch.float32, torch.float64)
+    )
+    floor = noise_floor(S) if S.dtype != torch.float64 else 0.0
+    L = None
+    if lapack:
+        A = S.clone() if take is None else take(S.shape, S.dtype, S.device, zero=False).copy_(S)
+        A.diagonal().add_(shift)
+        L = _lapack_cholesky(A)
+        solver = None if L is None else functools.partial(_triangular_solves, L)
+    else:
+        A = symmetric(S)
+        A.diagonal().add_(shift)
+        L, info = torch.linalg.cholesky_ex(A)
+        L = L if int(info) == 0 else None
+        solver = None if L is None else (lambda B: torch.cholesky_solve(B, L))
+    if L is not None and float(L.diagonal().min()) ** 2 > floor:
+        return solver
+    reason = "fails" if L is None else "rests on pivots within its rounding noise"
+    msg = (
+        f"{what}: the {str(S.dtype).removeprefix('torch.')} Cholesky factorisation of S + (lam + eps) I {reason} "
+        f"(lam + eps = {shift:.3g}; fewer rows than width, or lam too small for these statistics); "
+        "re-solved in float64 by eigendecomposition, the directions the data leave undetermined taken from "
+        "the anchor. stats_dtype=torch.float64 or a larger lam avoids this."
+    )
+    log.warning(msg)
+    if notes is not None:
+        notes.append(msg)
+    return EigenSolve(S, shift, what)
+
+
+class Factors:
+    """The factorisations of one block's solves: one per distinct ``S`` and shift (modules
+    reading one input, q/k/v, share their ``S`` and so its factorisation), built by
+    :func:`spd_factor` with ``lapack_min_d``, their buffers from ``take`` (default: new
+    tensors). Live only while the systems they belong to are; :meth:`close` drops them and
+    returns the buffers taken, for the caller to reuse."""
+
+    def __init__(self, lapack_min_d: int | None = FastPaths.lapack_min_d, take: Callable | None = None):
+        self.lapack_min_d = lapack_min_d
+        self.notes: list[str] = []  # one line per factorisation that fell back to float64 (spd_factor)
+        self._take = take
+        self._solvers: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}
+        self._taken: list[torch.Tensor] = []
+
+    def _take_kept(self, *args, **kwargs) -> torch.Tensor:
+        self._taken.append(self._take(*args, **kwargs))
+        return self._taken[-1]
+
+    def solver(self, S: torch.Tensor, shift: float, what: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``B -> (S + shift I)^-1 B``, factored on first use."""
+        key = (id(S), shift)
+        if key not in self._solvers:
+            take = None if self._take is None else self._take_kept
+            self._solvers[key] = spd_factor(S, shift, what, take, self.lapack_min_d, self.notes)
+        return self._solvers[key]
+
+    def close(self) -> list[torch.Tensor]:
+        """Drop the factorisations; the buffers they took."""
+        taken, self._taken, self._solvers = self._taken, [], {}
+        return taken
+
+
+def spd_solve(A: torch.Tensor, B: torch.Tensor, what: str = "system") -> torch.Tensor:
+    """Solve ``A X = B`` for symmetric positive-definite ``A`` (:func:`spd_factor`)."""
+    return spd_factor(A, 0.0, what)(B)
+
+
+def linear_rhs(
+    sys: LinearSystem, W_mer: torch.Tensor, W_0: torch.Tensor, lam: float, rho: float, alpha: float
+) -> torch.Tensor:
+    """``U + alpha V + lam W_anc^T`` ``(d, o)``, a new tensor in the weight layout."""
+    U = sys.U if sys.alpha is None else _task_rhs(sys, alpha)
+    Rt = torch.add(U.T, W_mer, alpha=lam * rho).add_(W_0, alpha=lam * (1.0 - rho))  # (o, d)
+    if sys.alpha is None:
+        Rt.add_(sys.V.T, alpha=alpha)
+    return Rt.T
+
+
+def _task_rhs(sys: LinearSystem, alpha: float) -> torch.Tensor:
+    """``U + alpha V`` (a system built for one alpha has nothing else)."""
+    if sys.alpha is None:
+        return sys.U + alpha * sys.V
+    if alpha != sys.alpha:
+        raise ValueError(
+            f"this system was built for alpha={sys.alpha} only, not {alpha}; "
+            "calibrate with keep_stats=True to solve other settings."
+        )
+    return sys.U
+
+
+def linear_bias(
+    sys: LinearSystem, W: torch.Tensor, b_mer: torch.Tensor, b_0: torch.Tensor, lam: float, rho: float, alpha: float
+) -> torch.Tensor:
+    """The spec's bias for the new ``W``: ``[sum s_i (b_i + W_i mu_t - W mu_s) + lam b_anc] / (sum s_i + lam)``."""
+    dt = sys.S.dtype
+    b_anc = anchor(b_mer.to(dt), b_0.to(dt), rho)
+    num = sys.sb + sys.ub + alpha * sys.vb - W.to(dt) @ sys.m_s + lam * b_anc
+    return num / (sys.s_sum + lam)
+
+
+def solve_linear(
+    sys: LinearSystem,
+    W_mer: torch.Tensor,
+    b_mer: torch.Tensor | None,
+    W_0: torch.Tensor,
+    b_0: torch.Tensor | None,
+    *,
+    lam: float,
+    rho: float,
+    alpha: float,
+    eps: float,
+    bias: bool = True,
+    what: str = "linear",
+    with_swt: bool = False,
+    factors: Factors | None = None,
+):
+    """The calibrated ``(W, b)`` (in the system's dtype). ``b`` is the merged bias when
+    ``bias`` is off, ``None`` when the module has none. With ``with_swt``, also ``S W^T``
+    (free from the normal equations: ``S W^T = R - (lam + eps) W^T``) for the residual.
+    ``factors``: where the factorisation of ``S + (lam + eps) I`` comes from (and stays, for
+    the other systems sharing this ``S``); default: a new one with the default fast paths."""
+    solver = (factors or Factors()).solver(sys.S, lam + eps, what)
+    R = linear_rhs(sys, W_mer, W_0, lam, rho, alpha)
+    if isinstance(solver, EigenSolve):  # the data's and the anchor's parts of R apart (EigenSolve.ridge)
+        W_anc = anchor(W_mer.to(R.dtype), W_0.to(R.dtype), rho)
+        Wt = solver.ridge(R - lam * W_anc.T, W_anc.T, lam)
+    else:
+        Wt = solver(R)  # (d, o)
+    W = Wt.T
+    if b_mer is None:
+        b = None
+    elif not bias:
+        b = b_mer.to(sys.S.dtype)
+    else:
+        b = linear_bias(sys, W, b_mer, b_0, lam, rho, alpha)
+    if with_swt:
+        return W, b, R.sub_(Wt, alpha=lam + eps)
+    return W, b
+
+
+def linear_residual(
+    sys: LinearSystem,
+    W: torch.Tensor,
+    b: torch.Tensor | None,
+    alpha: float,
+    SWt: torch.Tensor | None = None,
+    wsw: torch.Tensor | None = None,
+) -> float:
+    """Relative residual ``sum s_i E|W xs + b - W_i xt - b_i|^2 / sum s_i E|W_i xt + b_i|^2``.
+    ``SWt`` (``S W^T``) or ``wsw`` (``tr(W S W^T)``, e.g. ``sys.res.k_mm`` for the merged
+    weights) may be given when already known; else ``S W^T`` is computed."""
+    return linear_residuals(sys, alpha, (W, b, SWt, wsw))[0]
+
+
+def linear_residuals(sys: LinearSystem, alpha: float, *models) -> list[float]:
+    """:func:`linear_residual` of each ``(W, b, SWt, wsw)`` in ``models`` (e.g. the merged
+    weights and the solution): the products with each ``W`` and ``b`` as tensors, all read
+    back at once, and the scalar algebra in Python floats (a module's residuals are
+    dozens of operations on scalars, which cost more as tensor calls than they compute).
+    A NaN or Inf in any ``W`` or ``b`` makes its residual NaN or Inf (``inf * 0`` is NaN)."""
+    dt, res = sys.S.dtype, sys.res
+    rhs = _task_rhs(sys, alpha)
+    rows, with_bias = [], []
+    for W, b, SWt, wsw in models:
+        Wt = W.to(dt).T  # (d, o), weight layout
+        if wsw is None:
+            wsw = inner(Wt, symmetric(sys.S) @ Wt if SWt is None else SWt)
+        terms = [wsw, inner(Wt, rhs)]
+        if b is not None:
+            b = b.to(dt)
+            terms += [b @ (Wt.T @ sys.m_s), b @ sys.ub, b @ sys.vb, (res.sbs * (res.mus @ Wt)).sum(), b @ b, b @ sys.sb]
+        rows.append(torch.stack(terms))
+        with_bias.append(b is not None)
+    k_ee, k_se, k_ss, c_s, c_v, bb, s_sum, *vals = torch.cat(
+        [torch.stack([res.k_ee, res.k_se, res.k_ss, res.c_s, res.c_v, res.bb, sys.s_sum]).to(dt), *rows]
+    ).tolist()
+    a = alpha
+    K = a * a * k_ee + 2 * a * (1 - a) * k_se + (1 - a) ** 2 * k_ss
+    den = K + 2 * (c_s + a * c_v) + bb
+    den = den if not den < 1e-30 else 1e-30  # (a NaN passes through both clamps)
+    out = []
+    for has_b in with_bias:
+        wsw, w_rhs, *vals = vals
+        num = wsw - 2 * w_rhs + K
+        if has_b:
+            bWm, b_ub, b_vb, sbs_W, b_b, b_sb, *vals = vals
+            num += 2 * (bWm - b_ub - a * b_vb - sbs_W + c_s + a * c_v) + s_sum * b_b - 2 * b_sb + bb
+        out.append((num if not num < 0 else 0.0) / den)
+    return out
+
+
+@dataclass
+class NormSystem:
+    """Per-task LayerNorm moments and expert affines, stacked over tasks ``(N, d)``."""
+
+    e: torch.Tensor  # E[z*z] per task and channel
+    m: torch.Tensor  # E[z]
+    g: torch.Tensor  # gamma_i
+    b: torch.Tensor | None  # beta_i (None: the LayerNorm has no bias)
+
+    def to(self, device) -> "NormSystem":
+        return NormSystem(
+            self.e.to(device), self.m.to(device), self.g.to(device), None if self.b is None else self.b.to(device)
+        )
+
+
+def norm_scale(e: torch.Tensor, g: torch.Tensor, g_anc: torch.Tensor, lam: float, eps: float) -> torch.Tensor:
+    """The calibrated per-channel scale of a norm without shift (an RMS norm, or a LayerNorm
+    without bias): the minimiser of ``sum_i E|gamma z - gamma_i z|^2 + lam |gamma - gamma_anc|^2``
+    per channel, from ``e`` ``(N, d)`` = each task's ``E[z*z]`` and ``g`` ``(N, d)`` = each
+    expert's ``gamma_i`` (docs/maths.md, 'LayerNorm affine')::
+
+        gamma = (sum_i e_i gamma_i + lam gamma_anc) / max(sum_i e_i + lam, eps)
+    """
+    return ((e * g).sum(0) + lam * g_anc) / (e.sum(0) + lam).clamp(min=eps)
+
+
+def solve_norm(
+    sys: NormSystem,
+    g_mer: torch.Tensor,
+    b_mer: torch.Tensor | None,
+    g_0: torch.Tensor,
+    b_0: torch.Tensor | None,
+    *,
+    lam: float,
+    rho: float,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The calibrated ``(gamma, beta)`` per channel (the spec's 2x2 system, determinant
+    clamped below at ``eps``); ``gamma`` alone when the LayerNorm has no bias."""
+    dt = sys.e.dtype
+    n = sys.e.shape[0]
+    g_anc = anchor(g_mer.to(dt), g_0.to(dt), rho)
+    E, M = sys.e.sum(0), sys.m.sum(0)
+    if sys.b is None:
+        return norm_scale(sys.e, sys.g, g_anc, lam, eps), None
+    b_anc = anchor(b_mer.to(dt), b_0.to(dt), rho)
+    r1 = (sys.e * sys.g + sys.m * sys.b).sum(0) + lam * g_anc
+    r2 = (sys.m * sys.g + sys.b).sum(0) + lam * b_anc
+    a11, a12, a22 = E + lam, M, n + lam
+    det = (a11 * a22 - a12 * a12).clamp(min=eps)
+    gamma = (a22 * r1 - a12 * r2) / det
+    beta = (a11 * r2 - a12 * r1) / det
+    return gamma, beta
+
+
+def norm_residual(sys: NormSystem, g: torch.Tensor, b: torch.Tensor | None) -> float:
+    """Relative residual ``sum_i E|(g - g_i) z + b - b_i|^2 / sum_i E|g_i z + b_i|^2``."""
+    dt = sys.e.dtype
+    dg = g.to(dt) - sys.g
+    bi = torch.zeros_like(sys.g) if sys.b is None else sys.b
+    db = (torch.zeros_like(g, dtype=dt) if b is None else b.to(dt)) - bi
+    num = (dg * dg * sys.e + 2 * dg * db * sys.m + db * db).sum()
+    den = (sys.g * sys.g * sys.e + 2 * sys.g * bi * sys.m + bi * bi).sum()
+    return float(num.clamp(min=0) / den.clamp(min=1e-30))

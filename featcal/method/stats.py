@@ -1,0 +1,478 @@
+"""Running statistics of one module's inputs on one task, accumulated batch by batch
+(docs/maths.md, 'Statistics').
+
+Rows are tokens (every token of every example), each with a weight ``w``
+(default 1; 0 for padding). With ``E[.]`` the w-weighted mean over rows:
+
+    C   = E[xs xs^T]     (d, d)   second moment of the calibrating input
+    P   = E[xs xe^T]     (d, d)   cross moment with the expert's input
+    mu_s = E[xs], mu_e = E[xe]
+
+``X = E[xs xt^T] = alpha P + (1 - alpha) C`` for ``xt = alpha xe + (1 - alpha) xs``,
+so one pass serves every alpha. The solve needs ``P`` and ``C`` only through
+``C``, ``C W_i^T`` and ``P W_i^T`` (expert i's weight ``W_i``), which a module
+gets in one of three forms (:data:`FORMS`), each exact, whichever costs fewest
+flops for its widths and the task's row count (:func:`cheapest_form`):
+
+- ``"P"``: the shared ``P`` (d, d); ``C W_i^T`` and ``P W_i^T`` at the end;
+- ``"Q"``: per module ``Q = sum w xs (W_i xe)^T`` (d, o) from the expert module's
+  own output; ``C W_i^T`` at the end;
+- ``"QQ"``: per module also ``sum w xs (W_i xs)^T`` (d, o), so nothing of size
+  ``d x d x o`` is left for the end: cheapest when a task has fewer rows than
+  the module is wide.
+
+``C`` itself is symmetric: only its upper block triangle is accumulated
+(:func:`gram_blocks`); the solve reads no more (:func:`featcal.method.solve.spd_factor`),
+and the rest is mirrored only where a full product needs it (:func:`finish_gram`).
+A task that is one batch of few rows for its input width (by default fewer than half,
+:attr:`featcal.config.FastPaths.direct_rows`) keeps no ``C`` at all (``direct`` sums): the
+batch's weighted rows ``Z`` (``C = Z^T Z``) are added straight into the system once the
+task's scale is known, and ``||C||_F`` comes from the ``rows x rows`` Gram matrix
+``Z Z^T`` (:func:`rows_gram_norm`): no ``d x d`` buffer to fill, read for its norm and add.
+The per-module sums of size ``(d, o)`` are kept in the layout of a weight
+(``(o, d)`` contiguous, seen transposed), so that adding them up, solving and the
+residual's inner products with ``W^T`` never copy a transpose.
+For LayerNorm targets only the normalised input ``z`` of the calibrating stream
+matters: ``e = E[z*z]``, ``m = E[z]``.
+
+The functions here are pure over tensors (the ``accumulate_*`` ones add into
+the sums they are given, and return them). Every one also takes a leading task axis
+(rows ``(T, rows, d)``, sums ``(T, ...)``, expert weights ``(T, o, d)``): small models then
+reduce all tasks in one call per operation instead of one per task.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from featcal.config import FORMS, FastPaths
+
+
+def gram_blocks(d: int, block: int | None = FastPaths.gram_block) -> tuple[int, ...]:
+    """Block edges ``(0, ..., d)`` of the triangular accumulation of a ``d x d`` Gram matrix,
+    about ``block`` columns each (at most 8; ``None``: one block, the full product): ``k``
+    blocks cost ``(k + 1) / 2k`` of the full product (d = 3072: 8 blocks, 56%)."""
+    k = 1 if block is None else max(1, min(8, d // block))
+    return tuple(round(i * d / k) for i in range(k + 1))
+
+
+def cheapest_form(d: int, outs: list[int], rows: int, computed_outputs: int = 0, fixed_alpha: bool = False) -> str:
+    """The form (:data:`FORMS`) with the fewest multiply-adds for a group of modules reading
+    one input of width ``d``: outputs ``outs``, ``rows`` rows per task; ``computed_outputs``
+    of the modules have no captured output, so ``W_i xe`` costs ``rows d o`` more for them;
+    ``fixed_alpha``: only one alpha is wanted (``"QQ"`` then needs two products, not three)."""
+    o = sum(outs)
+    extra = rows * d * computed_outputs * (o / max(len(outs), 1))
+    cost = {
+        "P": rows * d * d + 2 * d * d * o,
+        "Q": rows * d * o + d * d * o + extra,
+        "QQ": (2 if fixed_alpha else 3) * rows * d * o + extra,
+    }
+    return min(FORMS, key=lambda f: cost[f])
+
+
+@dataclass
+class LinearSums:
+    """Weighted sums over rows for a Linear input site (divide by ``w`` for means).
+
+    ``C`` holds only its upper block triangle (``edges``) until :func:`finish_gram`;
+    ``direct`` sums (one batch) hold its weighted rows ``Z`` instead (``C = Z^T Z``).
+    ``P`` is kept only in the ``"P"`` form.
+    """
+
+    w: torch.Tensor  # ()        sum of row weights
+    rows: int  # number of rows with positive weight
+    s: torch.Tensor  # (d,)      sum w xs
+    e: torch.Tensor  # (d,)      sum w xe
+    C: torch.Tensor | None  # (d, d)    sum w xs xs^T (None for direct sums)
+    P: torch.Tensor | None  # (d, d)    sum w xs xe^T (None unless the "P" form)
+    edges: tuple[int, ...] = ()
+    finished: bool = False
+    Z: torch.Tensor | None = None  # (rows, d)  sqrt(w) xs of the one batch of direct sums
+
+    @classmethod
+    def zeros(
+        cls,
+        d: int,
+        dtype: torch.dtype,
+        device,
+        cross: bool = True,
+        lead: tuple[int, ...] = (),
+        direct: bool = False,
+        take=None,
+        block: int | None = FastPaths.gram_block,
+    ) -> "LinearSums":
+        """Empty sums (``lead``: a leading task axis ``(T,)``; ``direct``: for one batch, no
+        ``C``; ``block``: see :func:`gram_blocks`); ``take(shape, dtype, device)``: where the
+        big zeroed buffers come from (default ``torch.zeros``; a
+        :class:`featcal.engine.blockstats.Scratch` reuses them)."""
+
+        def z(*shape) -> torch.Tensor:
+            return torch.zeros((*lead, *shape), dtype=dtype, device=device)
+
+        def big(*shape) -> torch.Tensor:
+            return z(*shape) if take is None else take((*lead, *shape), dtype, device)
+
+        return cls(
+            z(), 0, z(d), z(d), None if direct else big(d, d), big(d, d) if cross else None, gram_blocks(d, block)
+        )
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The big buffers (to hand back to where :meth:`zeros` took them)."""
+        return [x for x in (self.C, self.P) if x is not None]
+
+
+@dataclass
+class ModuleSums:
+    """Per-module weighted sums of one task (``ys = W_i xs``, ``ye = W_i xe``: expert i's
+    module, bias left out, on the calibrating and on the expert's input)."""
+
+    ee: torch.Tensor  # ()      sum w |ye|^2
+    Q: torch.Tensor | None = None  # (d, o)  sum w xs ye^T            ("Q", "QQ")
+    CW: torch.Tensor | None = None  # (d, o)  sum w xs ys^T            ("QQ")
+    T: torch.Tensor | None = None  # (d, o)  sum w xs ((1-a) ys + a ye)^T  ("QQ" at a fixed alpha a)
+    ss: torch.Tensor | None = None  # ()      sum w |ys|^2             ("QQ")
+    se: torch.Tensor | None = None  # ()      sum w ys.ye              ("QQ")
+    tt: torch.Tensor | None = None  # ()      sum w |(1-a) ys + a ye|^2  ("QQ" at a fixed alpha a)
+    mm: torch.Tensor | None = None  # ()      sum w |W_mer xs|^2 (when the merged output was seen)
+
+
+@dataclass
+class NormSums:
+    """Weighted sums over rows of the normalised input ``z`` of a LayerNorm."""
+
+    w: torch.Tensor  # ()
+    rows: int
+    z: torch.Tensor  # (d,)  sum w z
+    zz: torch.Tensor  # (d,)  sum w z*z
+
+    @classmethod
+    def zeros(cls, d: int, dtype: torch.dtype, device, lead: tuple[int, ...] = ()) -> "NormSums":
+        def z(*shape) -> torch.Tensor:
+            return torch.zeros((*lead, *shape), dtype=dtype, device=device)
+
+        return cls(z(), 0, z(d), z(d))
+
+
+def as_rows(x: torch.Tensor, dtype: torch.dtype, lead: int = 0) -> torch.Tensor:
+    """``(B, T, d)`` or ``(B, d)`` -> ``(rows, d)`` in ``dtype``; with ``lead`` leading axes
+    kept (``(tasks, B, T, d)`` -> ``(tasks, rows, d)`` for ``lead=1``)."""
+    return x.reshape(*x.shape[:lead], -1, x.shape[-1]).to(dtype)
+
+
+def weighted(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    """Rows scaled by their weights (``x`` itself when ``w`` is None)."""
+    return x if w is None else x * w[..., None]
+
+
+def _acc(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """``out += alpha a @ b`` in place, for matrices or stacks of them."""
+    return out.addmm_(a, b, alpha=alpha) if out.dim() == 2 else out.baddbmm_(a, b, alpha=alpha)
+
+
+def inner(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``sum(a * b)`` for two tensors of one shape, without the elementwise product; for
+    stacks of matrices ``(T, m, n)``, one sum per matrix ``(T,)``."""
+    if a.dim() > 2:
+        return (a * b).sum((-2, -1))  # (a bmm of 1 x n by n x 1 stacks is much slower)
+    if not (a.is_contiguous() and b.is_contiguous()):
+        if a.mT.is_contiguous() and b.mT.is_contiguous():
+            a, b = a.mT, b.mT
+        else:
+            a, b = a.contiguous(), b.contiguous()
+    return torch.dot(a.reshape(-1), b.reshape(-1))
+
+
+def accumulate_gram(
+    C: torch.Tensor, xw: torch.Tensor, x: torch.Tensor, edges: tuple[int, ...], alpha: float = 1.0
+) -> torch.Tensor:
+    """``C += alpha xw^T x`` on the upper block triangle only (``C`` symmetric once finished)."""
+    if len(edges) <= 2:
+        return _acc(C, xw.mT, x, alpha)
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        _acc(C[..., lo:hi, lo:], xw[..., lo:hi].mT, x[..., lo:], alpha)
+    return C
+
+
+def _blas(name: str, x: torch.Tensor):
+    """scipy's BLAS routine ``name`` (``"syrk"``) for CPU float32/float64 tensors on one torch
+    thread, else None (torch's products, threaded, are used then)."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or torch.get_num_threads() != 1:
+        return None
+    from scipy.linalg import blas
+
+    return getattr(blas, ("s" if x.dtype == torch.float32 else "d") + name)
+
+
+def one_blas_thread():
+    """A context in which scipy's BLAS runs on one thread: OpenBLAS's worker threads spin on
+    after a call and slow torch's next operation."""
+    return _blas_threads().limit(limits=1, user_api="blas")
+
+
+@functools.cache
+def _blas_threads():
+    """One threadpoolctl controller for scipy's BLAS, made once scipy's BLAS is loaded and
+    kept (finding the libraries costs far more than setting a limit on a kept controller)."""
+    from scipy.linalg import blas  # noqa: F401  (loads the BLAS the controller must see)
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController()
+
+
+def _syrk(C: torch.Tensor, Z: torch.Tensor, alpha: float, rows: bool) -> bool:
+    """``C += alpha Z^T Z`` (``rows``: ``alpha Z Z^T``) on the upper triangle of ``C`` by BLAS
+    ``syrk`` (half a product's flops) on one CPU thread; False, with nothing done, where it
+    does not apply (:func:`_blas`, non-contiguous or mixed dtypes)."""
+    syrk = _blas("syrk", C) if C.is_contiguous() and Z.is_contiguous() and C.dtype == Z.dtype else None
+    if syrk is None:
+        return False
+    with one_blas_thread():  # row-major C and Z are column-major C^T (= C) and Z^T
+        out = syrk(alpha, Z.numpy().T, beta=1.0, c=C.numpy().T, trans=int(rows), lower=1, overwrite_c=1)
+    if out.ctypes.data != C.data_ptr():  # pragma: no cover  (scipy copied: keep the result)
+        C.copy_(torch.from_numpy(out.T))
+    return True
+
+
+def add_rows_gram(S: torch.Tensor, Z: torch.Tensor, alpha: float, edges: tuple[int, ...]) -> torch.Tensor:
+    """``S += alpha Z^T Z`` on the upper triangle of ``S`` ``(d, d)`` for rows ``Z`` ``(rows, d)``:
+    :func:`_syrk` (cheaper than the block triangle's products), else on the upper block
+    triangle (``edges``)."""
+    if not _syrk(S, Z, alpha, rows=False):
+        accumulate_gram(S, Z, Z, edges, alpha)
+    return S
+
+
+def rows_gram_norm(Z: torch.Tensor) -> torch.Tensor:
+    """``||Z^T Z||_F`` from the ``rows x rows`` Gram matrix ``Z Z^T`` (the same norm; fewer
+    flops when ``rows < d``), in ``Z``'s dtype, reduced in float64 (:func:`_sum_sq`)."""
+    K = torch.zeros(Z.shape[0], Z.shape[0], dtype=Z.dtype, device=Z.device)
+    if not _syrk(K, Z, 1.0, rows=True):
+        return _sum_sq(Z @ Z.mT).sqrt().to(Z.dtype)
+    diag = K.diagonal().double()  # K: its upper triangle, zeros below
+    return (2 * _sum_sq(K) - diag @ diag).clamp(min=0).sqrt().to(Z.dtype)
+
+
+def _sum_sq(x: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of the entries of a matrix (one per matrix of a stack), in float64: each
+    row's in ``x``'s dtype (a short sum, at most ``d`` terms), the rows' in float64. One
+    float32 accumulation of all ``d^2`` terms (a BLAS dot product, ``vector_norm`` of the
+    whole matrix) loses up to 1e-4 of the sum, how much depending on the CPU's kernel: with
+    millions of positive terms, each new one is tiny next to the running sum and partly
+    rounded away."""
+    rows = torch.linalg.vector_norm(x, dim=-1).double()  # (..., m): each row's norm
+    return torch.linalg.vecdot(rows, rows)
+
+
+def gram_norm(C: torch.Tensor, edges: tuple[int, ...], finished: bool = False) -> torch.Tensor:
+    """``||C||_F`` of a symmetric ``C`` from its upper block triangle (:func:`accumulate_gram`),
+    whose tiles below are still zero (``finished``: mirrored, :func:`finish_gram`): the
+    diagonal tiles count once, the others twice (one norm per matrix of a stack). In ``C``'s
+    dtype, reduced in float64 (:func:`_sum_sq`)."""
+    if len(edges) <= 2 or finished:
+        return _sum_sq(C).sqrt().to(C.dtype)
+    diag = sum(_sum_sq(C[..., lo:hi, lo:hi]) for lo, hi in zip(edges[:-1], edges[1:]))
+    return (2 * _sum_sq(C) - diag).clamp(min=0).sqrt().to(C.dtype)
+
+
+def add_weighted(out: torch.Tensor, x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """``out += sum_t f_t x_t`` for a stack ``x`` ``(T, ...)`` and weights ``f`` ``(T,)``, in
+    place; one task is one scaled add (no temporary: wide systems are tens of MB), and so
+    is each task of a strided ``x`` (a tile of a stack of Gram matrices, which a product
+    with ``f`` would first copy whole)."""
+    if len(f) == 1 or not x.is_contiguous():
+        for x_t, f_t in zip(x, f.tolist()):
+            out.add_(x_t, alpha=f_t)
+        return out
+    return out.add_(torch.tensordot(f, x, 1))
+
+
+def add_gram(S: torch.Tensor, C: torch.Tensor, f: torch.Tensor, edges: tuple[int, ...]) -> torch.Tensor:
+    """``S += sum_t f_t C_t`` for a stack ``C`` ``(T, d, d)``, on the upper block triangle (all
+    that :func:`accumulate_gram` fills)."""
+    if len(edges) <= 2:
+        return add_weighted(S, C, f)
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        add_weighted(S[lo:hi, lo:], C[:, lo:hi, lo:], f)
+    return S
+
+
+def finish_gram(acc: LinearSums) -> LinearSums:
+    """Mirror the upper block triangle of ``C`` into the lower one (once)."""
+    if not acc.finished:
+        e = acc.edges
+        for i in range(len(e) - 1):  # tile by tile: a cache-friendly transpose
+            for j in range(i + 1, len(e) - 1):
+                acc.C[..., e[j] : e[j + 1], e[i] : e[i + 1]] = acc.C[..., e[i] : e[i + 1], e[j] : e[j + 1]].mT
+        acc.finished = True
+    return acc
+
+
+def accumulate_linear(acc: LinearSums, xs: torch.Tensor, xe: torch.Tensor, w: torch.Tensor | None) -> LinearSums:
+    """Add one batch: ``xs``, ``xe`` ``(rows, d)``, ``w`` ``(rows,)`` or ``None`` (all 1)
+    (or each with a leading task axis; ``rows`` then counts the task with fewest)."""
+    xsw = weighted(xs, w)
+    acc.w += xs.shape[-2] if w is None else w.sum(-1)
+    acc.rows += xs.shape[-2] if w is None else int((w > 0).sum(-1).min())
+    acc.s += xsw.sum(-2)
+    acc.e += weighted(xe, w).sum(-2)
+    if acc.C is None:
+        if acc.Z is not None:
+            raise ValueError("direct sums (no C) take exactly one batch.")
+        acc.Z = xs.contiguous() if w is None else xs * w.sqrt().unsqueeze(-1)
+    else:
+        accumulate_gram(acc.C, xsw, xs, acc.edges or (0, xs.shape[-1]))
+    if acc.P is not None:
+        _acc(acc.P, xsw.mT, xe)
+    return acc
+
+
+def _add(total: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    return x if total is None else total + x
+
+
+def _addmm(total: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``total + a @ b`` in place (``a @ b`` when ``total`` is None: no zero-filled start), in
+    the weight layout: the ``(d, o)`` result is the transpose of an ``(o, d)`` contiguous one."""
+    if total is None:
+        return (b.mT @ a.mT).mT
+    _acc(total.mT, b.mT, a.mT)
+    return total
+
+
+def _wdot(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    """``sum_rows w <a_row, b_row>`` for ``(rows, o)`` tensors (``(T,)`` for ``(T, rows, o)``)."""
+    if w is None:
+        return inner(a, b)
+    return w @ (a * b).sum(1) if a.dim() == 2 else (w * (a * b).sum(-1)).sum(-1)
+
+
+def accumulate_module(
+    ms: ModuleSums,
+    form: str,
+    xs: torch.Tensor,
+    ye: torch.Tensor,
+    w: torch.Tensor | None,
+    W_i: torch.Tensor,
+    ym: torch.Tensor | None = None,
+    alpha: float | None = None,
+) -> ModuleSums:
+    """Add one batch to a module's sums in ``form``: ``xs`` ``(rows, d)``, ``ye = W_i xe``
+    ``(rows, o)``; ``ym = W_mer xs`` ``(rows, o)`` when the merged module's output was seen.
+    ``alpha`` given: the ``"QQ"`` form keeps only the sums for that alpha (``T``, ``tt``), one
+    ``rows x d x o`` product and four passes over the outputs less, and no preview is
+    possible from it."""
+    if ym is not None:
+        ms.mm = _add(ms.mm, _wdot(ym, ym, w))
+    if form == "QQ" and alpha is not None:
+        W = W_i.to(xs.dtype).mT
+        mm = torch.addmm if xs.dim() == 2 else torch.baddbmm
+        yt = mm(ye, xs, W, beta=alpha, alpha=1.0 - alpha)  # W_i xt = (1-a) W_i xs + a ye
+        ms.tt = _add(ms.tt, _wdot(yt, yt, w))
+        ms.T = _addmm(ms.T, weighted(xs, w).mT, yt)
+        return ms
+    ms.ee = ms.ee + _wdot(ye, ye, w)
+    if form == "P":
+        return ms
+    xswT = weighted(xs, w).mT
+    if form == "Q":
+        ms.Q = _addmm(ms.Q, xswT, ye)
+        return ms
+    ys = xs @ W_i.to(xs.dtype).mT  # (rows, o)
+    ms.ss = _add(ms.ss, _wdot(ys, ys, w))
+    ms.se = _add(ms.se, _wdot(ys, ye, w))
+    ms.Q = _addmm(ms.Q, xswT, ye)
+    ms.CW = _addmm(ms.CW, xswT, ys)
+    return ms
+
+
+def rms_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps)`` over the last axis: an RMS norm without its scale."""
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+
+
+def accumulate_norm(
+    acc: NormSums, xs: torch.Tensor, w: torch.Tensor | None, eps: float, centred: bool = True
+) -> NormSums:
+    """Add one batch of norm inputs ``xs`` ``(rows, d)``: ``z = LayerNorm(xs)`` without affine
+    (``centred``), or the RMS-normalised ``xs`` (an RMS norm)."""
+    z = F.layer_norm(xs, (xs.shape[-1],), eps=eps) if centred else rms_normalise(xs, eps)
+    zw = weighted(z, w)
+    acc.w += xs.shape[-2] if w is None else w.sum(-1)
+    acc.rows += xs.shape[-2] if w is None else int((w > 0).sum(-1).min())
+    acc.z += zw.sum(-2)
+    acc.zz += (zw * z).sum(-2)
+    return acc
+
+
+@dataclass(frozen=True)
+class LinearMoments:
+    """One task's terms for one Linear module as weighted *sums* (divide by ``w`` for the
+    spec's means): ``C = sum w xs xs^T``, ``CW = C W_i^T``, ``PW = sum w xs xe^T W_i^T``,
+    ``k_ss = sum w |W_i xs|^2``, ``k_se = sum w (W_i xs).(W_i xe)``, ``k_ee = sum w |W_i xe|^2``,
+    ``k_mm = sum w |W_mer xs|^2`` (or None), ``s``/``e`` the sums of ``xs``/``xe``.
+    At a fixed alpha only ``T = (1 - alpha) CW + alpha PW`` may be there (``CW``, ``PW`` None),
+    and ``k_ss = k_se = k_ee = sum w |W_i xt|^2`` (the one combination the residual reads there).
+    ``C`` is trustworthy on its upper block triangle (``edges``) only; ``c_norm = ||C||_F``;
+    direct sums give ``Z`` (``C = Z^T Z``) instead of ``C``.
+    The ``(d, o)`` terms are in the weight layout (their transposes are contiguous)."""
+
+    C: torch.Tensor | None
+    edges: tuple[int, ...]
+    c_norm: torch.Tensor
+    CW: torch.Tensor | None
+    PW: torch.Tensor | None
+    k_ss: torch.Tensor
+    k_se: torch.Tensor
+    k_ee: torch.Tensor
+    k_mm: torch.Tensor | None
+    s: torch.Tensor
+    e: torch.Tensor
+    w: torch.Tensor
+    rows: int
+    T: torch.Tensor | None = None
+    Z: torch.Tensor | None = None
+
+    @property
+    def mu_s(self) -> torch.Tensor:
+        return self.s / self.w.unsqueeze(-1)
+
+    @property
+    def mu_e(self) -> torch.Tensor:
+        return self.e / self.w.unsqueeze(-1)
+
+
+def linear_moments(acc: LinearSums, W_i: torch.Tensor, ms: ModuleSums) -> LinearMoments:
+    """The terms of one task for one module, from its group's sums ``acc`` and its own ``ms``
+    (of every task, with a leading task axis)."""
+    if not bool((acc.w > 0).all()):
+        raise ValueError("no calibration rows with positive weight for this module (empty task?).")
+    edges = acc.edges or (0, acc.s.shape[-1])
+    head = (acc.C, edges, rows_gram_norm(acc.Z) if acc.C is None else gram_norm(acc.C, edges, acc.finished))
+    if ms.T is not None:  # K(a) = a^2 k_ee + 2a(1-a) k_se + (1-a)^2 k_ss is tt when all three are tt
+        return LinearMoments(
+            *head, None, None, ms.tt, ms.tt, ms.tt, ms.mm, acc.s, acc.e, acc.w, acc.rows, ms.T, Z=acc.Z
+        )
+    W = W_i.to(acc.s.dtype)  # (o, d)
+    if ms.CW is not None:
+        CW = ms.CW
+    elif acc.C is None:
+        CW = ((W @ acc.Z.mT) @ acc.Z).mT  # C W^T = (W Z^T Z)^T
+    else:
+        CW = (W @ finish_gram(acc).C).mT  # C W^T = (W C)^T: C symmetric
+    PW = ms.Q if ms.Q is not None else (W @ acc.P.mT).mT
+    k_ss = ms.ss if ms.ss is not None else inner(W.mT, CW)
+    k_se = ms.se if ms.se is not None else inner(W.mT, PW)
+    return LinearMoments(*head, CW, PW, k_ss, k_se, ms.ee, ms.mm, acc.s, acc.e, acc.w, acc.rows, Z=acc.Z)
+
+
+def norm_moments(acc: NormSums) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(e, m)`` = ``(E[z*z], E[z])`` per channel (per task and channel with a task axis)."""
+    if not bool((acc.w > 0).all()):
+        raise ValueError("no calibration rows with positive weight for this LayerNorm (empty task?).")
+    w = acc.w.unsqueeze(-1)
+    return acc.zz / w, acc.z / w

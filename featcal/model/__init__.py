@@ -1,0 +1,5 @@
+"""nn.Module and file plumbing: where a model's blocks are (arch), hooks on a block's inputs (capture),
+hidden states moved block by block (streams), eval mode, input checks (validate), base and experts
+loaded from files (loading), model directories read and written tensor by tensor (checkpoints).
+
+Imports util and config only."""

@@ -1,0 +1,198 @@
+"""The block source of a streamed run: block l of every model filled from its checkpoint just
+before the engine visits it, the calibrated block saved and every block emptied after.
+
+The models are skeletons (parameters on ``meta``, :mod:`featcal.model.checkpoints`); the merged
+model's block is read from its directory or merged on the fly from the base's and the experts'
+block l with :mod:`featcal.baselines.merging`. The stems run once at the start (their parameters
+loaded, then released); the heads are never loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from featcal.baselines import merging
+from featcal.engine.blocksource import BlockSource, move_streams, streams_fit, to_host
+from featcal.engine.report import CalibrationReport
+from featcal.model import arch, validate
+from featcal.model.checkpoints import Checkpoint, fill, release
+from featcal.streaming.workdir import STATE, STREAMS, peak_rss_mb, save_atomic, write_json_atomic
+from featcal.util.progress import note
+
+
+class CheckpointSource(BlockSource):
+    """Block l of every model filled from its checkpoint before the engine visits it, and the
+    calibrated block saved (and every block emptied) after; see the module's docstring."""
+
+    loaded = False
+
+    def __init__(
+        self,
+        *,
+        ckpts: dict[str, Checkpoint],  # "merged" (unless merging on the fly), "base", and every task
+        skels: dict[str, nn.Module],  # the same roles' skeletons
+        tasks: list[str],
+        merge: tuple[str, dict] | None,
+        path: str,
+        device: torch.device,
+        work: Path,
+        state: dict,
+        checkpoint_every: int,
+        on_block: Callable[[int, dict], None] | None,
+        progress: bool,
+    ):
+        self.ckpts, self.skels, self.tasks, self.merge = ckpts, skels, tasks, merge
+        self.path, self.device, self.work, self.state = path, device, work, state
+        self.every, self.on_block, self.progress = checkpoint_every, on_block, progress
+        self.blocks = {role: arch.resolve_blocks(m, path)[1] for role, m in skels.items()}
+        self.first = state["done"] + 1
+        self._fit = True
+        self._t0 = time.perf_counter()
+
+    # ---- reading
+
+    def _read(self, role: str, full: list[str]) -> dict[str, torch.Tensor]:
+        return self.ckpts[role].read(full)
+
+    def _merged(self, full: list[str], base: dict, experts: dict) -> dict[str, torch.Tensor]:
+        """The merged model's tensors ``full``: read, or merged from the base's and experts'."""
+        if self.merge is None:
+            return self._read("merged", full)
+        method, params = self.merge
+        return merging.merge(method, base, experts, **params)
+
+    def _fill(self, role: str, module: nn.Module, tensors: dict, prefix: str, device) -> None:
+        validate._finite_params(tensors, f"the {role} checkpoint", self.path)
+        rel = {name[len(prefix) :]: t.to(device) for name, t in tensors.items()}
+        fill(module, rel)
+        module.to(device)  # the non-persistent buffers too
+
+    # ---- the hook
+
+    def streams(self, make: Callable[[], dict]) -> dict:
+        """Run the stems (of the merged model and the experts; their non-block parameters but
+        the output embeddings filled on the CPU, then emptied again); on a resumed run, the saved
+        hidden states replace the stems' outputs (the stems still give the blocks' other arguments)."""
+        roles = ["merged", *self.tasks]
+        for role in roles:
+            skel = self.skels[role]
+            skip = _head_only(skel)
+            names = [n for n, p in skel.named_parameters() if not n.startswith(self.path + ".") and id(p) not in skip]
+            if role == "merged":
+                base = self._read("base", names)
+                tensors = self._merged(names, base, {t: self._read(t, names) for t in self.tasks})
+            else:
+                tensors = self._read(role, names)
+            validate._finite_params(tensors, f"the {role} checkpoint", self.path)
+            skel.load_state_dict(tensors, strict=False, assign=True)
+        try:
+            streams = make()
+        finally:
+            for role in roles:
+                release(self.skels[role])
+            _trim_heap()
+        if any(c.hidden.is_meta for st in streams.values() for c in st.cal + st.exp):
+            raise RuntimeError(
+                "a stem's output is on the meta device: its forward pass used the output embeddings, which "
+                "featcal leaves unloaded; please report the architecture."
+            )
+        if self.first > 0:
+            self._load_streams(streams)
+        self._fit = streams_fit(streams, self.device)
+        if self._fit and self.device.type != "cpu":
+            move_streams(streams, self.device)
+        return streams
+
+    def offload(self, streams: dict) -> bool:
+        return not self._fit
+
+    def enter(self, block: int) -> None:
+        self._t0 = time.perf_counter()
+        prefix = f"{self.path}.{block}."
+        full = [prefix + k for k in self.blocks["base"][block].state_dict()]
+        base = self._read("base", full)
+        experts = {t: self._read(t, full) for t in self.tasks}
+        merged = self._merged(full, base, experts)
+        self._fill("merged", self.blocks["merged"][block], merged, prefix, self.device)
+        self._fill("base", self.blocks["base"][block], base, prefix, self.device)
+        for t in self.tasks:
+            self._fill(f"expert {t!r}", self.blocks[t][block], experts[t], prefix, self.device)
+
+    def leave(self, block: int, streams: dict, report: CalibrationReport) -> None:
+        prefix = f"{self.path}.{block}."
+        calibrated = {
+            prefix + k: v.detach().cpu().contiguous() for k, v in self.blocks["merged"][block].state_dict().items()
+        }
+        save_atomic(calibrated, self.work / "blocks" / f"{block:05d}.safetensors")
+        for blocks in self.blocks.values():
+            release(blocks[block])
+        _trim_heap()
+        last = block == len(self.blocks["base"]) - 1
+        if (block + 1) % self.every == 0 or last:
+            if not last:
+                self._save_streams(streams)
+            self.state["done"] = block
+            self.state["modules"] = self.state["prior_modules"] + [vars(m) for m in report.modules]
+            self.state["blocks"] = self.state["prior_blocks"] + [vars(b) for b in report.blocks]
+            write_json_atomic({k: v for k, v in self.state.items() if not k.startswith("prior_")}, self.work / STATE)
+        info = {"seconds": time.perf_counter() - self._t0, "peak_rss_mb": peak_rss_mb()}
+        if self.device.type == "cuda":
+            info["peak_gpu_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+        if self.progress:
+            gpu = f", GPU peak {info['peak_gpu_mb']:.0f} MB" if "peak_gpu_mb" in info else ""
+            note(
+                f"block {block + 1}/{len(self.blocks['base'])}: {info['seconds']:.1f} s, "
+                f"peak RSS so far {info['peak_rss_mb']:.0f} MB{gpu}"
+            )
+        if self.on_block is not None:
+            self.on_block(block, info)
+
+    # ---- the streams on disk
+
+    def _save_streams(self, streams: dict) -> None:
+        flat = {}
+        for i, task in enumerate(self.tasks):
+            for kind in ("cal", "exp"):
+                for b, c in enumerate(getattr(streams[task], kind)):
+                    flat[f"{kind}.{i}.{b}"] = to_host(c.hidden).contiguous()
+        save_atomic(flat, self.work / STREAMS)
+
+    def _load_streams(self, streams: dict) -> None:
+        with safe_open(str(self.work / STREAMS), framework="pt", device="cpu") as f:
+            for i, task in enumerate(self.tasks):
+                for kind in ("cal", "exp"):
+                    calls = getattr(streams[task], kind)
+                    setattr(
+                        streams[task],
+                        kind,
+                        [c.with_hidden(f.get_tensor(f"{kind}.{i}.{b}")) for b, c in enumerate(calls)],
+                    )
+
+
+def _head_only(model: nn.Module) -> set[int]:
+    """The ids of the output embeddings' parameters that the input embeddings do not share (the
+    head, which the stems never run; tied to the input embeddings, it is loaded with them)."""
+    get_out = getattr(model, "get_output_embeddings", None)
+    head = get_out() if get_out is not None else None
+    if head is None:
+        return set()
+    get_in = getattr(model, "get_input_embeddings", None)
+    shared = {id(p) for p in get_in().parameters()} if get_in is not None and get_in() is not None else set()
+    return {id(p) for p in head.parameters()} - shared
+
+
+def _trim_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc's ``malloc_trim``; nothing elsewhere). Without
+    it, blocks of every model allocated and freed one after another fragment the heap and the
+    resident memory creeps up by about two blocks' worth per block."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

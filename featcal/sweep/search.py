@@ -1,0 +1,448 @@
+"""Sweeps over FeatCal's (lam, rho, alpha) and automatic selection on a validation split.
+
+One exact run at the anchor setting (by default the paper's CLIP setting) keeps
+its statistics; every point of the sweep is then scored as a *preview*
+(:mod:`featcal.engine.preview`: a re-solve from the anchor's features, seconds for a
+whole grid); the best ``n_confirm`` previews are re-run exactly, and the best
+exact run wins. Ties go to the anchor, then to the better preview, so the
+paper's setting is kept unless the validation data say otherwise.
+
+Scores are computed on *validation* data only, higher is better:
+
+- ``accuracy``: mean over tasks of top-1 accuracy (percent), when labels exist;
+- ``kl``: minus the mean over tasks of ``KL(expert_i || model)`` of the class
+  probabilities (nats), when they do not.
+
+:func:`tune` takes explicit data (it cannot see a test split); :func:`tune_zoo`
+passes a zoo's ``calib`` and ``val`` splits only. :func:`holdout_report` is the
+one place that reads ``test``, after the choice is made.
+
+Every point is an independent job. With ``ray=True`` the preview batches and
+the exact confirmations are Ray tasks (models and data shipped once with
+``ray.put``); otherwise they run in this process. Both paths run the same job
+functions on the same inputs in the same order, so they return the same table.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Mapping
+
+from torch import nn
+
+from featcal.config import FeatCalConfig
+from featcal.engine.run import calibrate
+from featcal.sweep.jobs import (
+    HeadLogits,
+    Logits,
+    Point,
+    ValData,
+    Work,
+    all_logits,
+    chunks,
+    exact_job,
+    model_logits,
+    preview_distance,
+    preview_job,
+    runner,
+    val_scores,
+)
+
+__all__ = ["Grid", "TuneConfig", "TuneResult", "tune", "tune_zoo", "holdout_report", "HeadLogits", "preview_distance"]
+if TYPE_CHECKING:
+    import pandas as pd
+
+SEARCHES = ("grid", "adaptive")
+SCORES = ("auto", "accuracy", "kl")
+
+
+# ------------------------------------------------------------------ the search space
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The sweep's axes; points are their product, in ``lam``-major order."""
+
+    lam: tuple[float, ...] = (0.005, 0.02, 0.05, 0.2, 1.0)  # lambda, ridge strength (> 0)
+    rho: tuple[float, ...] = (0.5, 1.0, 1.5, 2.0, 2.5)  # rho, anchor blend
+    alpha: tuple[float, ...] = (0.0, 0.15, 0.3, 0.5, 0.7)  # alpha, target interpolation
+
+    def __post_init__(self):
+        for name in ("lam", "rho", "alpha"):
+            v = tuple(float(x) for x in getattr(self, name))
+            if not v or not all(math.isfinite(x) for x in v):
+                raise ValueError(f"Grid.{name} needs at least one finite value, got {v}.")
+            object.__setattr__(self, name, v)
+        if min(self.lam) <= 0:
+            raise ValueError(f"Grid.lam values must be > 0, got {self.lam}.")
+
+    def points(self) -> list[Point]:
+        return list(itertools.product(self.lam, self.rho, self.alpha))
+
+    @classmethod
+    def parse(cls, text: str) -> "Grid":
+        """``"lam=0.01,0.05;rho=1,2;alpha=0.3"`` (axes left out keep their defaults)."""
+        axes = {}
+        for part in filter(None, (p.strip() for p in text.split(";"))):
+            name, _, values = part.partition("=")
+            if name.strip() not in ("lam", "rho", "alpha") or not values:
+                raise ValueError(f"bad grid axis {part!r}; write e.g. 'lam=0.01,0.05;rho=1,2;alpha=0.3'.")
+            axes[name.strip()] = tuple(float(v) for v in values.split(","))
+        return cls(**axes)
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """How :func:`tune` searches and scores (the FeatCal switches live in ``FeatCalConfig``)."""
+
+    grid: Grid = field(default_factory=Grid)  # the points previewed first
+    search: str = "grid"  # "grid", or "adaptive": then refine around the best previews
+    rounds: int = 2  # adaptive: refinement rounds, each halving the step
+    top_k: int = 3  # adaptive: previews refined per round
+    n_confirm: int = 4  # best previews re-run exactly (besides the anchor)
+    score: str = "auto"  # "accuracy" (needs labels), "kl" (to the experts), "auto"
+    batch_size: int = 256  # validation batch size
+    ray: bool = False  # fan jobs out as Ray tasks
+    num_cpus: int | None = None  # Ray: CPUs of a locally started Ray (None: Ray's default)
+
+    def __post_init__(self):
+        if self.search not in SEARCHES:
+            raise ValueError(f"search must be one of {SEARCHES}, got {self.search!r}.")
+        if self.score not in SCORES:
+            raise ValueError(f"score must be one of {SCORES}, got {self.score!r}.")
+        if self.n_confirm < 0 or self.rounds < 0 or self.top_k < 1 or self.batch_size < 1:
+            raise ValueError("n_confirm and rounds must be >= 0, top_k and batch_size >= 1.")
+
+
+# ------------------------------------------------------------------ the search
+
+
+def _key(p: Point) -> Point:
+    return tuple(float(f"{v:.6g}") for v in p)
+
+
+def _neighbours(p: Point, step: Point) -> list[Point]:
+    """Axis neighbours: lam times/divided by ``10**step[0]``, rho and alpha plus/minus their step."""
+    lam, rho, alpha = p
+    f = 10.0 ** step[0]
+    return [
+        (lam * f, rho, alpha),
+        (lam / f, rho, alpha),
+        (lam, rho + step[1], alpha),
+        (lam, rho - step[1], alpha),
+        (lam, rho, alpha + step[2]),
+        (lam, rho, alpha - step[2]),
+    ]
+
+
+def _initial_step(grid: Grid) -> Point:
+    """Half the median spacing of each axis (lam in decades); 0.5 / 0.1 for a single-value axis."""
+
+    def half_gap(v, default):
+        v = sorted(set(v))
+        return 0.5 * sorted(b - a for a, b in zip(v, v[1:]))[(len(v) - 2) // 2] if len(v) > 1 else default
+
+    return (half_gap([math.log10(x) for x in grid.lam], 0.5), half_gap(grid.rho, 0.5), half_gap(grid.alpha, 0.1))
+
+
+@dataclass
+class TuneResult:
+    """The outcome of :func:`tune`.
+
+    Attributes:
+        best: the chosen setting: ``lam``, ``rho``, ``alpha``, its exact validation
+            ``score``, the anchor's ``anchor_score``, and ``point`` (its row in ``table``).
+        table: one row per point tried, in the order tried: ``point``, ``stage``
+            (anchor/grid/refine), ``lam``, ``rho``, ``alpha``, ``preview`` and ``exact``
+            validation scores (``exact`` NaN where not confirmed), ``preview_rank``,
+            ``confirmed``, ``rel_dist`` (preview vs exact weights), ``seconds`` (exact run),
+            and per-task ``preview/<task>``, ``exact/<task>``.
+        score: ``accuracy`` (percent) or ``kl`` (the column holds ``-KL``).
+        config: the anchor's FeatCal config; ``best_config()`` swaps in the best setting.
+        tune: the search options.
+        meta: free-form facts (the zoo wrapper records its merge and data choices).
+    """
+
+    best: dict
+    table: "pd.DataFrame"
+    score: str
+    config: FeatCalConfig
+    tune: TuneConfig
+    seconds: float = 0.0
+    meta: dict = field(default_factory=dict)
+
+    def best_config(self) -> FeatCalConfig:
+        return self.config.with_(lam=self.best["lam"], rho=self.best["rho"], alpha=self.best["alpha"])
+
+    def to_dict(self) -> dict:
+        return {
+            "best": dict(self.best),
+            "score": self.score,
+            "config": self.config.to_dict(),
+            "tune": {**asdict(self.tune), "grid": asdict(self.tune.grid)},
+            "seconds": self.seconds,
+            "meta": dict(self.meta),
+        }
+
+
+def _resolve_score(kind: str, val: ValData) -> str:
+    has_labels = all(y is not None for _, y in val.values())
+    if kind == "auto":
+        return "accuracy" if has_labels else "kl"
+    if kind == "accuracy" and not has_labels:
+        raise ValueError("score='accuracy' needs labels in every val_data entry; use score='kl'.")
+    return kind
+
+
+def _finite(v: float) -> float:
+    """``v``, or ``-inf`` for NaN (a failed or diverged point ranks last)."""
+    return v if math.isfinite(v) else -math.inf
+
+
+def _by_preview(r: dict) -> tuple:
+    """Sort key: better preview first, then the order tried."""
+    return (-_finite(r["preview"]), r["point"])
+
+
+def _row(point_id: int, stage: str, p: Point, scores: dict[str, float]) -> dict:
+    return {
+        "point": point_id,
+        "stage": stage,
+        "lam": p[0],
+        "rho": p[1],
+        "alpha": p[2],
+        "preview": sum(scores.values()) / len(scores),
+        **{f"preview/{t}": s for t, s in scores.items()},
+    }
+
+
+def tune(
+    merged: nn.Module,
+    base: nn.Module,
+    experts: Mapping[str, nn.Module],
+    calib_data: Mapping[str, list],
+    val_data: ValData,
+    *,
+    logits: Logits | None = None,
+    config: FeatCalConfig | None = None,
+    grid: Grid | None = None,
+    search: str = "grid",
+    score: str = "auto",
+    n_confirm: int = 4,
+    rounds: int = 2,
+    top_k: int = 3,
+    ray: bool = False,
+    num_cpus: int | None = None,
+    batch_size: int = 256,
+    progress: bool = False,
+) -> TuneResult:
+    """Choose FeatCal's (lam, rho, alpha) on validation data.
+
+    Args:
+        merged, base, experts, calib_data: as for :func:`featcal.calibrate`.
+        val_data: ``{task: (x, y)}``, disjoint from the calibration and test data;
+            ``y`` may be ``None`` (then the score is the KL to the experts).
+        logits: ``logits(model, task, x) -> (n, classes)``; default ``model(x)``.
+        config: the anchor setting and every switch (default ``FeatCalConfig.clip()``).
+        grid, search, score, n_confirm, rounds, top_k, ray, num_cpus, batch_size:
+            see :class:`TuneConfig`.
+        progress: progress bars over the preview batches and the exact runs.
+    """
+    cfg = config or FeatCalConfig.clip()
+    opts = TuneConfig(
+        grid=grid or Grid(),
+        search=search,
+        rounds=rounds,
+        top_k=top_k,
+        n_confirm=n_confirm,
+        score=score,
+        batch_size=batch_size,
+        ray=ray,
+        num_cpus=num_cpus,
+    )
+    logits = logits or model_logits
+    kind = _resolve_score(opts.score, val_data)
+    t_start = time.perf_counter()
+
+    # 1. The anchor: one exact run that keeps its statistics, and the references.
+    anchor = (cfg.lam, cfg.rho, cfg.alpha)
+    t0 = time.perf_counter()
+    model, report = calibrate(
+        merged, base=base, experts=experts, calib_data=calib_data, config=cfg, keep_stats=True, progress=False
+    )
+    anchor_seconds = time.perf_counter() - t0
+    report.preview_state.prepare()
+    ref = (
+        None
+        if kind == "accuracy"
+        else {t: all_logits(experts[t], logits, t, x, opts.batch_size) for t, (x, _) in val_data.items()}
+    )
+    work = Work(
+        merged, base, experts, calib_data, val_data, logits, kind, ref, cfg, report.preview_state, opts.batch_size
+    )
+    anchor_scores = val_scores(model, val_data, logits, kind, ref, opts.batch_size)
+    rows = [_row(0, "anchor", anchor, anchor_scores)]
+    seen = {_key(anchor)}
+    run = runner(work, opts.ray, opts.num_cpus, progress)
+    try:
+        # 2. Preview every grid point (then refine around the best, if adaptive).
+        def preview(points: list[Point], stage: str) -> None:
+            points = [p for p in dict.fromkeys(_key(p) for p in points) if p not in seen]
+            seen.update(points)
+            # Points are independent: any chunking gives the same scores; >= 16 chunks for the bar.
+            batches = chunks(points, max(run.slots, 16))
+            scores = [s for chunk in run.map(preview_job, batches, f"previews ({stage})") for s in chunk]
+            rows.extend(_row(len(rows), stage, p, s) for p, s in zip(points, scores))
+
+        preview(opts.grid.points(), "grid")
+        step = _initial_step(opts.grid)
+        for _ in range(opts.rounds if opts.search == "adaptive" else 0):
+            top = sorted(rows, key=_by_preview)[: opts.top_k]
+            cand = [q for r in top for q in _neighbours((r["lam"], r["rho"], r["alpha"]), step)]
+            preview([q for q in cand if q[0] > 0], "refine")
+            step = tuple(s / 2 for s in step)
+
+        # 3. Confirm the best previews exactly (the anchor's exact score is its run).
+        order = sorted(rows, key=_by_preview)
+        for rank, r in enumerate(order):
+            r["preview_rank"] = rank
+        confirm = [r for r in order if r["stage"] != "anchor"][: opts.n_confirm]
+        exact = run.map(exact_job, [(r["lam"], r["rho"], r["alpha"]) for r in confirm], "exact runs")
+    finally:
+        run.close()
+    rows[0].update(
+        exact=rows[0]["preview"],
+        rel_dist=0.0,
+        seconds=anchor_seconds,
+        **{f"exact/{t}": s for t, s in anchor_scores.items()},
+    )
+    for r, e in zip(confirm, exact):
+        r.update(
+            exact=sum(e["scores"].values()) / len(e["scores"]),
+            rel_dist=e["rel_dist"],
+            seconds=e["seconds"],
+            **{f"exact/{t}": s for t, s in e["scores"].items()},
+        )
+
+    # 4. The best exact run; ties to the anchor, then to the better preview.
+    best = max([rows[0]] + confirm, key=lambda r: (_finite(r["exact"]), -r["preview_rank"] if r is not rows[0] else 1))
+    table = _frame(rows, list(val_data))
+    return TuneResult(
+        best={
+            "lam": best["lam"],
+            "rho": best["rho"],
+            "alpha": best["alpha"],
+            "score": best["exact"],
+            "anchor_score": rows[0]["exact"],
+            "point": best["point"],
+            "stage": best["stage"],
+        },
+        table=table,
+        score=kind,
+        config=cfg,
+        tune=opts,
+        seconds=time.perf_counter() - t_start,
+    )
+
+
+def _frame(rows: list[dict], tasks: list[str]) -> "pd.DataFrame":
+    import pandas as pd
+
+    cols = (
+        ["point", "stage", "lam", "rho", "alpha", "preview", "exact", "preview_rank", "rel_dist", "seconds"]
+        + [f"preview/{t}" for t in tasks]
+        + [f"exact/{t}" for t in tasks]
+    )
+    df = pd.DataFrame(rows).reindex(columns=cols)
+    df.insert(df.columns.get_loc("preview_rank") + 1, "confirmed", df["exact"].notna())
+    return df
+
+
+# ------------------------------------------------------------------ zoo level
+
+
+def tune_zoo(
+    zoo,
+    *,
+    method: str = "task_arithmetic",
+    merge_params: Mapping | None = None,
+    n_calib: int = 256,
+    seed: int = 42,
+    calib_batch: int = 16,
+    val_per_task: int | None = None,
+    config: FeatCalConfig | None = None,
+    grid: Grid | None = None,
+    search: str = "grid",
+    score: str = "auto",
+    n_confirm: int = 4,
+    rounds: int = 2,
+    top_k: int = 3,
+    ray: bool = False,
+    num_cpus: int | None = None,
+    progress: bool = False,
+) -> TuneResult:
+    """:func:`tune` on a :class:`~featcal.zoo.core.Zoo`: merge with ``method``, calibrate on
+    ``n_calib`` examples per task of the ``calib`` split (seeded), score on the ``val``
+    split (the first ``val_per_task`` examples, default all). The ``test`` split is never read."""
+    merge_params = dict(merge_params or {})
+    merged = zoo.merged(method, **merge_params)
+    calib = zoo.calib_data(n_calib, seed=seed, batch_size=calib_batch, split="calib")
+    val = {}
+    for task in zoo.tasks:
+        x, y = zoo.split(task, "val")
+        val[task] = (x[:val_per_task], y[:val_per_task]) if val_per_task else (x, y)
+    result = tune(
+        merged,
+        zoo.base,
+        zoo.experts,
+        calib,
+        val,
+        logits=HeadLogits(zoo.features, zoo.heads),
+        config=config,
+        grid=grid,
+        search=search,
+        score=score,
+        n_confirm=n_confirm,
+        rounds=rounds,
+        top_k=top_k,
+        ray=ray,
+        num_cpus=num_cpus,
+        progress=progress,
+    )
+    result.meta.update(
+        zoo=zoo.name,
+        zoo_sha256=zoo.meta.get("content_sha256"),
+        method=method,
+        merge_params=merge_params,
+        n_calib=n_calib,
+        seed=seed,
+        calib_batch=calib_batch,
+        val_per_task=val_per_task,
+    )
+    return result
+
+
+def holdout_report(zoo, result: TuneResult, split: str = "test") -> "pd.DataFrame":
+    """Accuracy (percent) on ``split`` of the merged model, the anchor setting and the tuned
+    setting, re-run exactly with the calibration data of ``result.meta``: one row per model
+    (``model``, ``setting``), one column per task and ``avg``. ``test`` is read only here,
+    after the choice is made."""
+    import pandas as pd
+
+    from featcal.zoo.core import evaluate
+
+    m = result.meta
+    merged = zoo.merged(m["method"], **m["merge_params"])
+    calib = zoo.calib_data(m["n_calib"], seed=m["seed"], batch_size=m["calib_batch"], split="calib")
+    models = {m["method"]: (merged, "")}
+    for name, cfg in (("featcal (anchor)", result.config), ("featcal (tuned)", result.best_config())):
+        model, _ = calibrate(merged, base=zoo.base, experts=zoo.experts, calib_data=calib, config=cfg, progress=False)
+        models[name] = (model, f"lam={cfg.lam:.4g}, rho={cfg.rho:.4g}, alpha={cfg.alpha:.4g}")
+    rows = []
+    for name, (model, setting) in models.items():
+        acc = evaluate(model, zoo, split=split)
+        rows.append({"model": name, "setting": setting, **acc, "avg": sum(acc.values()) / len(acc)})
+    return pd.DataFrame(rows)

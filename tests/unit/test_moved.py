@@ -1,0 +1,36 @@
+"""The flat layout's import names still work for one release, each with a DeprecationWarning."""
+
+import importlib
+import sys
+
+import pytest
+
+from featcal._moved import MOVED
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_an_old_module_name_is_the_new_module_with_a_warning(old):
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=f"{old} moved to {MOVED[old]}"):
+        module = importlib.import_module(old)
+    new = importlib.import_module(MOVED[old])
+    assert module is new
+    assert new.__spec__.name == MOVED[old]  # the alias did not take over the module's own spec
+
+
+@pytest.mark.parametrize(
+    ("package", "name", "target"),
+    [
+        ("featcal.engine", "calibrate", "featcal.engine.run"),
+        ("featcal.streaming", "calibrate_checkpoints", "featcal.streaming.run"),
+        ("featcal.cli", "main", "featcal.cli.commands"),
+    ],
+)
+def test_the_old_modules_that_became_packages_keep_their_names(package, name, target):
+    pkg = importlib.import_module(package)
+    pkg.__dict__.pop(name, None)
+    with pytest.warns(DeprecationWarning, match=f"{package}.{name} moved to {target}.{name}"):
+        value = getattr(pkg, name)
+    assert value is getattr(importlib.import_module(target), name)
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        pkg.no_such_name
