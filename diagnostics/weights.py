@@ -31,7 +31,7 @@ from featcal.model.arch import resolve_blocks
 from featcal.baselines.merging import _trim_top  # TIES's trim step, as the merger does it
 
 ALL = "all tasks"  # ``task`` of a measurement over every task at once
-DENSITY = 0.2  # TIES's default trim density (featcal.merging.ties)
+DENSITY = 0.2  # TIES's default trim density (featcal.baselines.merging.ties)
 TOP_K = 8  # singular directions compared per task vector
 
 

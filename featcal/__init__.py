@@ -2,13 +2,13 @@
 
 Usage::
 
-    from featcal import FeatCalConfig, calibrate, merge
-    merged_sd = merge("task_arithmetic", base.state_dict(), {t: m.state_dict() for t, m in experts.items()})
+    from featcal import FeatCalConfig, calibrate, merge_model
+    merged = merge_model("task_arithmetic", base, experts, scale=0.3)  # a model; merge() gives a state dict
     model, report = calibrate(merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig.clip())
 """
 
 from featcal import _moved  # noqa: F401  (installs the old flat layout's import names; see its docstring)
-from featcal.baselines.merging import MERGERS, merge
+from featcal.baselines.merging import MERGERS, merge, merge_model
 from featcal.baselines.regmean import MERGERS_WITH_DATA, merge_with_data
 from featcal.baselines.trained.calibrators import TaskCalibrated, escal, surgery, surgery_v2
 from featcal.config import FastPaths, FeatCalConfig, TokenWeights
@@ -24,6 +24,7 @@ __all__ = [
     "calibrate_checkpoints",
     "ExpertTrace",
     "merge",
+    "merge_model",
     "MERGERS",
     "merge_with_data",
     "MERGERS_WITH_DATA",

@@ -266,3 +266,17 @@ def merge(
     if not isinstance(expert_sds, Mapping):
         expert_sds = {str(i): sd for i, sd in enumerate(expert_sds)}
     return MERGERS[method](base_sd, expert_sds, **params)
+
+
+def merge_model(method: str, base: torch.nn.Module, experts: Mapping[str, torch.nn.Module] | list, **params):
+    """:func:`merge` on models: a new model (a deep copy of ``base``, in eval mode) holding
+    the merge of ``experts`` (``{task: model}`` or a list) by ``method``; ``base`` and the
+    experts are left as they are. What :func:`featcal.calibrate` takes as its ``merged``."""
+    import copy
+
+    if not isinstance(experts, Mapping):
+        experts = {str(i): m for i, m in enumerate(experts)}
+    merged_sd = merge(method, base.state_dict(), {t: m.state_dict() for t, m in experts.items()}, **params)
+    model = copy.deepcopy(base)
+    model.load_state_dict(merged_sd)
+    return model.eval()

@@ -188,9 +188,10 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--preset",
-        choices=("clip", "llama-3b", "llama-8b", "none"),
-        help="clip: the paper's CLIP setting with the reference run's token weights; llama-3b, llama-8b: "
-        "the paper's Llama settings; none: plain FeatCalConfig (default: clip with --zoo, llama-8b with --base)",
+        choices=("auto", *PRESETS),
+        help="clip: the paper's CLIP setting with the reference run's token weights; flan-t5, llama-3b, "
+        "llama-8b: the paper's FLAN-T5 and Llama settings; none: plain FeatCalConfig; auto (default): the "
+        "preset of the architecture loaded (CLIP, T5, Llama-family by width, else none), printed",
     )
     p.add_argument("--lam", type=float, help="lambda, ridge strength toward the anchor")
     p.add_argument("--rho", type=float, help="rho, anchor blend rho*W_mer + (1-rho)*W_0")
@@ -217,19 +218,62 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     add_common(p)
 
 
-def config_from_args(args):
-    """The :class:`FeatCalConfig` the options ask for (validated by the config itself)."""
+def config_from_args(args, preset: str | None = None):
+    """The :class:`FeatCalConfig` the options ask for (validated by the config itself);
+    ``preset`` instead of ``args.preset`` (e.g. to check the options before a zoo is loaded)."""
     overrides = {k: getattr(args, k) for k in ("lam", "rho", "alpha") if getattr(args, k) is not None}
     if args.no_bias:
         overrides["bias"] = False
     if args.no_layernorm:
         overrides["layernorm"] = False
-    preset = args.preset or "clip"
+    preset = preset or args.preset or "clip"
     if preset == "clip":
         return FeatCalConfig.clip(**overrides)
+    if preset == "flan-t5":
+        return FeatCalConfig.flan_t5(**overrides)
     if preset.startswith("llama-"):
         return FeatCalConfig.llama(preset.removeprefix("llama-"), **overrides)
     return FeatCalConfig(**overrides)
+
+
+PRESETS = ("clip", "flan-t5", "llama-3b", "llama-8b", "none")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "smollm")
+LLAMA_8B_WIDTH = 4096  # Llama-3.1-8B's hidden size; narrower Llama-family models take the 3B setting
+
+
+def preset_for(config: dict) -> tuple[str, str]:
+    """``(preset, why)`` for a Hugging Face ``config.json`` dict: ``clip`` for CLIP models,
+    ``flan-t5`` for T5, ``llama-8b`` / ``llama-3b`` for Llama-family decoders by width, ``none``
+    (plain FeatCalConfig) for any other architecture."""
+    model_type = str(config.get("model_type", "")).lower()
+    archs = " ".join(config.get("architectures") or []).lower()
+    width = config.get("hidden_size") or config.get("d_model")
+    if model_type.startswith("clip") or "clip" in archs:
+        return "clip", f"model_type {model_type!r} is CLIP"
+    if model_type in ("t5", "mt5", "umt5") or "t5" in archs:
+        return "flan-t5", f"model_type {model_type!r} is T5"
+    if model_type in LLAMA_FAMILY or "llama" in archs:
+        size = "8b" if (width or 0) >= LLAMA_8B_WIDTH else "3b"
+        return f"llama-{size}", f"model_type {model_type!r} is Llama-family, hidden size {width}"
+    return "none", f"model_type {model_type!r} has no paper setting"
+
+
+def preset_for_model(model) -> tuple[str, str]:
+    """:func:`preset_for` of an ``nn.Module``: its Hugging Face config when it has one, else
+    its class name (an open_clip or plain torch model)."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        cfg = config.to_dict()
+        cfg.setdefault("architectures", [type(model).__name__])
+        return preset_for(cfg)
+    return preset_for({"model_type": "", "architectures": [type(model).__name__]})
+
+
+def choose_preset(args, found: tuple[str, str]) -> None:
+    """Set ``args.preset`` from what was loaded unless the user chose one; say which, and why."""
+    if args.preset in (None, "auto"):
+        args.preset, why = found
+        print(f"featcal: preset {args.preset!r} ({why}; --preset to choose another)", file=sys.stderr)
 
 
 def run_calibrate_checkpoints(args) -> int:
@@ -250,7 +294,7 @@ def run_calibrate_checkpoints(args) -> int:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}.")
     if not os.path.isfile(args.data):
         raise UserError(f"--data {args.data!r} does not exist.")
-    args.preset = args.preset or "llama-8b"
+    choose_preset(args, preset_for(_read_config(args.base)))
     cfg = config_from_args(args)
     merge = None if args.merged else (args.merge, parse_params(args.merge_param, args.merge))
     apply_threads(args)
@@ -261,6 +305,14 @@ def run_calibrate_checkpoints(args) -> int:
         raise
     print(f"calibrated {len(report.blocks)} blocks in {report.seconds:.1f} s; wrote {args.out}")
     return 0
+
+
+def _read_config(path: str) -> dict:
+    """The base directory's ``config.json`` (empty when it has none: the streamed run says why)."""
+    import json
+
+    file = os.path.join(path, "config.json")
+    return json.loads(open(file).read()) if os.path.isfile(file) else {}
 
 
 def _stream(args, experts: dict, merge, cfg):
@@ -287,13 +339,14 @@ def run_calibrate(args) -> int:
         return run_calibrate_checkpoints(args)
     if args.expert or args.merged or args.data or args.resume:
         raise UserError("--expert, --merged, --data and --resume go with --base (model directories), not --zoo.")
-    args.preset = args.preset or "clip"
     params = parse_params(args.merge_param, args.merge)
-    cfg = config_from_args(args)
     if args.n_per_task < 1:
         raise UserError(f"--n-per-task must be at least 1, got {args.n_per_task}.")
+    config_from_args(args, "none" if args.preset in (None, "auto") else None)  # bad values fail before loading
     check_out(args.out, args.force)
     zoo = zoo_from_args(args)
+    choose_preset(args, preset_for_model(zoo.base))
+    cfg = config_from_args(args)
     merged = zoo.merged(args.merge, **params)
     data = zoo.calib_data(args.n_per_task, seed=args.seed, batch_size=args.batch_size)
     model, report = calibrate(

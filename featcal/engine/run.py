@@ -519,6 +519,9 @@ def calibrate(
         for msg in ctx.warn_rows + _summarised(ctx.fallbacks):
             warnings.warn(msg, stacklevel=3)
             report.warnings.append(msg)
+        rose = report.check_residuals()
+        if rose is not None:
+            warnings.warn(rose, stacklevel=3)
     except BaseException:
         if inplace:
             log.error("calibration failed part-way with inplace=True: the model is partly calibrated.")
