@@ -15,6 +15,7 @@ from app.settings import CAL_DEFAULTS, CAL_SIZES, MERGE_METHODS, MERGE_PARAMS, A
 
 BIND = dict(bind="query-params", persist_state="session")
 OTHER = "other (path)…"
+OPEN_ZOO = "_open_zoo"  # session key: a zoo source for the picker to switch to on the next run
 # (min, max, step) of the Calibrate page's sliders.
 SLIDERS = {"log_lam": (-6.0, 2.0, 0.1), "rho": (-1.0, 3.0, 0.05), "alpha": (0.0, 1.0, 0.05)}
 
@@ -54,6 +55,9 @@ def zoo_choices() -> list[str]:
 def zoo_picker() -> str:
     """The sidebar zoo selector; returns the zoo source (``demo``, a spec path, a zoo directory)."""
     choices = zoo_choices()
+    opened = st.session_state.pop(OPEN_ZOO, None)
+    if opened is not None:  # a zoo spec just written (Zoo page, "Your models"): set before the widgets exist
+        st.session_state["zoo"], st.session_state["zoo_path"] = OTHER, opened
     pick = st.sidebar.selectbox(
         "Zoo",
         choices,

@@ -70,6 +70,29 @@ def test_the_weights_page_shows_every_view_beside_the_drift(tiny_zoo_dir):
         assert len(at.get("plotly_chart")) == 4
 
 
+def test_your_models_form_writes_a_zoo_and_opens_it(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "zoo"))  # the zoo tests' tiny models
+    from test_userspec import write_user_models
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("FEATCAL_CACHE", str(tmp_path / "cache"))
+    root = write_user_models(tmp_path / "mine")
+    at = _app().run()
+    at.text_input(key="yours_name").input("tiny-mine")
+    at.text_input(key="yours_base").input(str(root / "base"))
+    at.text_input(key="yours_data").input(str(root / "data"))
+    at.text_input(key="yours_experts").input(str(root / "experts"))
+    next(b for b in at.button if "zoo YAML" in b.label).click()
+    _ok(at.run())
+    written = tmp_path / "cache" / "zoos" / "yours" / "tiny-mine.yaml"
+    assert written.is_file() and at.session_state["_yours_written"][0] == str(written)
+    assert any("experts:" in c.value for c in at.code)  # the YAML, shown to keep
+    # The next run of the main script opens it (AppTest reruns only the page: checked at its URL;
+    # the browser test follows the whole flow).
+    at = _ok(_app(str(written)).run())
+    assert "Zoo · tiny-mine" in [t.value for t in at.title]
+
+
 @pytest.mark.parametrize("key,value", [("log_lam", 0.5), ("rho", 0.5), ("alpha", 0.9)])
 def test_each_calibration_slider_changes_the_numbers(tiny_zoo_dir, key, value):
     at = _page(_app(tiny_zoo_dir).run(), "calibrate")
