@@ -73,3 +73,18 @@ def test_what_cannot_make_a_zoo_is_a_clear_message(user_models):
     with pytest.raises(userspec.UserSpecError, match="did not write it"):
         userspec.write_spec(theirs, "x")
     assert theirs.read_text() == "name: theirs\n"
+
+
+def test_the_worked_example_in_docs_zoos_md_is_a_valid_spec(tmp_path):
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    from featcal.zoo import schema
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "zoos.md").read_text()
+    example = re.search(r"^```yaml\n(.*?)^```$", doc, flags=re.S | re.M).group(1)
+    spec = schema.from_dict(yaml.safe_load(example), root=tmp_path, source="zoos.md")
+    assert list(spec.tasks) == ["flowers", "stanford-cars"]
+    assert set(yaml.safe_load(example)) <= set(schema.SCHEMA["zoo"])  # every key it shows is documented
