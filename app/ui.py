@@ -98,6 +98,25 @@ def progress_text(fraction: float, width: int = 12) -> str:
     return "▰" * full + "▱" * (width - full) + f" {100 * fraction:.0f}%"
 
 
+@contextlib.contextmanager
+def progress_of(label: str) -> Iterator[None]:
+    """A long job's progress on the page, in one slot: every featcal progress bar the block
+    draws (on this thread) shows its stage, step and time left here, as it does in the
+    terminal; the slot says what finished, and how long it took."""
+    from featcal.util.progress import listening
+
+    slot = st.empty()
+    slot.progress(0.0, text=f"{label}: starting…")
+    t0 = time.perf_counter()
+
+    def on_step(p) -> None:
+        slot.progress(min(max(p.fraction, 0.0), 1.0), text=f"{label} · {p.describe()}")
+
+    with listening(on_step):
+        yield
+    slot.caption(f":material/check_circle: {label}: done in {time.perf_counter() - t0:.1f} s")
+
+
 def parquet_bytes(df: pd.DataFrame) -> bytes:
     """``df`` as Parquet file bytes (pyarrow)."""
     buf = io.BytesIO()

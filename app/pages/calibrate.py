@@ -22,6 +22,9 @@ st.caption(
     f"Merged model: **{merger.label}** (change it on the Zoo page). "
     "FeatCal re-solves every Linear and LayerNorm of every block in forward order, in closed form."
 )
+applied = st.session_state.pop(controls.APPLIED, None)
+if applied:
+    st.toast(applied, icon=":material/arrow_forward:")  # a toast: the page's layout does not move
 cal = controls.calibration_controls(compute.split_size(zoo, "calib"))
 if source == "demo":  # measured on this zoo only
     gains = " · ".join(f"{n}: **{g:+.1f} pp** ({s:.2f} s of compute)" for n, (g, s) in settings.DEMO_N_GAINS.items())
