@@ -19,7 +19,9 @@ if str(HERE.parent) not in sys.path:
 
 import streamlit as st
 
-from app import controls, state
+from app import controls, state, warnlog
+
+warnlog.install()  # library warnings go to the sidebar's list, not raw into the server's log
 
 # (file, title, icon); tune and studies are other engineers' pages, listed when present.
 PAGES = [
@@ -61,3 +63,9 @@ st.sidebar.caption(
     "Post-merging feature calibration, arXiv 2605.13030."
 )
 page.run()
+
+caught = warnlog.recent()
+if caught:  # after the page: this run's warnings are listed too
+    with st.sidebar.expander(f"Library warnings ({len(caught)})", icon=":material/warning:"):
+        for text, times in reversed(caught):
+            st.caption(f"{text}" + (f" ({times} times)" if times > 1 else ""))

@@ -233,7 +233,7 @@ if box.open:
 # 4. The experts' task vectors (constant for a zoo) and the tables to take away.
 st.subheader("Task vectors of the experts")
 tv = state.expert_task_vectors(source, fp)
-c1, c2 = st.columns([2, 3])
+c1, c2 = st.columns([1, 1])
 blocks_tv = sorted(int(b) for b in tv.block.unique())
 tv_block = c2.selectbox(
     "over",

@@ -422,8 +422,9 @@ def test_cosine_figures_show_every_task_and_model():
         columns=["task", "other", "block", "value"],
     )
     hm = figures.task_vector_matrix_heatmap(mat, 0, "m")
-    assert [list(r) for r in hm.data[0].z] == [[1.0, 0.2], [0.2, 1.0]]
+    assert [list(r) for r in hm.data[0].z] == [[None, 0.2], [0.2, None]]  # the diagonal blank, not saturating
     assert hm.data[0].zmax == pytest.approx(0.2)  # the scale from the off-diagonal cells
+    assert "±0.2" in hm.data[0].colorbar.title.text  # ... and the colour bar says so
 
 
 def test_a_reference_models_drift_is_drawn_over_the_bars():
