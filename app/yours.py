@@ -47,7 +47,8 @@ def _write() -> None:
             ss["yours_name"].strip(), ss["yours_base"].strip(), experts, data, heads, ss["yours_format"]
         )
         text = userspec.spec_text(spec)
-        path = userspec.write_spec(default_folder() / f"{spec['name']}.yaml", text)
+        folder = Path(ss["yours_folder"].strip()).expanduser() if ss["yours_folder"].strip() else default_folder()
+        path = userspec.write_spec(folder / f"{spec['name']}.yaml", text)
     except (userspec.UserSpecError, OSError) as exc:
         ss["_yours_error"] = str(exc)
         return
@@ -82,6 +83,9 @@ def form() -> None:
             st.text_input(
                 "heads file (optional: safetensors of <task>.weight; default zero-shot from the base's text tower)",
                 key="yours_heads",
+            )
+            st.text_input(
+                "save the YAML in (default: featcal's cache)", key="yours_folder", placeholder=str(default_folder())
             )
             st.form_submit_button("Write the zoo YAML and open it", type="primary", on_click=_write)
         if st.session_state.get("_yours_error"):

@@ -57,6 +57,20 @@ def test_every_page_runs_on_a_zoo_directory(tiny_zoo_dir):
     assert any(m.label == "mean accuracy" for m in _page(at, "calibrate").metric)
 
 
+def test_settings_another_page_applies_reach_the_widgets(tiny_zoo_dir):
+    """What Tune's "Apply to Calibrate" does: Session State values for every Calibrate widget
+    (n included) and a notice."""
+    from app import controls
+
+    at = _ok(_app(tiny_zoo_dir).run())
+    for key, value in {"log_lam": -1.0, "rho": 1.5, "alpha": 0.45, "n_cal": 8}.items():
+        at.session_state[key] = value
+    at.session_state[controls.APPLIED] = "Applied the Tune page's choice: λ=0.1, ρ=1.5, α=0.45, n=8."
+    at = _page(at, "calibrate")  # (Streamlit's default-value warning needs a server: the browser test reads its log)
+    assert any("n=8/task" in s.value and "λ=0.1," in s.value for s in at.success), [s.value for s in at.success]
+    assert any("Applied the Tune page's choice" in t.value for t in at.toast)
+
+
 def test_the_weights_page_shows_every_view_beside_the_drift(tiny_zoo_dir):
     at = _page(_ok(_app(tiny_zoo_dir).run()), "weights")
     assert len(at.get("plotly_chart")) == 4 and len(at.dataframe) == 1
