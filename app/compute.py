@@ -56,6 +56,12 @@ def zoo_needs_build(source: str) -> bool:
     from featcal.zoo import NAMES, realtext
     from featcal.zoo.demo import needs_build
 
+    if source == "smollm2" and source not in _READY:  # the LLM zoo: tens of minutes on a CPU
+        from featcal.zoo.smollm2 import needs_build as llm_needs_build
+
+        if llm_needs_build():
+            return True
+        _READY.add(source)
     if source not in (*NAMES, "real-text") or source in _READY:
         return False
     if needs_build(NAMES[source]) if source in NAMES else realtext.needs_build():
@@ -65,12 +71,17 @@ def zoo_needs_build(source: str) -> bool:
 
 
 def build_zoo(source: str, on_step) -> None:
-    """Build the built-in zoo ``source`` (a demo zoo, ``real-text``) into the cache, reporting
-    its :class:`featcal.util.progress.Progress` to ``on_step`` (and bars to the server's terminal)."""
+    """Build the built-in zoo ``source`` (a demo zoo, ``real-text``, the LLM zoo) into the cache,
+    reporting its :class:`featcal.util.progress.Progress` to ``on_step`` (and bars to the server's
+    terminal)."""
     from featcal.zoo import NAMES, realtext
     from featcal.zoo.demo import build_demo, demo_path
 
-    if source == "real-text":
+    if source == "smollm2":
+        from featcal.zoo.smollm2 import ensure_built
+
+        ensure_built(progress=True, on_step=on_step)
+    elif source == "real-text":
         realtext.build_realtext(realtext.realtext_path(), progress=True, force=True, on_step=on_step)
     else:
         build_demo(demo_path(NAMES[source]), variant=NAMES[source], progress=True, on_step=on_step)
@@ -211,7 +222,7 @@ def load_preview(scratch: nn.Module, calibrated: nn.Module, report, config: Feat
     into ``scratch`` (a model of the same architecture), in place; the statistics fix every
     other setting."""
     scratch.load_state_dict(calibrated.state_dict())
-    report.preview_state.load_into(scratch, config.lam, config.rho, config.alpha)
+    report.preview_state.load_into(scratch, config.setting)
     return scratch.eval()
 
 

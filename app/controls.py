@@ -50,7 +50,7 @@ def _bool(raw) -> bool:
 
 def zoo_choices() -> list[str]:
     specs = sorted(str(p.relative_to(REPO)) for p in (REPO / "assets" / "zoos").glob("*.yaml"))
-    return ["demo", "demo-fashion", "real-text", *specs, OTHER]  # the first is the default
+    return ["demo", "demo-fashion", "real-text", "smollm2", *specs, OTHER]  # the first is the default
 
 
 def zoo_picker() -> str:
@@ -71,7 +71,10 @@ def zoo_picker() -> str:
     if pick != OTHER:
         return pick
     path = st.sidebar.text_input(
-        "Zoo spec (YAML) or zoo directory", key="zoo_path", **BIND, placeholder="~/zoos/my-zoo.yaml"
+        "Zoo spec or FusionBench model pool (YAML), or zoo directory",
+        key="zoo_path",
+        **BIND,
+        placeholder="~/zoos/my-zoo.yaml",
     )
     return path.strip()
 

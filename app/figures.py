@@ -309,6 +309,7 @@ def _heatmap(grid: pd.DataFrame, title: str, name: str, trace: dict, fmt: str = 
             "barmode": "overlay",
             "yaxis": {"title": {"text": "block"}, "dtick": 1, "autorange": "reversed", "zeroline": False},
             "xaxis": {"title": {"text": "task"}},
+            "height": max(450, 18 * len(grid.index) + 150),  # a 30-block LLM: a readable row per block
         },
     )
 

@@ -12,11 +12,13 @@ keys) and free of Streamlit (the widgets that build them are in :mod:`app.contro
 from __future__ import annotations
 
 import dataclasses
-import inspect
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from featcal import FeatCalConfig
+from featcal.baselines import registry
 
 CAL_SIZES = (4, 8, 16, 32, 64, 128, 256, 512)
 DEFAULT_N = 16  # calibration examples per task: the largest meeting the 1 s target (benchmarks/README.md)
@@ -24,43 +26,39 @@ DEFAULT_N = 16  # calibration examples per task: the largest meeting the 1 s tar
 # finished this long after a change; an exact run quicker than that is drawn once
 # (measured: benchmarks/README.md, 'App latency').
 PREVIEW_AFTER_S = float(os.environ.get("FEATCAL_PREVIEW_AFTER_S", "0.1"))
-# The mergers the Zoo page offers: those fast enough to re-run on a slider's change (on the
-# demo zoo, 1 thread on a busy 2-core VM: Iso-C 0.3-0.5 s, Iso-CTS 1.7-3.8 s, TSV 2.0-3.4 s, TIES
-# 0.6-1.2 s; WUDI's 400 Adam steps per matrix take 2 minutes, so it stays on the command line;
-# benchmarks/README.md, "mergers_table.py").
-MERGE_METHODS = {
-    "average": "Simple averaging",
-    "task_arithmetic": "Task Arithmetic",
-    "ties": "TIES",
-    "iso_c": "Iso-C",
-    "iso_cts": "Iso-CTS",
-    "tsv": "TSV",
-}
-# Slider (min, max, step) of every merger parameter; defaults come from featcal.baselines.merging.
+# The mergers the Zoo page offers, their labels and slider (min, max, step) per parameter: read from
+# the registry (featcal.baselines.registry: those marked ``app``, fast enough to re-run on a
+# slider's change; the timings are in benchmarks/README.md, "mergers_table.py").
+MERGE_METHODS = {m.name: m.label for m in registry.METHODS if m.kind == "merger" and m.app}
 MERGE_PARAMS = {
-    "task_arithmetic": {"scale": (0.05, 1.0, 0.05)},
-    "ties": {"density": (0.05, 1.0, 0.05), "scale": (0.05, 2.0, 0.05)},
-    "iso_c": {"scale": (0.1, 2.0, 0.05)},
-    "iso_cts": {"scale": (0.1, 2.0, 0.05), "common_space_fraction": (0.0, 1.0, 0.05)},
-    "tsv": {"scale": (0.1, 2.0, 0.05)},
+    name: {p.name: p.range for p in registry.get(name).params if p.range is not None}
+    for name in MERGE_METHODS
+    if any(p.range is not None for p in registry.get(name).params)
 }
-# What more calibration examples give on the embedded demo zoo: exact FeatCal at the default
-# setting on Task Arithmetic (0.3), mean accuracy gain in points over the merged model on the live
-# test subset, and the exact result's CPU seconds (benchmarks/README.md, 'Default calibration size').
-DEMO_N_GAINS = {8: (7.4, 0.34), 16: (8.6, 0.43), 32: (8.9, 0.67), 64: (9.4, 1.00)}
+# What more calibration examples give on the embedded demo zoo, as benchmarks/app_latency.py --record
+# measured it: {n: (accuracy gain in points over the merged model, the exact result's CPU seconds)}.
+MEASURED_SIZES = Path(__file__).resolve().parents[1] / "assets" / "measured" / "demo_calibration_sizes.json"
+
+
+def demo_n_gains(path: Path = MEASURED_SIZES) -> dict[int, tuple[float, float]]:
+    """The measured gains per calibration size (empty when the file is missing)."""
+    if not path.is_file():
+        return {}
+    return {int(n): (r["gain_pp"], r["exact_cpu_s"]) for n, r in json.loads(path.read_text()).items()}
+
+
+DEMO_N_GAINS = demo_n_gains()
 CAL_DEFAULTS = dict(log_lam=-1.3, rho=2.0, alpha=0.3, n_cal=DEFAULT_N, bias=True, layernorm=True)
 
 
 def merge_default(method: str, name: str) -> float:
-    """The default of a merger parameter, read from its function in :mod:`featcal.baselines.merging`."""
-    from featcal.baselines.merging import MERGERS
-
-    return float(inspect.signature(MERGERS[method]).parameters[name].default)
+    """The default of a merger parameter (the registry reads it from the function)."""
+    return float(registry.get(method).param(name).default)
 
 
 @dataclass(frozen=True)
 class Merger:
-    """A merge method (a key of :data:`featcal.baselines.merging.MERGERS`) and its parameters."""
+    """A merge method (a key of :data:`featcal.MERGERS`) and its parameters."""
 
     method: str
     params: tuple[tuple[str, float], ...] = ()  # (name, value) pairs, in the sliders' order

@@ -33,6 +33,7 @@ PAGES = [
     ("tune.py", "Tune", ":material/search:"),
     ("studies.py", "Studies", ":material/science:"),
     ("compare.py", "Compare", ":material/compare:"),
+    ("generate.py", "Generate", ":material/chat:"),  # LLM zoos: one prompt, every model's reply
 ]
 
 ICON = HERE / "icon.png"  # a local file: a ":material/...:" page icon makes the browser fetch it from Google

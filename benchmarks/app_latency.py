@@ -34,6 +34,7 @@ every one runs the exact forward-order FeatCal (nothing served from the cache):
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import socket
@@ -66,7 +67,7 @@ def _stats(xs: list[float]) -> dict[str, str]:
 # ----------------------------------------------------------------------------- 1. parts
 
 
-def bench_parts(source: str, n: int, repeats: int) -> list[dict]:
+def bench_parts(source: str, n: int, repeats: int, record: dict | None = None) -> list[dict]:
     """The app's work for one slider change, piece by piece, as :mod:`app.state` runs it:
     the preview's scores (only when the exact run is slow; timed on their own), the exact
     calibration alone on the worker thread, then the exact model's expert cosines and drift
@@ -160,6 +161,13 @@ def bench_parts(source: str, n: int, repeats: int) -> list[dict]:
         name: compute.output_scores(m, zoo, side)["output"].query("metric == 'accuracy'").value.mean()
         for name, m in (("merged", merged), ("calibrated", model0))
     }
+    if record is not None:  # what the Calibrate page quotes for this n (--record)
+        record[str(n)] = {
+            "merged": round(acc["merged"], 2),
+            "calibrated": round(acc["calibrated"], 2),
+            "gain_pp": round(acc["calibrated"] - acc["merged"], 1),
+            "exact_cpu_s": round(statistics.median(cpu["exact shown"]), 2),
+        }
     rows = [
         {
             "measure": f"accuracy, live test subset: merged {acc['merged']:.1f}%, "
@@ -386,6 +394,12 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma list of parts,apptest to skip")
     ap.add_argument("--live", type=int, default=None, help="test examples per task scored live (app: 50)")
     ap.add_argument("--diag", type=int, default=None, help="held-out examples per task for drift (app: 16)")
+    ap.add_argument(
+        "--record",
+        default=None,
+        help="JSON file to add this n's accuracy gain and exact-run CPU seconds to (the Calibrate page reads "
+        "assets/measured/demo_calibration_sizes.json)",
+    )
     args = ap.parse_args()
     from app import compute
 
@@ -397,7 +411,12 @@ def main() -> None:
         if name in args.skip or (name == "browser" and not args.browser):
             continue
         t0 = time.perf_counter()
-        rows += bench(args.zoo, n, args.repeats)
+        if name == "parts" and args.record:
+            record = json.loads(Path(args.record).read_text()) if Path(args.record).is_file() else {}
+            rows += bench(args.zoo, n, args.repeats, record)
+            Path(args.record).write_text(json.dumps(dict(sorted(record.items(), key=lambda kv: int(kv[0]))), indent=1))
+        else:
+            rows += bench(args.zoo, n, args.repeats)
         print(f"[{name}: {time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
     print(
         f"\napp latency on zoo {args.zoo!r}, {n} calibration examples per task, "

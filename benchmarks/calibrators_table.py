@@ -36,9 +36,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--escal-rank", type=int, default=128)
     ap.add_argument("--escal-epochs", type=int, default=200)
     ap.add_argument("--escal-lr", type=float, default=None, help="default: escal's")
-    ap.add_argument("--surgery-steps", type=int, default=500)
-    ap.add_argument("--surgery-v2-steps", type=int, default=500)
-    ap.add_argument("--tokens", default="all", help="the tokens the losses read: all, or cls (the first)")
+    ap.add_argument("--surgery-steps", type=int, default=1000, help="default: the authors' 1000 per task")
+    ap.add_argument("--surgery-v2-steps", type=int, default=1000, help="default: the authors' 1000 per task")
+    ap.add_argument("--tokens", default="all", help="the tokens ESCal's loss reads: all, or cls (the first)")
     ap.add_argument(
         "--methods", default="escal,surgery,surgery_v2", help="comma-separated; escal@R: ESCal at rank R (another row)"
     )
@@ -60,13 +60,14 @@ def main(argv: list[str] | None = None) -> None:
         cal, _ = calibrate(ta, base=zoo.base, experts=zoo.experts, calib_data=data, config=FeatCalConfig.clip())
         facts = (f"{time.perf_counter() - t0:.1f} s", "0 / 0", "+0%", "lam=0.05, rho=2, alpha=0.3")
         rows["TA + FeatCal (CLIP preset)"] = (evaluate(cal, zoo), facts)
-    common = dict(seed=args.seed, device=args.device, tokens=args.tokens, progress=True)
+    common = dict(seed=args.seed, device=args.device, progress=True)
     escal_lr = {} if args.escal_lr is None else {"lr": args.escal_lr}
 
     def run(method: str, rank: int | None):
         if method == "escal":
             rank = rank or args.escal_rank
-            return escal(ta, zoo.experts, data, rank=rank, epochs=args.escal_epochs, **escal_lr, **common)
+            kw = dict(rank=rank, epochs=args.escal_epochs, tokens=args.tokens, **escal_lr, **common)
+            return escal(ta, zoo.experts, data, **kw)
         if method == "surgery":
             return surgery(ta, zoo.experts, data, steps=args.surgery_steps, **common)
         return surgery_v2(ta, zoo.experts, data, steps=args.surgery_v2_steps, **common)
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"- zoo {zoo.name} (content sha256 {sha}): {len(zoo.tasks)} tasks, test split, model {n_params:,} parameters; "
         f"{args.n_per_task} calibration examples per task (seed {args.seed}); device {args.device}, "
-        f"{args.threads} torch thread(s); losses on {args.tokens} tokens; "
+        f"{args.threads} torch thread(s); ESCal's loss on {args.tokens} tokens; "
         f"overhead on a batch of {len(probe)} test images"
     )
 

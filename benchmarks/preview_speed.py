@@ -4,7 +4,7 @@ For each model size: one exact run with ``keep_stats=True``, then
 
 - ``prepare``: the one-off eigendecompositions (``Preview.prepare()``; median of
   3 fresh ``Preview`` objects over the same kept statistics);
-- ``params``: ``report.preview_state.params(lam, rho, alpha)`` for ALL modules,
+- ``params``: ``report.preview_state.params(Setting(lam, rho, alpha))`` for ALL modules,
   median (and max) of 20 calls cycling through different settings, after
   ``prepare()`` -- what a slider move costs before the model is touched;
 - ``load_into``: the same plus writing the parameters into a model (median of 20).
@@ -33,7 +33,7 @@ C.setup_path()
 
 import torch
 
-from featcal import FeatCalConfig
+from featcal import FeatCalConfig, Setting
 from featcal.engine.preview import Preview
 
 TASKS = {"tiny": 3, "demo": 7, "vit-b32": 8}  # experts per size (the demo zoo has 7 tasks)
@@ -70,10 +70,10 @@ def measure(size: str, args) -> dict:
         t0 = time.perf_counter()
         fresh.prepare()
         prep.append(time.perf_counter() - t0)
-    fresh.params(0.05, 2.0, 0.3)  # warm-up call
+    fresh.params(Setting(0.05, 2.0, 0.3))  # warm-up call
     params = _times(fresh.params, args.calls)
     target = copy.deepcopy(st.template)
-    load = _times(lambda lam, rho, alpha: fresh.load_into(target, lam, rho, alpha), args.calls)
+    load = _times(lambda lam, rho, alpha: fresh.load_into(target, Setting(lam, rho, alpha)), args.calls)
     n_lin = sum(e[1].kind == "linear" for e in st.entries)
     return {
         "model": f"{size} ({zoo.n_params / 1e6:.2f}M params)",

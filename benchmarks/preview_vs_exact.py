@@ -31,7 +31,7 @@ C.setup_path()
 
 import torch
 
-from featcal import FeatCalConfig, calibrate
+from featcal import FeatCalConfig, Setting, calibrate
 from featcal.model import arch
 from featcal.sweep.jobs import preview_distance
 from featcal.zoo import load_any as load_zoo
@@ -55,7 +55,7 @@ def block_distances(preview, point, exact) -> list[float]:
     _, blks = arch.resolve_blocks(exact, preview.blocks_path)
     num = [0.0] * len(blks)
     den = [0.0] * len(blks)
-    for b, t, W, bias in preview.params(*point):
+    for b, t, W, bias in preview.params(Setting(*point)):
         for p, e in zip((W, bias), arch.get_params(blks[b], t)):
             if p is not None and e is not None:
                 num[b] += float((p.double() - e.double()).pow(2).sum())

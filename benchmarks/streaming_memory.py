@@ -12,6 +12,7 @@ VmHWM) at the end and the interpreter's baseline (VmHWM after its imports, befor
     python benchmarks/streaming_memory.py --sizes 50,200,800 --threads 2
     python benchmarks/streaming_memory.py --sizes 800 --only streamed
     python benchmarks/streaming_memory.py --sizes 200 --layers 32 --only streamed   # twice the blocks
+    python benchmarks/streaming_memory.py --sizes 200 --only streamed --lora 16     # LoRA experts (rank 16)
 """
 
 from __future__ import annotations
@@ -54,9 +55,12 @@ def llama_config(width: int, layers: int = LAYERS, vocab: int = VOCAB):
     )
 
 
-def write_llama_zoo(root: Path, width: int, n_experts: int, layers: int = LAYERS, dtype=torch.float32, seed: int = 0):
-    """Base and experts (the base plus seeded noise of 1% of each tensor's scale) saved sharded
-    under ``root``; the token file of ``n_experts`` tasks. Returns the bytes of one model."""
+def write_llama_zoo(
+    root: Path, width: int, n_experts: int, layers: int = LAYERS, dtype=torch.float32, seed: int = 0, lora: int = 0
+):
+    """Base and experts (the base plus seeded noise of 1% of each tensor's scale, or with ``lora``
+    PEFT LoRA adapters of that rank on every attention and MLP projection) saved sharded under
+    ``root``; the token file of ``n_experts`` tasks. Returns the bytes of one model."""
     from transformers import LlamaForCausalLM
 
     from featcal.model.checkpoints import save_token_data
@@ -65,7 +69,9 @@ def write_llama_zoo(root: Path, width: int, n_experts: int, layers: int = LAYERS
     base = LlamaForCausalLM(llama_config(width, layers)).to(dtype).eval()
     base.save_pretrained(root / "base", max_shard_size="100MB")
     sd = base.state_dict()
-    for i in range(n_experts):
+    if lora:
+        write_lora_experts(base, root, n_experts, lora, seed)
+    for i in range(0 if lora else n_experts):
         g = torch.Generator().manual_seed(seed + 1 + i)
         noisy = {k: v + 0.01 * v.float().std() * torch.randn(v.shape, generator=g).to(v.dtype) for k, v in sd.items()}
         base.load_state_dict(noisy)
@@ -77,6 +83,23 @@ def write_llama_zoo(root: Path, width: int, n_experts: int, layers: int = LAYERS
         {f"task{i}": {"input_ids": torch.randint(0, VOCAB, (PER_TASK, SEQ), generator=g)} for i in range(n_experts)},
     )
     return sum(v.numel() * v.element_size() for v in sd.values())
+
+
+def write_lora_experts(base, root: Path, n_experts: int, rank: int, seed: int) -> None:
+    """``n_experts`` LoRA adapters of ``base`` (random factors, rank ``rank``) in ``root/task{i}``."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    for i in range(n_experts):
+        torch.manual_seed(seed + 1 + i)
+        pm = get_peft_model(copy.deepcopy(base), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.01)
+        pm.save_pretrained(root / f"task{i}")
 
 
 def _vmhwm_mb() -> float:
@@ -152,6 +175,7 @@ def main(argv=None) -> None:
     p.add_argument("--experts", type=int, default=4)
     p.add_argument("--layers", type=int, default=LAYERS, help="blocks per model (the sizes assume 16)")
     p.add_argument("--only", choices=["streamed", "in-memory"], help="run one mode only")
+    p.add_argument("--lora", type=int, default=0, help="experts as PEFT LoRA adapters of this rank (streamed only)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tmp", default=None, help="where to write the checkpoints (default: the system's temp)")
@@ -168,7 +192,9 @@ def main(argv=None) -> None:
     for size in [int(s) for s in args.sizes.split(",")]:
         root = Path(tempfile.mkdtemp(prefix=f"featcal-stream-{size}-", dir=args.tmp))
         try:
-            model_mb = write_llama_zoo(root, WIDTHS[size], args.experts, layers=args.layers) / 2**20
+            if args.lora and args.only != "streamed":
+                p.error("--lora needs --only streamed (the in-memory run here loads dense experts)")
+            model_mb = write_llama_zoo(root, WIDTHS[size], args.experts, layers=args.layers, lora=args.lora) / 2**20
             print(
                 f"{size} MB nominal: {model_mb:.0f} MB per model, {args.experts} experts", file=sys.stderr, flush=True
             )
@@ -179,7 +205,7 @@ def main(argv=None) -> None:
                 rows.append(
                     {
                         "model": f"{model_mb:.0f} MB (width {WIDTHS[size]}, {args.layers} blocks)",
-                        "run": mode,
+                        "run": mode + (f", LoRA r={args.lora} experts" if args.lora else ""),
                         "models' sum": f"{(args.experts + 2) * model_mb:.0f} MB ({args.experts + 2} models)",
                         "baseline": f"{r['baseline_mb']:.0f} MB",
                         "peak RSS": f"{r['peak_mb']:.0f} MB",

@@ -22,16 +22,8 @@ from __future__ import annotations
 import pandas as pd
 from torch import nn
 
-from diagnostics.drift import (
-    DriftTokens,
-    ExpertStreams,
-    drift_metrics,
-    drift_table,
-    drift_tables,
-    drift_tokens,
-    expert_streams,
-    streams_while,
-)
+from diagnostics.decomposition import DriftTokens, drift_metrics, drift_tokens
+from diagnostics.drift import ExpertStreams, drift_table, drift_tables, expert_streams, streams_while
 from diagnostics.output import default_features, expert_cosine, output_drift
 from diagnostics.similarity import WHOLE, linear_cka, task_vector_cosine, task_vector_matrix
 from featcal.util.metrics import kl_rows

@@ -19,8 +19,17 @@ from pathlib import Path
 
 from diagnostics import diagnose
 from diagnostics.similarity import TOKENS
-from featcal.baselines.merging import MERGERS
-from featcal.cli.common import add_common, add_out, add_zoo, check_out, zoo_from_args
+from featcal.baselines.registry import MERGERS
+from featcal.cli.common import (
+    add_common,
+    add_out,
+    add_param,
+    add_zoo,
+    check_out,
+    deprecated_option,
+    parse_params,
+    zoo_from_args,
+)
 from featcal.config import FeatCalConfig
 from featcal.engine.run import calibrate
 from featcal.model.streams import device_of
@@ -43,12 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--merge", default="task_arithmetic", choices=sorted(MERGERS), help="merge method for --model merged|calibrated"
     )
-    parser.add_argument(
-        "--scale",
-        type=float,
-        default=None,
-        help="the merge's scale (Task Arithmetic lambda; default: the method's own)",
-    )
+    add_param(parser)
+    parser.add_argument("--scale", type=float, default=None, help=argparse.SUPPRESS)  # deprecated: --param scale=
     parser.add_argument(
         "--n-per-task",
         type=int,
@@ -75,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def build_model(zoo, which: str, merge: str, scale: float | None, n_per_task: int, seed: int, progress: bool):
+def build_model(zoo, which: str, merge: str, params: dict, n_per_task: int, seed: int, progress: bool):
     """The model to diagnose: ``merged``, ``calibrated`` or a saved model directory."""
     if which not in MODEL_CHOICES:
         if not Path(which).expanduser().is_dir():
@@ -83,7 +88,7 @@ def build_model(zoo, which: str, merge: str, scale: float | None, n_per_task: in
                 f"--model {which!r}: choose {' or '.join(MODEL_CHOICES)}, or give a saved model directory."
             )
         return load_model(which, like=zoo.base).to(device_of(zoo.base)).eval()
-    merged = zoo.merged(merge) if scale is None else zoo.merged(merge, scale=scale)
+    merged = zoo.merged(merge, **params)
     if which == "merged":
         return merged
     cfg = FeatCalConfig.clip() if zoo.fmt in ("hf", "open_clip") else FeatCalConfig()
@@ -111,13 +116,24 @@ def write_tables(tables: dict, summary: str, out: str, fmt: str, force: bool) ->
     return Path(out).expanduser().absolute()
 
 
+def merge_params(args: argparse.Namespace) -> dict:
+    """``--param NAME=VALUE`` of ``--merge``, checked against the registry; the old ``--scale X``
+    still works for one release (a warning says to write ``--param scale=X``)."""
+    items = list(args.param or [])
+    if args.scale is not None:
+        deprecated_option(f"--scale {args.scale:g}", f"--param scale={args.scale:g}")
+        items.append(f"scale={args.scale!r}")
+    return parse_params(items, args.merge)
+
+
 def run(args: argparse.Namespace) -> int:
     """1. check the options; 2. load the zoo; 3. build the model; 4. diagnose; 5. write."""
     if args.n_per_task < 1:
         raise ValueError(f"--n-per-task must be at least 1, got {args.n_per_task}.")
+    params = merge_params(args)
     check_out(args.out, args.force)
     zoo = zoo_from_args(args)
-    model = build_model(zoo, args.model, args.merge, args.scale, args.n_per_task, args.seed, progress=not args.quiet)
+    model = build_model(zoo, args.model, args.merge, params, args.n_per_task, args.seed, progress=not args.quiet)
     name = args.model if args.model in MODEL_CHOICES else Path(args.model).name
     tables, summary = diagnose(
         model,

@@ -1,14 +1,17 @@
 """Compare merging and post-merging calibration methods side by side on one zoo.
 
-A method is ``merger`` or ``merger+calibrator``: the merger is a data-free one of
-:data:`featcal.MERGERS` (``ta`` is ``task_arithmetic``) or a data-using one of
-:data:`featcal.MERGERS_WITH_DATA` (on the calibration split); the calibrator is ``featcal``
-(closed form, no added modules) or a trained one (``escal``, ``surgery``, ``surgery_v2``;
-task-specific modules, each task scored with its own). Every method sees the same
-calibration examples (``n`` per task from the zoo's ``calib`` split, seeded) and is scored on
-the ``test`` split: accuracy, KL to the experts and top-1 agreement (through the zoo's heads),
-the drift decomposition per block (on the first ``drift_n`` test examples per task), the
-numbers it adds, its measured inference overhead and its merge and calibration seconds.
+A method is ``merger`` or ``merger+calibrator[+calibrator...]`` (names and aliases from
+:mod:`featcal.baselines.registry`): the merger is a data-free one of :data:`featcal.MERGERS`
+(``ta`` is ``task_arithmetic``) or a data-using one of :data:`featcal.MERGERS_WITH_DATA`
+(RegMean, AdaMerging, Fisher merging; on the calibration split); the calibrators apply in
+order: ``svc`` (data-free), ``featcal`` (closed form, no added modules), and last, at most one
+trained one (``escal``, ``surgery``, ``surgery_v2``: task-specific modules, each task scored
+with its own), e.g. ``ta+svc+featcal``. Every method sees the same calibration examples
+(``n`` per task from the zoo's ``calib`` split, seeded) and is scored on the ``test`` split:
+accuracy, KL to the experts and top-1 agreement (through the zoo's heads), the drift
+decomposition per block (on the first ``drift_n`` test examples per task), the numbers it
+adds, its inference overhead when asked (``repeats`` timed calls) and its merge and
+calibration seconds.
 
 Usage::
 
@@ -25,8 +28,8 @@ Results are cached per setting (method, its parameters, ``n``, seed, test sizes)
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -37,15 +40,16 @@ from torch import nn
 
 from diagnostics.drift import drift_table
 from diagnostics.output import output_drift
-from featcal import FeatCalConfig, calibrate, escal, surgery, surgery_v2
-from featcal.baselines.merging import MERGERS
-from featcal.baselines.regmean import MERGERS_WITH_DATA, merge_with_data
+from featcal import FeatCalConfig, calibrate
+from featcal.baselines import registry
+from featcal.baselines.svc import svc
 from featcal.util.progress import bar
 from featcal.zoo.core import evaluate
+from featcal.zoo.tokens import as_batch
 
-ALIASES = {"ta": "task_arithmetic"}
-CALIBRATORS: dict[str, Callable] = {"featcal": calibrate, "escal": escal, "surgery": surgery, "surgery_v2": surgery_v2}
-TRAINED = ("escal", "surgery", "surgery_v2")
+ALIASES = registry.ALIASES  # ta -> task_arithmetic, fisher -> fisher_merging
+CALIBRATORS: dict[str, Callable] = {n: registry.get(n).fn for n in registry.names("calibrator", "trained")}
+TRAINED = tuple(registry.names("trained"))
 REFERENCES = ("experts", "base")
 GAP_REFERENCE = "task_arithmetic"  # the gap to the experts is measured from Task Arithmetic
 DRIFT_METRICS = ("drift_rel", "mismatch_rel", "propagation_rel")
@@ -101,51 +105,46 @@ class Comparison:
 
 
 def parse_method(spec: str) -> tuple[str, str]:
-    """``"ta+featcal"`` -> ``("task_arithmetic", "featcal")``; ``"ties"`` -> ``("ties", "")``."""
-    merger, _, cal = spec.strip().lower().partition("+")
-    merger = ALIASES.get(merger, merger)
-    if merger not in MERGERS and merger not in MERGERS_WITH_DATA:
-        known = sorted([*MERGERS, *MERGERS_WITH_DATA, *ALIASES])
-        raise ValueError(f"method {spec!r}: unknown merger {merger!r}; choose one of {known}.")
-    if cal and cal not in CALIBRATORS:
-        raise ValueError(f"method {spec!r}: unknown calibrator {cal!r}; choose one of {sorted(CALIBRATORS)}.")
-    return merger, cal
+    """``"ta+svc+featcal"`` -> ``("task_arithmetic", "svc+featcal")``; ``"ties"`` -> ``("ties", "")``.
 
-
-FILLED = ("base", "base_sd", "experts", "expert_sds", "merged", "calib_data", "progress")  # the runner's own
+    A method is a merger (data-free or data-using) followed by calibrators applied in order:
+    any of ``featcal`` and ``svc``, and at most one trained calibrator, last (its task-specific
+    modules are what each task is scored with)."""
+    merger, *cals = [part.strip() for part in spec.strip().lower().split("+")]
+    try:
+        merger = registry.get(merger, "merger", "data_merger").name
+        cals = [registry.get(c, "calibrator", "trained").name for c in cals]
+    except ValueError as e:
+        raise ValueError(f"method {spec!r}: {e}") from None
+    trained = [i for i, c in enumerate(cals) if c in TRAINED]
+    if trained and (len(trained) > 1 or trained[0] != len(cals) - 1):
+        raise ValueError(f"method {spec!r}: a trained calibrator ({', '.join(TRAINED)}) must come last, once.")
+    if len(set(cals)) != len(cals):
+        raise ValueError(f"method {spec!r}: a calibrator appears twice.")
+    return merger, "+".join(cals)
 
 
 def allowed_params(name: str) -> list[str]:
-    """The parameters a merger (any name :func:`parse_method` takes) or calibrator accepts."""
-    if name == "featcal":  # the preset's fields (lam, rho, alpha, ...) or a whole config
-        preset = [f.name for f in dataclasses.fields(FeatCalConfig)]
-        return preset + [p for p in inspect.signature(calibrate).parameters if p not in FILLED]
-    if name in CALIBRATORS:
-        fn = CALIBRATORS[name]
-    else:
-        merger, _ = parse_method(name)
-        fn = MERGERS_WITH_DATA[merger] if merger in MERGERS_WITH_DATA else MERGERS[merger]
-    return [p for p in inspect.signature(fn).parameters if p not in FILLED and not p.startswith("_")]
+    """The parameters a merger or calibrator (any registered name or alias) accepts."""
+    return registry.get(name).param_names
 
 
 def _by_merger(params: Mapping | None) -> dict:
-    """``merger_params`` keyed by the mergers' registry names (``ta`` -> ``task_arithmetic``)."""
-    return {parse_method(k)[0]: v for k, v in (params or {}).items()}
+    """``merger_params`` keyed by the registry names (``ta`` -> ``task_arithmetic``)."""
+    return {registry.get(k).name: v for k, v in (params or {}).items()}
 
 
 def check_params(merger_params: Mapping | None, calibrator_params: Mapping | None) -> None:
-    """Fail before any work on a parameter a merger or calibrator does not take."""
+    """Fail before any work on a parameter a merger or calibrator does not take, or a value of
+    the wrong type (checked against :mod:`featcal.baselines.registry`)."""
     for table in (merger_params or {}), (calibrator_params or {}):
         for name, params in table.items():
-            allowed = allowed_params(name)
-            unknown = [k for k in params if k not in allowed]
-            if unknown:
-                raise ValueError(f"{name} takes no parameter {unknown[0]!r}; it takes {', '.join(allowed)}.")
+            registry.check_params(name, {k: v for k, v in params.items() if k != "config"})
 
 
 def method_name(merger: str, calibrator: str = "") -> str:
     """The canonical name: ``ta`` for Task Arithmetic, ``+calibrator`` when there is one."""
-    short = {v: k for k, v in ALIASES.items()}.get(merger, merger)
+    short = registry.get(merger).short
     return f"{short}+{calibrator}" if calibrator else short
 
 
@@ -158,7 +157,7 @@ def gap_closed(acc: float, start: float, experts: float) -> float:
 
 def test_batches(zoo, n: int | None, batch_size: int = 64) -> dict[str, list[torch.Tensor]]:
     """The first ``n`` test examples of each task (all when None) in batches: the drift data."""
-    return {t: list(zoo.split(t, "test")[0][:n].split(batch_size)) for t in zoo.tasks}
+    return {t: [as_batch(b) for b in zoo.split(t, "test")[0][:n].split(batch_size)] for t in zoo.tasks}
 
 
 def _zoo_key(zoo) -> tuple:
@@ -180,62 +179,90 @@ def run_method(
     max_test: int | None = None,
     drift_n: int | None = 64,
     overhead_batch: int = 64,
-    repeats: int = 5,
+    repeats: int = 0,
     cache: dict | None = None,
     progress: bool = False,
 ) -> MethodResult:
-    """Run one method (``merger`` or ``merger+calibrator``) on ``zoo`` and score it.
+    """Run one method (``merger[+calibrator...]``, see :func:`parse_method`) on ``zoo`` and score it.
 
-    ``merger_params`` / ``calibrator_params``: ``{name: {param: value}}`` passed to the merger
-    (:func:`featcal.merge` / :func:`featcal.merge_with_data`) and the calibrator (``featcal``
-    takes ``config``, a :class:`featcal.FeatCalConfig`, default the CLIP preset, and changes to
-    it: ``lam``, ``rho``, ``alpha``, ...; the trained ones their own keyword arguments:
-    ``epochs``, ``steps``, ``rank``, ...). Cached in ``cache``
-    (default :data:`CACHE`) per setting.
+    ``merger_params`` / ``calibrator_params``: ``{name: {param: value}}`` (checked against the
+    registry). ``featcal`` takes ``config`` (a :class:`featcal.FeatCalConfig`, default the CLIP
+    preset) and changes to it (``lam``, ``rho``, ``alpha``, ...); ``svc`` its ``alpha``; the trained
+    ones their own (``epochs``, ``steps``, ``rank``, ...). AdaMerging and Fisher merging read the
+    zoo's heads. ``repeats``: timed forward passes for a trained calibrator's overhead (0: not
+    measured, NaN). Cached in ``cache`` (default :data:`CACHE`) per setting.
     """
     merger, cal = parse_method(spec)
+    chain = cal.split("+") if cal else []
     mp = dict(_by_merger(merger_params).get(merger, {}))
-    cp = dict((calibrator_params or {}).get(cal, {})) if cal else {}
+    cps = {c: dict((calibrator_params or {}).get(c, {})) for c in chain}
     cache = CACHE if cache is None else cache
-    key = (_zoo_key(zoo), merger, _frozen(mp), cal, _frozen(cp), n, seed, max_test, drift_n, overhead_batch, repeats)
+    frozen_cps = tuple((c, _frozen(p)) for c, p in cps.items())
+    key = (_zoo_key(zoo), merger, _frozen(mp), cal, frozen_cps, n, seed, max_test, drift_n, overhead_batch, repeats)
     if key in cache:
         return cache[key]
     data = zoo.calib_data(n, seed=seed)
     t0 = time.perf_counter()
-    if merger in MERGERS_WITH_DATA:
-        mp.setdefault("progress", progress)
-        merged = merge_with_data(merger, base=zoo.base, experts=zoo.experts, calib_data=data, **mp)
+    if registry.get(merger).kind == "data_merger":
+        merged = registry.merge_with_data(
+            merger,
+            base=zoo.base,
+            experts=zoo.experts,
+            calib_data=data,
+            logits=registry.zoo_logits(zoo),
+            progress=progress,
+            **mp,
+        )
     else:
         merged = zoo.merged(merger, **mp)
-    merge_seconds = time.perf_counter() - t0
     result = MethodResult(method_name(merger, cal), merger, cal, {}, pd.DataFrame(), pd.DataFrame())
-    result.merge_seconds = merge_seconds
-    drift_data = test_batches(zoo, drift_n)
-    if cal in TRAINED:
-        cp.setdefault("seed", 0)
-        cp.setdefault("progress", progress)
-        with torch.enable_grad():  # trained by gradient descent, even when called under no_grad (an app's lock)
-            trained = CALIBRATORS[cal](merged, zoo.experts, data, **cp)
-        result.calib_seconds = trained.training_seconds
-        models = {t: trained.for_task(t) for t in zoo.tasks}  # each task through its own modules
-        added = trained.added_parameters
-        first = added["per_task"][zoo.tasks[0]]
-        result.added = {"trained": first["trained"], "stored": first["stored"], "fraction": added["stored_fraction"]}
-        probe = zoo.split(zoo.tasks[0], "test")[0][:overhead_batch]
-        result.overhead = trained.measure_overhead(probe, repeats=repeats)["overhead"]
-    else:
-        if cal == "featcal":
-            config = cp.pop("config", None) or FeatCalConfig.clip()
-            fields = {f.name for f in dataclasses.fields(FeatCalConfig)}
-            config = config.with_(**{k: cp.pop(k) for k in list(cp) if k in fields})
-            t0 = time.perf_counter()
-            cp.setdefault("progress", progress)
-            merged, _ = calibrate(merged, base=zoo.base, experts=zoo.experts, calib_data=data, config=config, **cp)
-            result.calib_seconds = time.perf_counter() - t0
-        models = {t: merged for t in zoo.tasks}
-    result.accuracy, result.output, result.drift = _score(zoo, models, drift_data, max_test)
+    result.merge_seconds = time.perf_counter() - t0
+    result.overhead = 0.0 if not chain or chain[-1] not in TRAINED else float("nan")
+    models = {t: merged for t in zoo.tasks}
+    for c in chain:
+        t0 = time.perf_counter()
+        if c in TRAINED:
+            models = _trained(zoo, c, merged, data, cps[c], result, overhead_batch, repeats, progress)
+        else:
+            merged = _calibrated(zoo, c, merged, data, cps[c], progress)
+            models = {t: merged for t in zoo.tasks}
+            result.calib_seconds += time.perf_counter() - t0
+    result.accuracy, result.output, result.drift = _score(zoo, models, test_batches(zoo, drift_n), max_test)
     cache[key] = result
     return result
+
+
+def _calibrated(zoo, name: str, merged: nn.Module, data, params: dict, progress: bool) -> nn.Module:
+    """One model for every task: FeatCal on the calibration data, or SVC (data-free)."""
+    if name == "svc":
+        experts = {t: m.state_dict() for t, m in zoo.experts.items()}
+        sd = svc(merged.state_dict(), zoo.base.state_dict(), experts, **params)
+        model = copy.deepcopy(merged)
+        model.load_state_dict(sd)
+        return model.eval()
+    config = params.pop("config", None) or FeatCalConfig.clip()
+    fields = {f.name for f in dataclasses.fields(FeatCalConfig)}
+    config = config.with_(**{k: params.pop(k) for k in list(params) if k in fields})
+    params.setdefault("progress", progress)
+    model, _ = calibrate(merged, base=zoo.base, experts=zoo.experts, calib_data=data, config=config, **params)
+    return model
+
+
+def _trained(zoo, name, merged, data, params, result, overhead_batch, repeats, progress) -> dict[str, nn.Module]:
+    """Each task's model with its own trained modules; fills the added numbers, the training
+    seconds and (``repeats`` > 0) the measured overhead into ``result``."""
+    params.setdefault("seed", 0)
+    params.setdefault("progress", progress)
+    with torch.enable_grad():  # trained by gradient descent, even when called under no_grad (an app's lock)
+        trained = CALIBRATORS[name](merged, zoo.experts, data, **params)
+    result.calib_seconds += trained.training_seconds
+    added = trained.added_parameters
+    first = added["per_task"][zoo.tasks[0]]
+    result.added = {"trained": first["trained"], "stored": first["stored"], "fraction": added["stored_fraction"]}
+    if repeats > 0:
+        probe = zoo.split(zoo.tasks[0], "test")[0][:overhead_batch]
+        result.overhead = trained.measure_overhead(as_batch(probe), repeats=repeats)["overhead"]
+    return {t: trained.for_task(t) for t in zoo.tasks}
 
 
 def _score(zoo, models: Mapping[str, nn.Module], drift_data: Mapping, max_test: int | None):
@@ -276,7 +303,7 @@ def compare(
     max_test: int | None = None,
     drift_n: int | None = 64,
     overhead_batch: int = 64,
-    repeats: int = 5,
+    repeats: int = 0,
     cache: dict | None = None,
     progress: bool = True,
     on_method: Callable[[int, int, str], None] | None = None,
@@ -402,7 +429,7 @@ def markdown(summary: pd.DataFrame) -> str:
             f"{r.kl:.3f}",
             f"{r.agreement:.1f}",
             added,
-            "" if ref else f"{100 * r.overhead:+.0f}%",
+            "" if ref or pd.isna(r.overhead) else f"{100 * r.overhead:+.0f}%",
             "" if ref else f"{r.merge_seconds:.1f}",
             "" if ref or not r.calibrator else f"{r.calib_seconds:.1f}",
         ]

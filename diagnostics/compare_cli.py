@@ -12,7 +12,8 @@ import shutil
 from pathlib import Path
 
 from diagnostics import compare as cmp
-from featcal.cli.common import UserError, _parse_value, add_common, add_zoo, check_out, zoo_from_args
+from featcal.baselines import registry
+from featcal.cli.common import UserError, add_common, add_zoo, check_out, zoo_from_args
 
 DEFAULT_METHODS = "ta,ties,iso_c,regmean_plusplus,ta+featcal,iso_c+featcal,ta+escal,ta+surgery,ta+surgery_v2"
 
@@ -23,45 +24,53 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--methods",
         default=DEFAULT_METHODS,
-        help="comma-separated: a merger (ta, ties, iso_c, regmean_plusplus, ...), optionally +featcal, "
-        f"+escal, +surgery or +surgery_v2 (default: {DEFAULT_METHODS})",
+        help="comma-separated: a merger (ta, ties, iso_c, regmean_plusplus, adamerging, fisher_merging, ...), "
+        "then calibrators in order: +svc, +featcal, and last +escal, +surgery or +surgery_v2, e.g. ta+svc+featcal "
+        f"(default: {DEFAULT_METHODS})",
     )
     p.add_argument("--n", type=int, default=64, help="calibration examples per task (calib split; default 64)")
     p.add_argument("--seed", type=int, default=42, help="seed of the calibration draw")
     p.add_argument(
         "--param",
         action="append",
-        metavar="NAME.KEY=VALUE",
-        help="a merger's or calibrator's parameter, e.g. ta.scale=0.3, featcal.lam=0.01, escal.epochs=50, "
-        "surgery_v2.steps=250 (repeatable)",
+        metavar="METHOD.NAME=VALUE",
+        help="a merger's or calibrator's parameter, e.g. ta.scale=0.3, svc.alpha=0.1, featcal.lam=0.01, "
+        "escal.epochs=50, surgery_v2.steps=250 (repeatable; checked before any work)",
     )
     p.add_argument("--max-test", type=int, default=None, help="test examples per task (default: all)")
     p.add_argument("--drift-n", type=int, default=64, help="test examples per task for the drift per block")
-    p.add_argument("--repeats", type=int, default=5, help="timed forward passes for the overhead (median)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=0,
+        help="timed forward passes (median) for a trained calibrator's inference overhead; 0 (default): not "
+        "measured (on a shared CPU a few calls are noise: benchmarks/README.md)",
+    )
     p.add_argument("--out", default=None, help="write the tables (CSV) and figures (HTML) here (must not exist)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     add_common(p)
     return p
 
 
-def parse_params(items: list[str] | None) -> tuple[dict, dict]:
-    """``["ta.scale=0.3", "escal.epochs=5"]`` -> (merger params, calibrator params)."""
-    mergers: dict[str, dict] = {}
-    cals: dict[str, dict] = {}
-    for item in items or []:
-        name, dot, rest = item.partition(".")
-        key, eq, value = rest.partition("=")
-        if not dot or not eq or not key:
-            raise UserError(f"--param {item!r}: write NAME.KEY=VALUE, e.g. escal.epochs=50 or ta.scale=0.3.")
-        name = name.lower()
-        if name in cmp.CALIBRATORS:
-            cals.setdefault(name, {})[key] = _parse_value(value)
-        else:
-            try:
-                merger, _ = cmp.parse_method(name)
-            except ValueError as e:
-                raise UserError(f"--param {item!r}: {e}") from None
-            mergers.setdefault(merger, {})[key] = _parse_value(value)
+def parse_params(items: list[str] | None, methods: list[str] | None = None) -> tuple[dict, dict]:
+    """``["ta.scale=0.3", "escal.epochs=5"]`` -> (merger params, calibrator params), checked
+    against the registry. ``methods``: the specs that run (their mergers and calibrators, and
+    Task Arithmetic, the gap's reference, may be named; a bare ``NAME=VALUE`` only when that
+    makes one method)."""
+    running = None
+    if methods is not None:
+        running = ["task_arithmetic"]
+        for spec in methods:
+            merger, cal = cmp.parse_method(spec)
+            running += [merger, *(cal.split("+") if cal else [])]
+        running = list(dict.fromkeys(running))
+    try:
+        table = registry.parse_param_items(items, running)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    kinds = {n: registry.get(n).kind for n in table}
+    mergers = {n: p for n, p in table.items() if kinds[n] in ("merger", "data_merger")}
+    cals = {n: p for n, p in table.items() if kinds[n] not in ("merger", "data_merger")}
     return mergers, cals
 
 
@@ -74,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
             cmp.parse_method(m)
     except ValueError as e:
         raise UserError(str(e)) from None
-    merger_params, cal_params = parse_params(args.param)
+    merger_params, cal_params = parse_params(args.param, methods)
     try:
         cmp.check_params(merger_params, cal_params)
     except ValueError as e:
@@ -97,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
         f"\nzoo {zoo.name}: {len(zoo.tasks)} tasks; {args.n} calibration examples per task (seed {args.seed}); "
         f"test split{'' if args.max_test is None else f' (first {args.max_test} per task)'}; gap closed = "
         "100 (acc - start) / (experts - start) from TA or from the method's merger; added numbers per task; "
-        "overhead: measured forward time with the added modules over without, minus 1 (0 for no module)."
+        "overhead: measured forward time with the added modules over without, minus 1 (0 for no module; "
+        "blank: not measured, --repeats N measures it)."
     )
     if args.out:
         write(result, Path(args.out), args.force)

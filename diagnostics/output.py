@@ -19,7 +19,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from diagnostics.drift import COLUMNS
+from diagnostics.decomposition import COLUMNS
 from diagnostics.similarity import WHOLE, cosine_rows, pool_examples
 from featcal.model.modes import eval_mode
 from featcal.model.streams import call_model, device_of, to_device

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from diagnostics.similarity import EPS, block_of
-from featcal.model.arch import resolve_blocks
 from featcal.baselines.merging import _trim_top  # TIES's trim step, as the merger does it
+from featcal.model.arch import resolve_blocks
 
 ALL = "all tasks"  # ``task`` of a measurement over every task at once
 DENSITY = 0.2  # TIES's default trim density (featcal.baselines.merging.ties)

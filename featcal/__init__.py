@@ -8,10 +8,13 @@ Usage::
 """
 
 from featcal import _moved  # noqa: F401  (installs the old flat layout's import names; see its docstring)
-from featcal.baselines.merging import MERGERS, merge, merge_model
-from featcal.baselines.regmean import MERGERS_WITH_DATA, merge_with_data
-from featcal.baselines.trained.calibrators import TaskCalibrated, escal, surgery, surgery_v2
-from featcal.config import FastPaths, FeatCalConfig, TokenWeights
+from featcal.baselines.adamerging import adamerging
+from featcal.baselines.fisher import fisher_merging
+from featcal.baselines.registry import MERGERS, MERGERS_WITH_DATA, merge, merge_model, merge_with_data
+from featcal.baselines.svc import svc
+from featcal.baselines.trained.calibrators import TaskCalibrated, escal
+from featcal.baselines.trained.surgery import surgery, surgery_v2
+from featcal.config import FastPaths, FeatCalConfig, Setting, TokenWeights
 from featcal.engine.report import CalibrationReport
 from featcal.engine.run import ExpertTrace, calibrate
 from featcal.streaming.run import calibrate_checkpoints
@@ -19,6 +22,7 @@ from featcal.streaming.run import calibrate_checkpoints
 __all__ = [
     "FeatCalConfig",
     "FastPaths",
+    "Setting",
     "TokenWeights",
     "calibrate",
     "calibrate_checkpoints",
@@ -34,6 +38,9 @@ __all__ = [
     "surgery",
     "surgery_v2",
     "TaskCalibrated",
+    "svc",
+    "adamerging",
+    "fisher_merging",
 ]
 __version__ = "0.1.0"
 

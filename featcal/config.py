@@ -42,6 +42,31 @@ class TokenWeights:
 
 
 @dataclass(frozen=True)
+class Setting:
+    """One point of FeatCal's three hyper-parameters, what a solve needs beyond the statistics
+    (docs/maths.md, 'Linear weight'): ``lam`` the ridge toward the anchor, ``rho`` the anchor's
+    blend ``W_anc = rho W_mer + (1 - rho) W_0``, ``alpha`` the target ``xt = alpha xe + (1 - alpha) xs``."""
+
+    lam: float
+    rho: float
+    alpha: float
+
+    def __post_init__(self):
+        for name in ("lam", "rho", "alpha"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or abs(v) == float("inf"):
+                raise ValueError(f"{name} must be a finite number, got {v!r}.")
+        if not self.lam >= 0.0:
+            raise ValueError(f"lam (lambda) must be >= 0, got {self.lam}.")
+
+    def replace(self, lam: float | None = None, rho: float | None = None, alpha: float | None = None) -> "Setting":
+        """This setting with the given values changed (None: kept)."""
+        return Setting(
+            self.lam if lam is None else lam, self.rho if rho is None else rho, self.alpha if alpha is None else alpha
+        )
+
+
+@dataclass(frozen=True)
 class FeatCalConfig:
     """Hyper-parameters and switches of FeatCal (docs/maths.md, 'Linear weight' and 'Switches').
 
@@ -72,20 +97,20 @@ class FeatCalConfig:
     modules: tuple[str, ...] | None = field(default=None)
 
     def __post_init__(self):
-        if not self.lam >= 0.0:
-            raise ValueError(f"lam (lambda) must be >= 0, got {self.lam}.")
+        Setting(self.lam, self.rho, self.alpha)  # checks them
         if not self.eps > 0.0:
             raise ValueError(f"eps must be > 0 (it keeps the solve defined), got {self.eps}.")
-        for name in ("rho", "alpha"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v == v and abs(v) != float("inf")):
-                raise ValueError(f"{name} must be a finite number, got {v!r}.")
         if self.stats_dtype not in (torch.float32, torch.float64):
             raise ValueError(f"stats_dtype must be torch.float32 or torch.float64, got {self.stats_dtype}.")
         if not (self.linear or self.layernorm):
             raise ValueError("nothing to calibrate: linear and layernorm are both off.")
         if self.modules is not None and isinstance(self.modules, str):
             object.__setattr__(self, "modules", (self.modules,))
+
+    @property
+    def setting(self) -> "Setting":
+        """This run's (lam, rho, alpha)."""
+        return Setting(self.lam, self.rho, self.alpha)
 
     # Presets -----------------------------------------------------------------
     @classmethod
@@ -152,6 +177,9 @@ class FastPaths:
     scratch_keep: int = 1 << 26
     # Statistics form of every Linear input, one of FORMS (None: the cheapest for its widths and rows).
     form: str | None = None
+    # Under a process group (featcal.engine.distributed): "owner" solves each module on one rank and sends
+    # the result to the others, "everywhere" adds every sum onto every rank and solves there too.
+    dist_solve: str = "owner"
 
     def __post_init__(self):
         def count(name: str, lowest: int, off: str) -> None:
@@ -167,6 +195,8 @@ class FastPaths:
         v = self.direct_rows
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < float("inf"):
             raise ValueError(f"FastPaths.direct_rows must be a finite number >= 0, got {v!r}.")
+        if self.dist_solve not in ("owner", "everywhere"):
+            raise ValueError(f"FastPaths.dist_solve must be 'owner' or 'everywhere', got {self.dist_solve!r}.")
         if self.form is not None and self.form not in FORMS:
             raise ValueError(f"FastPaths.form must be one of {FORMS} or None (the cheapest), got {self.form!r}.")
 

@@ -22,3 +22,17 @@ def tiny_zoo_dir(tmp_path_factory) -> str:
 def tiny_kind(request) -> str:
     """Each tiny architecture of tests/tiny.py in turn (toy blocks, HF CLIP, open_clip ViT)."""
     return request.param
+
+
+@pytest.fixture(scope="session")
+def smollm2_micro_dir(tmp_path_factory) -> str:
+    """The SmolLM2 LLM zoo's micro build (two real blocks, two tasks, two LoRA steps per expert),
+    written once per session; skipped, with the install commands, where its packages are absent."""
+    from featcal.zoo import smollm2
+
+    missing = smollm2.missing_packages()
+    if missing:
+        pytest.skip("smollm2 zoo packages missing: " + "; ".join(cmd for _, cmd in missing))
+    return smollm2.build_smollm2(
+        tmp_path_factory.mktemp("llm") / "micro", smollm2.micro_recipe(), progress=False, threads=1
+    )

@@ -218,15 +218,15 @@ def tiny_bert(seed: int = 0, layers: int = 2, roberta: bool = False):
     return BertForSequenceClassification(BertConfig(**kw)).eval()
 
 
-def tiny_llama(seed: int = 0, layers: int = 2):
+def tiny_llama(seed: int = 0, layers: int = 2, vocab: int = 50, hidden: int = 32, intermediate: int = 48):
     """A tiny random LlamaForCausalLM: grouped-query attention (4 heads, 2 key/value heads), rotary."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=48,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -9,13 +9,15 @@ import streamlit as st
 from app import compute, figures, state, tables, ui, workers
 from diagnostics import compare as cmp
 from diagnostics import compare_figures as figs
-from featcal.baselines.merging import MERGERS
-from featcal.baselines.regmean import MERGERS_WITH_DATA
+from featcal.baselines import registry
 from featcal.util.progress import listening
 
 zoo, source = state.active_zoo(), state.active_source()
 fp = state.fingerprint(source)
-MERGER_NAMES = [cmp.method_name(m) for m in [*MERGERS, *MERGERS_WITH_DATA]]
+# The methods on offer come from the registry: every merger (data-free or data-using) and every
+# calibrator, plus SVC followed by FeatCal (calibrators apply in order).
+MERGER_NAMES = [cmp.method_name(m) for m in registry.names("merger", "data_merger")]
+CALIBRATOR_NAMES = [*registry.names("calibrator", "trained"), "svc+featcal"]
 TRAINED_STEPS = {"escal": ("epochs", 20), "surgery": ("steps", 200), "surgery_v2": ("steps", 100)}
 
 
@@ -63,7 +65,7 @@ st.caption(
 c1, c2, c3 = st.columns([2, 1, 2])
 mergers = c1.multiselect("mergers alone", MERGER_NAMES, ["ta", "ties", "iso_c"], key="cmp_mergers")
 base_merger = c2.selectbox("calibrate on top of", MERGER_NAMES, MERGER_NAMES.index("ta"), key="cmp_base")
-calibrators = c3.multiselect("calibrators", list(cmp.CALIBRATORS), ["featcal"], key="cmp_cals")
+calibrators = c3.multiselect("calibrators", CALIBRATOR_NAMES, ["featcal"], key="cmp_cals")
 
 n_calib = compute.split_size(zoo, "calib")
 d1, d2, d3 = st.columns(3)
@@ -73,7 +75,7 @@ max_test = d2.select_slider("test examples per task", [50, 100, 200, "all"], 100
 max_test = None if max_test == "all" else int(max_test)
 
 cal_params: dict[str, dict] = {}
-trained = [c for c in calibrators if c in cmp.TRAINED]
+trained = [c.split("+")[-1] for c in calibrators if c.split("+")[-1] in cmp.TRAINED]
 if trained:
     st.info(
         "ESCal, Surgery and SurgeryV2 train by gradient descent: minutes per method on a CPU "
@@ -102,7 +104,8 @@ st.subheader("Summary")
 st.caption(
     "Average test accuracy; gap closed = 100·(acc − start)/(experts − start), from Task Arithmetic and "
     "from the method's own merger; KL(expert ‖ model) and top-1 agreement with the experts; numbers "
-    "added per task; measured inference overhead; seconds to merge and to calibrate."
+    "added per task; inference overhead (0 without added modules; blank for trained ones: a few timed calls "
+    "on a shared CPU are noise, `featcal compare --repeats N` measures it); seconds to merge and to calibrate."
 )
 SCORES = {
     "method": "method",

@@ -55,7 +55,7 @@ if st.button(
     type="primary",
     disabled=not out_dir.strip() or (exists and not replace),
 ):
-    from featcal.zoo.io import OutputExistsError, save_model
+    from featcal.zoo.io import OutputExistsError, save_model, zoo_card
 
     try:
         with workers.torch_lock():
@@ -66,6 +66,14 @@ if st.button(
                 force=replace,
                 extra_files={"report.json": report},
                 config=None if zoo.fmt == "hf" else {"zoo": zoo.name, "source": source},
+                hub=zoo_card(
+                    zoo,
+                    report["merger"],
+                    report,
+                    calibration={"n_per_task": cal.n},
+                    scores=report["scores"],
+                    drift=report["drift"],
+                ),
             )
         st.success(f"Saved to `{path}`.")
     except OutputExistsError as exc:

@@ -1,2 +1,3 @@
-"""What FeatCal is compared with: data-free mergers (merging, spectral), data-using mergers (regmean),
-trained post-merging calibrators (trained/). Imports the engine and below."""
+"""What FeatCal is compared with: data-free mergers (merging, spectral), data-using mergers
+(regmean, adamerging, fisher), SVC (svc, data-free), trained post-merging calibrators (trained/),
+and the one registry of them all (registry). Imports the engine and below."""

@@ -12,8 +12,7 @@ conventions so that their numbers compare with its tables: their rule (the maths
 position embedding too, not only Linear weights), and every other floating entry gets the
 mean task vector ``mean_i tau_i`` (times the method's scale where it has one).
 
-Registry: ``MERGERS`` maps a method name to its function, and
-:func:`merge` dispatches on it.
+The registry (:mod:`featcal.baselines.registry`) names them; ``featcal.merge`` dispatches on it.
 """
 
 from __future__ import annotations
@@ -82,65 +81,135 @@ def average(base: StateDict, experts: Mapping[str, StateDict]) -> dict[str, torc
     return _merge_each(base, experts, lambda _k, taus: taus.mean(0))
 
 
-def task_arithmetic(base: StateDict, experts: Mapping[str, StateDict], scale: float = 0.3) -> dict[str, torch.Tensor]:
-    """Task Arithmetic: ``theta = theta_0 + scale * sum_i (theta_i - theta_0)``."""
-    return _merge_each(base, experts, lambda _k, taus: scale * taus.sum(0))
+def per_task(value, experts: Mapping, what: str) -> list[float]:
+    """A number, or ``{task: number}`` with every task of ``experts``, as one value per expert
+    (in ``experts``' order): how a merger takes per-model weights and densities."""
+    if isinstance(value, Mapping):
+        missing, extra = [t for t in experts if t not in value], [t for t in value if t not in experts]
+        if missing or extra:
+            raise ValueError(f"{what}: give one value per task; missing {missing}, unknown tasks {extra}.")
+        return [float(value[t]) for t in experts]
+    return [float(value)] * len(experts)
 
 
-def _trim_top(taus: torch.Tensor, density: float) -> torch.Tensor:
-    """Keep the top ``density`` fraction of each task vector by magnitude (per entry tensor)."""
-    if density >= 1.0:
+def _column(values: list[float], taus: torch.Tensor) -> torch.Tensor:
+    """Per-task values shaped to broadcast against ``taus`` (n_tasks, *shape)."""
+    return torch.tensor(values, dtype=taus.dtype).reshape(-1, *([1] * (taus.dim() - 1)))
+
+
+def task_arithmetic(
+    base: StateDict, experts: Mapping[str, StateDict], scale: float = 0.3, weights: Mapping | None = None
+) -> dict[str, torch.Tensor]:
+    """Task Arithmetic: ``theta = theta_0 + scale * sum_i w_i (theta_i - theta_0)``, ``w_i = 1``
+    unless ``weights={task: w_i}``."""
+    w = per_task(1.0 if weights is None else weights, experts, "task_arithmetic: weights")
+    return _merge_each(base, experts, lambda _k, taus: scale * (_column(w, taus) * taus).sum(0))
+
+
+def _trim_top(taus: torch.Tensor, density: float | list[float]) -> torch.Tensor:
+    """Keep the top ``density`` fraction of each task vector by magnitude (per entry tensor;
+    one density for all tasks or one per task); ``round(density * numel)`` entries, at least one."""
+    ds = density if isinstance(density, list) else [density] * taus.shape[0]
+    if all(d >= 1.0 for d in ds):
         return taus
     flat = taus.reshape(taus.shape[0], -1)  # (n_tasks, numel)
-    k = max(1, int(round(density * flat.shape[1])))
-    idx = flat.abs().topk(k, dim=1).indices
-    mask = torch.zeros_like(flat, dtype=torch.bool).scatter_(1, idx, True)
+    mask = torch.zeros_like(flat, dtype=torch.bool)
+    for i, d in enumerate(ds):
+        k = flat.shape[1] if d >= 1.0 else max(1, int(round(d * flat.shape[1])))
+        mask[i, flat[i].abs().topk(k).indices] = True
     return (flat * mask).reshape(taus.shape)
 
 
+def _elect_disjoint(weighted: torch.Tensor, w: torch.Tensor, disjoint: str) -> torch.Tensor:
+    """TIES' steps 2-3 on weighted task vectors ``w_i tau_i`` (n_tasks, *shape): the entrywise sign
+    of their sum, then the sum (``disjoint="sum"``) or the ``w``-weighted mean (``"mean"``) of the
+    nonzero entries that agree with it."""
+    sign = torch.sign(weighted.sum(0))
+    agree = (torch.sign(weighted) == sign) & (weighted != 0)
+    total = (weighted * agree).sum(0)
+    if disjoint == "sum":
+        return total
+    count = (w * agree).sum(0)
+    return total / torch.where(count == 0, torch.ones_like(count), count)
+
+
+def _check_disjoint(method: str, disjoint: str) -> None:
+    if disjoint not in ("mean", "sum"):
+        raise ValueError(f"{method}: disjoint must be 'mean' or 'sum', got {disjoint!r}.")
+
+
 def ties(
-    base: StateDict, experts: Mapping[str, StateDict], density: float = 0.2, scale: float = 0.3, disjoint: str = "mean"
+    base: StateDict,
+    experts: Mapping[str, StateDict],
+    density: float | Mapping = 0.2,
+    scale: float = 0.3,
+    disjoint: str = "mean",
+    weights: Mapping | None = None,
 ) -> dict[str, torch.Tensor]:
     """TIES merging (Yadav et al. 2023).
 
     1. trim: keep the top ``density`` fraction of each task vector by magnitude
-       (per parameter tensor);
-    2. elect: the sign of the summed trimmed vectors, entrywise;
-    3. disjoint merge: the mean (``disjoint="mean"``) or sum (``"sum"``) of the
+       (per parameter tensor; ``density`` may be ``{task: density}``);
+    2. elect: the sign of the summed (``weights``-weighted) trimmed vectors, entrywise;
+    3. disjoint merge: the (weighted) mean (``disjoint="mean"``) or sum (``"sum"``) of the
        entries that agree with the elected sign;
     then ``theta = theta_0 + scale * tau``.
     """
-    if not 0.0 < density <= 1.0:
+    ds = per_task(density, experts, "ties: density")
+    if not all(0.0 < d <= 1.0 for d in ds):
         raise ValueError(f"ties: density must be in (0, 1], got {density}.")
-    if disjoint not in ("mean", "sum"):
-        raise ValueError(f"ties: disjoint must be 'mean' or 'sum', got {disjoint!r}.")
+    _check_disjoint("ties", disjoint)
+    w = per_task(1.0 if weights is None else weights, experts, "ties: weights")
 
     def combine(_key: str, taus: torch.Tensor) -> torch.Tensor:
-        trimmed = _trim_top(taus, density)
-        sign = torch.sign(trimmed.sum(0))  # (*shape)
-        agree = (torch.sign(trimmed) == sign) & (trimmed != 0)
-        total = (trimmed * agree).sum(0)
-        if disjoint == "sum":
-            return scale * total
-        count = agree.sum(0).clamp(min=1)
-        return scale * total / count
+        wc = _column(w, taus)
+        return scale * _elect_disjoint(wc * _trim_top(taus, ds), wc, disjoint)
 
     return _merge_each(base, experts, combine)
 
 
+def _l1_rescaled(taus: torch.Tensor, kept: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
+    """Each task's kept entries scaled back to its whole vector's L1 norm (left as they are where
+    either norm is below ``eps``)."""
+    before = taus.abs().reshape(taus.shape[0], -1).sum(1)
+    after = kept.abs().reshape(kept.shape[0], -1).sum(1)
+    ratio = torch.where((before < eps) | (after < eps), torch.ones_like(before), before / after.clamp(min=eps))
+    return kept * ratio.reshape(-1, *([1] * (taus.dim() - 1)))
+
+
 def dare(
-    base: StateDict, experts: Mapping[str, StateDict], drop: float = 0.9, scale: float = 0.3, seed: int = 0
+    base: StateDict,
+    experts: Mapping[str, StateDict],
+    drop: float | Mapping = 0.9,
+    scale: float = 0.3,
+    seed: int = 0,
+    weights: Mapping | None = None,
+    rescale: str = "inverse",
+    elect: bool = False,
+    disjoint: str = "sum",
 ) -> dict[str, torch.Tensor]:
-    """DARE (Yu et al. 2024) on top of Task Arithmetic: drop each task-vector entry
-    with probability ``drop``, rescale the rest by ``1 / (1 - drop)``, then
-    ``theta = theta_0 + scale * sum_i tau_i``. Seeded: the same seed gives the same merge."""
-    if not 0.0 <= drop < 1.0:
+    """DARE (Yu et al. 2024) on top of Task Arithmetic: drop each task-vector entry with
+    probability ``drop`` (or ``{task: drop}``), rescale the rest by ``1 / (1 - drop)``
+    (``rescale="l1"``: back to the vector's L1 norm, as mergekit does; ``"none"``: not at all), then
+    ``theta = theta_0 + scale * sum_i w_i tau_i``; with ``elect``, TIES' sign election and disjoint
+    merge (:func:`ties`) instead of the sum (DARE-TIES). Seeded: the same seed gives the same merge."""
+    ps = per_task(drop, experts, "dare: drop")
+    if not all(0.0 <= p < 1.0 for p in ps):
         raise ValueError(f"dare: drop must be in [0, 1), got {drop}.")
+    if rescale not in ("inverse", "l1", "none"):
+        raise ValueError(f"dare: rescale must be 'inverse', 'l1' or 'none', got {rescale!r}.")
+    _check_disjoint("dare", disjoint)
+    w = per_task(1.0 if weights is None else weights, experts, "dare: weights")
     gen = torch.Generator().manual_seed(seed)
 
     def combine(_key: str, taus: torch.Tensor) -> torch.Tensor:
-        keep = torch.rand(taus.shape, generator=gen) >= drop
-        return scale * (taus * keep.to(taus.dtype) / (1.0 - drop)).sum(0)
+        kept = taus * (torch.rand(taus.shape, generator=gen) >= _column(ps, taus)).to(taus.dtype)
+        if rescale == "inverse":
+            kept = kept / _column([1.0 - p for p in ps], taus)
+        elif rescale == "l1":
+            kept = _l1_rescaled(taus, kept)
+        wc = _column(w, taus)
+        return scale * (_elect_disjoint(wc * kept, wc, disjoint) if elect else (wc * kept).sum(0))
 
     return _merge_each(base, experts, combine)
 
@@ -238,45 +307,3 @@ def wudi(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return _merge_matrices(base, experts, rule, 1.0, desc="wudi", progress=progress)
-
-
-MERGERS: dict[str, Callable[..., dict[str, torch.Tensor]]] = {
-    "average": average,
-    "task_arithmetic": task_arithmetic,
-    "ties": ties,
-    "dare": dare,
-    "iso_c": iso_c,
-    "iso_cts": iso_cts,
-    "tsv": tsv,
-    "wudi": wudi,
-}
-
-
-def merge(
-    method: str, base_sd: StateDict, expert_sds: Mapping[str, StateDict] | list, **params
-) -> dict[str, torch.Tensor]:
-    """Merge expert state dicts into a new one with a registered method.
-
-    ``expert_sds`` is a mapping ``{task: state_dict}`` (a list is accepted and
-    numbered). ``params`` are the method's own keyword arguments (``scale``,
-    ``density``, ...); unknown ones raise a ``TypeError`` naming them.
-    """
-    if method not in MERGERS:
-        raise ValueError(f"unknown merge method {method!r}; choose one of {sorted(MERGERS)}.")
-    if not isinstance(expert_sds, Mapping):
-        expert_sds = {str(i): sd for i, sd in enumerate(expert_sds)}
-    return MERGERS[method](base_sd, expert_sds, **params)
-
-
-def merge_model(method: str, base: torch.nn.Module, experts: Mapping[str, torch.nn.Module] | list, **params):
-    """:func:`merge` on models: a new model (a deep copy of ``base``, in eval mode) holding
-    the merge of ``experts`` (``{task: model}`` or a list) by ``method``; ``base`` and the
-    experts are left as they are. What :func:`featcal.calibrate` takes as its ``merged``."""
-    import copy
-
-    if not isinstance(experts, Mapping):
-        experts = {str(i): m for i, m in enumerate(experts)}
-    merged_sd = merge(method, base.state_dict(), {t: m.state_dict() for t, m in experts.items()}, **params)
-    model = copy.deepcopy(base)
-    model.load_state_dict(merged_sd)
-    return model.eval()

@@ -21,7 +21,7 @@ The per-module inputs come from the FeatCal engine's plumbing: the blocks and th
 (:mod:`featcal.model.arch`), the input hooks (:mod:`featcal.model.capture`), the block-by-block streams
 with their padding masks (:mod:`featcal.model.streams`), the token weights
 (:func:`featcal.engine.blockstats.token_weights`), the Gram accumulation (:mod:`featcal.method.stats`) and
-the Cholesky solve (:func:`featcal.method.solve.spd_factor`, which warns if it must fall back to LU).
+the Cholesky solve (:func:`featcal.method.linalg.spd_factor`, which warns if it must fall back to LU).
 Nothing passed in is modified; the result is a new model in eval mode.
 
 Usage::
@@ -40,8 +40,8 @@ from torch import nn
 
 from featcal.baselines.merging import average
 from featcal.engine.blockstats import token_weights
-from featcal.method.solve import spd_factor, symmetric
-from featcal.method.stats import add_rows_gram, as_rows, gram_blocks
+from featcal.method.linalg import add_rows_gram, gram_blocks, spd_factor, symmetric
+from featcal.method.stats import as_rows
 from featcal.model.arch import block_targets, get_params, resolve_blocks, set_params
 from featcal.model.capture import capture, target_site
 from featcal.model.modes import eval_mode
@@ -225,27 +225,3 @@ def regmean_plusplus(
     setting of the RegMean++ paper's CLIP results in FusionBench (84.4 on ViT-B/32 TA8).
     The stem and the final LayerNorm are the experts' mean."""
     return _regmean(base, experts, calib_data, reduce_nondiag, True, blocks, progress)
-
-
-MERGERS_WITH_DATA: dict[str, Callable[..., nn.Module]] = {
-    "regmean": regmean,
-    "regmean_plusplus": regmean_plusplus,
-}
-
-
-def merge_with_data(
-    method: str,
-    *,
-    base: nn.Module,
-    experts: Mapping[str, nn.Module],
-    calib_data: Mapping[str, list],
-    **params,
-) -> nn.Module:
-    """Merge ``experts`` into a new model with a method that reads calibration data
-    (:data:`MERGERS_WITH_DATA`): ``calib_data`` is ``{task: [batch, ...]}`` as for
-    :func:`featcal.calibrate` (a batch is a tensor or a dict of model inputs; an
-    ``attention_mask`` keeps padding out). ``params`` are the method's own
-    (``reduce_nondiag``, ``blocks``, ``progress``); unknown ones raise a ``TypeError``."""
-    if method not in MERGERS_WITH_DATA:
-        raise ValueError(f"unknown data-using merge method {method!r}; choose one of {sorted(MERGERS_WITH_DATA)}.")
-    return MERGERS_WITH_DATA[method](base=base, experts=experts, calib_data=calib_data, **params)

@@ -33,14 +33,18 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from diagnostics import cli as diagnose_cli
 from diagnostics import compare_cli
-from featcal.baselines.regmean import MERGERS_WITH_DATA, merge_with_data
+from featcal.baselines.registry import MERGERS_WITH_DATA, merge_with_data, zoo_logits
+from featcal.cli import ranks
 from featcal.cli import sweep as tune_cli
 from featcal.cli.common import (
     UserError,
     add_common,
     add_out,
+    add_param,
     add_zoo,
     apply_threads,
     check_merge_method,
@@ -48,11 +52,19 @@ from featcal.cli.common import (
     parse_params,
     zoo_from_args,
 )
+from featcal.cli.formats import (
+    add_checkpoint_options,
+    add_from_fusionbench,
+    run_calibrate_mergekit,
+    run_from_fusionbench,
+    streamed_options,
+)
 from featcal.config import FeatCalConfig
+from featcal.engine.distributed import DistributedError
 from featcal.engine.run import calibrate
 from featcal.model.streams import device_of
 from featcal.zoo import BUILT, NAMES, evaluate, load_any, load_demo
-from featcal.zoo.io import load_model, save_model
+from featcal.zoo.io import load_model, save_model, zoo_card
 from featcal.zoo.scores import average, expert_accuracies, markdown_table, normalized, write_scores
 
 __all__ = [
@@ -78,7 +90,7 @@ BUILTIN = (*NAMES, *BUILT)  # the zoos `featcal zoo build NAME` makes
 
 
 def add_zoo_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="zoo_command", required=True, metavar="{build,build-demo,info}")
+    sub = p.add_subparsers(dest="zoo_command", required=True, metavar="{build,build-demo,info,from-fusionbench}")
     b = sub.add_parser("build-demo", help="build (or rebuild) the embedded demo zoo in the cache")
     b.add_argument("--variant", default="default", choices=("default", "fashion"))
     b.add_argument("--rebuild", action="store_true", help="build afresh even if cached")
@@ -90,10 +102,13 @@ def add_zoo_arguments(p: argparse.ArgumentParser) -> None:
     i = sub.add_parser("info", help="where a zoo is and what it holds")
     add_zoo(i)
     i.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    add_from_fusionbench(sub)
 
 
 def run_zoo(args) -> int:
     t0 = time.perf_counter()
+    if args.zoo_command == "from-fusionbench":
+        return run_from_fusionbench(args)
     if args.zoo_command == "build-demo":
         zoo = load_demo(rebuild=args.rebuild, progress=not args.quiet, variant=args.variant)
     elif args.zoo_command == "build":
@@ -127,9 +142,7 @@ def _print_zoo_info(zoo, seconds: float) -> None:
 def add_merge_arguments(p: argparse.ArgumentParser) -> None:
     add_zoo(p)
     p.add_argument("--method", default="task_arithmetic", help="merge method (default: task_arithmetic)")
-    p.add_argument(
-        "--param", action="append", metavar="NAME=VALUE", help="a parameter of the method, e.g. scale=0.3 (repeatable)"
-    )
+    add_param(p)
     p.add_argument(
         "--n-per-task",
         type=int,
@@ -145,6 +158,7 @@ def add_merge_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_merge(args) -> int:
     params = parse_params(args.param, args.method, with_data=True)
+    args.method = check_merge_method(args.method, with_data=True)
     with_data = args.method in MERGERS_WITH_DATA
     if with_data and args.n_per_task < 1:
         raise UserError(f"--n-per-task must be at least 1, got {args.n_per_task}.")
@@ -154,7 +168,13 @@ def run_merge(args) -> int:
     if with_data:
         data = zoo.calib_data(args.n_per_task, seed=args.seed, batch_size=args.batch_size)
         model = merge_with_data(
-            args.method, base=zoo.base, experts=zoo.experts, calib_data=data, progress=not args.quiet, **params
+            args.method,
+            base=zoo.base,
+            experts=zoo.experts,
+            calib_data=data,
+            logits=zoo_logits(zoo),
+            progress=not args.quiet,
+            **params,
         )
         info.update(n_per_task=args.n_per_task, seed=args.seed, batch_size=args.batch_size)
     else:
@@ -169,7 +189,10 @@ def _write(args, zoo, model, json_name: str, doc: dict, scored: dict) -> Path:
     ``model`` in the zoo's format with ``doc`` as ``json_name`` (atomically, see save_model)."""
     if args.eval:
         doc["accuracy"] = _eval_and_print(scored, zoo, "test")
-    return save_model(model, args.out, fmt=zoo.fmt, force=args.force, extra_files={json_name: doc})
+    merge = doc.get("merge") or {"method": doc.get("method"), "params": doc.get("params")}
+    calibration = {"n_per_task": doc["n_per_task"], "seed": doc["seed"]} if "report" in doc else None
+    card = zoo_card(zoo, merge, doc.get("report"), scores=doc.get("accuracy"), calibration=calibration)
+    return save_model(model, args.out, fmt=zoo.fmt, force=args.force, extra_files={json_name: doc}, hub=card)
 
 
 # ------------------------------------------------------------------ calibrate
@@ -178,14 +201,7 @@ def _write(args, zoo, model, json_name: str, doc: dict, scored: dict) -> Path:
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     add_zoo(p)
     p.add_argument("--merge", default="task_arithmetic", help="merge method (default: task_arithmetic)")
-    p.add_argument(
-        "--merge-param",
-        "--param",
-        dest="merge_param",
-        action="append",
-        metavar="NAME=VALUE",
-        help="a parameter of the merge method (repeatable; default: its own defaults)",
-    )
+    add_param(p, old=("--merge-param",))
     p.add_argument(
         "--preset",
         choices=("auto", *PRESETS),
@@ -208,13 +224,18 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     )
     c.add_argument("--base", metavar="DIR", help="the base model's directory")
     c.add_argument(
-        "--expert", action="append", metavar="NAME=DIR", help="an expert's task name and directory (repeatable)"
+        "--expert",
+        action="append",
+        metavar="NAME=DIR",
+        help="an expert's task name and directory: a model, or a PEFT LoRA adapter on --base (repeatable)",
     )
     c.add_argument("--merged", metavar="DIR", help="the merged model's directory (instead of --merge on the fly)")
     c.add_argument(
         "--data", metavar="FILE", help="calibration tokens: a safetensors file of TASK.input_ids [TASK.attention_mask]"
     )
     c.add_argument("--resume", action="store_true", help="continue a run that was killed part-way")
+    add_checkpoint_options(c)
+    p.add_argument("--stats-dtype", choices=("float32", "float64"), help="statistics and solve dtype (default float32)")
     add_common(p)
 
 
@@ -226,6 +247,8 @@ def config_from_args(args, preset: str | None = None):
         overrides["bias"] = False
     if args.no_layernorm:
         overrides["layernorm"] = False
+    if getattr(args, "stats_dtype", None):
+        overrides["stats_dtype"] = getattr(torch, args.stats_dtype)
     preset = preset or args.preset or "clip"
     if preset == "clip":
         return FeatCalConfig.clip(**overrides)
@@ -280,30 +303,24 @@ def run_calibrate_checkpoints(args) -> int:
     """``featcal calibrate --base DIR --expert NAME=DIR ...``: the streamed run (featcal.streaming.run)."""
     if not args.expert:
         raise UserError("--base needs at least one --expert NAME=DIR.")
-    if not args.data:
-        raise UserError(
-            "--base needs --data FILE (a safetensors file of TASK.input_ids, see featcal.model.checkpoints)."
-        )
     experts = {}
     for item in args.expert:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             raise UserError(f"--expert {item!r}: expected NAME=DIR (e.g. math=ckpt/math).")
         experts[name] = path
-    if args.batch_size < 1:
-        raise UserError(f"--batch-size must be at least 1, got {args.batch_size}.")
-    if not os.path.isfile(args.data):
-        raise UserError(f"--data {args.data!r} does not exist.")
     choose_preset(args, preset_for(_read_config(args.base)))
     cfg = config_from_args(args)
-    merge = None if args.merged else (args.merge, parse_params(args.merge_param, args.merge))
+    merge = None if args.merged else (args.merge, parse_params(args.param, args.merge))
+    kw = streamed_options(args)
     apply_threads(args)
     try:
-        report = _stream(args, experts, merge, cfg)
+        report = _stream(args, experts, merge, cfg, kw)
     except KeyboardInterrupt:
         print("featcal: the finished blocks are kept; add --resume to continue from them.", file=sys.stderr)
         raise
-    print(f"calibrated {len(report.blocks)} blocks in {report.seconds:.1f} s; wrote {args.out}")
+    if ranks.is_main():
+        print(f"calibrated {len(report.blocks)} blocks in {report.seconds:.1f} s; wrote {args.out}")
     return 0
 
 
@@ -315,36 +332,26 @@ def _read_config(path: str) -> dict:
     return json.loads(open(file).read()) if os.path.isfile(file) else {}
 
 
-def _stream(args, experts: dict, merge, cfg):
-    from featcal.model.checkpoints import load_token_data
+def _stream(args, experts: dict, merge, cfg, kw: dict):
     from featcal.streaming.run import calibrate_checkpoints
 
-    return calibrate_checkpoints(
-        args.base,
-        experts,
-        merge=merge,
-        merged=args.merged,
-        calib_data=load_token_data(args.data, args.batch_size),
-        config=cfg,
-        out=args.out,
-        device=args.device,
-        resume=args.resume,
-        force=args.force,
-        progress=not args.quiet,
-    )
+    return calibrate_checkpoints(args.base, experts, merge=merge, merged=args.merged, config=cfg, **kw)
 
 
 def run_calibrate(args) -> int:
+    if args.mergekit:
+        args.preset = "llama-8b" if args.preset in (None, "auto") else args.preset
+        return run_calibrate_mergekit(args, config_from_args(args))
     if args.base:
         return run_calibrate_checkpoints(args)
     if args.expert or args.merged or args.data or args.resume:
         raise UserError("--expert, --merged, --data and --resume go with --base (model directories), not --zoo.")
-    params = parse_params(args.merge_param, args.merge)
+    params = parse_params(args.param, args.merge)
     if args.n_per_task < 1:
         raise UserError(f"--n-per-task must be at least 1, got {args.n_per_task}.")
     config_from_args(args, "none" if args.preset in (None, "auto") else None)  # bad values fail before loading
     check_out(args.out, args.force)
-    zoo = zoo_from_args(args)
+    zoo = ranks.rank0_first(lambda: zoo_from_args(args))
     choose_preset(args, preset_for_model(zoo.base))
     cfg = config_from_args(args)
     merged = zoo.merged(args.merge, **params)
@@ -352,6 +359,8 @@ def run_calibrate(args) -> int:
     model, report = calibrate(
         merged, base=zoo.base, experts=zoo.experts, calib_data=data, config=cfg, progress=not args.quiet
     )
+    if not ranks.is_main():  # rank 0 writes (and evaluates)
+        return 0
     doc = {
         "zoo": args.zoo,
         "merge": {"method": args.merge, "params": params},
@@ -439,7 +448,7 @@ COMMANDS: dict[str, tuple[AddArguments, Run, str]] = {
     "merge": (add_merge_arguments, run_merge, "merge the experts of a zoo and save the model"),
     "calibrate": (
         add_calibrate_arguments,
-        run_calibrate,
+        ranks.in_process_group(run_calibrate),  # one process of a torchrun launch each
         "merge, then calibrate with FeatCal; save the model and report.json",
     ),
     "eval": (add_eval_arguments, run_eval, "per-task accuracy of the zoo's models or a saved one"),
@@ -466,7 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-USER_ERRORS = (UserError, FileNotFoundError, FileExistsError, NotADirectoryError, ValueError)
+# (DistributedError: another rank of a torchrun launch stopped or hangs)
+USER_ERRORS = (UserError, FileNotFoundError, FileExistsError, NotADirectoryError, ValueError, DistributedError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,13 +11,12 @@ Bad input raises :class:`UserError` (or ``ValueError`` / ``FileNotFoundError``),
 from __future__ import annotations
 
 import argparse
-import inspect
+import sys
 from pathlib import Path
 
 import torch
 
-from featcal.baselines.merging import MERGERS
-from featcal.baselines.regmean import MERGERS_WITH_DATA
+from featcal.baselines import registry
 from featcal.util.threads import default_threads
 from featcal.zoo import Zoo, load_any
 
@@ -61,45 +60,56 @@ def add_common(p: argparse.ArgumentParser) -> None:
 # ------------------------------------------------------------------ checks
 
 
-def check_merge_method(method: str, with_data: bool = False) -> None:
-    """``method`` must be in :data:`featcal.baselines.merging.MERGERS` (``with_data``: or in
-    :data:`featcal.baselines.regmean.MERGERS_WITH_DATA`)."""
-    known = {**MERGERS, **MERGERS_WITH_DATA} if with_data else MERGERS
-    if method not in known:
-        raise UserError(f"unknown merge method {method!r}; choose one of {', '.join(sorted(known))}.")
+def check_merge_method(method: str, with_data: bool = False) -> str:
+    """``method``'s registry name; it must be a merger (``with_data``: or a data-using one) of
+    :mod:`featcal.baselines.registry` (aliases such as ``ta`` too)."""
+    kinds = ("merger", "data_merger") if with_data else ("merger",)
+    try:
+        return registry.get(method, *kinds).name
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def _parse_value(text: str):
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
-# Arguments of a merger that the command line fills itself, not --param.
-NOT_PARAMS = ("base", "experts", "calib_data", "blocks", "progress")
+    return registry.parse_value(text)
 
 
 def parse_params(items: list[str] | None, method: str, with_data: bool = False) -> dict:
-    """``["scale=0.3", ...]`` -> ``{"scale": 0.3}``, checked against the merger's signature
-    (``with_data``: the data-using mergers are allowed too)."""
-    check_merge_method(method, with_data)
-    fn = MERGERS_WITH_DATA[method] if method in MERGERS_WITH_DATA else MERGERS[method]
-    allowed = [n for n in inspect.signature(fn).parameters if n not in NOT_PARAMS]
-    params = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise UserError(f"--param {item!r}: expected NAME=VALUE (e.g. scale=0.3).")
-        if key not in allowed:
-            raise UserError(f"--param {key!r}: {method} takes {', '.join(allowed) or 'no parameters'}.")
-        params[key] = _parse_value(value)
-    return params
+    """``--param`` where one method runs: ``["scale=0.3", ...]`` -> ``{"scale": 0.3}``, checked
+    against the registry (names and types) before any work; ``METHOD.NAME=VALUE`` naming this
+    method is accepted too."""
+    name = check_merge_method(method, with_data)
+    try:
+        return registry.parse_param_items(items, [name]).get(name, {})
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def deprecated_option(old: str, new: str) -> None:
+    """Say on stderr that ``old`` is deprecated (kept for one release) and what to write instead."""
+    print(f"featcal: warning: {old} is deprecated and goes in the next release; write {new}.", file=sys.stderr)
+
+
+class _DeprecatedParam(argparse.Action):
+    """An old spelling of ``--param NAME=VALUE``: appends to ``--param``'s list, with a warning."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        deprecated_option(f"{option_string} {values}", f"--param {values}")
+        items = getattr(namespace, self.dest, None) or []
+        setattr(namespace, self.dest, [*items, values])
+
+
+def add_param(p: argparse.ArgumentParser, what: str = "the merge method", old: tuple[str, ...] = ()) -> None:
+    """``--param NAME=VALUE`` (repeatable) into ``args.param``; ``old`` spellings still work for
+    one release, with a deprecation warning."""
+    p.add_argument(
+        "--param",
+        action="append",
+        metavar="NAME=VALUE",
+        help=f"a parameter of {what}, e.g. scale=0.3 (repeatable; checked before any work)",
+    )
+    for flag in old:
+        p.add_argument(flag, dest="param", action=_DeprecatedParam, metavar="NAME=VALUE", help=argparse.SUPPRESS)
 
 
 def check_out(out: str, force: bool) -> None:

@@ -26,11 +26,20 @@ import shutil
 import warnings
 from pathlib import Path
 
-from featcal.baselines.merging import MERGERS
-from featcal.cli.common import add_common, add_out, add_zoo, check_merge_method, check_out, parse_params, zoo_from_args
+from featcal.baselines.registry import MERGERS
+from featcal.cli.common import (
+    add_common,
+    add_out,
+    add_param,
+    add_zoo,
+    check_merge_method,
+    check_out,
+    parse_params,
+    zoo_from_args,
+)
 from featcal.config import FeatCalConfig
 from featcal.sweep import studies
-from featcal.sweep.search import Grid, holdout_report, tune_zoo
+from featcal.sweep.search import Grid, TuneConfig, holdout_report, tune_zoo
 from featcal.util.collect import collected_warnings
 
 STUDIES = ("sample-efficiency", "robustness")
@@ -122,12 +131,7 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--merge", default="task_arithmetic", choices=sorted(MERGERS), help="merge method (default: task_arithmetic)"
     )
-    p.add_argument(
-        "--merge-param",
-        action="append",
-        metavar="NAME=VALUE",
-        help="a parameter of the merge method (repeatable; default: its own defaults)",
-    )
+    add_param(p, old=("--merge-param",))
     p.add_argument("--n-calib", type=int, default=256, help="calibration examples per task (calib split)")
     p.add_argument("--seed", type=int, default=42, help="seed drawing the calibration examples")
     p.add_argument("--val-per-task", type=int, default=None, help="val examples per task scored (default: all)")
@@ -163,7 +167,7 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    params = parse_params(args.merge_param, args.merge)
+    params = parse_params(args.param, args.merge)
     grid = Grid.parse(args.grid) if args.grid else None
     check_out(args.out, args.force)
     zoo = zoo_from_args(args)
@@ -175,14 +179,16 @@ def run_tune(args: argparse.Namespace) -> int:
         seed=args.seed,
         val_per_task=args.val_per_task,
         config=_featcal_config(args),
-        grid=grid,
-        search=args.search,
-        score=args.score,
-        n_confirm=args.n_confirm,
-        rounds=args.rounds,
-        top_k=args.top_k,
-        ray=args.ray,
-        num_cpus=args.num_cpus,
+        options=TuneConfig(
+            grid=grid or Grid(),
+            search=args.search,
+            score=args.score,
+            n_confirm=args.n_confirm,
+            rounds=args.rounds,
+            top_k=args.top_k,
+            ray=args.ray,
+            num_cpus=args.num_cpus,
+        ),
         progress=not args.quiet,
     )
     out = _out_dir(args.out, args.force)

@@ -58,10 +58,10 @@ class Context:
     fast: FastPaths
     n_blocks: int
     device: torch.device
-    alpha: float | None  # set: sums and systems for this alpha only (no preview)
+    fixed_alpha: float | None  # set: sums and systems for this alpha only (no preview); None: for any alpha
     scratch: Scratch = field(default_factory=Scratch)  # where the big buffers come from and go back to
     warn_rows: list[str] = field(default_factory=list)  # the first "fewer rows than width" warning
-    fallbacks: list[str] = field(default_factory=list)  # solves re-done in float64 (featcal.method.solve.EigenSolve)
+    fallbacks: list[str] = field(default_factory=list)  # solves re-done in float64 (featcal.method.linalg.EigenSolve)
 
 
 def token_weights(
@@ -178,7 +178,7 @@ class BlockStats:
 
     def _start(self, key: tuple, ts: list[arch.Target], d: int, lead: tuple[int, ...], device) -> None:
         """The empty sums of a group of Linear targets, in the form they will be kept."""
-        fast, alpha = self.ctx.fast, self.ctx.alpha
+        fast, alpha = self.ctx.fast, self.ctx.fixed_alpha
         outs = [self.expert_params[t.name][0].shape[-2] for t in ts]
         low = not output_usable(self.expert_params[ts[0].name][0].dtype)  # outputs not used: W_i xe computed
         unseen = len(ts) if low else sum(t.rows is not None for t in ts)
@@ -232,7 +232,9 @@ class BlockStats:
                 ye = xe @ W_i.to(dt).mT if ye is None else ye  # (rows, o)
                 ym = self._output(t, cs, self.merged_params[t.name], xs, keep)
                 ms = self.module.get(t.name) or stats.ModuleSums(torch.zeros((), dtype=dt, device=xs.device))
-                self.module[t.name] = stats.accumulate_module(ms, self.form[key], xs, ye, w, W_i, ym, self.ctx.alpha)
+                self.module[t.name] = stats.accumulate_module(
+                    ms, self.form[key], xs, ye, w, W_i, ym, self.ctx.fixed_alpha
+                )
 
     def release(self) -> None:
         """Hand the big buffers back to the scratch (the sums are done with)."""
@@ -267,17 +269,25 @@ class BlockSystems:
     """Each target's system of ``block``, built from the tasks' statistics as they come
     (one task's, or every task's at once with a leading task axis)."""
 
+    direct_ok = True  # one-batch tasks may keep their rows instead of a Gram matrix (direct sums)
+
     def __init__(self, ctx: Context, block: int, targets):
         self.ctx, self.block, self.targets = ctx, block, targets
         self.systems: dict[str, Any] = {}
         self.norm_parts: dict[str, list] = {t.name: [] for t in targets if t.kind == arch.LAYERNORM}
         self.shared_S: dict[tuple, str] = {}  # group -> the target whose system owns its S
 
+    def task_rows(self, task: str, rows: int) -> int:
+        """The row count of ``task`` the statistics' form is chosen from (here: this process's)."""
+        return rows
+
     def add(self, acc: BlockStats, expert_params: dict, task: str) -> None:
+        """Add one task's terms (every task's, with a leading task axis) into every target's
+        system, and hand the statistics' buffers back to the scratch."""
         ctx = self.ctx
         dt, device = ctx.cfg.stats_dtype, ctx.device
         lead = acc.lead
-        take = None if ctx.alpha is None else ctx.scratch.take  # systems kept for a preview: new S
+        take = None if ctx.fixed_alpha is None else ctx.scratch.take  # systems kept for a preview: new S
         for t in self.targets:
             W_i, b_i = expert_params[t.name]
             if t.kind == arch.LINEAR:
@@ -292,7 +302,7 @@ class BlockSystems:
                     owner = self.shared_S.setdefault(acc.key_of[t.name], t.name)
                     S = self.systems[owner].S if owner != t.name else None
                     self.systems[t.name] = solve.LinearSystem.zeros(
-                        d, W_i.shape[-2], dt, device, S=S, alpha=ctx.alpha, take=take
+                        d, W_i.shape[-2], dt, device, S=S, alpha=ctx.fixed_alpha, take=take
                     )
                 solve.add_task(
                     self.systems[t.name], mom, W_i.to(device), None if b_i is None else b_i.to(device), ctx.cfg.eps
@@ -301,6 +311,7 @@ class BlockSystems:
                 e, m = stats.norm_moments(acc.group(t))
                 parts = (e, m, W_i.to(device, dt), None if b_i is None else b_i.to(device, dt))
                 self.norm_parts[t.name].append(tuple(x if lead or x is None else x[None] for x in parts))  # (tasks, d)
+        acc.release()  # the sums are in the systems now
 
     def finish(self) -> dict:
         for name, parts in self.norm_parts.items():

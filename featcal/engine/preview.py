@@ -20,8 +20,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from featcal.method import solve
+from featcal.config import Setting
+from featcal.method import linalg, solve
 from featcal.model import arch
+
+
+@dataclass(frozen=True)
+class Kept:
+    """One solved module as a preview keeps it: where it is, its system, its anchor's ends."""
+
+    block: int  # its block's number in the report (an encoder-decoder's decoder after the encoder)
+    target: arch.Target
+    system: solve.LinearSystem | solve.NormSystem
+    ends: solve.Endpoints
 
 
 @dataclass
@@ -33,8 +44,9 @@ class _EigLinear:
     QWm: torch.Tensor  # (d, o)  Q^T W_mer^T
     QW0: torch.Tensor  # (d, o)  Q^T W_0^T
 
-    def solve(self, lam: float, rho: float, alpha: float, eps: float) -> torch.Tensor:
-        rhs = self.QU + alpha * self.QV + lam * (rho * self.QWm + (1.0 - rho) * self.QW0)
+    def solve(self, at: Setting, eps: float) -> torch.Tensor:
+        lam, rho = at.lam, at.rho
+        rhs = self.QU + at.alpha * self.QV + lam * (rho * self.QWm + (1.0 - rho) * self.QW0)
         return (self.Q @ (rhs / (self.ev + lam + eps)[:, None])).T  # W (o, d)
 
 
@@ -49,7 +61,7 @@ def _eig_linear(
     Qt = Q.T
     QU, QV = Qt @ sysm.U, Qt @ sysm.V
     if dt != torch.float64:  # eigenvalues within rounding noise are zeros, as in the exact solve
-        noise = ev.abs() <= solve.noise_floor(sysm.S)  # (solve.EigenSolve): data terms dropped there
+        noise = ev.abs() <= linalg.noise_floor(sysm.S)  # (linalg.EigenSolve): data terms dropped there
         ev, QU[noise], QV[noise] = ev.masked_fill(noise, 0.0), 0.0, 0.0
     return _EigLinear(Q, ev, QU, QV, Qt @ W_mer.to(dt).T, Qt @ W_0.to(dt).T)
 
@@ -57,59 +69,58 @@ def _eig_linear(
 class Preview:
     """Kept statistics of one run; :meth:`params` and :meth:`model` solve any setting."""
 
-    def __init__(self, template: nn.Module, blocks_path: str, entries: list, eps: float, bias: bool):
+    def __init__(self, template: nn.Module, blocks_path: str, entries: list[Kept], eps: float, bias: bool):
         self.template = template
         self.blocks_path = blocks_path
-        self.entries = entries  # (block, target, system, W_mer, b_mer, W_0, b_0)
+        self.entries = entries
         self.eps = eps
         self.bias = bias
         self._eig: dict[int, _EigLinear] = {}
 
     def _eig_of(self, i: int) -> _EigLinear:
         if i not in self._eig:
-            _, _, sysm, W_mer, _, W_0, _ = self.entries[i]
-            shared = next((e for j, e in self._eig.items() if self.entries[j][2].S is sysm.S), None)
+            kept = self.entries[i]
+            shared = next((e for j, e in self._eig.items() if self.entries[j].system.S is kept.system.S), None)
             eigh = None if shared is None else (shared.ev, shared.Q)  # q/k/v share one S
-            self._eig[i] = _eig_linear(sysm, W_mer, W_0, eigh)
+            self._eig[i] = _eig_linear(kept.system, kept.ends.W_mer, kept.ends.W_0, eigh)
         return self._eig[i]
 
     def prepare(self) -> None:
         """Do the one-off eigendecompositions now (else on the first preview)."""
         for i, e in enumerate(self.entries):
-            if e[1].kind == arch.LINEAR:
+            if e.target.kind == arch.LINEAR:
                 self._eig_of(i)
 
     @torch.no_grad()
-    def params(
-        self, lam: float, rho: float, alpha: float
-    ) -> list[tuple[int, arch.Target, torch.Tensor, torch.Tensor | None]]:
-        """``[(block, target, W, b), ...]`` previewed for (lam, rho, alpha)."""
+    def params(self, at: Setting) -> list[tuple[int, arch.Target, torch.Tensor, torch.Tensor | None]]:
+        """``[(block, target, W, b), ...]`` previewed for the setting ``at``."""
         out = []
-        for i, (blk, t, sysm, W_mer, b_mer, W_0, b_0) in enumerate(self.entries):
-            if t.kind == arch.LINEAR:
-                W = self._eig_of(i).solve(lam, rho, alpha, self.eps)
-                if b_mer is None:
+        for i, kept in enumerate(self.entries):
+            ends = kept.ends
+            if kept.target.kind == arch.LINEAR:
+                W = self._eig_of(i).solve(at, self.eps)
+                if ends.b_mer is None:
                     b = None
                 elif not self.bias:
-                    b = b_mer
+                    b = ends.b_mer
                 else:
-                    b = solve.linear_bias(sysm, W, b_mer, b_0, lam, rho, alpha)
+                    b = solve.linear_bias(kept.system, W, ends, at)
             else:
-                W, b = solve.solve_norm(sysm, W_mer, b_mer, W_0, b_0, lam=lam, rho=rho, eps=self.eps)
-            out.append((blk, t, W, b))
+                W, b = solve.solve_norm(kept.system, ends, at, eps=self.eps)
+            out.append((kept.block, kept.target, W, b))
         return out
 
     @torch.no_grad()
-    def model(self, lam: float, rho: float, alpha: float) -> nn.Module:
+    def model(self, at: Setting) -> nn.Module:
         """A new model (a copy of the calibrated one) holding the previewed parameters."""
         model = copy.deepcopy(self.template)
-        self.load_into(model, lam, rho, alpha)
+        self.load_into(model, at)
         return model
 
     @torch.no_grad()
-    def load_into(self, model: nn.Module, lam: float, rho: float, alpha: float) -> nn.Module:
+    def load_into(self, model: nn.Module, at: Setting) -> nn.Module:
         """Write the previewed parameters into ``model`` (same architecture) in place."""
         blks = arch.all_blocks(model, self.blocks_path)
-        for blk, t, W, b in self.params(lam, rho, alpha):
+        for blk, t, W, b in self.params(at):
             arch.set_params(blks[blk], t, W, b)
         return model

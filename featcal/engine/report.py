@@ -107,9 +107,4 @@ class CalibrationReport:
         changes would move later features (an exact run does not). Needs ``keep_stats=True``."""
         if self.preview_state is None:
             raise RuntimeError("this report kept no statistics; run calibrate(..., keep_stats=True) to preview.")
-        c = self.config
-        return self.preview_state.model(
-            lam=c.lam if lam is None else lam,
-            rho=c.rho if rho is None else rho,
-            alpha=c.alpha if alpha is None else alpha,
-        )
+        return self.preview_state.model(self.config.setting.replace(lam, rho, alpha))

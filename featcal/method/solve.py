@@ -20,23 +20,28 @@ LayerNorm affine, per channel (tasks unweighted), a 2x2 system
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 import torch
 
-from featcal.config import FastPaths
-from featcal.method.stats import LinearMoments, add_gram, add_rows_gram, add_weighted, inner, one_blas_thread
+from featcal.config import Setting
+from featcal.method.linalg import EigenSolve, Factors, add_gram, add_rows_gram, add_weighted, inner, symmetric
+from featcal.method.stats import LinearMoments
 
 log = logging.getLogger(__name__)
 
 
-def symmetric(S: torch.Tensor) -> torch.Tensor:
-    """The full symmetric matrix whose upper triangle is ``S``'s (a new tensor; the systems
-    keep only their upper triangle up to date, :func:`featcal.method.stats.accumulate_gram`)."""
-    return S.triu() + S.triu(1).T
+@dataclass(frozen=True)
+class Endpoints:
+    """One module's parameters at the anchor's two ends: the merged model's ``(W_mer, b_mer)`` and
+    the pretrained model's ``(W_0, b_0)`` (a norm's gamma as ``W``, beta as ``b``; None: no bias)."""
+
+    W_mer: torch.Tensor
+    b_mer: torch.Tensor | None
+    W_0: torch.Tensor
+    b_0: torch.Tensor | None
 
 
 def anchor(mer: torch.Tensor, base: torch.Tensor, rho: float) -> torch.Tensor:
@@ -200,164 +205,13 @@ def add_task(
     return sys
 
 
-def _lapack_cholesky(A: torch.Tensor) -> torch.Tensor | None:
-    """The lower Cholesky factor of ``A`` (CPU float32/float64), computed in place by LAPACK's
-    ``potrf`` on the upper triangle of the row-major ``A`` (the lower one of its column-major
-    view): no copy of ``A`` and no zeroing of its other triangle, which
-    ``torch.linalg.cholesky_ex`` does; on one thread, since OpenBLAS's worker threads spin on
-    after a call and slow torch's next operation. The factor's other triangle keeps
-    leftovers that the triangular solves never read. None when ``A`` is not numerically
-    positive definite (``A`` is then partly overwritten)."""
-    from scipy.linalg import lapack
-
-    potrf = lapack.spotrf if A.dtype == torch.float32 else lapack.dpotrf
-    with one_blas_thread():
-        c, info = potrf(A.numpy().T, lower=1, clean=0, overwrite_a=1)
-    return torch.from_numpy(c) if info == 0 else None
-
-
-def _triangular_solves(L: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    """``(L L^T)^-1 B`` by two triangular solves on the column-major ``L`` from LAPACK as it is
-    (``torch.cholesky_solve`` would first copy it)."""
-    y = torch.linalg.solve_triangular(L, B.to(L.dtype), upper=False)
-    return torch.linalg.solve_triangular(L.mT, y, upper=True)
-
-
-def noise_floor(S: torch.Tensor) -> float:
-    """The size below which an eigenvalue of the Gram-like ``S`` (its upper triangle) is rounding
-    noise of its own dtype: ``d * eps_dtype * max(diag S)`` (the rounding of ``d``-term sums of
-    entries up to ``max(diag S)``)."""
-    d = S.shape[0]
-    return d * torch.finfo(S.dtype).eps * float(S.diagonal().abs().max())
-
-
-class EigenSolve:
-    """``(S + shift I)^-1`` in float64 from the eigendecomposition of ``S`` (upper triangle), the
-    fallback when its factorisation in ``S``'s dtype fails or is dominated by rounding noise.
-    Eigenvalues within the noise floor of ``S``'s dtype (:func:`noise_floor`) are taken as exact
-    zeros: on that subspace the data say nothing, and :meth:`ridge` takes the solution from the
-    anchor term alone, as exact arithmetic would (``U`` and ``V`` lie in the span of the
-    calibrating rows, i.e. in the range of ``S``)."""
-
-    def __init__(self, S: torch.Tensor, shift: float, what: str = "system"):
-        A = symmetric(S.double())
-        self.dtype, self.shift, self.what = S.dtype, shift, what
-        self.evals, self.Q = torch.linalg.eigh(A)  # (d,), (d, d)
-        self.noise = self.evals.abs() <= (noise_floor(S) if S.dtype != torch.float64 else 0.0)
-        self.evals = self.evals.masked_fill(self.noise, 0.0)
-        self.den = (self.evals + shift)[:, None]  # (d, 1)
-        if not bool((self.den != 0).all()):
-            raise FloatingPointError(f"{what}: the FeatCal system is singular; raise lam or eps.")
-
-    def __call__(self, B: torch.Tensor) -> torch.Tensor:
-        """``(S + shift I)^-1 B`` (noise eigenvalues as zeros), in ``B``'s dtype."""
-        QtB = self.Q.T @ B.double()
-        return (self.Q @ (QtB / self.den)).to(B.dtype)
-
-    def ridge(self, data: torch.Tensor, anchor_t: torch.Tensor, lam: float) -> torch.Tensor:
-        """``(S + shift I)^-1 (data + lam anchor_t)`` with ``data``'s components on the noise
-        subspace dropped (they are rounding noise of ``S``'s dtype, which ``1 / shift`` would
-        blow up). In ``S``'s dtype."""
-        Qd, Qa = self.Q.T @ data.double(), self.Q.T @ anchor_t.double()  # (d, o)
-        Qd[self.noise] = 0.0
-        return (self.Q @ ((Qd + lam * Qa) / self.den)).to(self.dtype)
-
-
-def spd_factor(
-    S: torch.Tensor,
-    shift: float = 0.0,
-    what: str = "system",
-    take: Callable | None = None,
-    lapack_min_d: int | None = FastPaths.lapack_min_d,
-    notes: list | None = None,
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A solver ``B -> (S + shift I)^-1 B`` for the symmetric matrix whose upper triangle is
-    ``S``'s (``S + shift I`` positive definite): Cholesky (in place by LAPACK on a copy for
-    CPU systems ``lapack_min_d`` wide or wider, else torch's). When the factorisation fails,
-    or succeeds only on a pivot within the rounding noise of ``S``'s dtype (:func:`noise_floor`:
-    ``shift`` too small for the statistics' precision, e.g. ``lam = 0`` with fewer rows than
-    width), an :class:`EigenSolve` in float64 instead, logged and noted in ``notes``. ``S`` is
-    left as it is; ``take(shape, dtype, device, zero)``: where that copy's buffer comes from (a
-    fresh big tensor costs its page faults; the solver keeps it)."""
-    lapack = (
-        lapack_min_d is not None
-        and S.shape[0] >= lapack_min_d
-        and S.device.type == "cpu"
-        and S.dtype in (torch.float32, torch.float64)
-    )
-    floor = noise_floor(S) if S.dtype != torch.float64 else 0.0
-    L = None
-    if lapack:
-        A = S.clone() if take is None else take(S.shape, S.dtype, S.device, zero=False).copy_(S)
-        A.diagonal().add_(shift)
-        L = _lapack_cholesky(A)
-        solver = None if L is None else functools.partial(_triangular_solves, L)
-    else:
-        A = symmetric(S)
-        A.diagonal().add_(shift)
-        L, info = torch.linalg.cholesky_ex(A)
-        L = L if int(info) == 0 else None
-        solver = None if L is None else (lambda B: torch.cholesky_solve(B, L))
-    if L is not None and float(L.diagonal().min()) ** 2 > floor:
-        return solver
-    reason = "fails" if L is None else "rests on pivots within its rounding noise"
-    msg = (
-        f"{what}: the {str(S.dtype).removeprefix('torch.')} Cholesky factorisation of S + (lam + eps) I {reason} "
-        f"(lam + eps = {shift:.3g}; fewer rows than width, or lam too small for these statistics); "
-        "re-solved in float64 by eigendecomposition, the directions the data leave undetermined taken from "
-        "the anchor. stats_dtype=torch.float64 or a larger lam avoids this."
-    )
-    log.warning(msg)
-    if notes is not None:
-        notes.append(msg)
-    return EigenSolve(S, shift, what)
-
-
-class Factors:
-    """The factorisations of one block's solves: one per distinct ``S`` and shift (modules
-    reading one input, q/k/v, share their ``S`` and so its factorisation), built by
-    :func:`spd_factor` with ``lapack_min_d``, their buffers from ``take`` (default: new
-    tensors). Live only while the systems they belong to are; :meth:`close` drops them and
-    returns the buffers taken, for the caller to reuse."""
-
-    def __init__(self, lapack_min_d: int | None = FastPaths.lapack_min_d, take: Callable | None = None):
-        self.lapack_min_d = lapack_min_d
-        self.notes: list[str] = []  # one line per factorisation that fell back to float64 (spd_factor)
-        self._take = take
-        self._solvers: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}
-        self._taken: list[torch.Tensor] = []
-
-    def _take_kept(self, *args, **kwargs) -> torch.Tensor:
-        self._taken.append(self._take(*args, **kwargs))
-        return self._taken[-1]
-
-    def solver(self, S: torch.Tensor, shift: float, what: str) -> Callable[[torch.Tensor], torch.Tensor]:
-        """``B -> (S + shift I)^-1 B``, factored on first use."""
-        key = (id(S), shift)
-        if key not in self._solvers:
-            take = None if self._take is None else self._take_kept
-            self._solvers[key] = spd_factor(S, shift, what, take, self.lapack_min_d, self.notes)
-        return self._solvers[key]
-
-    def close(self) -> list[torch.Tensor]:
-        """Drop the factorisations; the buffers they took."""
-        taken, self._taken, self._solvers = self._taken, [], {}
-        return taken
-
-
-def spd_solve(A: torch.Tensor, B: torch.Tensor, what: str = "system") -> torch.Tensor:
-    """Solve ``A X = B`` for symmetric positive-definite ``A`` (:func:`spd_factor`)."""
-    return spd_factor(A, 0.0, what)(B)
-
-
-def linear_rhs(
-    sys: LinearSystem, W_mer: torch.Tensor, W_0: torch.Tensor, lam: float, rho: float, alpha: float
-) -> torch.Tensor:
+def linear_rhs(sys: LinearSystem, ends: Endpoints, at: Setting) -> torch.Tensor:
     """``U + alpha V + lam W_anc^T`` ``(d, o)``, a new tensor in the weight layout."""
-    U = sys.U if sys.alpha is None else _task_rhs(sys, alpha)
-    Rt = torch.add(U.T, W_mer, alpha=lam * rho).add_(W_0, alpha=lam * (1.0 - rho))  # (o, d)
+    lam, rho = at.lam, at.rho
+    U = sys.U if sys.alpha is None else _task_rhs(sys, at.alpha)
+    Rt = torch.add(U.T, ends.W_mer, alpha=lam * rho).add_(ends.W_0, alpha=lam * (1.0 - rho))  # (o, d)
     if sys.alpha is None:
-        Rt.add_(sys.V.T, alpha=alpha)
+        Rt.add_(sys.V.T, alpha=at.alpha)
     return Rt.T
 
 
@@ -373,26 +227,19 @@ def _task_rhs(sys: LinearSystem, alpha: float) -> torch.Tensor:
     return sys.U
 
 
-def linear_bias(
-    sys: LinearSystem, W: torch.Tensor, b_mer: torch.Tensor, b_0: torch.Tensor, lam: float, rho: float, alpha: float
-) -> torch.Tensor:
-    """The spec's bias for the new ``W``: ``[sum s_i (b_i + W_i mu_t - W mu_s) + lam b_anc] / (sum s_i + lam)``."""
+def linear_bias(sys: LinearSystem, W: torch.Tensor, ends: Endpoints, at: Setting) -> torch.Tensor:
+    """The bias for the new ``W``: ``[sum s_i (b_i + W_i mu_t - W mu_s) + lam b_anc] / (sum s_i + lam)``."""
     dt = sys.S.dtype
-    b_anc = anchor(b_mer.to(dt), b_0.to(dt), rho)
-    num = sys.sb + sys.ub + alpha * sys.vb - W.to(dt) @ sys.m_s + lam * b_anc
-    return num / (sys.s_sum + lam)
+    b_anc = anchor(ends.b_mer.to(dt), ends.b_0.to(dt), at.rho)
+    num = sys.sb + sys.ub + at.alpha * sys.vb - W.to(dt) @ sys.m_s + at.lam * b_anc
+    return num / (sys.s_sum + at.lam)
 
 
 def solve_linear(
     sys: LinearSystem,
-    W_mer: torch.Tensor,
-    b_mer: torch.Tensor | None,
-    W_0: torch.Tensor,
-    b_0: torch.Tensor | None,
+    ends: Endpoints,
+    at: Setting,
     *,
-    lam: float,
-    rho: float,
-    alpha: float,
     eps: float,
     bias: bool = True,
     what: str = "linear",
@@ -404,20 +251,21 @@ def solve_linear(
     (free from the normal equations: ``S W^T = R - (lam + eps) W^T``) for the residual.
     ``factors``: where the factorisation of ``S + (lam + eps) I`` comes from (and stays, for
     the other systems sharing this ``S``); default: a new one with the default fast paths."""
+    lam = at.lam
     solver = (factors or Factors()).solver(sys.S, lam + eps, what)
-    R = linear_rhs(sys, W_mer, W_0, lam, rho, alpha)
+    R = linear_rhs(sys, ends, at)
     if isinstance(solver, EigenSolve):  # the data's and the anchor's parts of R apart (EigenSolve.ridge)
-        W_anc = anchor(W_mer.to(R.dtype), W_0.to(R.dtype), rho)
+        W_anc = anchor(ends.W_mer.to(R.dtype), ends.W_0.to(R.dtype), at.rho)
         Wt = solver.ridge(R - lam * W_anc.T, W_anc.T, lam)
     else:
         Wt = solver(R)  # (d, o)
     W = Wt.T
-    if b_mer is None:
+    if ends.b_mer is None:
         b = None
     elif not bias:
-        b = b_mer.to(sys.S.dtype)
+        b = ends.b_mer.to(sys.S.dtype)
     else:
-        b = linear_bias(sys, W, b_mer, b_0, lam, rho, alpha)
+        b = linear_bias(sys, W, ends, at)
     if with_swt:
         return W, b, R.sub_(Wt, alpha=lam + eps)
     return W, b
@@ -501,25 +349,19 @@ def norm_scale(e: torch.Tensor, g: torch.Tensor, g_anc: torch.Tensor, lam: float
 
 
 def solve_norm(
-    sys: NormSystem,
-    g_mer: torch.Tensor,
-    b_mer: torch.Tensor | None,
-    g_0: torch.Tensor,
-    b_0: torch.Tensor | None,
-    *,
-    lam: float,
-    rho: float,
-    eps: float,
+    sys: NormSystem, ends: Endpoints, at: Setting, *, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The calibrated ``(gamma, beta)`` per channel (the spec's 2x2 system, determinant
-    clamped below at ``eps``); ``gamma`` alone when the LayerNorm has no bias."""
+    """The calibrated ``(gamma, beta)`` per channel (the 2x2 system, determinant clamped below at
+    ``eps``; ``ends`` holds the norm's gammas as ``W`` and betas as ``b``); ``gamma`` alone when the
+    LayerNorm has no bias. ``alpha`` plays no part: a norm's target is the expert's own output."""
     dt = sys.e.dtype
     n = sys.e.shape[0]
-    g_anc = anchor(g_mer.to(dt), g_0.to(dt), rho)
+    lam, rho = at.lam, at.rho
+    g_anc = anchor(ends.W_mer.to(dt), ends.W_0.to(dt), rho)
     E, M = sys.e.sum(0), sys.m.sum(0)
     if sys.b is None:
         return norm_scale(sys.e, sys.g, g_anc, lam, eps), None
-    b_anc = anchor(b_mer.to(dt), b_0.to(dt), rho)
+    b_anc = anchor(ends.b_mer.to(dt), ends.b_0.to(dt), rho)
     r1 = (sys.e * sys.g + sys.m * sys.b).sum(0) + lam * g_anc
     r2 = (sys.m * sys.g + sys.b).sum(0) + lam * b_anc
     a11, a12, a22 = E + lam, M, n + lam

@@ -22,7 +22,7 @@ flops for its widths and the task's row count (:func:`cheapest_form`):
   the module is wide.
 
 ``C`` itself is symmetric: only its upper block triangle is accumulated
-(:func:`gram_blocks`); the solve reads no more (:func:`featcal.method.solve.spd_factor`),
+(:func:`gram_blocks`); the solve reads no more (:func:`featcal.method.linalg.spd_factor`),
 and the rest is mirrored only where a full product needs it (:func:`finish_gram`).
 A task that is one batch of few rows for its input width (by default fewer than half,
 :attr:`featcal.config.FastPaths.direct_rows`) keeps no ``C`` at all (``direct`` sums): the
@@ -43,21 +43,13 @@ reduce all tasks in one call per operation instead of one per task.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from featcal.config import FORMS, FastPaths
-
-
-def gram_blocks(d: int, block: int | None = FastPaths.gram_block) -> tuple[int, ...]:
-    """Block edges ``(0, ..., d)`` of the triangular accumulation of a ``d x d`` Gram matrix,
-    about ``block`` columns each (at most 8; ``None``: one block, the full product): ``k``
-    blocks cost ``(k + 1) / 2k`` of the full product (d = 3072: 8 blocks, 56%)."""
-    k = 1 if block is None else max(1, min(8, d // block))
-    return tuple(round(i * d / k) for i in range(k + 1))
+from featcal.method.linalg import accumulate_gram, add_product, gram_blocks, gram_norm, inner, rows_gram_norm
 
 
 def cheapest_form(d: int, outs: list[int], rows: int, computed_outputs: int = 0, fixed_alpha: bool = False) -> str:
@@ -169,138 +161,6 @@ def weighted(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
     return x if w is None else x * w[..., None]
 
 
-def _acc(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-    """``out += alpha a @ b`` in place, for matrices or stacks of them."""
-    return out.addmm_(a, b, alpha=alpha) if out.dim() == 2 else out.baddbmm_(a, b, alpha=alpha)
-
-
-def inner(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``sum(a * b)`` for two tensors of one shape, without the elementwise product; for
-    stacks of matrices ``(T, m, n)``, one sum per matrix ``(T,)``."""
-    if a.dim() > 2:
-        return (a * b).sum((-2, -1))  # (a bmm of 1 x n by n x 1 stacks is much slower)
-    if not (a.is_contiguous() and b.is_contiguous()):
-        if a.mT.is_contiguous() and b.mT.is_contiguous():
-            a, b = a.mT, b.mT
-        else:
-            a, b = a.contiguous(), b.contiguous()
-    return torch.dot(a.reshape(-1), b.reshape(-1))
-
-
-def accumulate_gram(
-    C: torch.Tensor, xw: torch.Tensor, x: torch.Tensor, edges: tuple[int, ...], alpha: float = 1.0
-) -> torch.Tensor:
-    """``C += alpha xw^T x`` on the upper block triangle only (``C`` symmetric once finished)."""
-    if len(edges) <= 2:
-        return _acc(C, xw.mT, x, alpha)
-    for lo, hi in zip(edges[:-1], edges[1:]):
-        _acc(C[..., lo:hi, lo:], xw[..., lo:hi].mT, x[..., lo:], alpha)
-    return C
-
-
-def _blas(name: str, x: torch.Tensor):
-    """scipy's BLAS routine ``name`` (``"syrk"``) for CPU float32/float64 tensors on one torch
-    thread, else None (torch's products, threaded, are used then)."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or torch.get_num_threads() != 1:
-        return None
-    from scipy.linalg import blas
-
-    return getattr(blas, ("s" if x.dtype == torch.float32 else "d") + name)
-
-
-def one_blas_thread():
-    """A context in which scipy's BLAS runs on one thread: OpenBLAS's worker threads spin on
-    after a call and slow torch's next operation."""
-    return _blas_threads().limit(limits=1, user_api="blas")
-
-
-@functools.cache
-def _blas_threads():
-    """One threadpoolctl controller for scipy's BLAS, made once scipy's BLAS is loaded and
-    kept (finding the libraries costs far more than setting a limit on a kept controller)."""
-    from scipy.linalg import blas  # noqa: F401  (loads the BLAS the controller must see)
-    from threadpoolctl import ThreadpoolController
-
-    return ThreadpoolController()
-
-
-def _syrk(C: torch.Tensor, Z: torch.Tensor, alpha: float, rows: bool) -> bool:
-    """``C += alpha Z^T Z`` (``rows``: ``alpha Z Z^T``) on the upper triangle of ``C`` by BLAS
-    ``syrk`` (half a product's flops) on one CPU thread; False, with nothing done, where it
-    does not apply (:func:`_blas`, non-contiguous or mixed dtypes)."""
-    syrk = _blas("syrk", C) if C.is_contiguous() and Z.is_contiguous() and C.dtype == Z.dtype else None
-    if syrk is None:
-        return False
-    with one_blas_thread():  # row-major C and Z are column-major C^T (= C) and Z^T
-        out = syrk(alpha, Z.numpy().T, beta=1.0, c=C.numpy().T, trans=int(rows), lower=1, overwrite_c=1)
-    if out.ctypes.data != C.data_ptr():  # pragma: no cover  (scipy copied: keep the result)
-        C.copy_(torch.from_numpy(out.T))
-    return True
-
-
-def add_rows_gram(S: torch.Tensor, Z: torch.Tensor, alpha: float, edges: tuple[int, ...]) -> torch.Tensor:
-    """``S += alpha Z^T Z`` on the upper triangle of ``S`` ``(d, d)`` for rows ``Z`` ``(rows, d)``:
-    :func:`_syrk` (cheaper than the block triangle's products), else on the upper block
-    triangle (``edges``)."""
-    if not _syrk(S, Z, alpha, rows=False):
-        accumulate_gram(S, Z, Z, edges, alpha)
-    return S
-
-
-def rows_gram_norm(Z: torch.Tensor) -> torch.Tensor:
-    """``||Z^T Z||_F`` from the ``rows x rows`` Gram matrix ``Z Z^T`` (the same norm; fewer
-    flops when ``rows < d``), in ``Z``'s dtype, reduced in float64 (:func:`_sum_sq`)."""
-    K = torch.zeros(Z.shape[0], Z.shape[0], dtype=Z.dtype, device=Z.device)
-    if not _syrk(K, Z, 1.0, rows=True):
-        return _sum_sq(Z @ Z.mT).sqrt().to(Z.dtype)
-    diag = K.diagonal().double()  # K: its upper triangle, zeros below
-    return (2 * _sum_sq(K) - diag @ diag).clamp(min=0).sqrt().to(Z.dtype)
-
-
-def _sum_sq(x: torch.Tensor) -> torch.Tensor:
-    """Sum of squares of the entries of a matrix (one per matrix of a stack), in float64: each
-    row's in ``x``'s dtype (a short sum, at most ``d`` terms), the rows' in float64. One
-    float32 accumulation of all ``d^2`` terms (a BLAS dot product, ``vector_norm`` of the
-    whole matrix) loses up to 1e-4 of the sum, how much depending on the CPU's kernel: with
-    millions of positive terms, each new one is tiny next to the running sum and partly
-    rounded away."""
-    rows = torch.linalg.vector_norm(x, dim=-1).double()  # (..., m): each row's norm
-    return torch.linalg.vecdot(rows, rows)
-
-
-def gram_norm(C: torch.Tensor, edges: tuple[int, ...], finished: bool = False) -> torch.Tensor:
-    """``||C||_F`` of a symmetric ``C`` from its upper block triangle (:func:`accumulate_gram`),
-    whose tiles below are still zero (``finished``: mirrored, :func:`finish_gram`): the
-    diagonal tiles count once, the others twice (one norm per matrix of a stack). In ``C``'s
-    dtype, reduced in float64 (:func:`_sum_sq`)."""
-    if len(edges) <= 2 or finished:
-        return _sum_sq(C).sqrt().to(C.dtype)
-    diag = sum(_sum_sq(C[..., lo:hi, lo:hi]) for lo, hi in zip(edges[:-1], edges[1:]))
-    return (2 * _sum_sq(C) - diag).clamp(min=0).sqrt().to(C.dtype)
-
-
-def add_weighted(out: torch.Tensor, x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
-    """``out += sum_t f_t x_t`` for a stack ``x`` ``(T, ...)`` and weights ``f`` ``(T,)``, in
-    place; one task is one scaled add (no temporary: wide systems are tens of MB), and so
-    is each task of a strided ``x`` (a tile of a stack of Gram matrices, which a product
-    with ``f`` would first copy whole)."""
-    if len(f) == 1 or not x.is_contiguous():
-        for x_t, f_t in zip(x, f.tolist()):
-            out.add_(x_t, alpha=f_t)
-        return out
-    return out.add_(torch.tensordot(f, x, 1))
-
-
-def add_gram(S: torch.Tensor, C: torch.Tensor, f: torch.Tensor, edges: tuple[int, ...]) -> torch.Tensor:
-    """``S += sum_t f_t C_t`` for a stack ``C`` ``(T, d, d)``, on the upper block triangle (all
-    that :func:`accumulate_gram` fills)."""
-    if len(edges) <= 2:
-        return add_weighted(S, C, f)
-    for lo, hi in zip(edges[:-1], edges[1:]):
-        add_weighted(S[lo:hi, lo:], C[:, lo:hi, lo:], f)
-    return S
-
-
 def finish_gram(acc: LinearSums) -> LinearSums:
     """Mirror the upper block triangle of ``C`` into the lower one (once)."""
     if not acc.finished:
@@ -327,7 +187,7 @@ def accumulate_linear(acc: LinearSums, xs: torch.Tensor, xe: torch.Tensor, w: to
     else:
         accumulate_gram(acc.C, xsw, xs, acc.edges or (0, xs.shape[-1]))
     if acc.P is not None:
-        _acc(acc.P, xsw.mT, xe)
+        add_product(acc.P, xsw.mT, xe)
     return acc
 
 
@@ -340,7 +200,7 @@ def _addmm(total: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torc
     the weight layout: the ``(d, o)`` result is the transpose of an ``(o, d)`` contiguous one."""
     if total is None:
         return (b.mT @ a.mT).mT
-    _acc(total.mT, b.mT, a.mT)
+    add_product(total.mT, b.mT, a.mT)
     return total
 
 

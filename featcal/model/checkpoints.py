@@ -110,6 +110,8 @@ class Checkpoint:
         if missing is not None:
             raise ValueError(f"{role} {str(self.path)!r}: {missing!r} is in the index but in no shard.")
         self.config = json.loads((self.path / "config.json").read_text())
+        self.config_dir = self.path  # where config.json is (a LoRA expert's is its base's)
+        self.rows: dict[str, int] = {}  # tensors read cut to their first rows (see check_same_tensors)
 
     @property
     def names(self) -> list[str]:
@@ -119,7 +121,12 @@ class Checkpoint:
         return sum(s.nbytes for s in self.specs.values())
 
     def read(self, names: Iterable[str], device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-        """The tensors ``names``, each shard opened (memory-mapped) once and closed again."""
+        """The tensors ``names`` (those in :attr:`rows` cut to their first rows), on ``device``."""
+        out = self.read_raw(names)
+        return {n: (t[: self.rows[n]] if n in self.rows else t).to(device) for n, t in out.items()}
+
+    def read_raw(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The tensors ``names`` as stored, each shard opened (memory-mapped) once and closed again."""
         by_file: dict[str, list[str]] = {}
         for name in names:
             if name not in self.files:
@@ -132,18 +139,23 @@ class Checkpoint:
         for file, ns in by_file.items():
             with safe_open(str(self.path / file), framework="pt", device="cpu") as f:
                 for n in ns:
-                    out[n] = f.get_tensor(n).to(device)
+                    out[n] = f.get_tensor(n)
         return out
 
 
-def check_same_tensors(ref: Checkpoint, other: Checkpoint) -> None:
-    """``other`` has ``ref``'s tensor names and shapes (an expert of the same base)."""
+def check_same_tensors(ref: Checkpoint, other: Checkpoint, common_rows: bool = False) -> None:
+    """``other`` has ``ref``'s tensor names and shapes (an expert of the same base). Embeddings
+    with more rows than ``ref``'s (tokens added to the vocabulary) are an error naming both
+    sizes, or, with ``common_rows``, read cut to ``ref``'s rows (:func:`vocab_rows`)."""
     for name, spec in ref.specs.items():
         if name not in other.specs:
             raise ValueError(
                 f"{other.role} {str(other.path)!r} has no tensor {name!r} that {ref.role} has; "
                 "the base, the experts and the merged model must share one architecture."
             )
+        if vocab_rows(name, spec.shape, other.specs[name].shape, other.role, ref.role, common_rows):
+            other.rows[name] = spec.shape[0]
+            other.specs[name] = Spec(other.specs[name].dtype, spec.shape)
         if other.specs[name].shape != spec.shape:
             raise ValueError(
                 f"{other.role}: tensor {name!r} has shape {other.specs[name].shape}, {ref.role} has "
@@ -152,6 +164,31 @@ def check_same_tensors(ref: Checkpoint, other: Checkpoint) -> None:
     extra = next((n for n in other.specs if n not in ref.specs), None)
     if extra is not None:
         raise ValueError(f"{other.role} {str(other.path)!r} has a tensor {extra!r} that {ref.role} lacks.")
+
+
+VOCAB_HINT = "common_rows=True (calibrate_checkpoints; featcal calibrate --common-rows)"
+
+
+def vocab_rows(name: str, want: tuple, got: tuple, role: str, ref: str, common_rows: bool) -> bool:
+    """Whether ``name`` is an embedding (or output head) of ``role`` that differs from ``ref``'s
+    only in its number of rows (a vocabulary with added tokens, e.g. 128320 vs 128256). Such a
+    mismatch raises, naming both sizes, unless ``common_rows``: then True, and the caller uses
+    the first ``want[0]`` rows, the tokens both vocabularies share."""
+    if tuple(want) == tuple(got) or len(want) != 2 or tuple(want[1:]) != tuple(got[1:]):
+        return False
+    if not any(k in name for k in ("embed", "wte", "lm_head", "shared", "word_embeddings")):
+        return False
+    if common_rows and got[0] > want[0]:
+        return True
+    fix = (
+        f"pass {VOCAB_HINT} to calibrate the {want[0]} rows both share (the added tokens are dropped)"
+        if got[0] > want[0]
+        else "give the model with the larger vocabulary as the base, or resize the others' embeddings"
+    )
+    raise ValueError(
+        f"{role}: {name!r} has {got[0]} rows (vocabulary entries), {ref} has {want[0]}: the vocabularies "
+        f"differ (tokens added after training?). {fix[0].upper()}{fix[1:]}."
+    )
 
 
 # ------------------------------------------------------------------ writing
@@ -252,7 +289,7 @@ def skeleton(ckpt: Checkpoint) -> nn.Module:
     its parameters on ``meta``, in eval mode."""
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(str(ckpt.path))
+    config = transformers.AutoConfig.from_pretrained(str(ckpt.config_dir))
     archs = getattr(config, "architectures", None) or []
     cls = getattr(transformers, archs[0], None) if archs else None
     if cls is None:

@@ -15,7 +15,8 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from featcal.model.checkpoints import HF_WEIGHTS, read_state_dict
+from featcal.model import lora
+from featcal.model.checkpoints import HF_WEIGHTS, read_state_dict, vocab_rows
 from featcal.model.validate import config_diffs
 
 SHOWN = 5  # keys named per kind of mismatch in an error
@@ -34,11 +35,18 @@ def _tied(own: dict[str, torch.Tensor], sd: Mapping[str, torch.Tensor], missing:
     return [k for k in missing if own[k].numel() and own[k].data_ptr() in ptr]
 
 
-def load_into(template: nn.Module, sd: Mapping[str, torch.Tensor], role: str) -> nn.Module:
+def load_into(template: nn.Module, sd: Mapping[str, torch.Tensor], role: str, common_rows: bool = False) -> nn.Module:
     """A deep copy of ``template`` holding the state dict ``sd``; the error names the missing,
-    unexpected and mis-shaped keys."""
+    unexpected and mis-shaped keys (an embedding with added rows: see
+    :func:`featcal.checkpoints.vocab_rows`, which ``common_rows`` passes to)."""
     model = copy.deepcopy(template)
     own = model.state_dict()
+    cut = [
+        k
+        for k in own
+        if k in sd and vocab_rows(k, tuple(own[k].shape), tuple(sd[k].shape), role, "the merged model", common_rows)
+    ]
+    sd = {**sd, **{k: sd[k][: own[k].shape[0]] for k in cut}}
     missing = [k for k in own if k not in sd]
     missing = [k for k in missing if k not in set(_tied(own, sd, missing))]
     extra = [k for k in sd if k not in own]
@@ -90,11 +98,17 @@ def check_saved_config(template: nn.Module, path: Path, role: str) -> None:
         )
 
 
-def as_model(obj, template: nn.Module, role: str) -> nn.Module:
+def as_model(obj, template: nn.Module, role: str, base: nn.Module | None = None) -> nn.Module:
     """``obj`` as a model of ``template``'s architecture: a model as it is; a state dict, a
-    checkpoint file or a model directory loaded into a copy of ``template`` (:func:`load_into`)."""
+    checkpoint file or a model directory loaded into a copy of ``template`` (:func:`load_into`);
+    a PEFT LoRA adapter directory merged onto ``base`` (:mod:`featcal.model.lora`)."""
     if isinstance(obj, nn.Module):
         return obj
+    if isinstance(obj, (str, os.PathLike)) and lora.is_adapter_dir(obj):
+        if base is None:
+            raise ValueError(f"{role} ({obj}): a LoRA adapter is an expert only on its base model; give base=.")
+        adapter = lora.LoraAdapter(obj, role)
+        return load_into(template, adapter.merged(base.state_dict(), lora.base_names(model=base)), role)
     if isinstance(obj, (str, os.PathLike)):
         path, what = Path(obj), f"{role} ({obj})"
         check_saved_config(template, path, what)

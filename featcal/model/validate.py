@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -265,3 +266,25 @@ def batch_len(batch) -> int:
     raise TypeError(
         f"a batch is a tensor (model(batch)) or a dict of tensors (model(**batch)), got {type(batch).__name__}."
     )
+
+
+def data_digest(calib_data: Mapping[str, list]) -> str:
+    """A hash of every batch's tensors (shapes, dtypes and bytes): a resumed run must see the same data."""
+    h = hashlib.sha256()
+
+    def add(x):
+        if torch.is_tensor(x):
+            h.update(f"{x.dtype}{tuple(x.shape)}".encode())
+            h.update(x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(x, Mapping):
+            for k in sorted(x):
+                h.update(str(k).encode())
+                add(x[k])
+        else:
+            h.update(repr(x).encode())
+
+    for task in calib_data:
+        h.update(task.encode())
+        for b in calib_data[task]:
+            add(b)
+    return h.hexdigest()

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from featcal.baselines import merging
+from featcal.baselines import registry
 from featcal.model.checkpoints import Checkpoint, Spec, copy_side_files, read_header, write_sharded
 
 
@@ -53,7 +53,7 @@ def write_model(
             return ckpts["merged"].read([name])[name]
         method, params = merge
         base = ckpts["base"].read([name])
-        return merging.merge(method, base, {t: ckpts[t].read([name]) for t in tasks}, **params)[name]
+        return registry.merge(method, base, {t: ckpts[t].read([name]) for t in tasks}, **params)[name]
 
     write_sharded(model_dir, specs, get, max_shard_bytes)
     copy_side_files(src.path, model_dir)

@@ -24,13 +24,16 @@ from typing import Callable, Mapping
 
 import torch
 
-from featcal.baselines import merging
+from featcal.baselines import registry
 from featcal.config import FastPaths, FeatCalConfig
+from featcal.engine import distributed
 from featcal.engine.blocksource import check_device
 from featcal.engine.report import BlockRecord, CalibrationReport, ModuleRecord
 from featcal.engine.run import calibrate
 from featcal.model import arch, validate
 from featcal.model.checkpoints import Checkpoint, check_same_tensors, skeleton
+from featcal.model.export import MAX_SHARD_BYTES, copy_base_files, drift_summary, model_name, write_hub_files
+from featcal.model.lora import LoraCheckpoint, is_adapter_dir
 from featcal.streaming.output import write_model
 from featcal.streaming.source import CheckpointSource
 from featcal.streaming.workdir import data_digest, open_work, partial_dir, peak_rss_mb
@@ -54,15 +57,19 @@ def calibrate_checkpoints(
     blocks: str | None = None,
     fast: FastPaths | None = None,
     checkpoint_every: int = 1,
-    max_shard_bytes: int = 4 << 30,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
     on_block: Callable[[int, dict], None] | None = None,
+    common_rows: bool = False,
+    lora_any_base: bool = False,
+    card: Mapping | None = None,
 ) -> CalibrationReport:
     """Calibrate a merge with FeatCal, streaming every model from its checkpoint one block at a
     time, and write the calibrated model to ``out`` (``save_pretrained`` layout).
 
     Args:
         base: the pretrained model's directory (``config.json`` and ``*.safetensors``).
-        experts: ``{task: directory}`` of the experts.
+        experts: ``{task: directory}`` of the experts: model directories, or PEFT LoRA adapter
+            directories on ``base`` (merged block by block as they are read, :mod:`featcal.model.lora`).
         calib_data: ``{task: [batch, ...]}`` as for :func:`featcal.calibrate` (token batches:
             dicts with ``input_ids`` and optionally ``attention_mask``).
         out: the directory to write; must not exist unless ``force``.
@@ -82,6 +89,12 @@ def calibrate_checkpoints(
         max_shard_bytes: the largest output shard.
         on_block: called as ``on_block(block, {"seconds", "peak_rss_mb"[, "peak_gpu_mb"]})``
             after each block.
+        common_rows: an expert (or the merged model) whose embeddings have more rows than the
+            base's (tokens added) is calibrated on the rows the base has; without it, an error.
+        lora_any_base: accept a LoRA adapter whose ``base_model_name_or_path`` names another
+            model than ``base`` (its shapes are still checked).
+        card: more facts for the model card (:func:`featcal.model.export.write_hub_files`:
+            ``merge``, ``scores``, ...) than this run knows itself.
 
     Returns:
         The :class:`CalibrationReport` (every block's, a resumed run's included).
@@ -98,9 +111,13 @@ def calibrate_checkpoints(
         raise FileExistsError(f"output {str(out)!r} already exists; pass force=True (--force) to replace it.")
     calib_data = {t: calib_data[t] for t in tasks}
 
-    ckpts, skels, path = open_checkpoints(base, {t: experts[t] for t in tasks}, merged, blocks)
+    ckpts, skels, path = open_checkpoints(
+        base, {t: experts[t] for t in tasks}, merged, blocks, common_rows=common_rows, lora_any_base=lora_any_base
+    )
     work = partial_dir(out)
-    state = open_work(work, _fingerprint(ckpts, merge, cfg, path, calib_data), resume=resume, force=force)
+    dist = distributed.current(device, (fast or FastPaths()).dist_solve)  # a process group: rank 0 writes
+    fingerprint = _fingerprint(ckpts, merge, cfg, path, calib_data)
+    state = open_work(work, fingerprint, resume=resume, force=force, dist=dist)
     report = _calibrate_blocks(
         ckpts,
         skels,
@@ -111,14 +128,21 @@ def calibrate_checkpoints(
         state,
         work,
         dict(device=device, fast=fast, progress=progress, checkpoint_every=checkpoint_every, on_block=on_block),
+        dist,
     )
+    if dist is not None and dist.rank != 0:  # rank 0 writes the model
+        dist.barrier("waiting for rank 0 to write the model")
+        return report
     model_dir = write_model(work, ckpts, tasks, merge, path, max_shard_bytes)
     report.seconds = time.perf_counter() - t_start
     report.save_json(model_dir / "featcal_report.json")
+    _hub_files(model_dir, out.name, ckpts, _card(ckpts, merge, cfg, calib_data, report) | dict(card or {}))
     if out.exists():  # force
         shutil.rmtree(out)
     os.rename(model_dir, out)
     shutil.rmtree(work)
+    if dist is not None:
+        dist.barrier("writing the model")
     return report
 
 
@@ -130,26 +154,55 @@ def _check_merge(merge, merged) -> tuple[str, dict] | None:
         return None
     if isinstance(merge, str):
         merge = (merge, {})
-    if merge[0] not in merging.MERGERS:
-        raise ValueError(f"unknown merge method {merge[0]!r}; choose one of {sorted(merging.MERGERS)}.")
+    if merge[0] not in registry.MERGERS:
+        raise ValueError(f"unknown merge method {merge[0]!r}; choose one of {sorted(registry.MERGERS)}.")
     return (merge[0], dict(merge[1]))
 
 
-def open_checkpoints(base, experts: Mapping, merged, blocks: str | None):
-    """Every model's checkpoint (headers only, the same tensors as the base's), its skeleton on the
-    meta device (the merged model's from the base's when merging on the fly), and the blocks' path."""
+def open_checkpoints(base, experts: Mapping, merged, blocks: str | None, common_rows=False, lora_any_base=False):
+    """Every model's checkpoint (headers only, the same tensors as the base's; a LoRA adapter as
+    the expert it makes of the base), its skeleton on the meta device (the merged model's from the
+    base's when merging on the fly), and the blocks' path. See :func:`calibrate_checkpoints`."""
     ckpts = {"base": Checkpoint(base, "the base")}
-    ckpts |= {t: Checkpoint(d, f"expert {t!r}") for t, d in experts.items()}
+    for t, d in experts.items():
+        if is_adapter_dir(d):
+            ckpts[t] = LoraCheckpoint(d, ckpts["base"], f"expert {t!r}", strict_name=not lora_any_base)
+        else:
+            ckpts[t] = Checkpoint(d, f"expert {t!r}")
     if merged is not None:
         ckpts["merged"] = Checkpoint(merged, "the merged model")
     for role, ck in ckpts.items():
         if role != "base":
-            check_same_tensors(ckpts["base"], ck)
-    skels = {role: skeleton(ck) for role, ck in ckpts.items()}
+            check_same_tensors(ckpts["base"], ck, common_rows)
+    # a checkpoint read cut to the base's vocabulary is built as the base is
+    skels = {role: skeleton(ckpts["base"] if ck.rows else ck) for role, ck in ckpts.items()}
     if "merged" not in skels:
         skels["merged"] = skeleton(ckpts["base"])
     path = arch.resolve_blocks(skels["merged"], blocks)[0]
     return ckpts, skels, path
+
+
+def _hub_files(model_dir: Path, name: str, ckpts: dict, card: dict) -> None:
+    """The base's tokenizer files and the model card beside the written model
+    (:func:`featcal.model.export.write_hub_files`); a merged model cut to the base's vocabulary
+    takes the base's config and tokenizer over its own (they say the grown vocabulary)."""
+    if "merged" in ckpts and ckpts["merged"].rows:
+        copy_base_files(ckpts["base"].path, model_dir, replace=True)
+    write_hub_files(model_dir, base_dir=ckpts["base"].path, name=name, **card)
+
+
+def _card(ckpts: dict, merge, cfg: FeatCalConfig, calib_data: Mapping, report: CalibrationReport) -> dict:
+    """The model card's facts (:func:`featcal.model.export.write_hub_files`) this run knows."""
+    rows = {}
+    for t, batches in calib_data.items():
+        rows[t] = sum(int((next(iter(b.values())) if isinstance(b, Mapping) else b).shape[0]) for b in batches)
+    return {
+        "experts": {t: model_name(ckpts[t].path) for t in calib_data},
+        "merge": {"method": merge[0], "params": merge[1]} if merge else {"merged": model_name(ckpts["merged"].path)},
+        "settings": cfg.to_dict(),
+        "calibration": rows,
+        "drift": drift_summary(report),
+    }
 
 
 def _fingerprint(ckpts: dict, merge, cfg: FeatCalConfig, path: str, calib_data: Mapping) -> dict:
@@ -166,9 +219,10 @@ def _fingerprint(ckpts: dict, merge, cfg: FeatCalConfig, path: str, calib_data: 
     return json.loads(json.dumps(doc, default=str))
 
 
-def _calibrate_blocks(ckpts, skels, path, calib_data, merge, cfg, state, work, run: dict) -> CalibrationReport:
+def _calibrate_blocks(ckpts, skels, path, calib_data, merge, cfg, state, work, run: dict, dist) -> CalibrationReport:
     """The engine over the blocks not done yet (the skeletons filled block by block by a
-    :class:`CheckpointSource`), and the report of the whole run, a resumed run's earlier blocks included."""
+    :class:`CheckpointSource`), and the report of the whole run, a resumed run's earlier blocks
+    included. Under a process group, each rank's source keeps the streams of its own batches."""
     tasks = list(calib_data)
     n_blocks = len(arch.resolve_blocks(skels["merged"], path)[1])
     report = None
@@ -184,7 +238,9 @@ def _calibrate_blocks(ckpts, skels, path, calib_data, merge, cfg, state, work, r
             state=state,
             checkpoint_every=run["checkpoint_every"],
             on_block=run["on_block"],
-            progress=run["progress"],
+            progress=run["progress"] and (dist is None or dist.rank == 0),
+            dist=dist,
+            batches=None if dist is None else distributed.share(_counts(calib_data), dist.rank, dist.size),
         )
         _, report = calibrate(
             skels["merged"],
@@ -205,3 +261,7 @@ def _calibrate_blocks(ckpts, skels, path, calib_data, merge, cfg, state, work, r
     full.warnings = [] if report is None else report.warnings
     full.check_residuals()  # over every block, not only this run's
     return full
+
+
+def _counts(calib_data: Mapping) -> dict[str, int]:
+    return {t: len(b) for t, b in calib_data.items()}

@@ -18,7 +18,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from featcal.baselines import merging
+from featcal.baselines import registry
+from featcal.engine import distributed
 from featcal.engine.blocksource import BlockSource, move_streams, streams_fit, to_host
 from featcal.engine.report import CalibrationReport
 from featcal.model import arch, validate
@@ -47,7 +48,10 @@ class CheckpointSource(BlockSource):
         checkpoint_every: int,
         on_block: Callable[[int, dict], None] | None,
         progress: bool,
+        dist: distributed.Dist | None = None,
+        batches: dict[str, list[int]] | None = None,  # this rank's batches of each task (global indices)
     ):
+        self.dist, self.batches = dist, batches
         self.ckpts, self.skels, self.tasks, self.merge = ckpts, skels, tasks, merge
         self.path, self.device, self.work, self.state = path, device, work, state
         self.every, self.on_block, self.progress = checkpoint_every, on_block, progress
@@ -66,7 +70,7 @@ class CheckpointSource(BlockSource):
         if self.merge is None:
             return self._read("merged", full)
         method, params = self.merge
-        return merging.merge(method, base, experts, **params)
+        return registry.merge(method, base, experts, **params)
 
     def _fill(self, role: str, module: nn.Module, tensors: dict, prefix: str, device) -> None:
         validate._finite_params(tensors, f"the {role} checkpoint", self.path)
@@ -130,7 +134,8 @@ class CheckpointSource(BlockSource):
         calibrated = {
             prefix + k: v.detach().cpu().contiguous() for k, v in self.blocks["merged"][block].state_dict().items()
         }
-        save_atomic(calibrated, self.work / "blocks" / f"{block:05d}.safetensors")
+        if self.dist is None or self.dist.rank == 0:  # the same block on every rank: rank 0 writes it
+            save_atomic(calibrated, self.work / "blocks" / f"{block:05d}.safetensors")
         for blocks in self.blocks.values():
             release(blocks[block])
         _trim_heap()
@@ -141,7 +146,10 @@ class CheckpointSource(BlockSource):
             self.state["done"] = block
             self.state["modules"] = self.state["prior_modules"] + [vars(m) for m in report.modules]
             self.state["blocks"] = self.state["prior_blocks"] + [vars(b) for b in report.blocks]
-            write_json_atomic({k: v for k, v in self.state.items() if not k.startswith("prior_")}, self.work / STATE)
+            if self.dist is not None:  # every rank's streams and the block are written
+                self.dist.barrier(f"block {block}: waiting for every rank's streams")
+            if self.dist is None or self.dist.rank == 0:
+                self._write_state()
         info = {"seconds": time.perf_counter() - self._t0, "peak_rss_mb": peak_rss_mb()}
         if self.device.type == "cuda":
             info["peak_gpu_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
@@ -156,24 +164,50 @@ class CheckpointSource(BlockSource):
 
     # ---- the streams on disk
 
+    def _write_state(self) -> None:
+        """``state.json``, then the streams files of another number of ranks (a resumed run's) go."""
+        files = streams_files(self.dist)
+        self.state["streams"] = files
+        write_json_atomic({k: v for k, v in self.state.items() if not k.startswith("prior_")}, self.work / STATE)
+        for old in self.work.glob("streams*.safetensors"):
+            if old.name not in files:
+                old.unlink()
+
+    def _global(self, task: str, b: int) -> int:
+        """The index among all of ``task``'s batches of this rank's batch ``b``."""
+        return b if self.batches is None else self.batches[task][b]
+
     def _save_streams(self, streams: dict) -> None:
+        """This rank's streams, each batch under its index among all of its task's batches (so
+        that a run resumed on another number of ranks finds every batch's)."""
         flat = {}
         for i, task in enumerate(self.tasks):
             for kind in ("cal", "exp"):
                 for b, c in enumerate(getattr(streams[task], kind)):
-                    flat[f"{kind}.{i}.{b}"] = to_host(c.hidden).contiguous()
-        save_atomic(flat, self.work / STREAMS)
+                    flat[f"{kind}.{i}.{self._global(task, b)}"] = to_host(c.hidden).contiguous()
+        save_atomic(flat, self.work / streams_files(self.dist)[0 if self.dist is None else self.dist.rank])
 
     def _load_streams(self, streams: dict) -> None:
-        with safe_open(str(self.work / STREAMS), framework="pt", device="cpu") as f:
-            for i, task in enumerate(self.tasks):
-                for kind in ("cal", "exp"):
-                    calls = getattr(streams[task], kind)
-                    setattr(
-                        streams[task],
-                        kind,
-                        [c.with_hidden(f.get_tensor(f"{kind}.{i}.{b}")) for b, c in enumerate(calls)],
-                    )
+        where = {}
+        for name in self.state.get("streams", [STREAMS]):  # a run saved on any number of ranks
+            with safe_open(str(self.work / name), framework="pt", device="cpu") as f:
+                where |= dict.fromkeys(f.keys(), name)
+        for i, task in enumerate(self.tasks):
+            for kind in ("cal", "exp"):
+                calls = getattr(streams[task], kind)
+                loaded = []
+                for b, c in enumerate(calls):
+                    key = f"{kind}.{i}.{self._global(task, b)}"
+                    with safe_open(str(self.work / where[key]), framework="pt", device="cpu") as f:
+                        loaded.append(c.with_hidden(f.get_tensor(key)))
+                setattr(streams[task], kind, loaded)
+
+
+def streams_files(dist: distributed.Dist | None) -> list[str]:
+    """The streams files of a run on ``dist``'s ranks (one process: the one file)."""
+    if dist is None:
+        return [STREAMS]
+    return [f"streams-{r}-of-{dist.size}.safetensors" for r in range(dist.size)]
 
 
 def _head_only(model: nn.Module) -> set[int]:

@@ -2,22 +2,23 @@
 
 ``.NAME.featcal-partial`` beside ``out`` holds the calibrated blocks so far (``blocks/``), the streams
 at the input of the next block (``streams.safetensors``: the calibrating and the experts' hidden
-states) and ``state.json`` (the fingerprint of the run's inputs, the last block done, the report so far).
+states; a run on W ranks: ``streams-R-of-W.safetensors``, rank R's batches, each under its index
+among all of its task's batches) and ``state.json`` (the fingerprint of the run's inputs, the last
+block done, the report so far).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import resource
 import shutil
 from pathlib import Path
-from typing import Mapping
 
-import torch
 from safetensors.torch import save_file
+
+from featcal.model.validate import data_digest  # noqa: F401  (the same digest the ranks compare)
 
 log = logging.getLogger(__name__)
 
@@ -37,28 +38,6 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def data_digest(calib_data: Mapping[str, list]) -> str:
-    """A hash of every batch's tensors (shapes, dtypes and bytes): a resumed run must see the same data."""
-    h = hashlib.sha256()
-
-    def add(x):
-        if torch.is_tensor(x):
-            h.update(f"{x.dtype}{tuple(x.shape)}".encode())
-            h.update(x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        elif isinstance(x, Mapping):
-            for k in sorted(x):
-                h.update(str(k).encode())
-                add(x[k])
-        else:
-            h.update(repr(x).encode())
-
-    for task in calib_data:
-        h.update(task.encode())
-        for b in calib_data[task]:
-            add(b)
-    return h.hexdigest()
-
-
 def save_atomic(tensors: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path.with_suffix(".part")))
@@ -71,10 +50,12 @@ def write_json_atomic(doc: dict, path: Path) -> None:
     os.replace(part, path)
 
 
-def open_work(work: Path, fingerprint: dict, *, resume: bool, force: bool) -> dict:
+def open_work(work: Path, fingerprint: dict, *, resume: bool, force: bool, dist=None) -> dict:
     """The run's state: fresh, or the one a killed run left in ``work`` (``resume``), which must
-    have the same ``fingerprint``; a stale work directory is removed only with ``resume`` or ``force``."""
+    have the same ``fingerprint``; a stale work directory is removed only with ``resume`` or ``force``.
+    Under a process group (``dist``) every rank reads it, then rank 0 alone changes it."""
     state = {"fingerprint": fingerprint, "done": -1, "modules": [], "blocks": []}
+    stale = False
     if work.exists():
         if resume and (work / STATE).is_file():
             saved = json.loads((work / STATE).read_text())
@@ -87,12 +68,19 @@ def open_work(work: Path, fingerprint: dict, *, resume: bool, force: bool) -> di
             state = saved
             log.info("resuming after block %d from %s", state["done"], work)
         elif resume or force:
-            shutil.rmtree(work)
+            stale = True
         else:
             raise FileExistsError(
                 f"{str(work)!r} holds a run that did not finish; pass resume=True (--resume) to continue it "
                 "or force=True (--force) to start afresh."
             )
-    work.mkdir(parents=True, exist_ok=True)
+    if dist is not None:  # every rank has read the work directory before rank 0 changes it
+        dist.barrier("reading the work directory")
+    if dist is None or dist.rank == 0:
+        if stale:
+            shutil.rmtree(work)
+        work.mkdir(parents=True, exist_ok=True)
+    if dist is not None:
+        dist.barrier("making the work directory")
     state["prior_modules"], state["prior_blocks"] = list(state["modules"]), list(state["blocks"])
     return state

@@ -22,7 +22,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from featcal.config import FeatCalConfig
+from featcal.config import FeatCalConfig, Setting
 from featcal.engine.preview import Preview
 from featcal.engine.run import calibrate
 from featcal.model import arch
@@ -105,7 +105,7 @@ def preview_job(work: Work, points: Sequence[Point]) -> list[dict[str, float]]:
     model = copy.deepcopy(work.preview.template)
     out = []
     for lam, rho, alpha in points:
-        work.preview.load_into(model, lam, rho, alpha)
+        work.preview.load_into(model, Setting(lam, rho, alpha))
         out.append(val_scores(model, work.val, work.logits, work.kind, work.ref, work.batch_size))
     return out
 
@@ -139,7 +139,7 @@ def preview_distance(preview: Preview, point: Point, exact: nn.Module) -> float:
     """``||theta_preview - theta_exact||_F / ||theta_exact||_F`` over every calibrated parameter."""
     blks = arch.all_blocks(exact, preview.blocks_path)
     num = den = 0.0
-    for blk, t, W, b in preview.params(*point):
+    for blk, t, W, b in preview.params(Setting(*point)):
         for p, e in zip((W, b), arch.get_params(blks[blk], t)):
             if p is not None and e is not None:
                 num += float((p.double() - e.double()).pow(2).sum())

@@ -25,6 +25,7 @@ functions on the same inputs in the same order, so they return the same table.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -228,16 +229,9 @@ def tune(
     *,
     logits: Logits | None = None,
     config: FeatCalConfig | None = None,
-    grid: Grid | None = None,
-    search: str = "grid",
-    score: str = "auto",
-    n_confirm: int = 4,
-    rounds: int = 2,
-    top_k: int = 3,
-    ray: bool = False,
-    num_cpus: int | None = None,
-    batch_size: int = 256,
+    options: TuneConfig | None = None,
     progress: bool = False,
+    **option_fields,
 ) -> TuneResult:
     """Choose FeatCal's (lam, rho, alpha) on validation data.
 
@@ -247,28 +241,67 @@ def tune(
             ``y`` may be ``None`` (then the score is the KL to the experts).
         logits: ``logits(model, task, x) -> (n, classes)``; default ``model(x)``.
         config: the anchor setting and every switch (default ``FeatCalConfig.clip()``).
-        grid, search, score, n_confirm, rounds, top_k, ray, num_cpus, batch_size:
-            see :class:`TuneConfig`.
+        options: how to search and score (:class:`TuneConfig`); any of its fields may also be
+            given as a keyword (``grid=``, ``search=``, ``n_confirm=``, ...), replacing ``options``'.
         progress: progress bars over the preview batches and the exact runs.
     """
     cfg = config or FeatCalConfig.clip()
-    opts = TuneConfig(
-        grid=grid or Grid(),
-        search=search,
-        rounds=rounds,
-        top_k=top_k,
-        n_confirm=n_confirm,
-        score=score,
-        batch_size=batch_size,
-        ray=ray,
-        num_cpus=num_cpus,
-    )
-    logits = logits or model_logits
+    opts = tune_options(options, **option_fields)
     kind = _resolve_score(opts.score, val_data)
     t_start = time.perf_counter()
-
     # 1. The anchor: one exact run that keeps its statistics, and the references.
-    anchor = (cfg.lam, cfg.rho, cfg.alpha)
+    work, rows = _anchor(merged, base, experts, calib_data, val_data, logits or model_logits, kind, cfg, opts)
+    run = runner(work, opts.ray, opts.num_cpus, progress)
+    try:
+        # 2. Preview every grid point (then refine around the best, if adaptive).
+        _preview_search(run, rows, opts)
+        # 3. Confirm the best previews exactly (the anchor's exact score is its run).
+        order = sorted(rows, key=_by_preview)
+        for rank, r in enumerate(order):
+            r["preview_rank"] = rank
+        confirm = [r for r in order if r["stage"] != "anchor"][: opts.n_confirm]
+        exact = run.map(exact_job, [(r["lam"], r["rho"], r["alpha"]) for r in confirm], "exact runs")
+    finally:
+        run.close()
+    for r, e in zip(confirm, exact):
+        r.update(
+            exact=sum(e["scores"].values()) / len(e["scores"]),
+            rel_dist=e["rel_dist"],
+            seconds=e["seconds"],
+            **{f"exact/{t}": s for t, s in e["scores"].items()},
+        )
+    # 4. The best exact run; ties to the anchor, then to the better preview.
+    best = max([rows[0]] + confirm, key=lambda r: (_finite(r["exact"]), -r["preview_rank"] if r is not rows[0] else 1))
+    best = {"lam": best["lam"], "rho": best["rho"], "alpha": best["alpha"], "score": best["exact"]} | {
+        "anchor_score": rows[0]["exact"],
+        "point": best["point"],
+        "stage": best["stage"],
+    }
+    return TuneResult(
+        best=best,
+        table=_frame(rows, list(val_data)),
+        score=kind,
+        config=cfg,
+        tune=opts,
+        seconds=time.perf_counter() - t_start,
+    )
+
+
+def tune_options(options: TuneConfig | None = None, **fields) -> TuneConfig:
+    """``options`` (default :class:`TuneConfig`'s) with ``fields`` replaced; an unknown name is an
+    error listing the known ones."""
+    known = {f.name for f in dataclasses.fields(TuneConfig)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise TypeError(f"unknown tune option(s) {unknown}; TuneConfig has {sorted(known)}.")
+    if fields.get("grid", 0) is None:
+        fields["grid"] = Grid()
+    return dataclasses.replace(options or TuneConfig(), **fields)
+
+
+def _anchor(merged, base, experts, calib_data, val_data, logits, kind, cfg, opts) -> tuple[Work, list[dict]]:
+    """The anchor's exact run (statistics kept for the previews), the experts' reference
+    outputs where the score needs them, and the table's first row (the anchor, scored exactly)."""
     t0 = time.perf_counter()
     model, report = calibrate(
         merged, base=base, experts=experts, calib_data=calib_data, config=cfg, keep_stats=True, progress=False
@@ -283,69 +316,34 @@ def tune(
     work = Work(
         merged, base, experts, calib_data, val_data, logits, kind, ref, cfg, report.preview_state, opts.batch_size
     )
-    anchor_scores = val_scores(model, val_data, logits, kind, ref, opts.batch_size)
-    rows = [_row(0, "anchor", anchor, anchor_scores)]
-    seen = {_key(anchor)}
-    run = runner(work, opts.ray, opts.num_cpus, progress)
-    try:
-        # 2. Preview every grid point (then refine around the best, if adaptive).
-        def preview(points: list[Point], stage: str) -> None:
-            points = [p for p in dict.fromkeys(_key(p) for p in points) if p not in seen]
-            seen.update(points)
-            # Points are independent: any chunking gives the same scores; >= 16 chunks for the bar.
-            batches = chunks(points, max(run.slots, 16))
-            scores = [s for chunk in run.map(preview_job, batches, f"previews ({stage})") for s in chunk]
-            rows.extend(_row(len(rows), stage, p, s) for p, s in zip(points, scores))
-
-        preview(opts.grid.points(), "grid")
-        step = _initial_step(opts.grid)
-        for _ in range(opts.rounds if opts.search == "adaptive" else 0):
-            top = sorted(rows, key=_by_preview)[: opts.top_k]
-            cand = [q for r in top for q in _neighbours((r["lam"], r["rho"], r["alpha"]), step)]
-            preview([q for q in cand if q[0] > 0], "refine")
-            step = tuple(s / 2 for s in step)
-
-        # 3. Confirm the best previews exactly (the anchor's exact score is its run).
-        order = sorted(rows, key=_by_preview)
-        for rank, r in enumerate(order):
-            r["preview_rank"] = rank
-        confirm = [r for r in order if r["stage"] != "anchor"][: opts.n_confirm]
-        exact = run.map(exact_job, [(r["lam"], r["rho"], r["alpha"]) for r in confirm], "exact runs")
-    finally:
-        run.close()
-    rows[0].update(
-        exact=rows[0]["preview"],
-        rel_dist=0.0,
-        seconds=anchor_seconds,
-        **{f"exact/{t}": s for t, s in anchor_scores.items()},
+    scores = val_scores(model, val_data, logits, kind, ref, opts.batch_size)
+    row = _row(0, "anchor", (cfg.lam, cfg.rho, cfg.alpha), scores)
+    row.update(
+        exact=row["preview"], rel_dist=0.0, seconds=anchor_seconds, **{f"exact/{t}": s for t, s in scores.items()}
     )
-    for r, e in zip(confirm, exact):
-        r.update(
-            exact=sum(e["scores"].values()) / len(e["scores"]),
-            rel_dist=e["rel_dist"],
-            seconds=e["seconds"],
-            **{f"exact/{t}": s for t, s in e["scores"].items()},
-        )
+    return work, [row]
 
-    # 4. The best exact run; ties to the anchor, then to the better preview.
-    best = max([rows[0]] + confirm, key=lambda r: (_finite(r["exact"]), -r["preview_rank"] if r is not rows[0] else 1))
-    table = _frame(rows, list(val_data))
-    return TuneResult(
-        best={
-            "lam": best["lam"],
-            "rho": best["rho"],
-            "alpha": best["alpha"],
-            "score": best["exact"],
-            "anchor_score": rows[0]["exact"],
-            "point": best["point"],
-            "stage": best["stage"],
-        },
-        table=table,
-        score=kind,
-        config=cfg,
-        tune=opts,
-        seconds=time.perf_counter() - t_start,
-    )
+
+def _preview_search(run, rows: list[dict], opts: TuneConfig) -> None:
+    """Preview the grid's points, then (``search="adaptive"``) ``opts.rounds`` rounds of the axis
+    neighbours of the ``opts.top_k`` best, each round halving the step; one row per new point."""
+    seen = {_key((r["lam"], r["rho"], r["alpha"])) for r in rows}
+
+    def preview(points: list[Point], stage: str) -> None:
+        points = [p for p in dict.fromkeys(_key(p) for p in points) if p not in seen]
+        seen.update(points)
+        # Points are independent: any chunking gives the same scores; >= 16 chunks for the bar.
+        batches = chunks(points, max(run.slots, 16))
+        scores = [s for chunk in run.map(preview_job, batches, f"previews ({stage})") for s in chunk]
+        rows.extend(_row(len(rows), stage, p, s) for p, s in zip(points, scores))
+
+    preview(opts.grid.points(), "grid")
+    step = _initial_step(opts.grid)
+    for _ in range(opts.rounds if opts.search == "adaptive" else 0):
+        top = sorted(rows, key=_by_preview)[: opts.top_k]
+        cand = [q for r in top for q in _neighbours((r["lam"], r["rho"], r["alpha"]), step)]
+        preview([q for q in cand if q[0] > 0], "refine")
+        step = tuple(s / 2 for s in step)
 
 
 def _frame(rows: list[dict], tasks: list[str]) -> "pd.DataFrame":
@@ -374,19 +372,14 @@ def tune_zoo(
     calib_batch: int = 16,
     val_per_task: int | None = None,
     config: FeatCalConfig | None = None,
-    grid: Grid | None = None,
-    search: str = "grid",
-    score: str = "auto",
-    n_confirm: int = 4,
-    rounds: int = 2,
-    top_k: int = 3,
-    ray: bool = False,
-    num_cpus: int | None = None,
+    options: TuneConfig | None = None,
     progress: bool = False,
+    **option_fields,
 ) -> TuneResult:
     """:func:`tune` on a :class:`~featcal.zoo.core.Zoo`: merge with ``method``, calibrate on
     ``n_calib`` examples per task of the ``calib`` split (seeded), score on the ``val``
-    split (the first ``val_per_task`` examples, default all). The ``test`` split is never read."""
+    split (the first ``val_per_task`` examples, default all). The ``test`` split is never read.
+    ``config``, ``options`` and the options' fields as keywords: as for :func:`tune`."""
     merge_params = dict(merge_params or {})
     merged = zoo.merged(method, **merge_params)
     calib = zoo.calib_data(n_calib, seed=seed, batch_size=calib_batch, split="calib")
@@ -394,23 +387,18 @@ def tune_zoo(
     for task in zoo.tasks:
         x, y = zoo.split(task, "val")
         val[task] = (x[:val_per_task], y[:val_per_task]) if val_per_task else (x, y)
+    logits = HeadLogits(zoo.features, zoo.heads) if zoo.heads else zoo.logits  # an LLM zoo: its own view
     result = tune(
         merged,
         zoo.base,
         zoo.experts,
         calib,
         val,
-        logits=HeadLogits(zoo.features, zoo.heads),
+        logits=logits,
         config=config,
-        grid=grid,
-        search=search,
-        score=score,
-        n_confirm=n_confirm,
-        rounds=rounds,
-        top_k=top_k,
-        ray=ray,
-        num_cpus=num_cpus,
+        options=options,
         progress=progress,
+        **option_fields,
     )
     result.meta.update(
         zoo=zoo.name,

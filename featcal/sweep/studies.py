@@ -13,7 +13,7 @@ task-average accuracy. Baselines use no calibration data: each is evaluated
 once and its rows repeated on every (n, seed) (or corruption) cell, so every
 cell of the design has a row for every method.
 
-Mergers are named as in :data:`featcal.baselines.merging.MERGERS` and run with their own
+Mergers are named as in :data:`featcal.MERGERS` and run with their own
 default parameters unless given others (``{"ties": {"density": 0.1}}``).
 """
 
@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 
 import pandas as pd
 
-from featcal.baselines.merging import MERGERS
+from featcal.baselines.registry import MERGERS
 from featcal.config import FeatCalConfig
 from featcal.engine.run import calibrate
 from featcal.sweep import corrupt
@@ -46,7 +46,7 @@ def _rows(acc: Mapping[str, float], **cell) -> list[dict]:
 
 def _mergers(mergers: Mapping[str, dict] | Sequence[str] | None) -> dict[str, dict]:
     """``{name: parameters}`` from names (their default parameters) or a mapping, each checked
-    against :data:`featcal.baselines.merging.MERGERS`."""
+    against :data:`featcal.MERGERS`."""
     if isinstance(mergers, Mapping):
         out = {name: dict(params) for name, params in mergers.items()}
     else:

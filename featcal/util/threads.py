@@ -3,9 +3,8 @@
 Torch's default is one thread per core. That is right for a big model on an idle machine
 and badly wrong for a small model or a busy machine: the threads of a small matrix product
 spend their time waiting for each other, and a thread whose core is taken by another
-process stalls every other thread at each synchronisation (the issue that brought this in
-measured ``featcal calibrate --zoo demo`` at 276 s with torch's default and 7.6 s with one
-thread on a busy 2-core machine; benchmarks/README.md, 'Threads').
+process stalls every other thread at each synchronisation (benchmarks/README.md, 'Threads', has
+the measurements behind the rule).
 
 :func:`choose_threads` is the rule, a pure function; :func:`default_threads` applies it to
 a model and this machine; ``$FEATCAL_THREADS`` overrides both.

@@ -4,6 +4,7 @@
     zoo = load_demo()                    # the embedded demo, built offline on first use
     zoo = load_any("demo-fashion")       # plus two Fashion-MNIST tasks (apt: dataset-fashion-mnist)
     zoo = load_any("real-text")          # a real MiniLM text encoder on real text tasks (packages: README)
+    zoo = load_any("smollm2")            # SmolLM2-135M-Instruct and four LoRA experts (an LLM zoo)
     zoo = load_any("assets/zoos/clip-vit-b32-ta8.yaml")   # real models, from a YAML spec
     zoo = load_any("path/to/zoo-dir")    # any directory in the demo's on-disk layout
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from featcal.zoo import spec
+from featcal.zoo import fusionbench, spec
 from featcal.zoo.core import SPLITS, TaskData, Zoo, evaluate
 from featcal.zoo.demo import DEMO_VERSION, build_demo, cache_dir, demo_path, load_demo
 from featcal.zoo.io import OutputExistsError, load_model, save_model
@@ -58,10 +59,17 @@ __all__ = [
     "read_zoo_dir",
 ]
 
+
+def _load_smollm2(rebuild: bool = False, progress: bool = True) -> Zoo:
+    from featcal.zoo.smollm2 import load_smollm2  # imports peft and transformers' Llama only when asked
+
+    return load_smollm2(rebuild=rebuild, progress=progress)
+
+
 # Built-in zoo names and the ``load_demo`` variant each stands for ...
 NAMES = {"demo": "default", "demo-fashion": "fashion"}
 # ... and the built-in zoos made by other builders.
-BUILT = {"real-text": load_realtext}
+BUILT = {"real-text": load_realtext, "smollm2": _load_smollm2}
 
 
 def load_any(name_or_path: str | os.PathLike, progress: bool = True, rebuild: bool = False, device: str = "cpu") -> Zoo:
@@ -69,7 +77,9 @@ def load_any(name_or_path: str | os.PathLike, progress: bool = True, rebuild: bo
 
     - ``demo`` / ``demo-fashion``: the embedded demo zoo (built and cached on first use);
     - ``real-text``: the real text zoo (built and cached on first use from installed packages);
-    - a ``.yaml`` / ``.yml`` file: a spec of real models (:func:`featcal.zoo.spec.load`);
+    - ``smollm2``: the LLM zoo (:mod:`featcal.zoo.smollm2`, likewise);
+    - a ``.yaml`` / ``.yml`` file: a spec of real models (:func:`featcal.zoo.spec.load`), or a
+      FusionBench CLIP model pool (:mod:`featcal.zoo.fusionbench`);
     - a directory in the demo's layout (``meta.json`` of kind ``featcal-zoo``).
 
     ``~`` and ``$VARS`` in a path are expanded. ``rebuild`` applies to the built-in
@@ -85,6 +95,8 @@ def load_any(name_or_path: str | os.PathLike, progress: bool = True, rebuild: bo
     if path.suffix.lower() in (".yaml", ".yml"):
         if not path.is_file():
             raise FileNotFoundError(f"zoo spec {key!r} does not exist.")
+        if fusionbench.is_pool(path):  # a FusionBench model pool, read as the spec it makes
+            return _on(spec.load(fusionbench.pool_spec(path), device=device), device)
         return _on(spec.load(path, device=device), device)
     if path.is_dir() and is_zoo_dir(path):
         return _on(read_zoo_dir(path), device)

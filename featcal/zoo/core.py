@@ -18,7 +18,7 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
-from featcal.baselines.merging import merge
+from featcal.baselines.registry import merge
 from featcal.model.streams import device_of
 from featcal.zoo.tokens import as_batch
 
@@ -113,6 +113,28 @@ class Zoo:
         feats = self.features(model, inputs.to(device_of(model)))
         return head(feats.to(head.weight.dtype).to(head.weight.device))
 
+    @torch.no_grad()
+    def score(
+        self,
+        model: nn.Module,
+        split: str = "test",
+        batch_size: int = 256,
+        tasks: Mapping[str, object] | list[str] | None = None,
+        max_per_task: int | None = None,
+    ) -> dict[str, float]:
+        """Top-1 accuracy (in percent) of ``model`` on each task's ``split`` (:func:`evaluate`)."""
+        out: dict[str, float] = {}
+        for task in list(tasks) if tasks is not None else self.tasks:
+            x, y = self.split(task, split)
+            if max_per_task is not None:
+                x, y = x[:max_per_task], y[:max_per_task]
+            correct = 0
+            for xb, yb in zip(x.split(batch_size), y.split(batch_size)):
+                pred = self.logits(model, task, xb).argmax(-1).cpu()
+                correct += int((pred == yb).sum())
+            out[task] = 100.0 * correct / max(len(y), 1)
+        return out
+
     def merged(self, method: str = "task_arithmetic", **params) -> nn.Module:
         """A new model holding ``featcal.merge(method, base, experts, **params)``."""
         sd = merge(method, self.base.state_dict(), {t: m.state_dict() for t, m in self.experts.items()}, **params)
@@ -130,16 +152,7 @@ def evaluate(
     tasks: Mapping[str, object] | list[str] | None = None,
     max_per_task: int | None = None,
 ) -> dict[str, float]:
-    """Top-1 accuracy (in percent) of ``model`` on each task's ``split``: ``{task: acc}``."""
+    """``model``'s score (percent) on each task's ``split``: ``{task: score}``; top-1 accuracy
+    through the frozen heads, or the zoo's own metrics (an LLM zoo's, :mod:`featcal.zoo.lm`)."""
     model.eval()
-    out: dict[str, float] = {}
-    for task in list(tasks) if tasks is not None else zoo.tasks:
-        x, y = zoo.split(task, split)
-        if max_per_task is not None:
-            x, y = x[:max_per_task], y[:max_per_task]
-        correct = 0
-        for xb, yb in zip(x.split(batch_size), y.split(batch_size)):
-            pred = zoo.logits(model, task, xb).argmax(-1).cpu()
-            correct += int((pred == yb).sum())
-        out[task] = 100.0 * correct / max(len(y), 1)
-    return out
+    return zoo.score(model, split=split, batch_size=batch_size, tasks=tasks, max_per_task=max_per_task)

@@ -25,6 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterator, Mapping
 
+from featcal.model.export import MAX_SHARD_BYTES, drift_summary, model_name, write_hub_files
+
 FORMATS = ("hf", "open_clip", "torch")
 MARKER = "featcal_model.json"  # written beside every saved model: its format and origin
 WEIGHTS = "model.safetensors"
@@ -104,6 +106,21 @@ def _swap_into_place(tmp: Path, target: Path) -> None:
 
 
 @contextlib.contextmanager
+def offline() -> Iterator[None]:
+    """``HF_HUB_OFFLINE=1`` inside the block (transformers never reaches for the hub), the
+    previous value restored afterwards."""
+    before = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = before
+
+
+@contextlib.contextmanager
 def quiet_transformers() -> Iterator[None]:
     """Silence transformers' per-file progress bars ("Loading weights", "Writing model
     shards") inside the block, restoring the previous setting afterwards."""
@@ -128,6 +145,7 @@ def save_model(
     force: bool = False,
     extra_files: Mapping[str, str | bytes | dict | list] | None = None,
     config: dict | None = None,
+    hub: Mapping | None = None,
 ) -> Path:
     """Write ``model`` to ``out_dir`` in the format it was loaded in.
 
@@ -141,6 +159,8 @@ def save_model(
             lists are written as JSON (e.g. ``{"report.json": report.to_dict()}``).
         config: for ``open_clip``/``torch``: how to rebuild the module (model name,
             constructor arguments); written into the marker file.
+        hub: the keywords of :func:`featcal.model.export.write_hub_files` (``base_dir``, the
+            merge, settings, scores, ...): the base's tokenizer files and a model card beside it.
 
     Returns the path written. Raises :class:`OutputExistsError` (naming ``--force``)
     when ``out_dir`` exists and ``force`` is false.
@@ -155,7 +175,7 @@ def save_model(
                     f"got {type(model).__name__}. Use fmt='torch'."
                 )
             with quiet_transformers():
-                model.save_pretrained(tmp, safe_serialization=True)
+                model.save_pretrained(tmp, safe_serialization=True, max_shard_size=MAX_SHARD_BYTES)
         else:
             from safetensors.torch import save_model as _st_save
 
@@ -166,7 +186,27 @@ def save_model(
         _write_json(tmp / MARKER, marker)
         for name, content in (extra_files or {}).items():
             _write_extra(tmp, name, content)
+        if hub is not None:
+            write_hub_files(tmp, **({"name": Path(out_dir).name} | dict(hub)))
     return Path(out_dir).expanduser().absolute()
+
+
+def zoo_card(zoo, merge: Mapping, report: Mapping | None = None, **facts) -> dict:
+    """The model card facts (``save_model(hub=...)``, :func:`featcal.model.export.write_hub_files`)
+    of a model made from ``zoo``: its base's directory (for the tokenizer files), the experts, the
+    ``merge``; with a calibration ``report`` (its ``to_dict()``), the settings and the residuals'
+    summary; ``facts`` (``scores``, ``calibration``, ``drift``, ...) where given."""
+    sources = zoo.meta.get("sources", {})
+    card = {
+        "base_dir": sources.get("base"),
+        "base": None if sources.get("base") else f"featcal zoo {zoo.name} (base)",
+        "experts": {t: model_name(sources[f"expert:{t}"]) if f"expert:{t}" in sources else zoo.name for t in zoo.tasks},
+        "merge": dict(merge),
+    }
+    if report is not None:
+        card["settings"] = report["config"]
+        card["drift"] = drift_summary(report)
+    return card | {k: v for k, v in facts.items() if v is not None}
 
 
 def load_model(model_dir: str | os.PathLike, like=None):

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from featcal.model import lora
 from featcal.model.checkpoints import read_state_dict
 from featcal.zoo.locate import Found
 from featcal.zoo.schema import ModelSpec, ZooSpec
@@ -124,10 +125,16 @@ def load_hf_vision(paths: Mapping[str, Path], dtype: torch.dtype, device: str) -
     with no_init():
         template = CLIPVisionModel(cfg)
     models = {}
+    base_sd = None
     for role in roles:
         model = copy.deepcopy(template)
-        sd = read_state_dict(paths[role])
-        load_strict(model, hf_vision_weights(model, sd, role), role)
+        if lora.is_adapter_dir(paths[role]):  # a LoRA expert: merged onto the base's tower
+            if base_sd is None:
+                base_sd = hf_vision_weights(model, read_state_dict(paths[roles[0]]), roles[0])
+            sd = lora.LoraAdapter(paths[role], role).merged(base_sd, lora.base_names(paths[roles[0]]))
+        else:
+            sd = hf_vision_weights(model, read_state_dict(paths[role]), role)
+        load_strict(model, sd, role)
         models[role] = model.to(device=device, dtype=dtype).eval()
     return models
 

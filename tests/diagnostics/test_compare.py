@@ -57,7 +57,8 @@ def test_added_parameters(zoo, result):
     row = _row(result, "ta+escal")
     assert row["added_trained"] == L * r * r
     assert row["added_stored"] == L * r * r + 2 * L * d * r
-    assert _row(result, "ta+surgery_v2")["added_trained"] == 2 * L * d * 16  # default rank 16
+    # SurgeryV2: a module per block and one on the final embedding (the pooled 32-d class token), rank 16
+    assert _row(result, "ta+surgery_v2")["added_trained"] == 2 * L * d * 16 + 2 * d * 16
 
 
 def test_trained_rows_score_each_task_with_its_own_modules(zoo, result):
@@ -96,11 +97,17 @@ def test_cached_per_setting(zoo, result):
 
 
 def test_bad_methods_are_named():
-    with pytest.raises(ValueError, match="unknown merger 'tas'"):
+    with pytest.raises(ValueError, match="unknown merge method 'tas'"):
         cmp.parse_method("tas+featcal")
     with pytest.raises(ValueError, match="unknown calibrator 'featcall'"):
         cmp.parse_method("ta+featcall")
     assert cmp.parse_method("TA+FeatCal") == ("task_arithmetic", "featcal")
+    assert cmp.parse_method("ta+svc+featcal") == ("task_arithmetic", "svc+featcal")
+    assert cmp.parse_method("fisher+svc+surgery") == ("fisher_merging", "svc+surgery")
+    with pytest.raises(ValueError, match="must come last, once"):
+        cmp.parse_method("ta+surgery+featcal")
+    with pytest.raises(ValueError, match="appears twice"):
+        cmp.parse_method("ta+svc+svc")
 
 
 def test_figures_draw_every_method_and_the_reference_lines(zoo, result):

@@ -24,7 +24,7 @@ from diagnostics import (
     task_vector_cosine,
     task_vector_matrix,
 )
-from diagnostics.drift import batch_first, select_rows
+from diagnostics.decomposition import batch_first, select_rows
 from diagnostics.similarity import CKASums, accumulate_cka, linear_cka
 from featcal.model.arch import resolve_blocks
 from featcal.model.streams import catch_block_inputs

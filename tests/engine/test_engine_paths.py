@@ -64,13 +64,14 @@ def test_every_statistics_form_gives_the_same_calibration(kind):
             assert a.residual_after == pytest.approx(b.residual_after, rel=1e-3, abs=1e-6), (form, a.name)
         if report.preview_state is None:
             continue
-        seen = [e[2].res.k_mm is not None for e in report.preview_state.entries if e[1].kind == "linear"]
+        entries = report.preview_state.entries
+        seen = [e.system.res.k_mm is not None for e in entries if e.target.kind == "linear"]
         assert sum(seen) >= 4, "the report's residual before should come from the merged outputs seen"
-        for blk, t, sysm, W_mer, b_mer, _, _ in report.preview_state.entries:
-            if t.kind == "linear":
-                direct = solve.linear_residual(sysm, W_mer, b_mer, 0.3)  # through S W_mer^T
-                rec = next(m for m in report.modules if m.block == blk and m.name == t.name)
-                assert rec.residual_before == pytest.approx(direct, rel=1e-3, abs=1e-6), (form, t.name)
+        for e in entries:
+            if e.target.kind == "linear":
+                direct = solve.linear_residual(e.system, e.ends.W_mer, e.ends.b_mer, 0.3)  # through S W_mer^T
+                rec = next(m for m in report.modules if m.block == e.block and m.name == e.target.name)
+                assert rec.residual_before == pytest.approx(direct, rel=1e-3, abs=1e-6), (form, e.target.name)
 
 
 @pytest.mark.parametrize("kind", ARCHS)
@@ -82,7 +83,7 @@ def test_pooling_the_calibrating_streams_changes_nothing(kind, monkeypatch):
     base, experts, merged, data = tiny.zoo(kind)
     calls = {}
     real = streams.pool_spans
-    monkeypatch.setattr("featcal.engine.run.pool_spans", lambda c, m: calls.setdefault(len(c), real(c, m)))
+    monkeypatch.setattr("featcal.engine.snapshot.pool_spans", lambda c, m: calls.setdefault(len(c), real(c, m)))
 
     def run(fast):
         return _calibrate(merged, base, experts, data, FeatCalConfig.clip(), fast)
@@ -104,13 +105,13 @@ def test_reducing_every_task_as_one_stack_changes_nothing(kind, keep_stats, form
     preset: token weights in the last block, biases, LayerNorms; each statistics form, or
     the cheapest); the model, the report and the kept statistics (a preview) equal those of
     one task at a time."""
-    import featcal.engine.run as engine
+    import featcal.engine.snapshot as snapshot
 
     base, experts, merged, data = tiny.zoo(kind, n_tasks=3)
     one = _one_batch_a_task(data)
     taken = []
-    real = engine._batchable
-    monkeypatch.setattr(engine, "_batchable", lambda *a: taken.append(real(*a)) or taken[-1])
+    real = snapshot._batchable
+    monkeypatch.setattr(snapshot, "_batchable", lambda *a: taken.append(real(*a)) or taken[-1])
     cfg = FeatCalConfig.clip(alpha=0.4)
 
     def run(fast):
@@ -131,14 +132,14 @@ def test_direct_sums_of_one_batch_tasks_change_nothing(kind, keep_stats, threads
     """Tasks of one batch with few rows for their inputs' widths add their rows' Gram matrix
     straight into the systems (BLAS syrk on one thread): the model, the report and a preview
     equal those of the running Gram sums, and a second run (buffers reused) is the same."""
-    from featcal.method import stats
+    from featcal.method import linalg
 
     base, experts, merged, data = tiny.zoo(kind, n_tasks=3)
     one = {t: [bs[0][:1]] for t, bs in data.items()}  # 5 token rows against widths 32, 64, 96
     direct = []
-    real = stats.add_rows_gram
-    monkeypatch.setattr(stats, "add_rows_gram", lambda *a: direct.append(a[0].shape) or real(*a))
-    monkeypatch.setattr("featcal.method.solve.add_rows_gram", stats.add_rows_gram)
+    real = linalg.add_rows_gram
+    monkeypatch.setattr(linalg, "add_rows_gram", lambda *a: direct.append(a[0].shape) or real(*a))
+    monkeypatch.setattr("featcal.method.solve.add_rows_gram", linalg.add_rows_gram)
     cfg = FeatCalConfig.clip(alpha=0.4)
 
     def run(fast):
@@ -148,7 +149,7 @@ def test_direct_sums_of_one_batch_tasks_change_nothing(kind, keep_stats, threads
     torch.set_num_threads(threads or max(old, 2))
     try:
         got, rep_got = run(FastPaths(stack_max=0))  # task by task
-        assert direct and (stats._blas("syrk", torch.zeros(1)) is not None) == (threads == 1)
+        assert direct and (linalg._blas("syrk", torch.zeros(1)) is not None) == (threads == 1)
         again, rep_again = run(FastPaths(stack_max=0))
         tiny.assert_same_calibration(again, rep_again, got, rep_got)
         direct.clear()

@@ -290,3 +290,14 @@ def test_tune_and_study_command_lines_write_their_files(tmp_path, capsys):
     if "warnings.txt" in written:  # 4 examples per task: fewer token rows than some input widths
         lines = (se / "warnings.txt").read_text().splitlines()
         assert lines and all(line in out for line in lines) and "distinct library warning" in out
+
+
+def test_tune_options_are_one_object_with_keyword_overrides():
+    from featcal.sweep.search import tune_options
+
+    base = TuneConfig(search="adaptive", n_confirm=1)
+    opts = tune_options(base, n_confirm=3, grid=None)
+    assert opts.search == "adaptive" and opts.n_confirm == 3 and opts.grid == Grid()
+    assert tune_options() == TuneConfig()
+    with pytest.raises(TypeError, match=r"unknown tune option\(s\) \['n_confrim'\]"):
+        tune_options(n_confrim=2)

@@ -64,13 +64,17 @@ ZOO_LAYERS = {
         "featcal.zoo.spec",
         "featcal.zoo.store",
         "featcal.zoo.scores",
+        "featcal.zoo.fusionbench",
+        "featcal.zoo.text_data",  # reads WordNet for the LLM zoo's tasks too
+        "featcal.zoo.llm_tasks",
+        "featcal.zoo.lm",
     ),
     "build": (
         "featcal.zoo.demo_recipe",
         "featcal.zoo.fashion",
         "featcal.zoo.demo",
-        "featcal.zoo.text_data",
         "featcal.zoo.realtext",
+        "featcal.zoo.smollm2",
     ),
     "package": ("featcal.zoo",),
 }

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from featcal import merge
-from featcal.baselines.merging import MERGERS
+from featcal.baselines.registry import MERGERS
 
 
 def _sds(seed=0, n=3):

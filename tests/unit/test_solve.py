@@ -6,8 +6,8 @@ from operator import attrgetter
 import pytest
 import torch
 
-from featcal import FastPaths
-from featcal.method import solve, stats
+from featcal import FastPaths, Setting
+from featcal.method import linalg, solve, stats
 
 
 @pytest.fixture(autouse=True)
@@ -73,7 +73,7 @@ def test_solution_is_the_minimiser_of_the_spec_objective():
     sysm = _system(tasks)
     W_mer, b_mer, W_0, b_0 = _anchors(gen)
     lam, rho, alpha = 0.7, 1.5, 0.4
-    W, b = solve.solve_linear(sysm, W_mer, b_mer, W_0, b_0, lam=lam, rho=rho, alpha=alpha, eps=1e-8)
+    W, b = solve.solve_linear(sysm, solve.Endpoints(W_mer, b_mer, W_0, b_0), Setting(lam, rho, alpha), eps=1e-8)
     W_anc, b_anc = rho * W_mer + (1 - rho) * W_0, rho * b_mer + (1 - rho) * b_0
     # The weight solve is the closed form for W; the gradient in W of the spec objective vanishes
     # at bias-free rows, so check it on the weight part with the bias taken as the spec's formula.
@@ -131,9 +131,9 @@ def test_triangular_gram_equals_the_full_product(d):
         stats.accumulate_linear(acc, x[part], x[part], w[part])
     full = (x * w[:, None]).T @ x
     norm = torch.linalg.matrix_norm(full).item()
-    assert stats.gram_norm(acc.C, acc.edges).item() == pytest.approx(norm, rel=1e-12)
+    assert linalg.gram_norm(acc.C, acc.edges).item() == pytest.approx(norm, rel=1e-12)
     stats.finish_gram(acc)
-    assert stats.gram_norm(acc.C, acc.edges, finished=True).item() == pytest.approx(norm, rel=1e-12)
+    assert linalg.gram_norm(acc.C, acc.edges, finished=True).item() == pytest.approx(norm, rel=1e-12)
     assert len(acc.edges) == min(9, max(2, d // FastPaths().gram_block + 1))
     assert torch.allclose(acc.C, full, atol=1e-12)
     plain = stats.LinearSums.zeros(d, torch.float64, "cpu", cross=False, block=None)  # full products
@@ -143,11 +143,11 @@ def test_triangular_gram_equals_the_full_product(d):
     # rounding (reduced in float64, whatever the CPU's BLAS kernel), and within float32
     # accumulation of 20 rows (below 4e-6) of the float64 sums'.
     C32 = torch.zeros(d, d, dtype=torch.float32)
-    stats.accumulate_gram(C32, x.float() * w.float()[:, None], x.float(), acc.edges)
-    norm32 = torch.linalg.matrix_norm(solve.symmetric(C32).double()).item()
-    assert stats.gram_norm(C32, acc.edges).item() == pytest.approx(norm32, rel=1e-6)
+    linalg.accumulate_gram(C32, x.float() * w.float()[:, None], x.float(), acc.edges)
+    norm32 = torch.linalg.matrix_norm(linalg.symmetric(C32).double()).item()
+    assert linalg.gram_norm(C32, acc.edges).item() == pytest.approx(norm32, rel=1e-6)
     assert norm32 == pytest.approx(norm, rel=1e-5)
-    assert stats.gram_norm(solve.symmetric(C32), acc.edges, finished=True).item() == pytest.approx(norm32, rel=1e-6)
+    assert linalg.gram_norm(linalg.symmetric(C32), acc.edges, finished=True).item() == pytest.approx(norm32, rel=1e-6)
 
 
 def test_cheapest_form_follows_rows_and_widths():
@@ -169,7 +169,7 @@ def test_lambda_to_infinity_gives_the_anchor():
     tasks = [_task(gen) for _ in range(2)]
     sysm = _system(tasks)
     W_mer, b_mer, W_0, b_0 = _anchors(gen)
-    W, b = solve.solve_linear(sysm, W_mer, b_mer, W_0, b_0, lam=1e9, rho=2.2, alpha=0.3, eps=1e-8)
+    W, b = solve.solve_linear(sysm, solve.Endpoints(W_mer, b_mer, W_0, b_0), Setting(1e9, 2.2, 0.3), eps=1e-8)
     assert torch.allclose(W, 2.2 * W_mer - 1.2 * W_0, atol=1e-6)
     assert torch.allclose(b, 2.2 * b_mer - 1.2 * b_0, atol=1e-6)
 
@@ -184,14 +184,14 @@ def test_norm_solve_minimises_its_objective_and_limits():
     sysm = solve.NormSystem(e, m, g, bb)
     g_mer, b_mer, g_0, b_0 = (torch.randn(d, generator=gen) for _ in range(4))
     lam, rho = 0.3, 1.7
-    gam, bet = solve.solve_norm(sysm, g_mer, b_mer, g_0, b_0, lam=lam, rho=rho, eps=1e-8)
+    gam, bet = solve.solve_norm(sysm, solve.Endpoints(g_mer, b_mer, g_0, b_0), Setting(lam, rho, 0.0), eps=1e-8)
     gv, bv = gam.clone().requires_grad_(True), bet.clone().requires_grad_(True)
     f = sum(((gv * z + bv - g[i] * z - bb[i]) ** 2).mean(0).sum() for i, z in enumerate(zs))
     g_anc, b_anc = rho * g_mer + (1 - rho) * g_0, rho * b_mer + (1 - rho) * b_0
     f = f + lam * (((gv - g_anc) ** 2).sum() + ((bv - b_anc) ** 2).sum())
     grads = torch.autograd.grad(f, (gv, bv))
     assert max(x.abs().max() for x in grads) < 1e-9
-    gam, bet = solve.solve_norm(sysm, g_mer, b_mer, g_0, b_0, lam=1e10, rho=rho, eps=1e-8)
+    gam, bet = solve.solve_norm(sysm, solve.Endpoints(g_mer, b_mer, g_0, b_0), Setting(1e10, rho, 0.0), eps=1e-8)
     assert torch.allclose(gam, rho * g_mer + (1 - rho) * g_0, atol=1e-6)
     assert torch.allclose(bet, rho * b_mer + (1 - rho) * b_0, atol=1e-6)
     # Residual formula against the rows.
@@ -202,12 +202,12 @@ def test_norm_solve_minimises_its_objective_and_limits():
 
 def test_singular_system_fails_clearly():
     with pytest.raises(FloatingPointError, match="block 0 fc.*raise lam"):
-        solve.spd_solve(torch.zeros(2, 2), torch.ones(2, 1), "block 0 fc")
+        linalg.spd_solve(torch.zeros(2, 2), torch.ones(2, 1), "block 0 fc")
 
 
 def test_indefinite_system_falls_back_to_an_eigen_solve():
     A = torch.tensor([[1.0, 0.0], [0.0, -2.0]])
-    X = solve.spd_solve(A, torch.ones(2, 1), "indefinite")
+    X = linalg.spd_solve(A, torch.ones(2, 1), "indefinite")
     assert torch.allclose(A @ X, torch.ones(2, 1))
 
 
@@ -221,25 +221,27 @@ def test_systems_kept_on_their_upper_triangle_solve_like_full_ones(lapack_from):
     tasks = [_task(gen, rows=30, d=d, o=3) for _ in range(2)]
     full, upper = _system(tasks, form="P"), _system(tasks, form="QQ")
     assert not torch.equal(upper.S, upper.S.T)  # really one triangle only
-    assert torch.allclose(solve.symmetric(upper.S), solve.symmetric(full.S), atol=1e-12)
+    assert torch.allclose(linalg.symmetric(upper.S), linalg.symmetric(full.S), atol=1e-12)
     W_mer, b_mer, W_0, b_0 = _anchors(gen, o=3, d=d)
-    kw = {"lam": 0.2, "rho": 1.5, "alpha": 0.3, "eps": 1e-8}
+    ends, at = solve.Endpoints(W_mer, b_mer, W_0, b_0), Setting(0.2, 1.5, 0.3)
     (W1, b1), (W2, b2) = (
-        solve.solve_linear(s, W_mer, b_mer, W_0, b_0, **kw, factors=solve.Factors(lapack_from)) for s in (full, upper)
+        solve.solve_linear(s, ends, at, eps=1e-8, factors=linalg.Factors(lapack_from)) for s in (full, upper)
     )
     assert torch.allclose(W1, W2, atol=1e-9) and torch.allclose(b1, b2, atol=1e-9)
     assert abs(solve.linear_residual(full, W1, b1, 0.3) - solve.linear_residual(upper, W1, b1, 0.3)) < 1e-10
-    by_lapack = getattr(solve.Factors(lapack_from).solver(upper.S, 0.2, "x"), "func", None) is solve._triangular_solves
+    by_lapack = (
+        getattr(linalg.Factors(lapack_from).solver(upper.S, 0.2, "x"), "func", None) is linalg._triangular_solves
+    )
     assert by_lapack == (lapack_from is not None)
-    ev1 = torch.linalg.eigvalsh(solve.symmetric(full.S))
+    ev1 = torch.linalg.eigvalsh(linalg.symmetric(full.S))
     assert torch.allclose(torch.linalg.eigvalsh(upper.S, UPLO="U"), ev1, atol=1e-10)
 
 
 @pytest.mark.parametrize("lapack_from", [None, 1], ids=["torch", "lapack"])
 def test_lu_fallback_reads_the_upper_triangle(lapack_from):
     S = torch.tensor([[1.0, 2.0], [0.0, -2.0]])  # the symmetric [[1, 2], [2, -2]]: indefinite
-    X = solve.spd_factor(S, 0.0, "indefinite", lapack_min_d=lapack_from)(torch.ones(2, 1))
-    assert torch.allclose(solve.symmetric(S) @ X, torch.ones(2, 1))
+    X = linalg.spd_factor(S, 0.0, "indefinite", lapack_min_d=lapack_from)(torch.ones(2, 1))
+    assert torch.allclose(linalg.symmetric(S) @ X, torch.ones(2, 1))
 
 
 def test_factors_share_one_factorisation_per_system_and_give_its_buffer_back():
@@ -251,7 +253,7 @@ def test_factors_share_one_factorisation_per_system_and_give_its_buffer_back():
     A, B = torch.randn(6, 6, generator=gen), torch.randn(6, 6, generator=gen)
     S1, S2 = A @ A.T, B @ B.T
     scratch = Scratch()
-    factors = solve.Factors(lapack_min_d=1, take=scratch.take)
+    factors = linalg.Factors(lapack_min_d=1, take=scratch.take)
     one = factors.solver(S1, 0.1, "q")
     assert factors.solver(S1, 0.1, "k") is one and factors.solver(S2, 0.1, "fc") is not one
     X = one(torch.eye(6))
@@ -266,7 +268,9 @@ def test_residual_is_not_finite_when_the_weights_are_not(bad):
     gen = torch.Generator().manual_seed(8)
     sysm = _system([_task(gen) for _ in range(2)])
     W_mer, b_mer, W_0, b_0 = _anchors(gen)
-    W, b, SWt = solve.solve_linear(sysm, W_mer, b_mer, W_0, b_0, lam=0.1, rho=1.0, alpha=0.3, eps=1e-8, with_swt=True)
+    W, b, SWt = solve.solve_linear(
+        sysm, solve.Endpoints(W_mer, b_mer, W_0, b_0), Setting(0.1, 1.0, 0.3), eps=1e-8, with_swt=True
+    )
     assert math.isfinite(solve.linear_residual(sysm, W, b, 0.3, SWt))
     W2 = W.clone()
     W2[1, 2] = bad
@@ -285,9 +289,9 @@ def test_inner_of_stacks_is_one_sum_per_matrix():
     want = torch.stack([(x * y).sum() for x, y in zip(a, b)])
     for x, y in ((a, b), (a.mT.contiguous().mT, b.mT.contiguous().mT), (a[:, :, ::2], b[:, :, ::2])):
         ref = torch.stack([(p * q).sum() for p, q in zip(x, y)])
-        assert torch.allclose(stats.inner(x, y), ref)
-    assert torch.allclose(stats.inner(a, b), want)
-    assert torch.allclose(stats.inner(a[0], b[0]), want[0])  # one matrix: a scalar
+        assert torch.allclose(linalg.inner(x, y), ref)
+    assert torch.allclose(linalg.inner(a, b), want)
+    assert torch.allclose(linalg.inner(a[0], b[0]), want[0])  # one matrix: a scalar
 
 
 def test_add_weighted_on_strided_tiles_equals_the_weighted_sum():
@@ -297,10 +301,10 @@ def test_add_weighted_on_strided_tiles_equals_the_weighted_sum():
     want = out + (f[:, None, None] * x).sum(0)
     tile = x[:, 2:5, 4:]  # a strided tile of the stack
     got = out.clone()
-    stats.add_weighted(got[2:5, 4:], tile, f)
+    linalg.add_weighted(got[2:5, 4:], tile, f)
     assert torch.allclose(got[2:5, 4:], want[2:5, 4:], atol=1e-6)
     assert torch.equal(got[:2], out[:2])
-    assert torch.allclose(stats.add_weighted(out.clone(), x, f), want, atol=1e-6)  # contiguous: one product
+    assert torch.allclose(linalg.add_weighted(out.clone(), x, f), want, atol=1e-6)  # contiguous: one product
 
 
 @pytest.fixture(params=[1, None], ids=["syrk", "torch"])
@@ -354,12 +358,12 @@ def test_rows_gram_norm_and_syrk_update(threads, dtype):
     (below it, each entry left as it was or updated alike), against float64 products."""
     gen = torch.Generator().manual_seed(8)
     Z = torch.randn(30, 500, generator=gen).to(dtype)
-    assert (stats._blas("syrk", Z) is not None) == (threads == 1)
+    assert (linalg._blas("syrk", Z) is not None) == (threads == 1)
     C = Z.double().T @ Z.double()
-    assert stats.rows_gram_norm(Z).item() == pytest.approx(torch.linalg.matrix_norm(C).item(), rel=1e-6)
+    assert linalg.rows_gram_norm(Z).item() == pytest.approx(torch.linalg.matrix_norm(C).item(), rel=1e-6)
     S = torch.randn(500, 500, generator=gen).to(dtype)
     before = S.clone()
-    stats.add_rows_gram(S, Z, 0.25, stats.gram_blocks(500))
+    linalg.add_rows_gram(S, Z, 0.25, linalg.gram_blocks(500))
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     assert torch.allclose(S.triu().double(), (before.double() + 0.25 * C).triu(), rtol=tol, atol=tol * 10)
     lower = torch.ones(500, 500, dtype=torch.bool).tril(-1)

@@ -178,3 +178,23 @@ def test_the_app_opens_on_the_micro_zoo_and_draws_the_drift(micro_zoo):
     for page in ("drift", "calibrate"):
         at.switch_page(f"pages/{page}.py").run()
         assert not at.exception and not at.error, (page, [e.value for e in [*at.exception, *at.error]])
+
+
+@needs_packages
+@pytest.mark.filterwarnings("ignore:.*fewer than its input width")
+def test_micro_zoo_compares_every_kind_of_method_with_token_batches(micro_zoo):
+    """featcal compare's rows on a text zoo (dict batches with padding masks): SVC and FeatCal in a
+    chain, Fisher merging and AdaMerging through the zero-shot heads, SurgeryV2 on the mean-pooled
+    last hidden state."""
+    from diagnostics import compare as cmp
+
+    methods = ["ta+svc+featcal", "fisher", "adamerging", "ta+surgery_v2"]
+    params = {"adamerging": {"steps": 2}}
+    result = cmp.compare(
+        micro_zoo, methods, n=8, merger_params=params, calibrator_params={"surgery_v2": {"steps": 2}}, progress=False
+    )
+    assert result.summary["method"].tolist() == ["experts", "base", *methods]
+    assert result.summary["accuracy"].between(0, 100).all()
+    L, d = 1, micro_zoo.base.config.hidden_size  # the last block's module is the final one: no extra
+    row = result.summary.set_index("method").loc["ta+surgery_v2"]
+    assert row["added_trained"] == 2 * L * d * 16

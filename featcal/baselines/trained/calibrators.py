@@ -4,9 +4,8 @@ to pull its features toward each expert's. featcal implements them to compare Fe
 
 - :func:`escal` (Error-Subspace Calibration): a bridge ``h <- h + U_w A U_r^T h`` after every
   block, with fixed bases from the merging errors and only ``A`` (``r x r``) trained (MSE).
-- :func:`surgery` (Representation Surgery): ``z <- z - W_up ReLU(W_down z)`` on the last
-  block's output (L1).
-- :func:`surgery_v2`: the same module after every block, layer-wise L1.
+- Representation Surgery and SurgeryV2 (:mod:`featcal.baselines.trained.surgery`):
+  ``z <- z - W_up ReLU(W_down z)`` on the final embedding (and after every block: SurgeryV2).
 
 Each returns a :class:`TaskCalibrated`, whose ``for_task(task)`` is the merged model with that
 task's modules inside its blocks (so ``featcal.evaluate`` and the diagnostics run on it), with
@@ -32,12 +31,12 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from featcal.baselines.trained.modules import Bridge, SurgeryAdapter, error_bases, escal_weights, frozen, insert
+from featcal.baselines.trained.modules import Bridge, error_bases, escal_weights, frozen, insert
 from featcal.baselines.trained.training import Schedule, TaskRun, block_weights, check_schedule, train_task
 from featcal.model.arch import resolve_blocks
 from featcal.model.modes import eval_mode
 from featcal.model.streams import call_model, device_of, to_device
-from featcal.model.validate import batch_len, check_same_params, check_tasks
+from featcal.model.validate import check_same_params, check_tasks
 
 LAST_READ = ("write", "own_qkv")
 
@@ -50,7 +49,8 @@ class TaskCalibrated:
         method: ``escal``, ``surgery`` or ``surgery_v2``.
         merged: the calibrator's own copy of the merged model (on the training device).
         blocks: the dotted path of the model's blocks.
-        modules: ``{task: {block index: module}}``; a module acts on that block's output.
+        modules: ``{task: {block index: module}}``; a module acts on that block's output (the
+            key ``"embedding"``: on the output of the submodule ``embedding`` names).
         runs: ``{task: TaskRun}``: the loss at every step and the training seconds.
         settings: the hyper-parameters used.
         inference_overhead: the last :meth:`measure_overhead` result (None before).
@@ -63,6 +63,7 @@ class TaskCalibrated:
     runs: dict[str, TaskRun]
     settings: dict[str, Any]
     inference_overhead: dict[str, float] | None = field(default=None)
+    embedding: str | None = None  # the submodule whose output the "embedding" module acts on
 
     @property
     def tasks(self) -> list[str]:
@@ -76,7 +77,8 @@ class TaskCalibrated:
         model = copy.deepcopy(self.merged)
         _, blks = resolve_blocks(model, self.blocks)
         for l, module in self.modules[task].items():
-            insert(blks[l], frozen(copy.deepcopy(module)))
+            host = blks[l] if l != "embedding" else (model.get_submodule(self.embedding) if self.embedding else model)
+            insert(host, frozen(copy.deepcopy(module)))
         return model.eval()
 
     @property
@@ -138,7 +140,7 @@ def _timed(model: nn.Module, batch: Any) -> float:
     return time.perf_counter() - start
 
 
-# ----------------------------------------------------------------------------- the three methods
+# ----------------------------------------------------------------------------- ESCal
 
 
 def escal(
@@ -178,16 +180,19 @@ def escal(
     - ``lr``: 3e-3 (Adam; of 1e-3, 3e-3 and 1e-2, the best on the demo zoo's val split for two
       tasks at 100 epochs). ``tokens``: ``"all"`` (every non-padding token) or ``"cls"``.
 
-    ``rank`` is capped by the model's width. ``epochs`` passes over the task's examples in
-    minibatches of ``batch``. ``qkv`` / ``mlp_out`` name the projections (target names of
-    :func:`featcal.model.arch.block_targets`) when the architecture is not in
-    :data:`featcal.baselines.trained.modules.ESCAL_TABLE` (HF CLIP, open_clip, Llama, BERT).
+    ``rank`` is capped by the model's width. ``epochs``: passes over each task's examples,
+    counted whatever the batching (minibatches of ``batch`` drawn from the pooled examples; when
+    the batches cannot be pooled, padding masks of several lengths, one step per given batch).
+    docs/maths.md ("ESCal") sets these choices beside the paper's. ``qkv`` / ``mlp_out`` name
+    the projections (target names of :func:`featcal.model.arch.block_targets`) when the
+    architecture is not in :data:`featcal.baselines.trained.modules.ESCAL_TABLE` (HF CLIP,
+    open_clip, Llama, BERT).
     """
     if last_read not in LAST_READ:
         raise ValueError(f"last_read={last_read!r}; choose one of {LAST_READ}.")
     if rank < 1 or epochs < 1:
         raise ValueError(f"rank and epochs must be at least 1, got rank={rank}, epochs={epochs}.")
-    path, blks = _checked(merged, experts, calib_data, blocks)
+    path, blks = checked_models(merged, experts, calib_data, blocks)
     r = min([rank] + [min(w.shape) for b in blks for w in escal_weights(b, qkv, mlp_out)])
 
     def make(task: str, model: nn.Module) -> dict[int, nn.Module]:
@@ -204,8 +209,7 @@ def escal(
             mods[l] = Bridge(U_r.float(), U_w.float())
         return mods
 
-    steps = epochs * _per_epoch(calib_data, batch)
-    settings = dict(rank=r, epochs=epochs, steps=steps, lr=lr, batch=batch, seed=seed, last_read=last_read)
+    settings = dict(rank=r, epochs=epochs, lr=lr, batch=batch, seed=seed, last_read=last_read)
     return _run(
         "escal",
         merged,
@@ -214,102 +218,7 @@ def escal(
         path,
         make,
         loss="mse",
-        steps=steps,
-        lr=lr,
-        batch=batch,
-        seed=seed,
-        tokens=tokens,
-        weights=block_weights,
-        settings=settings,
-        device=device,
-        progress=progress,
-    )
-
-
-def surgery(
-    merged: nn.Module,
-    experts: Mapping[str, nn.Module],
-    calib_data: Mapping[str, list],
-    *,
-    rank: int = 16,
-    steps: int = 500,
-    lr: float = 1e-3,
-    batch: int = 16,
-    seed: int = 0,
-    tokens: str = "all",
-    blocks: str | None = None,
-    device: str | torch.device | None = None,
-    progress: bool = True,
-) -> TaskCalibrated:
-    """Representation Surgery: per task, ``z <- z - W_up ReLU(W_down z)`` on the last block's
-    output ``z`` (featcal's choice: the last point inside the block structure, what every
-    feature reader, pooled or projected, is computed from; per token), ``W_up`` zero at the
-    start, trained with Adam on the L1 distance to expert i's last block output. Adds
-    ``2 d r`` numbers per task."""
-    path, blks = _checked(merged, experts, calib_data, blocks)
-    last = len(blks) - 1
-    gen = torch.Generator().manual_seed(seed)
-
-    def make(task: str, model: nn.Module) -> dict[int, nn.Module]:
-        return {last: SurgeryAdapter(_width(model, path), rank, gen, device=device_of(model))}
-
-    settings = dict(rank=rank, steps=steps, lr=lr, batch=batch, seed=seed)
-    return _run(
-        "surgery",
-        merged,
-        experts,
-        calib_data,
-        path,
-        make,
-        loss="l1",
-        steps=steps,
-        lr=lr,
-        batch=batch,
-        seed=seed,
-        tokens=tokens,
-        weights=None,
-        settings=settings,
-        device=device,
-        progress=progress,
-    )
-
-
-def surgery_v2(
-    merged: nn.Module,
-    experts: Mapping[str, nn.Module],
-    calib_data: Mapping[str, list],
-    *,
-    rank: int = 16,
-    steps: int = 500,
-    lr: float = 1e-3,
-    batch: int = 16,
-    seed: int = 0,
-    block_weights: Sequence[float] | None = None,
-    tokens: str = "all",
-    blocks: str | None = None,
-    device: str | torch.device | None = None,
-    progress: bool = True,
-) -> TaskCalibrated:
-    """SurgeryV2: per task, Surgery's module after every block, trained with Adam on the sum
-    over blocks of the L1 distance to expert i's block outputs (``block_weights``: default equal,
-    normalised to sum 1). Adds ``2 L d r`` numbers per task."""
-    path, blks = _checked(merged, experts, calib_data, blocks)
-    gen = torch.Generator().manual_seed(seed)
-
-    def make(task: str, model: nn.Module) -> dict[int, nn.Module]:
-        d = _width(model, path)
-        return {l: SurgeryAdapter(d, rank, gen, device=device_of(model)) for l in range(len(blks))}
-
-    settings = dict(rank=rank, steps=steps, lr=lr, batch=batch, seed=seed)
-    return _run(
-        "surgery_v2",
-        merged,
-        experts,
-        calib_data,
-        path,
-        make,
-        loss="l1",
-        steps=steps,
+        epochs=epochs,
         lr=lr,
         batch=batch,
         seed=seed,
@@ -324,28 +233,12 @@ def surgery_v2(
 # ----------------------------------------------------------------------------- shared plumbing
 
 
-def _checked(merged, experts, calib_data, blocks) -> tuple[str, nn.ModuleList]:
+def checked_models(merged, experts, calib_data, blocks) -> tuple[str, nn.ModuleList]:
+    """The tasks and models a trained calibrator is given, checked; ``(path, blocks)``."""
     check_tasks(experts, calib_data)
     for t, expert in experts.items():
         check_same_params(merged, expert, f"expert {t!r}")
     return resolve_blocks(merged, blocks)
-
-
-def _per_epoch(calib_data: Mapping[str, list], batch: int) -> int:
-    """Minibatches per pass over a task's examples (the largest task's)."""
-    n = max(sum(batch_len(b) for b in bs) for bs in calib_data.values())
-    return max(1, -(-n // batch))
-
-
-@torch.no_grad()
-def _width(model: nn.Module, path: str) -> int:
-    """The hidden width ``d``: the width of the last block's first LayerNorm (or, with none,
-    its first Linear's input width: RMSNorm models)."""
-    _, blks = resolve_blocks(model, path)
-    ln = [m for m in blks[-1].modules() if isinstance(m, nn.LayerNorm)]
-    if ln:
-        return int(ln[0].normalized_shape[-1])
-    return int(next(m for m in blks[-1].modules() if isinstance(m, nn.Linear)).in_features)
 
 
 def _run(
@@ -357,7 +250,7 @@ def _run(
     make,
     *,
     loss,
-    steps,
+    epochs,
     lr,
     batch,
     seed,
@@ -368,14 +261,15 @@ def _run(
     progress,
 ) -> TaskCalibrated:
     """Train each task's modules on a private copy of the merged model (frozen)."""
-    check_schedule(steps, lr, batch, tokens)
+    check_schedule(epochs, lr, batch, tokens)
     model = copy.deepcopy(merged).to(device if device is not None else device_of(merged)).eval()
     model.requires_grad_(False)
     modules, runs = {}, {}
     for task in experts:
         mods = make(task, model)
-        sched = Schedule(steps, lr, batch, seed, loss, tokens, block_weights(weights, sorted(mods)))
+        sched = Schedule(epochs, lr, batch, seed, loss, tokens, block_weights(weights, sorted(mods)))
         runs[task] = train_task(model, path, experts[task], calib_data[task], mods, sched, f"{method} {task}", progress)
         modules[task] = mods
-    settings = dict(settings, tokens=tokens, device=str(device_of(model)))
+    steps = {t: r.steps for t, r in runs.items()}
+    settings = dict(settings, steps=steps, tokens=tokens, device=str(device_of(model)))
     return TaskCalibrated(method, model, path, modules, runs, settings)

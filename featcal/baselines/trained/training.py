@@ -1,6 +1,7 @@
 """Training the task-specific modules of a post-merging calibrator (see :mod:`featcal.baselines.trained.calibrators`).
 
-For one task, :func:`train_task`:
+ESCal's; Surgery and SurgeryV2 train in :mod:`featcal.baselines.trained.surgery`. For one
+task, :func:`train_task`:
 
 1. catches the merged model's block-0 inputs on the task's calibration batches, and runs expert
    i once over the same batches to keep its block outputs at every boundary that gets a module
@@ -40,12 +41,14 @@ LOSSES = {"mse": F.mse_loss, "l1": F.l1_loss}
 
 @dataclass
 class Schedule:
-    """How the modules are trained: ``steps`` Adam steps at ``lr``, minibatches of ``batch``
-    examples, ``seed`` for the minibatch order, ``loss`` (``mse`` or ``l1``) on the ``tokens``
-    (``all``: every non-padding token; ``cls``: the first one), boundaries weighted by
+    """How the modules are trained: ``epochs`` passes over the task's examples with Adam at
+    ``lr``, minibatches of ``batch`` examples (when the batches cannot be pooled, each step is one
+    given batch, so a pass is one step per given batch), ``seed`` for the minibatch order,
+    ``loss`` (``mse`` or ``l1``) on the ``tokens`` (``all``: every non-padding token; ``cls``: the
+    first one), boundaries weighted by
     ``weights`` (``{block: w}``; every module's boundary, normalised to sum 1)."""
 
-    steps: int
+    epochs: int
     lr: float
     batch: int
     seed: int
@@ -61,10 +64,14 @@ class TaskRun:
     losses: list[float]
     seconds: float
 
+    @property
+    def steps(self) -> int:
+        return len(self.losses)
 
-def check_schedule(steps: int, lr: float, batch: int, tokens: str) -> None:
-    if steps < 1:
-        raise ValueError(f"steps must be at least 1, got {steps}.")
+
+def check_schedule(epochs: int, lr: float, batch: int, tokens: str) -> None:
+    if epochs < 1:
+        raise ValueError(f"epochs must be at least 1, got {epochs}.")
     if not lr > 0:
         raise ValueError(f"lr must be positive, got {lr}.")
     if batch < 1:
@@ -148,21 +155,25 @@ def train_task(
     with torch.no_grad():
         calls = [catch_block_inputs(model, blks[0], b) for b in batches]
     targets = expert_targets(expert, path, batches, set(modules), device)
-    spans = pool_spans(calls, max_rows=1 << 62)
-    if spans is not None:
+    # One call can be drawn from by rows when it could be pooled with a copy of itself (no padding
+    # mask, no tensors among its other arguments): then minibatches of ``batch`` rows, as for many.
+    spans = pool_spans(calls if len(calls) > 1 else calls * 2, max_rows=1 << 62)
+    if spans is not None and len(calls) > 1:
         calls = [pooled(calls)]
         targets = {l: [torch.cat(ts)] for l, ts in targets.items()}
     # 2. The frozen prefix: the merged stream through the first block with a module.
     with torch.no_grad():
         for blk in blks[: first + 1]:
             calls = [c.with_hidden(run_block(blk, c)) for c in calls]
-    # 3. Adam on the modules' parameters.
+    # 3. Adam on the modules' parameters, for ``epochs`` passes over the examples however they are batched.
+    per_pass = -(-calls[0].hidden.shape[0] // sched.batch) if spans is not None else len(calls)
+    steps = sched.epochs * per_pass
     params = [p for m in modules.values() for p in m.parameters()]
     opt = torch.optim.Adam(params, lr=sched.lr)
     gen = torch.Generator().manual_seed(sched.seed)
     draws = _minibatches(calls[0].hidden.shape[0], len(calls), spans is not None, sched.batch, gen)
     losses = []
-    for step in bar(range(sched.steps), desc=desc, unit="step", show=progress):
+    for step in bar(range(steps), desc=desc, unit="step", show=progress):
         j, rows = next(draws)
         rows = None if rows is None else rows.to(device)
         call = calls[j] if rows is None else call_rows(calls[j], rows)

@@ -1,0 +1,355 @@
+"""Every merger and post-merging calibrator featcal knows, by name: the one registry.
+
+A :class:`Method` says what a method is (``kind``), which function runs it, its parameters
+(name, default read from the function, slider range and choices where it has them), its label
+and its aliases. The command line (``featcal merge``, ``featcal calibrate --merge``,
+``featcal compare``), :mod:`diagnostics.compare` and the app read it; :data:`MERGERS` and
+:data:`MERGERS_WITH_DATA` are derived from it.
+
+Kinds:
+
+- ``merger``: data-free, ``fn(base_sd, expert_sds, **params) -> state dict``;
+- ``data_merger``: reads calibration inputs, ``fn(base=, experts=, calib_data=, **params) -> model``;
+- ``calibrator``: after a merge, one model for every task (FeatCal; SVC, data-free);
+- ``trained``: after a merge, task-specific modules trained per task (ESCal, Surgery, SurgeryV2).
+
+Parameters on the command line: ``--param NAME=VALUE`` where one method runs (``featcal
+merge``, ``featcal calibrate --merge``), ``--param METHOD.NAME=VALUE`` where several do
+(``featcal compare``); :func:`parse_param_items` reads both and :func:`check_params` checks
+names and types against the registry before any work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from torch import nn
+
+from featcal.baselines import adamerging as ada
+from featcal.baselines import fisher, merging
+from featcal.baselines.regmean import regmean, regmean_plusplus
+from featcal.baselines.svc import svc
+from featcal.baselines.trained.calibrators import escal
+from featcal.baselines.trained.surgery import surgery, surgery_v2
+from featcal.config import FeatCalConfig
+from featcal.engine.run import calibrate
+
+KINDS = ("merger", "data_merger", "calibrator", "trained")
+# Arguments the runners fill themselves: never a user's --param.
+FILLED = (
+    "base",
+    "base_sd",
+    "experts",
+    "expert_sds",
+    "merged",
+    "merged_sd",
+    "calib_data",
+    "logits",
+    "progress",
+    "config",
+    "expert_trace",
+    "block_source",
+    "inplace",
+    "keep_stats",
+)
+
+
+class ParamError(TypeError, ValueError):
+    """A parameter a method does not take, or a value of the wrong type (a ``TypeError`` as for a
+    function called with a wrong keyword, and a ``ValueError`` as bad input)."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter: its ``default`` (from the function), the app's slider ``range``
+    ``(min, max, step)`` where it has one, the ``choices`` of a string parameter."""
+
+    name: str
+    default: Any
+    range: tuple[float, float, float] | None = None
+    choices: tuple[str, ...] | None = None
+
+    def check(self, method: str, value: Any) -> Any:
+        """``value`` as this parameter takes it (an int given for a float becomes a float), or a
+        ``ValueError`` naming the method, the parameter and what it takes."""
+        d = self.default
+        want = None
+        if isinstance(d, bool):
+            want, ok = "true or false", isinstance(value, bool)
+        elif isinstance(d, int):
+            want, ok = "a whole number", isinstance(value, int) and not isinstance(value, bool)
+        elif isinstance(d, float):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            want, value = "a number", float(value) if ok else value
+        elif isinstance(d, str):
+            want, ok = "a string", isinstance(value, str)
+        else:
+            ok = True
+        if self.choices is not None and value not in self.choices:
+            want, ok = f"one of {', '.join(self.choices)}", False
+        if not ok:
+            raise ParamError(f"{method}: parameter {self.name!r} takes {want}, got {value!r}.")
+        return value
+
+
+@dataclass(frozen=True)
+class Method:
+    """A registered method (see the module docstring)."""
+
+    name: str
+    kind: str
+    fn: Callable
+    label: str
+    params: tuple[Param, ...]
+    aliases: tuple[str, ...] = ()
+    app: bool = False  # offered on the app's Zoo page (fast enough to re-run on a slider's change)
+    data_free: bool = True
+
+    def param(self, name: str) -> Param:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise ParamError(f"{self.name} takes no parameter {name!r}; it takes {', '.join(self.param_names) or 'none'}.")
+
+    @property
+    def param_names(self) -> list[str]:
+        return [p.name for p in self.params]
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return {p.name: p.default for p in self.params}
+
+    @property
+    def short(self) -> str:
+        """The name a comparison shows (the first alias, e.g. ``ta``, else the name)."""
+        return self.aliases[0] if self.aliases else self.name
+
+
+def _params(fn: Callable, ranges: Mapping | None = None, choices: Mapping | None = None) -> tuple[Param, ...]:
+    """The user parameters of ``fn`` (every keyword with a default, minus :data:`FILLED`)."""
+    out = []
+    for name, p in inspect.signature(fn).parameters.items():
+        if name in FILLED or p.default is inspect.Parameter.empty or name.startswith("_"):
+            continue
+        out.append(Param(name, p.default, (ranges or {}).get(name), (choices or {}).get(name)))
+    return tuple(out)
+
+
+def _featcal_params() -> tuple[Param, ...]:
+    """FeatCal's: the CLIP preset's fields (what ``featcal compare`` starts from) and
+    :func:`featcal.calibrate`'s own options."""
+    preset = FeatCalConfig.clip()
+    ranges = {"lam": (1e-4, 10.0, 0.0), "rho": (0.0, 3.0, 0.1), "alpha": (0.0, 1.0, 0.05)}
+    fields = [
+        Param(f.name, getattr(preset, f.name), ranges.get(f.name))
+        for f in dataclasses.fields(FeatCalConfig)
+        if isinstance(getattr(preset, f.name), (bool, int, float)) and f.name != "eps"
+    ]
+    return tuple(fields) + _params(calibrate)
+
+
+SCALE = (0.05, 2.0, 0.05)
+METHODS: tuple[Method, ...] = (
+    Method("average", "merger", merging.average, "Simple averaging", (), app=True),
+    Method(
+        "task_arithmetic",
+        "merger",
+        merging.task_arithmetic,
+        "Task Arithmetic",
+        _params(merging.task_arithmetic, {"scale": (0.05, 1.0, 0.05)}),
+        aliases=("ta",),
+        app=True,
+    ),
+    Method(
+        "ties",
+        "merger",
+        merging.ties,
+        "TIES",
+        _params(merging.ties, {"density": (0.05, 1.0, 0.05), "scale": SCALE}, {"disjoint": ("mean", "sum")}),
+        app=True,
+    ),
+    Method("dare", "merger", merging.dare, "DARE", _params(merging.dare, {"drop": (0.0, 0.95, 0.05), "scale": SCALE})),
+    Method("iso_c", "merger", merging.iso_c, "Iso-C", _params(merging.iso_c, {"scale": (0.1, 2.0, 0.05)}), app=True),
+    Method(
+        "iso_cts",
+        "merger",
+        merging.iso_cts,
+        "Iso-CTS",
+        _params(merging.iso_cts, {"scale": (0.1, 2.0, 0.05), "common_space_fraction": (0.0, 1.0, 0.05)}),
+        app=True,
+    ),
+    Method("tsv", "merger", merging.tsv, "TSV", _params(merging.tsv, {"scale": (0.1, 2.0, 0.05)}), app=True),
+    Method("wudi", "merger", merging.wudi, "WUDI", _params(merging.wudi)),
+    Method(
+        "regmean",
+        "data_merger",
+        regmean,
+        "RegMean",
+        _params(regmean, {"reduce_nondiag": (0.0, 1.0, 0.05)}),
+        data_free=False,
+    ),
+    Method(
+        "regmean_plusplus",
+        "data_merger",
+        regmean_plusplus,
+        "RegMean++",
+        _params(regmean_plusplus, {"reduce_nondiag": (0.0, 1.0, 0.05)}),
+        data_free=False,
+    ),
+    Method(
+        "adamerging",
+        "data_merger",
+        ada.adamerging,
+        "AdaMerging",
+        _params(ada.adamerging, choices={"granularity": ada.GRANULARITY}),
+        data_free=False,
+    ),
+    Method(
+        "fisher_merging",
+        "data_merger",
+        fisher.fisher_merging,
+        "Fisher merging",
+        _params(fisher.fisher_merging),
+        aliases=("fisher",),
+        data_free=False,
+    ),
+    Method("featcal", "calibrator", calibrate, "FeatCal", _featcal_params(), data_free=False),
+    Method("svc", "calibrator", svc, "SVC", _params(svc, {"alpha": (0.05, 2.0, 0.05)})),
+    Method("escal", "trained", escal, "ESCal", _params(escal), data_free=False),
+    Method("surgery", "trained", surgery, "Surgery", _params(surgery), data_free=False),
+    Method("surgery_v2", "trained", surgery_v2, "SurgeryV2", _params(surgery_v2), data_free=False),
+)
+REGISTRY: dict[str, Method] = {m.name: m for m in METHODS}
+ALIASES: dict[str, str] = {a: m.name for m in METHODS for a in m.aliases}
+
+
+def names(*kinds: str) -> list[str]:
+    """The registered names of ``kinds`` (all when none), in registry order."""
+    for k in kinds:
+        if k not in KINDS:
+            raise ValueError(f"unknown kind {k!r}; choose one of {KINDS}.")
+    return [m.name for m in METHODS if not kinds or m.kind in kinds]
+
+
+def get(name: str, *kinds: str) -> Method:
+    """The method ``name`` (or an alias; any case), of one of ``kinds`` when given; a
+    ``ValueError`` listing the choices otherwise."""
+    key = name.strip().lower()
+    key = ALIASES.get(key, key)
+    method = REGISTRY.get(key)
+    if method is None or (kinds and method.kind not in kinds):
+        known = names(*kinds)
+        aliases = [a for a, n in ALIASES.items() if n in known]
+        what = "method"
+        if kinds and set(kinds) <= {"merger", "data_merger"}:
+            what = "merge method"
+        elif kinds and set(kinds) <= {"calibrator", "trained"}:
+            what = "calibrator"
+        raise ValueError(f"unknown {what} {name!r}; choose one of {', '.join(known + aliases)}.")
+    return method
+
+
+def check_params(name: str, params: Mapping[str, Any], *kinds: str) -> dict[str, Any]:
+    """``params`` checked against method ``name``'s (names and types): returned with numbers
+    normalised, or a ``ValueError`` naming the first wrong one and what the method takes."""
+    method = get(name, *kinds)
+    return {k: method.param(k).check(method.name, v) for k, v in params.items()}
+
+
+MERGERS: dict[str, Callable[..., dict]] = {m.name: m.fn for m in METHODS if m.kind == "merger"}
+MERGERS_WITH_DATA: dict[str, Callable[..., nn.Module]] = {m.name: m.fn for m in METHODS if m.kind == "data_merger"}
+
+
+def merge(method: str, base_sd: Mapping, expert_sds: Mapping | list, **params) -> dict:
+    """Merge expert state dicts into a new one with a data-free merger of :data:`MERGERS`.
+
+    ``expert_sds`` is ``{task: state_dict}`` (a list is numbered). ``params`` are the method's
+    own (``scale``, ``density``, ...), checked against the registry first."""
+    m = get(method, "merger")
+    params = check_params(m.name, params)
+    if not isinstance(expert_sds, Mapping):
+        expert_sds = {str(i): sd for i, sd in enumerate(expert_sds)}
+    return m.fn(base_sd, expert_sds, **params)
+
+
+def merge_model(method: str, base: nn.Module, experts: Mapping | list, **params) -> nn.Module:
+    """:func:`merge` on models: a new model (a deep copy of ``base``, in eval mode) holding the
+    merge of ``experts`` (``{task: model}`` or a list) by ``method``; ``base`` and the experts
+    are left as they are. What :func:`featcal.calibrate` takes as its ``merged``."""
+    import copy
+
+    if not isinstance(experts, Mapping):
+        experts = {str(i): m for i, m in enumerate(experts)}
+    merged_sd = merge(method, base.state_dict(), {t: m.state_dict() for t, m in experts.items()}, **params)
+    model = copy.deepcopy(base)
+    model.load_state_dict(merged_sd)
+    return model.eval()
+
+
+def merge_with_data(method: str, *, base: nn.Module, experts: Mapping, calib_data: Mapping, **params) -> nn.Module:
+    """Merge ``experts`` into a new model with a merger that reads calibration data
+    (:data:`MERGERS_WITH_DATA`): ``calib_data`` is ``{task: [batch, ...]}`` as for
+    :func:`featcal.calibrate`. AdaMerging and Fisher merging also need ``logits=fn(model, task,
+    batch)``; ``progress`` is passed on; other ``params`` are checked against the registry."""
+    m = get(method, "data_merger")
+    filled = {k: params.pop(k) for k in ("logits", "progress") if k in params}
+    params = check_params(m.name, params)
+    if "logits" in filled and "logits" not in inspect.signature(m.fn).parameters:
+        filled.pop("logits")  # RegMean reads no predictions
+    return m.fn(base=base, experts=experts, calib_data=calib_data, **filled, **params)
+
+
+# ------------------------------------------------------------------ the command line's --param
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value: ``true``/``false``, a whole number, a number, or the text."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_param_items(items: list[str] | None, methods: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """``["NAME=VALUE" | "METHOD.NAME=VALUE", ...]`` -> ``{method: {name: value}}`` (registry
+    names), checked against the registry. ``methods``: where one method runs, ``[that one]``
+    (a bare ``NAME=VALUE`` is its); where several, ``None`` (every item must say its method)."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in items or []:
+        key, eq, text = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--param {item!r}: write NAME=VALUE (e.g. scale=0.3) or METHOD.NAME=VALUE.")
+        owner, dot, name = key.rpartition(".")
+        if not dot:
+            if methods is None or len(methods) != 1:
+                raise ValueError(
+                    f"--param {item!r}: several methods run here; say whose it is: METHOD.NAME=VALUE "
+                    f"(e.g. ta.scale=0.3, escal.epochs=50)."
+                )
+            owner = methods[0]
+        method = get(owner)
+        if methods is not None and method.name not in [get(m).name for m in methods]:
+            raise ValueError(f"--param {item!r}: {method.name} does not run here (it runs {', '.join(methods)}).")
+        value = method.param(name).check(method.name, parse_value(text))
+        out.setdefault(method.name, {})[name] = value
+    return out
+
+
+def zoo_logits(zoo) -> Callable:
+    """``logits(model, task, batch)``: the class logits of ``model`` through the zoo's frozen head
+    for ``task`` (with gradients, unlike ``Zoo.logits``): what AdaMerging and Fisher merging read."""
+
+    def logits(model: nn.Module, task: str, batch):
+        head = zoo.heads[task]
+        feats = zoo.features(model, batch)
+        return head(feats.to(device=head.weight.device, dtype=head.weight.dtype))
+
+    return logits

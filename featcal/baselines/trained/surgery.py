@@ -1,0 +1,373 @@
+"""Representation Surgery and SurgeryV2 as their authors define them.
+
+Both add, per task, modules ``z <- z - W_up ReLU(W_down z)`` (rank 16, no bias; ``W_down``
+kaiming-uniform with a = sqrt(5), i.e. uniform in +-1/sqrt(d); ``W_up`` zero, so training starts
+at the merged model) and train them with Adam (lr 1e-3, betas (0.9, 0.999), no weight decay) on
+minibatches of 16 of the task's unlabeled inputs, 1000 steps per task (FusionBench's
+``surgery_steps: 1000``; the authors' scripts: 500 iterations of 2 steps). The merged model and
+the experts stay frozen; expert i's features are the targets.
+
+- :func:`surgery` (Yang et al., ICML 2024): one module on the model's **final embedding** (CLIP:
+  the class token after the last LayerNorm and the projection, 512-d on ViT-B/32: 2 x 512 x 16
+  numbers per task); loss: the L1 distance to expert i's final embedding.
+- :func:`surgery_v2` (Yang et al., 2024): one module after **every block**, on every token, and
+  one on the final embedding (ViT-B/32: 2 L d r + 2 d_out r = 311,296 per task); loss: the sum
+  over blocks of the L1 distance between the **token means** of the corrected merged hidden state
+  and expert i's, plus the final embedding's L1.
+
+Where the final embedding is (:func:`final_embedding`, the rule for models without a projection):
+
+1. a projection: HF ``visual_projection`` / ``text_projection``, open_clip's ``proj`` (the
+   model's own output): its output, one vector per example;
+2. HF CLIP towers without one: ``post_layernorm`` (the pooled class token the heads read); a
+   BERT-style ``...ForSequenceClassification``: its ``pooler`` (what its classifier reads);
+3. a decoder with a final norm (Llama's ``norm``, GPT-2's ``ln_f``): the last hidden state of
+   every token (the LM head reads every position), L1 over the non-padding tokens;
+4. otherwise (BERT-style encoders read by mean pooling): the last block's output, the module on
+   every token, the loss on the masked token mean (the sentence embedding); here the last
+   block's module is the final one (SurgeryV2 adds no second module there).
+
+``embedding=`` names the submodule whose output is the embedding instead (e.g. ``"pooler"`` for a
+model read through BERT's pooler) and ``pool=`` how its output is compared (``example``,
+``mean``, ``tokens``). Unlike the papers (unlabeled test inputs), training reads only the
+calibration data given.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from featcal.baselines.examples import ExamplePool, take
+from featcal.baselines.trained.calibrators import TaskCalibrated, checked_models
+from featcal.baselines.trained.modules import ATTR, SurgeryAdapter, insert
+from featcal.baselines.trained.training import TaskRun
+from featcal.model.arch import resolve_blocks
+from featcal.model.modes import eval_mode
+from featcal.model.streams import call_model, device_of
+from featcal.util.progress import bar
+
+POOLS = ("auto", "example", "mean", "tokens")
+PROJECTIONS = ("visual_projection", "text_projection")
+FINAL_NORMS = ("model.norm", "norm", "transformer.ln_f", "ln_f", "model.final_layernorm")
+
+
+@dataclass(frozen=True)
+class Embedding:
+    """Where the final embedding is: the submodule ``path`` whose output it is (``""``: the model's
+    own output), how its output is compared (``pool``), and whether it is the last block."""
+
+    path: str
+    pool: str
+    is_last_block: bool = False
+
+
+def final_embedding(model: nn.Module, blocks_path: str, embedding: str | None = None, pool: str = "auto") -> Embedding:
+    """The final embedding of ``model`` by the module docstring's rule (or ``embedding``)."""
+    if pool not in POOLS:
+        raise ValueError(f"pool={pool!r}; choose one of {POOLS}.")
+    last = f"{blocks_path}.{len(resolve_blocks(model, blocks_path)[1]) - 1}"
+    if embedding is not None:
+        try:
+            model.get_submodule(embedding)
+        except AttributeError:
+            raise ValueError(f"embedding={embedding!r}: {type(model).__name__} has no such submodule.") from None
+        return Embedding(embedding, "example" if pool == "auto" else pool, embedding == last)
+    found = _rule(model)
+    if found is None:
+        found = (last, "mean")
+    path, auto_pool = found
+    return Embedding(path, auto_pool if pool == "auto" else pool, path == last)
+
+
+def _rule(model: nn.Module) -> tuple[str, str] | None:
+    modules = dict(model.named_modules())
+    for name in PROJECTIONS:
+        if isinstance(modules.get(name), nn.Linear):
+            return name, "example"
+    if isinstance(getattr(model, "proj", None), nn.Parameter) and hasattr(model, "ln_post"):
+        return "", "example"  # open_clip's VisionTransformer projects itself
+    post = [n for n in modules if n == "post_layernorm" or n.endswith(".post_layernorm")]
+    if post:
+        return post[0], "example"
+    pooler = [n for n, m in modules.items() if n.split(".")[-1] == "pooler" and m is not None]
+    if pooler and hasattr(model, "classifier"):
+        return pooler[0], "example"  # BERT-style ...ForSequenceClassification: its head reads the pooler
+    for name in FINAL_NORMS:
+        if name in modules:
+            return name, "tokens"
+    return None
+
+
+def _mask(batch) -> torch.Tensor | None:
+    return batch.get("attention_mask") if isinstance(batch, Mapping) else None
+
+
+def token_mean(h: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``(B, T, d) -> (B, d)``: the mean over tokens (padding left out); ``(B, d)`` unchanged."""
+    if h.dim() == 2:
+        return h
+    if mask is None:
+        return h.mean(1)
+    w = mask.to(h.device, h.dtype).unsqueeze(-1)
+    return (h * w).sum(1) / w.sum(1).clamp_min(1.0)
+
+
+def embedding_distance(z: torch.Tensor, target: torch.Tensor, pool: str, mask) -> torch.Tensor:
+    """The L1 distance of the final embedding: as it is (``example``), of the token means
+    (``mean``), or over the non-padding tokens (``tokens``)."""
+    if pool == "mean":
+        return F.l1_loss(token_mean(z, mask).float(), token_mean(target, mask).float())
+    if pool == "tokens" and mask is not None and z.dim() == 3:
+        keep = mask.to(z.device).bool()
+        return F.l1_loss(z[keep].float(), target[keep].float())
+    return F.l1_loss(z.float(), target.float())
+
+
+class _Capture:
+    """Forward hooks keeping the first output of the given submodules."""
+
+    def __init__(self, model: nn.Module, paths: Mapping[object, str]):
+        self.out: dict = {}
+        self.handles = []
+        for key, path in paths.items():
+            mod = model.get_submodule(path) if path else model
+
+            def hook(_m, _args, output, key=key):
+                self.out[key] = output[0] if isinstance(output, (tuple, list)) else output
+
+            self.handles.append(mod.register_forward_hook(hook))
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _sites(path: str, n_blocks: int, block_modules: bool, emb: Embedding) -> dict:
+    """``{key: submodule path}`` the loss reads: every block (SurgeryV2) and the embedding."""
+    sites = {l: f"{path}.{l}" for l in range(n_blocks)} if block_modules else {}
+    if not emb.is_last_block or not block_modules:
+        sites["embedding"] = emb.path
+    return sites
+
+
+def _loss(out: dict, target: dict, emb: Embedding, n_blocks: int, mask) -> torch.Tensor:
+    """The unweighted sum of the L1 terms: each block's token means, the final embedding's."""
+    loss = 0.0
+    for key, h in out.items():
+        if key == "embedding" or (emb.is_last_block and key == n_blocks - 1):
+            loss = loss + embedding_distance(h, target[key], emb.pool, mask)
+        else:
+            loss = loss + F.l1_loss(token_mean(h, mask).float(), token_mean(target[key], mask).float())
+    return loss
+
+
+def _train(model, path, emb, expert, batches, modules, steps, lr, batch, seed, desc, progress) -> TaskRun:
+    """Adam on ``modules`` (``{block: module, "embedding": module}``), inserted into ``model``
+    (a private copy); each step: one minibatch, expert i's features (no gradient), the loss."""
+    start = time.perf_counter()
+    n_blocks = len(resolve_blocks(model, path)[1])
+    block_mods = any(k != "embedding" for k in modules)
+    sites = _sites(path, n_blocks, block_mods, emb)
+    place(model, path, emb, modules)
+    params = [p for m in modules.values() for p in m.parameters()]
+    opt = torch.optim.Adam(params, lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
+    draws = ExamplePool(batches).minibatches(batch, torch.Generator().manual_seed(seed))
+    mine, theirs = _Capture(model, sites), _Capture(expert, sites)
+    losses = []
+    try:
+        with eval_mode(model, expert):
+            for _ in bar(range(steps), desc=desc, unit="step", show=progress):
+                xb = next(draws)
+                with torch.no_grad():
+                    call_model(expert, _to(xb, device_of(expert)))
+                target = {k: v.to(device_of(model)) for k, v in theirs.out.items()}
+                call_model(model, _to(xb, device_of(model)))
+                loss = _loss(mine.out, target, emb, n_blocks, _mask(xb))
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                losses.append(float(loss.detach()))
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"{desc}: the loss became {losses[-1]}; lower lr (now {lr:g}).")
+    finally:
+        mine.close()
+        theirs.close()
+        unplace(model, path, emb, modules)
+    return TaskRun(losses, time.perf_counter() - start)
+
+
+def _to(batch, device):
+    if torch.is_tensor(batch):
+        return batch.to(device)
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def place(model: nn.Module, path: str, emb: Embedding, modules: Mapping) -> None:
+    """Insert ``modules`` into ``model`` (in place): each block's after its block, the
+    embedding's after the embedding's submodule (:func:`featcal.baselines.trained.modules.insert`)."""
+    for key, mod in modules.items():
+        insert(_host(model, path, emb, key), mod)
+
+
+def unplace(model: nn.Module, path: str, emb: Embedding, modules: Mapping) -> None:
+    """Undo :func:`place` (the training copy serves the next task; the modules keep their values)."""
+    for key in modules:
+        host = _host(model, path, emb, key)
+        delattr(host, ATTR)
+        host.__class__ = host.__class__.__bases__[1]  # (_Calibrated, the block's own class)
+
+
+def _host(model: nn.Module, path: str, emb: Embedding, key) -> nn.Module:
+    if key == "embedding":
+        return model.get_submodule(emb.path) if emb.path else model
+    return resolve_blocks(model, path)[1][key]
+
+
+@torch.no_grad()
+def _widths(model: nn.Module, path: str, emb: Embedding, batch) -> tuple[int, int]:
+    """``(d, d_out)``: the blocks' hidden width and the final embedding's, read from one call."""
+    n = len(resolve_blocks(model, path)[1])
+    cap = _Capture(model, {"block": f"{path}.{n - 1}", "embedding": emb.path})
+    try:
+        with eval_mode(model):
+            call_model(model, _to(take(batch, torch.arange(1)), device_of(model)))
+    finally:
+        cap.close()
+    return int(cap.out["block"].shape[-1]), int(cap.out["embedding"].shape[-1])
+
+
+# ----------------------------------------------------------------------------- the two methods
+
+
+def surgery(
+    merged: nn.Module,
+    experts: Mapping[str, nn.Module],
+    calib_data: Mapping[str, list],
+    *,
+    rank: int = 16,
+    steps: int = 1000,
+    lr: float = 1e-3,
+    batch: int = 16,
+    seed: int = 0,
+    embedding: str | None = None,
+    pool: str = "auto",
+    blocks: str | None = None,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+) -> TaskCalibrated:
+    """Representation Surgery: per task, one module on the final embedding, L1 to expert i's
+    (module docstring). Adds ``2 d_out r`` numbers per task."""
+    return _run(
+        "surgery",
+        merged,
+        experts,
+        calib_data,
+        False,
+        rank,
+        steps,
+        lr,
+        batch,
+        seed,
+        embedding,
+        pool,
+        blocks,
+        device,
+        progress,
+    )
+
+
+def surgery_v2(
+    merged: nn.Module,
+    experts: Mapping[str, nn.Module],
+    calib_data: Mapping[str, list],
+    *,
+    rank: int = 16,
+    steps: int = 1000,
+    lr: float = 1e-3,
+    batch: int = 16,
+    seed: int = 0,
+    embedding: str | None = None,
+    pool: str = "auto",
+    blocks: str | None = None,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+) -> TaskCalibrated:
+    """SurgeryV2: per task, a module after every block (every token) and one on the final
+    embedding; loss: the L1 of the token means at every block plus the final embedding's
+    (module docstring). Adds ``2 L d r + 2 d_out r`` numbers per task."""
+    return _run(
+        "surgery_v2",
+        merged,
+        experts,
+        calib_data,
+        True,
+        rank,
+        steps,
+        lr,
+        batch,
+        seed,
+        embedding,
+        pool,
+        blocks,
+        device,
+        progress,
+    )
+
+
+def surgery_modules(
+    d: int, d_out: int, n_blocks: int, per_block: bool, emb: Embedding, rank: int, gen, device=None
+) -> dict:
+    """One task's fresh modules: ``{block: module}`` (SurgeryV2) and ``{"embedding": module}``
+    (none separate when the embedding is the last block's output and every block has one)."""
+    mods: dict = {l: SurgeryAdapter(d, rank, gen, device=device) for l in range(n_blocks)} if per_block else {}
+    if not (per_block and emb.is_last_block):
+        mods["embedding"] = SurgeryAdapter(d_out, rank, gen, device=device)
+    return mods
+
+
+def _run(
+    method,
+    merged,
+    experts,
+    calib_data,
+    per_block,
+    rank,
+    steps,
+    lr,
+    batch,
+    seed,
+    embedding,
+    pool,
+    blocks,
+    device,
+    progress,
+):
+    if rank < 1 or steps < 1 or batch < 1 or not lr > 0:
+        raise ValueError(
+            f"{method}: rank, steps and batch must be >= 1 and lr > 0; got {rank}, {steps}, {batch}, {lr}."
+        )
+    path, _ = checked_models(merged, experts, calib_data, blocks)
+    model = copy.deepcopy(merged).to(device if device is not None else device_of(merged)).eval()
+    model.requires_grad_(False)
+    n_blocks = len(resolve_blocks(model, path)[1])
+    emb = final_embedding(model, path, embedding, pool)
+    d, d_out = _widths(model, path, emb, calib_data[next(iter(experts))][0])
+    gen = torch.Generator().manual_seed(seed)
+    modules, runs = {}, {}
+    for task, expert in experts.items():
+        if device_of(expert) != device_of(model):
+            expert = copy.deepcopy(expert).to(device_of(model))
+        mods = surgery_modules(d, d_out, n_blocks, per_block, emb, rank, gen, device_of(model))
+        args = (model, path, emb, expert, calib_data[task], mods, steps, lr, batch, seed)
+        runs[task] = _train(*args, f"{method} {task}", progress)
+        modules[task] = mods
+    settings = dict(rank=rank, steps=steps, lr=lr, batch=batch, seed=seed, embedding=emb.path, pool=emb.pool)
+    settings["device"] = str(device_of(model))
+    return TaskCalibrated(method, model, path, modules, runs, settings, embedding=emb.path)

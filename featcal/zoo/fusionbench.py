@@ -1,0 +1,296 @@
+"""FusionBench model pools as featcal zoo specs (``featcal zoo from-fusionbench``).
+
+A FusionBench CLIP model pool (``fusion_bench.modelpool.CLIPVisionModelPool``) names the base
+as ``models._pretrained_`` and each task's expert by its hub id (``tanganke/clip-vit-base-
+patch32_sun397``), or as a LoRA adapter (``load_lora_vision_model_hf`` with ``peft_name``);
+its ``train_datasets`` and a task pool's ``test_datasets`` name each task's data set
+(``datasets.load_dataset`` with ``path``, or ``_args_: [id, subset]``, and ``split``), directly
+or through Hydra ``defaults`` that point into FusionBench's ``config/dataset/`` folder. That
+folder is found beside the YAML (its config tree), in ``--config-dir``, or in the installed
+``fusion_bench_config`` package (read as files; FusionBench is never imported).
+
+:func:`from_fusionbench` turns them into a featcal spec (zero-shot heads from the base CLIP's
+text tower, data from the Hugging Face cache) that :func:`featcal.zoo.spec.load` loads offline;
+:func:`write_spec` writes it with the download lines of whatever the cache lacks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+from pathlib import Path
+from typing import Mapping
+
+import yaml
+
+from featcal.zoo import classnames, locate
+from featcal.zoo.resolve import format_missing, hf_snapshot
+from featcal.zoo.schema import SpecError, from_dict
+
+POOL_TARGET = "CLIPVisionModelPool"
+LORA_TARGET = "load_lora_vision_model_hf"
+DENSE_TARGETS = ("load_fft_vision_model_hf", "CLIPVisionModel.from_pretrained", "CLIPModel.from_pretrained")
+NAME_KEYS = ("pretrained_model_name_or_path", "model_name", "path")
+DATA_PACKAGES = ("train_datasets", "test_datasets", "val_datasets")
+
+
+class FusionBenchError(ValueError):
+    """A FusionBench config featcal cannot turn into a zoo spec; the message names the file and key."""
+
+
+# ----------------------------------------------------------------------------- Hydra, the little we need
+
+
+def config_roots(yaml_path: Path, config_dir: str | os.PathLike | None = None) -> list[Path]:
+    """Where FusionBench's config tree may be: ``config_dir``, the YAML's ancestors holding a
+    ``dataset/`` folder, the installed ``fusion_bench_config`` package."""
+    roots = [Path(config_dir).expanduser()] if config_dir else []
+    roots += [p for p in yaml_path.absolute().parents if (p / "dataset").is_dir()]
+    spec = importlib.util.find_spec("fusion_bench_config")
+    if spec is not None and spec.submodule_search_locations:
+        roots += [Path(p) for p in spec.submodule_search_locations]
+    return roots
+
+
+def _read(path: Path) -> dict:
+    doc = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(doc, Mapping):
+        raise FusionBenchError(f"{path}: expected a mapping at the top level.")
+    return dict(doc)
+
+
+def _group_file(group: str, name: str, here: Path, roots: list[Path]) -> Path:
+    """The file of Hydra config ``group/name``: an absolute ``/group`` under a config root, a relative
+    one beside ``here``'s own group (``here.parent.parent``), no group in ``here``'s folder."""
+    if group.startswith("/"):
+        places = [r / group[1:] for r in roots]
+    else:
+        places = [here.parent.parent / group] if group else [here.parent]
+    for place in places:
+        if (place / f"{name}.yaml").is_file():
+            return place / f"{name}.yaml"
+    raise FusionBenchError(
+        f"{here}: defaults entry {group or '.'}/{name}: no {name}.yaml under {[str(p) for p in places]}; give "
+        "FusionBench's config folder with --config-dir (or install fusion_bench_config)."
+    )
+
+
+def compose(path: Path, roots: list[Path]) -> dict:
+    """``path``'s YAML with its Hydra ``defaults`` merged in (they first, the file's own keys on top):
+    ``GROUP@PACKAGE: NAME(S)`` into ``PACKAGE``, ``GROUP@: NAME`` at the top, a plain ``NAME`` from
+    the same folder (a dataset group file listing its members)."""
+    doc = _read(path)
+    out: dict = {}
+    for entry in doc.pop("defaults", None) or []:
+        if entry == "_self_":
+            continue
+        items = entry.items() if isinstance(entry, Mapping) else [(f"@:{entry}", None)]
+        for key, names in items:
+            if names is None:
+                group, package, names = "", "", key.split(":", 1)[1]
+            else:
+                group, _, package = str(key).partition("@")
+            for name in names if isinstance(names, list) else [names]:
+                sub = compose(_group_file(group, str(name).strip(), path, roots), roots)
+                if package and package != "_here_":
+                    if not isinstance(out.get(package), Mapping):  # unset, or Hydra's ??? placeholder
+                        out[package] = {}
+                    out[package].update(sub)
+                else:
+                    out.update(sub)
+    for key, value in doc.items():
+        if value == "???" and key in out:  # Hydra's "to be filled": keep what the defaults gave
+            continue
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return out
+
+
+def _interpolated(value, doc: Mapping):
+    """``${..key}`` / ``${.a.b}`` / ``${key}``: the value at that key path of ``doc`` (top-level keys only)."""
+    if isinstance(value, str):
+        m = re.fullmatch(r"\$\{\.*([\w.]+)\}", value.strip())
+        if m:
+            node = doc
+            for part in m.group(1).split("."):
+                node = node.get(part) if isinstance(node, Mapping) else None
+            return node
+    return value
+
+
+# ----------------------------------------------------------------------------- pools -> spec
+
+
+def _model_ref(src: str, task: str, entry) -> tuple[str, str | None]:
+    """``(hub id or path, LoRA base id or None)`` of a model pool entry."""
+    if isinstance(entry, str):
+        return entry, None
+    if not isinstance(entry, Mapping):
+        raise FusionBenchError(f"{src}: models.{task}: expected a hub id or a mapping, got {entry!r}.")
+    target = str(entry.get("_target_", ""))
+    if target.endswith(LORA_TARGET):
+        return str(entry["peft_name"]), str(entry.get("base_model_name", ""))
+    if target.endswith(DENSE_TARGETS) or not target:
+        name = next((entry[k] for k in NAME_KEYS if entry.get(k)), None)
+        if name is not None:
+            return str(name), None
+    raise FusionBenchError(
+        f"{src}: models.{task}: {target or 'this entry'} is not a model featcal reads (a dense CLIP vision model "
+        f"by hub id, or a LoRA adapter via {LORA_TARGET}); linearized and other wrapped models are not supported."
+    )
+
+
+def _model_entry(ref: str, root: Path) -> dict:
+    p = Path(ref).expanduser()
+    p = p if p.is_absolute() else root / p
+    return {"path": str(p)} if p.exists() else {"id": ref}
+
+
+def _dataset(src: str, task: str, entry) -> tuple[str, str | None, str]:
+    """``(hub id, subset or None, split)`` of a ``datasets.load_dataset`` entry."""
+    if not isinstance(entry, Mapping) or not str(entry.get("_target_", "")).endswith("load_dataset"):
+        raise FusionBenchError(f"{src}: {task}: a data set must be a datasets.load_dataset entry, got {entry!r}.")
+    args = list(entry.get("_args_") or [])
+    hub = entry.get("path") or (args[0] if args else None)
+    if not hub:
+        raise FusionBenchError(f"{src}: {task}: load_dataset without a path.")
+    subset = entry.get("name") or (args[1] if len(args) > 1 else None)
+    return str(hub), subset, str(entry.get("split", "train"))
+
+
+def _cached_class_names(hub: str, subset: str | None) -> list[str] | None:
+    """The label names a cached parquet copy of ``hub`` records (HF's ``ClassLabel`` metadata)."""
+    snap, _ = hf_snapshot(hub, "dataset")
+    files = sorted((snap / (subset or "")).rglob("*.parquet")) if snap is not None else []
+    if not files:
+        return None
+    import pyarrow.parquet as pq
+
+    meta = pq.read_schema(files[0]).metadata or {}
+    info = json.loads(meta.get(b"huggingface", b"{}"))
+    names = (info.get("info", {}).get("features", {}).get("label") or {}).get("names")
+    return list(names) if names else None
+
+
+def from_fusionbench(
+    modelpool: str | os.PathLike,
+    taskpool: str | os.PathLike | None = None,
+    *,
+    config_dir: str | os.PathLike | None = None,
+    root: str | os.PathLike | None = None,
+    splits: Mapping | None = None,
+) -> dict:
+    """A featcal zoo spec (a dict :func:`featcal.zoo.schema.from_dict` accepts) from a FusionBench
+    CLIP model pool and, optionally, its task pool; local paths are made absolute against ``root``
+    (default: the model pool's folder)."""
+    pool_path = Path(modelpool).expanduser()
+    src = str(pool_path)
+    roots = config_roots(pool_path, config_dir)
+    pool = compose(pool_path, roots)
+    if POOL_TARGET not in str(pool.get("_target_", POOL_TARGET)):
+        raise FusionBenchError(f"{src}: _target_ {pool['_target_']!r}; featcal reads {POOL_TARGET} pools (CLIP).")
+    models = dict(pool.get("models") or {})
+    if "_pretrained_" not in models:
+        raise FusionBenchError(f"{src}: models: no _pretrained_ (the base model).")
+    here = Path(root) if root else pool_path.absolute().parent
+    base_ref, _ = _model_ref(src, "_pretrained_", _interpolated(models.pop("_pretrained_"), pool))
+    if not models:
+        raise FusionBenchError(f"{src}: models: only _pretrained_; a zoo needs experts.")
+    tp = compose(Path(taskpool).expanduser(), config_roots(Path(taskpool), config_dir)) if taskpool else {}
+    train = dict(pool.get("train_datasets") or {})
+    test = {**dict(pool.get("test_datasets") or {}), **dict(tp.get("test_datasets") or {})}
+    experts, data, classes = {}, {}, {}
+    for task, entry in models.items():
+        ref, lora_base = _model_ref(src, task, entry)
+        if lora_base and lora_base != base_ref:
+            raise FusionBenchError(f"{src}: models.{task}: LoRA on {lora_base!r}, the pool's base is {base_ref!r}.")
+        experts[task] = _model_entry(ref, here)
+        data[task] = _data_entry(src, task, train.get(task), test.get(task))
+        if classnames.canonical_task(task) not in classnames.TASKS:
+            names = _cached_class_names(data[task]["hub"], data[task].get("subset"))
+            if names is None:
+                raise FusionBenchError(
+                    f"{src}: task {task!r}: featcal has no built-in class names for it and the data set "
+                    f"{data[task]['hub']} is not in the HF cache to read them from; download it first, or add "
+                    "heads.classes to the written spec."
+                )
+            classes[task] = names
+    heads: dict = {"type": "zero_shot", "logit_scale": True}
+    text = _interpolated((tp.get("clip_model") or {}).get("pretrained_model_name_or_path"), tp)
+    if text and text != base_ref:
+        heads["text_model"] = _model_entry(str(text), here)
+    if classes:
+        heads["classes"] = classes
+    return {
+        "name": pool_path.stem,
+        "format": "hf",
+        "base": _model_entry(base_ref, here),
+        "experts": experts,
+        "heads": heads,
+        "data": data,
+        "splits": dict(splits or {"calib": 256, "val": 256, "test": None, "seed": 42}),
+    }
+
+
+def _data_entry(src: str, task: str, train, test) -> dict:
+    if train is None and test is None:
+        raise FusionBenchError(
+            f"{src}: task {task!r} has no data set: the pool's train_datasets and the task pool's test_datasets "
+            "name none; give --taskpool (or a pool with train_datasets)."
+        )
+    hub, subset, train_split = _dataset(src, task, train) if train is not None else (None, None, "train")
+    if test is not None:
+        t_hub, t_subset, test_split = _dataset(src, task, test)
+        if hub is not None and (t_hub, t_subset) != (hub, subset):
+            raise FusionBenchError(
+                f"{src}: task {task!r}: train set {hub} and test set {t_hub} differ; featcal "
+                "reads both splits from one data set."
+            )
+        hub, subset = t_hub, t_subset
+    else:
+        test_split = "test"
+    entry = {"hub": hub, "train_split": train_split, "test_split": test_split}
+    return entry | ({"subset": subset} if subset else {})
+
+
+def write_spec(spec: Mapping, out: str | os.PathLike, sources: list[str], force: bool = False) -> list[str]:
+    """Write ``spec`` as YAML to ``out`` (validated first; an existing file only with ``force``),
+    headed by where it came from and the download commands of what the HF cache lacks. Returns
+    the lines saying what is missing (empty when the zoo loads as it is)."""
+    out = Path(out).expanduser()
+    if out.exists() and not force:
+        raise FileExistsError(f"{str(out)!r} exists; pass --force to replace it.")
+    try:
+        parsed = from_dict(spec, root=out.absolute().parent, source=str(out))
+    except SpecError as err:
+        raise FusionBenchError(f"the spec made from {sources[0]} does not validate: {err}") from None
+    _, missing = locate.locate(parsed)
+    head = [f"# featcal zoo spec written by `featcal zoo from-fusionbench` from {', '.join(sources)}."]
+    head += ["# Everything is read offline from the Hugging Face cache (featcal never downloads)."]
+    lines = format_missing(missing, str(out)).splitlines() if missing else []
+    head += [f"# {line}" for line in lines]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(head) + "\n" + yaml.safe_dump(dict(spec), sort_keys=False))
+    return lines
+
+
+def is_pool(path: str | os.PathLike) -> bool:
+    """Whether the YAML at ``path`` is a FusionBench model pool (not a featcal spec)."""
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(doc, Mapping) and (
+        "modelpool" in str(doc.get("_target_", "")) or "_pretrained_" in (doc.get("models") or {})
+    )
+
+
+def pool_spec(path: str | os.PathLike, taskpool: str | os.PathLike | None = None):
+    """A model pool as a validated :class:`~featcal.zoo.schema.ZooSpec` (what ``featcal --zoo
+    POOL.yaml`` and the app's "other (path)" load)."""
+    path = Path(path).expanduser()
+    return from_dict(from_fusionbench(path, taskpool), root=path.absolute().parent, source=str(path))
