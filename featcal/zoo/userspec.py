@@ -5,7 +5,8 @@ writes (the YAML format: docs/zoos.md, :mod:`featcal.zoo.schema`).
   ``train/`` and ``test/`` class folders of images (or a ``datasets`` / parquet layout), or a
   ``<task>.safetensors`` / ``<task>.npz`` file of ``<split>_inputs`` / ``<split>_labels``;
 - :func:`model_kind`: a model directory's kind (a dense ``save_pretrained`` directory, a
-  LoRA adapter, an open_clip checkpoint file), checked before anything is written;
+  PEFT LoRA adapter, which the zoo's loader merges onto the base, an open_clip checkpoint
+  file), checked before anything is written;
 - :func:`user_spec` builds the spec dict (validated by :func:`featcal.zoo.schema.from_dict`),
   :func:`spec_text` its YAML, :func:`write_spec` writes it, never over a file featcal did not write.
 """
@@ -18,6 +19,7 @@ from typing import Mapping
 
 import yaml
 
+from featcal.model import lora
 from featcal.zoo import schema
 
 HEADER = "# featcal zoo spec, written by featcal's app (docs/zoos.md documents every key)\n"
@@ -110,7 +112,7 @@ def model_kind(path: str | os.PathLike) -> str:
         return "file"
     if not p.is_dir():
         raise UserSpecError(f"model {str(p)!r} does not exist.")
-    if (p / "adapter_config.json").is_file():
+    if lora.is_adapter_dir(p):
         return "lora"
     if (p / "config.json").is_file():
         return "dense"
@@ -121,8 +123,8 @@ def model_kind(path: str | os.PathLike) -> str:
 
 
 def lora_supported() -> bool:
-    """Whether this featcal's zoo specs load LoRA adapter experts."""
-    return "adapter" in schema.SCHEMA["model"]
+    """Whether this featcal's zoo specs load LoRA adapter experts (:mod:`featcal.model.lora`)."""
+    return hasattr(lora, "LoraAdapter")
 
 
 def user_spec(
@@ -156,6 +158,8 @@ def user_spec(
     entries = {}
     for role, path in [("base", base), *((f"expert {t!r}", p) for t, p in experts.items())]:
         kind = model_kind(path)
+        if kind == "lora" and role == "base":
+            raise UserSpecError(f"base: {path!r} is a LoRA adapter; the base is the dense model the experts adapt.")
         if kind == "lora" and not lora_supported():
             raise UserSpecError(
                 f"{role}: {path!r} is a LoRA adapter, which this version of featcal does not load yet; "
@@ -163,7 +167,7 @@ def user_spec(
             )
         if kind == "file" and fmt != "open_clip":
             raise UserSpecError(f"{role}: {path!r} is a file; hf models are save_pretrained directories.")
-        entries[role] = {"adapter": str(_path(path))} if kind == "lora" else {"path": str(_path(path))}
+        entries[role] = {"path": str(_path(path))}  # an adapter directory too: the loader merges it onto the base
     spec = {
         "name": name,
         "format": fmt,

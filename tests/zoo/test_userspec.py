@@ -59,7 +59,14 @@ def test_what_cannot_make_a_zoo_is_a_clear_message(user_models):
     adapter = user_models / "lora_red"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
-    if not userspec.lora_supported():
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    assert userspec.model_kind(adapter) == "lora"
+    with pytest.raises(userspec.UserSpecError, match="base.*LoRA adapter"):
+        userspec.user_spec("mine", str(adapter), {"red": str(user_models / "experts" / "red")}, data)
+    if userspec.lora_supported():  # the expert entry is the adapter's directory, merged on load
+        spec = userspec.user_spec("mine", base, {"red": str(adapter)}, data)
+        assert spec["experts"]["red"] == {"path": str(adapter)}
+    else:
         with pytest.raises(userspec.UserSpecError, match="LoRA adapter.*does not load yet"):
             userspec.user_spec("mine", base, {"red": str(adapter)}, data)
     from safetensors.torch import save_file
