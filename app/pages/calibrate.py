@@ -123,7 +123,7 @@ def show_drift(kind: str, drift: pd.DataFrame) -> None:
         norm_range=nrng,
         reference=("merged", merged_drift),
     )
-    slots.draw("drift", st, "plotly_chart", fig, key=f"cal_drift_{kind}")
+    slots.draw("drift", st, "plotly_chart", fig)
 
 
 def show_cosines(kind: str, drift: pd.DataFrame, sc: dict) -> None:
@@ -138,7 +138,6 @@ def show_cosines(kind: str, drift: pd.DataFrame, sc: dict) -> None:
         figures.expert_cosine_per_block(
             {"merged": merged_drift, name: drift}, f"expert cosine per block and task ({name}; merged dotted)"
         ),
-        key=f"cal_cos_blocks_{kind}",
     )
     slots.draw(
         "cos_tv",
@@ -149,7 +148,6 @@ def show_cosines(kind: str, drift: pd.DataFrame, sc: dict) -> None:
             -1,
             "task-vector cosine with each expert (whole model)",
         ),
-        key=f"cal_cos_tv_{kind}",
     )
     if "cos_captions" not in layout.parts:
         layout.parts["cos_captions"] = True
