@@ -33,6 +33,25 @@ def styled(df: pd.DataFrame, digits: int = 4, index: bool = True) -> Styler:
     return style
 
 
+def dashed(df: pd.DataFrame, digits: int = 4) -> tuple[pd.DataFrame, list[str]]:
+    """``df`` with every numeric column that has missing cells turned into text (rounded to
+    ``digits``, thousands separated, a dash where missing; Streamlit shows a missing number as
+    "None" whatever a Styler says), and the names of those columns (to right-align them)."""
+    out, texts = df.copy(), []
+    for col in df.columns:
+        series = df[col]
+        numeric = pd.api.types.is_numeric_dtype(series) and not pd.api.types.is_bool_dtype(series)
+        if series.dtype == object and series.map(lambda v: v is None or isinstance(v, (int, float))).all():
+            numeric = series.notna().any()
+        if not numeric or not series.isna().any():
+            continue
+        values = pd.to_numeric(series, errors="coerce")
+        whole = bool(((values.dropna() % 1) == 0).all()) and not pd.api.types.is_float_dtype(series)
+        out[col] = [MISSING if pd.isna(v) else (f"{int(v):,}" if whole else f"{v:,.{digits}f}") for v in values]
+        texts.append(col)
+    return out, texts
+
+
 def settings_table(settings: dict) -> pd.DataFrame:
     """A settings dict as a two-column table (``setting``, ``value``), values as short text:
     floats to 4 significant digits, None as a dash, sequences joined by commas."""

@@ -117,6 +117,17 @@ def progress_of(label: str) -> Iterator[None]:
     slot.caption(f":material/check_circle: {label}: done in {time.perf_counter() - t0:.1f} s")
 
 
+def table(df: pd.DataFrame, digits: int = 4, index: bool = True, where=None, **kwargs):
+    """``st.dataframe`` of ``df`` as :mod:`app.tables` formats it: numbers rounded and
+    right-aligned, a dash (never "None") for a missing value."""
+    from app import tables
+
+    frame, texts = tables.dashed(df, digits)
+    config = {c: st.column_config.TextColumn(alignment="right") for c in texts}
+    kwargs.setdefault("width", "stretch")
+    return (where or st).dataframe(tables.styled(frame, digits, index), column_config=config, **kwargs)
+
+
 def parquet_bytes(df: pd.DataFrame) -> bytes:
     """``df`` as Parquet file bytes (pyarrow)."""
     buf = io.BytesIO()

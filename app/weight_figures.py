@@ -15,18 +15,18 @@ from app.figures import TASK_COLORS, TICKS, _figure, _heatmap, _title, block_tas
 VIEWS = {
     "sign_against": (
         "against elected sign",
-        "share of the task's kept entries against TIES's elected sign",
+        "kept entries against TIES's elected sign",
         "Oranges",
         (0.0, 1.0),
     ),
     "spectral_overlap": (
         "spectral overlap",
-        "overlap of the top singular directions with the other tasks'",
+        "top singular directions shared with other tasks",
         "Purples",
         (0.0, 1.0),
     ),
-    "cosine_others": ("cos(τ_i, τ_j), mean", "task-vector cosine with the other tasks (mean)", "RdBu_r", None),
-    "tau_norm": ("|τ_i|", "task-vector norm |τ_i| of the block", "Greens", None),
+    "cosine_others": ("cos(τ_i, τ_j), mean", "task-vector cosine with other tasks", "RdBu_r", None),
+    "tau_norm": ("|τ_i|", "task-vector norm per block", "Greens", None),
 }
 
 
@@ -82,7 +82,7 @@ def conflict_and_drift(blocks: pd.DataFrame, drift: pd.DataFrame, metric: str = 
     return _figure(
         data,
         {
-            "title": _title("weights vs features per block: sign conflicts and the merged model's drift"),
+            "title": _title("sign conflicts vs drift, per block"),
             "xaxis": {"title": {"text": "block"}, "dtick": 1},
             "yaxis": {"title": {"text": "sign-conflict share"}, "rangemode": "tozero", "tickformat": TICKS},
             "yaxis2": {
@@ -90,7 +90,7 @@ def conflict_and_drift(blocks: pd.DataFrame, drift: pd.DataFrame, metric: str = 
                 "overlaying": "y",
                 "side": "right",
                 "rangemode": "tozero",
-                "tickformat": TICKS,
+                "tickformat": ".2~f",
                 "showgrid": False,
             },
         },
@@ -119,7 +119,7 @@ def view_vs_drift(wide: pd.DataFrame, metric: str, target: str = "drift_rel") ->
     return _figure(
         data,
         {
-            "title": _title(f"drift vs {view_label(metric)}, per task and block"),
+            "title": _title(f"drift vs {view_label(metric)}"),
             "xaxis": {"title": {"text": view_label(metric)}, "tickformat": TICKS},
             "yaxis": {"title": {"text": label(target)}, "rangemode": "tozero", "tickformat": TICKS},
         },

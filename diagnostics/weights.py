@@ -186,7 +186,9 @@ def block_table(table: pd.DataFrame, matrix: pd.DataFrame) -> pd.DataFrame:
     frames = [s.rename("value").reset_index().assign(metric=m) for m, s in series.items() if len(s)]
     out = pd.concat(frames, ignore_index=True)[["task", "block", "metric", "value"]]
     out["block"] = out.block.astype(int)
-    return out.sort_values(["metric", "task", "block"], kind="stable", ignore_index=True)
+    order = {t: i for i, t in enumerate(dict.fromkeys(table.task))}  # the experts' order, not alphabetical
+    out = out.assign(_order=out.task.map(order)).sort_values(["metric", "_order", "block"], kind="stable")
+    return out.drop(columns="_order").reset_index(drop=True)
 
 
 def beside_drift(blocks: pd.DataFrame, drift: pd.DataFrame, metric: str = "drift_rel") -> pd.DataFrame:

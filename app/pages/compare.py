@@ -125,8 +125,8 @@ COST = {
     "calib_seconds": "calibrate s",
 }
 left, right = st.columns([3, 2])  # two narrow tables: nothing cut at 1280 px
-left.dataframe(tables.styled(summary[list(SCORES)].rename(columns=SCORES), 2, index=False), width="stretch")
-right.dataframe(tables.styled(summary[list(COST)].rename(columns=COST), 2, index=False), width="stretch")
+ui.table(summary[list(SCORES)].rename(columns=SCORES), 2, index=False, where=left)
+ui.table(summary[list(COST)].rename(columns=COST), 2, index=False, where=right)
 ui.downloads(summary, "compare_summary", "the summary (every column)")
 ui.downloads(result.accuracy, "compare_accuracy", "the per-task accuracy (tidy)")
 ui.downloads(result.drift, "compare_drift", "the drift per block (tidy)")
@@ -137,13 +137,13 @@ with acc_tab:
     st.plotly_chart(fig, key="cmp_acc")
     st.download_button("Figure (HTML)", figures.to_html(fig), "compare_accuracy.html", key="cmp_acc_html")
     table = result.accuracy.pivot(index="method", columns="task", values="accuracy").loc[summary["method"], zoo.tasks]
-    st.dataframe(tables.styled(table.assign(avg=table.mean(axis=1)), 1))
+    ui.table(table.assign(avg=table.mean(axis=1)), 1)
 with out_tab:
     fig = figs.output_scatter(summary)
     st.plotly_chart(fig, key="cmp_out")
     st.download_button("Figure (HTML)", figures.to_html(fig), "compare_output.html", key="cmp_out_html")
     out = result.output.pivot_table(index="method", columns=["metric", "task"], values="value")
-    st.dataframe(tables.styled(out.loc[summary["method"]], 3))
+    ui.table(out.loc[summary["method"]], 3)
 with drift_tab:
     task = st.selectbox("task", zoo.tasks, key="cmp_task")
     fig = figs.drift_lines(result.drift, task)

@@ -8,7 +8,7 @@ wrote. Both draw the same figures (:mod:`featcal.sweep.figures`) and summary tab
 import pandas as pd
 import streamlit as st
 
-from app import compute, controls, settings, state, tables, ui, workers
+from app import compute, controls, settings, state, ui, workers
 from featcal.config import FeatCalConfig
 from featcal.sweep import figures as tune_figures
 from featcal.sweep import studies
@@ -101,7 +101,7 @@ with se_tab:
     rows = _rows("sample-efficiency", _sample_efficiency, args) if budgets else None
     if rows is not None:
         st.plotly_chart(tune_figures.sample_efficiency_curve(rows), key="se_curve")
-        st.dataframe(tables.styled(studies.summarize(rows, by=("method", "n")), 2, index=False), width="stretch")
+        ui.table(studies.summarize(rows, by=("method", "n")), 2, index=False)
         ui.downloads(rows, "sample_efficiency", "every row (method, n, seed, task, accuracy)")
 
 with rb_tab:
@@ -126,5 +126,5 @@ with rb_tab:
     if rows is not None:
         st.plotly_chart(tune_figures.robustness_bars(rows), key="rb_bars")
         summary = studies.summarize(rows, by=("method", "corruption", "severity"))
-        st.dataframe(tables.styled(summary, 2, index=False), width="stretch")
+        ui.table(summary, 2, index=False)
         ui.downloads(rows, "robustness", "every row (method, corruption, severity, seed, task, accuracy)")

@@ -13,7 +13,7 @@ import math
 import pandas as pd
 import streamlit as st
 
-from app import compute, controls, settings, state, tables, ui, workers
+from app import compute, controls, settings, state, ui, workers
 from featcal.config import FeatCalConfig
 from featcal.sweep import figures as tune_figures
 from featcal.sweep.search import Grid, holdout_report, tune_zoo
@@ -203,10 +203,10 @@ right.caption(
     "The exact runs choose, so the star need not sit on the brightest cell."
 )
 st.subheader("Every point tried")
-st.dataframe(tables.styled(res.table, 4, index=False), width="stretch")
+ui.table(res.table, 4, index=False)
 ui.downloads(res.table, "tune_table", "every point tried (preview and exact scores)")
 
 st.subheader("Test split")
 if st.button("Score the paper's and the chosen setting on the test split"):
     with st.spinner("Two exact runs and a full test evaluation…"):
-        st.dataframe(tables.styled(_test(source, fp, args, res), 2, index=False), width="stretch")
+        ui.table(_test(source, fp, args, res), 2, index=False)

@@ -6,7 +6,7 @@ weights conflict. The maths is :mod:`diagnostics.weights`; the figures
 
 import streamlit as st
 
-from app import controls, figures, state, tables, ui
+from app import controls, figures, state, ui
 from app import weight_figures as wf
 from app.settings import ModelRef
 from diagnostics.weights import DENSITY, TOP_K, beside_drift, correlations
@@ -37,7 +37,7 @@ metric = st.segmented_control(
 metric = metric or "sign_against"
 left, right = st.columns(2)
 left.plotly_chart(wf.view_heatmap(per_block, metric, wf.view_title(metric)), key="w_heat")
-right.plotly_chart(figures.drift_heatmap(drift, f"feature drift of {merger.label} from each expert"), key="w_drift")
+right.plotly_chart(figures.drift_heatmap(drift, "feature drift of the merged model"), key="w_drift")
 left, right = st.columns(2)
 left.plotly_chart(wf.conflict_and_drift(per_block, drift), key="w_conflict")
 right.plotly_chart(wf.view_vs_drift(wide, metric), key="w_scatter")
@@ -64,7 +64,7 @@ table = (
 st.caption(
     f"Per tensor of block {block}: TIES's sign-conflict share over every task, then per task: {wf.view_title(metric)}."
 )
-st.dataframe(tables.styled(table, 4), width="stretch")
+ui.table(table, 4)
 
 st.subheader("Tables")
 ui.downloads(wide, "weights_vs_drift", "per task and block: every weight view beside the merged model's drift")

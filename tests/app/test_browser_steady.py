@@ -142,7 +142,7 @@ def test_the_weights_page_draws(server, browser):  # noqa: F811
     page = _open(context, f"{url}/weights", ".js-plotly-plot")
     page.wait_for_function("document.querySelectorAll('.js-plotly-plot .main-svg').length >= 4", timeout=RUN_MS)
     titles = page.locator(".gtitle").all_text_contents()
-    for want in ("share of the task's kept entries", "feature drift of", "weights vs features", "drift vs"):
+    for want in ("kept entries against", "feature drift of", "sign conflicts vs drift", "drift vs"):
         assert any(t.startswith(want) for t in titles), (want, titles)
     assert page.locator('[data-testid="stException"]').count() == 0
     context.close()
