@@ -125,7 +125,8 @@ def table(df: pd.DataFrame, digits: int = 4, index: bool = True, where=None, **k
     frame, texts = tables.dashed(df, digits)
     config = {c: st.column_config.TextColumn(alignment="right") for c in texts}
     kwargs.setdefault("width", "stretch")
-    return (where or st).dataframe(tables.styled(frame, digits, index), column_config=config, **kwargs)
+    kwargs.setdefault("hide_index", not index)
+    return (where or st).dataframe(tables.styled(frame, digits), column_config=config, **kwargs)
 
 
 def parquet_bytes(df: pd.DataFrame) -> bytes:

@@ -124,9 +124,8 @@ COST = {
     "merge_seconds": "merge s",
     "calib_seconds": "calibrate s",
 }
-left, right = st.columns([3, 2])  # two narrow tables: nothing cut at 1280 px
-ui.table(summary[list(SCORES)].rename(columns=SCORES), 2, index=False, where=left)
-ui.table(summary[list(COST)].rename(columns=COST), 2, index=False, where=right)
+ui.table(summary[list(SCORES)].rename(columns=SCORES), 2, index=False)  # scores, then cost: nothing cut at 1280 px
+ui.table(summary[list(COST)].rename(columns=COST), 2, index=False)
 ui.downloads(summary, "compare_summary", "the summary (every column)")
 ui.downloads(result.accuracy, "compare_accuracy", "the per-task accuracy (tidy)")
 ui.downloads(result.drift, "compare_drift", "the drift per block (tidy)")

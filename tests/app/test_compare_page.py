@@ -32,7 +32,7 @@ def test_compare_page_runs_the_chosen_methods(tiny_zoo_dir):
     assert not at.exception, [e.value for e in at.exception]
     assert not at.error, [e.value for e in at.error]
 
-    scores, cost = at.dataframe[0].value, at.dataframe[1].value  # two narrow tables, side by side
+    scores, cost = at.dataframe[0].value, at.dataframe[1].value  # scores, then cost
     assert isinstance(scores, pd.DataFrame) and "avg acc (%)" in scores.columns
     assert scores["method"].tolist() == ["experts", "base", "ta", "ties", "ta+featcal", "ta+surgery_v2"]
     row = cost.set_index("method")
