@@ -27,7 +27,7 @@ system-deps:
 	@bash scripts/system-deps.sh
 
 app: venv
-	$(BIN)/python -m streamlit run app/streamlit_app.py --server.address 127.0.0.1 --server.port $(PORT)
+	$(BIN)/python -m featcal app --port $(PORT)
 
 test: venv system-deps
 	$(BIN)/python -m pytest -q

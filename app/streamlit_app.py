@@ -19,7 +19,16 @@ if str(HERE.parent) not in sys.path:
 
 import streamlit as st
 
-from app import controls, state, warnlog
+from app import binding
+
+# 0. Served where the user did not ask (another directory's Streamlit config, no address):
+# refuse before anything is loaded.
+if (refused := binding.check(st)) is not None:
+    st.set_page_config(page_title="featcal", layout="centered")
+    st.error(refused)
+    st.stop()
+
+from app import controls, state, warnlog  # noqa: E402  (after the address check: nothing loaded before it)
 
 warnlog.install()  # library warnings go to the sidebar's list, not raw into the server's log
 

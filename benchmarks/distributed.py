@@ -11,6 +11,11 @@ allocated on a GPU); also the load average.
 
     python3 benchmarks/distributed.py                    # ViT-B/32, 1 vs 2 processes
     python3 benchmarks/distributed.py --layers 2 --examples 8   # a quick smoke run
+    python3 benchmarks/distributed.py --plan                     # the payload model: ViT-B/32, Llama-3.1-8B
+
+``--plan`` prints, from the statistics forms the engine picks (``featcal.method.stats.cheapest_form``),
+the elements each rank hands to the collectives per block and task (``C`` per input group, plus ``P``
+or the modules' ``d x o`` sums); for ViT-B/32 it is checked against the measured payload.
 """
 
 from __future__ import annotations
@@ -30,6 +35,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import build_zoo, environment, fmt_bytes, markdown_table, setup_path  # noqa: E402
 
 setup_path()
+
+
+# (input width, output widths of the modules reading it) per block
+GROUPS = {
+    "vit-b32": [(768, [768, 768, 768]), (768, [768]), (768, [3072]), (3072, [768])],
+    "llama-3.1-8b": [(4096, [4096, 1024, 1024]), (4096, [4096]), (4096, [14336, 14336]), (14336, [4096])],
+}
+
+
+def payload(groups, rows: int) -> int:
+    """Elements per task and block each rank contributes (float32 matrices; the vectors and scalars
+    are small): per group ``C``, and ``P`` or one ``d x o`` sum per module, by the form the engine picks
+    at one alpha with every output seen."""
+    from featcal.method.stats import cheapest_form
+
+    total = 0
+    for d, outs in groups:
+        form = cheapest_form(d, outs, rows, 0, fixed_alpha=True)
+        total += d * d + (d * d if form == "P" else sum(d * o for o in outs))
+    return total
+
+
+def _plan() -> None:
+    rows = []
+    for name, toks in (("vit-b32", 32 * 50), ("llama-3.1-8b", 32 * 2048), ("llama-3.1-8b", 256 * 2048)):
+        n = payload(GROUPS[name], toks)
+        rows.append({"model": name, "rows per task": toks, "payload per task and block": fmt_bytes(4 * n)})
+    print(markdown_table(rows))
 
 
 def _free_port() -> int:
@@ -105,7 +138,11 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--layers", type=int, default=None, help="fewer blocks (a smoke run)")
     p.add_argument("--solve", default="owner,everywhere", help="the distributed solves to time")
+    p.add_argument("--plan", action="store_true", help="only print the payload model")
     args = p.parse_args(argv)
+    if args.plan:
+        _plan()
+        return 0
     args.device = "cuda" if torch.cuda.device_count() >= args.ranks else "cpu"
     os.environ["OMP_NUM_THREADS"] = "1"
     print(environment(args.device))

@@ -3,6 +3,7 @@
     python benchmarks/smollm2_table.py --out runs/smollm2-table          # all rows (hours on 2 CPU cores)
     python benchmarks/smollm2_table.py --out runs/smollm2-table --rows base,experts,ta,ta+featcal
     python benchmarks/smollm2_table.py --out runs/smollm2-table --max-per-task 50 --autocast bfloat16
+    python benchmarks/smollm2_table.py --out runs/smollm2-table --report     # the rows measured so far
 
 Rows: base, each expert on every task, Task Arithmetic 0.3, TIES, DARE, TSV, Iso-C, RegMean++,
 and TA / TIES / TSV + FeatCal at ``FeatCalConfig.llama("3b")`` (statistics in float64: lam 1e-5
@@ -69,8 +70,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--autocast", default=None, choices=("bfloat16",), help="score under CPU autocast (2-3x faster)")
     ap.add_argument("--tuned", default=None, help="lam,rho,alpha: also the +FeatCal rows at this setting")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--report", action="store_true", help="only print the table of the rows measured so far")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.report:
+        doc = json.loads((Path(args.out) / "rows.json").read_text())
+        print(report(doc, list(next(iter(doc["rows"].values())))))
+        return
 
     zoo = load_any(args.zoo, progress=True)
     out = Path(args.out)
@@ -99,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
             doc["seconds"][name] = {"make": round(built, 1), "score": round(time.perf_counter() - t0 - built, 1)}
             write_json(store, doc)
             print(f"{name}: {doc['rows'][name]}  ({doc['seconds'][name]})", flush=True)
-    print(report(doc, zoo))
+    print(report(doc, zoo.tasks))
 
 
 def _scorer(zoo, args):
@@ -143,10 +149,9 @@ def _models(row: str, zoo, data, settings):
     raise SystemExit(f"unknown row {row!r}; choose from {', '.join(ORDER)}.")
 
 
-def report(doc: dict, zoo) -> str:
+def report(doc: dict, tasks: list[str]) -> str:
     rows = doc["rows"]
-    experts = {t: rows[f"expert {t}"][t] for t in zoo.tasks if f"expert {t}" in rows}
-    tasks = list(zoo.tasks)
+    experts = {t: rows[f"expert {t}"][t] for t in tasks if f"expert {t}" in rows}
     head = "| model | " + " | ".join(tasks) + " | avg | norm. avg |"
     lines = [head, "|---|" + "---:|" * (len(tasks) + 2)]
     for name, s in rows.items():

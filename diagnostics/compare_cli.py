@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from pathlib import Path
 
 from diagnostics import compare as cmp
 from featcal.baselines import registry
 from featcal.cli.common import UserError, add_common, add_zoo, check_out, zoo_from_args
+from featcal.zoo.io import atomic_dir
 
 DEFAULT_METHODS = "ta,ties,iso_c,regmean_plusplus,ta+featcal,iso_c+featcal,ta+escal,ta+surgery,ta+surgery_v2"
 
@@ -117,13 +117,15 @@ def run(args: argparse.Namespace) -> int:
 
 def write(result: cmp.Comparison, out: Path, force: bool) -> None:
     """The tables as CSV, the settings as JSON and the figures in one HTML file, written to a
-    temporary folder first and then moved to ``out`` (no half-written output)."""
+    temporary folder first and then moved to ``out`` (no half-written output; an old ``out``
+    replaced only if featcal wrote it, :func:`featcal.zoo.io.atomic_dir`)."""
+    with atomic_dir(out, force=force, kind="comparison") as tmp:
+        _write_into(result, tmp)
+
+
+def _write_into(result: cmp.Comparison, tmp: Path) -> None:
     from diagnostics import compare_figures as figs
 
-    check_out(str(out), force)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     for name in ("summary", "accuracy", "output", "drift"):
         getattr(result, name).to_csv(tmp / f"{name}.csv", index=False)
     (tmp / "settings.json").write_text(json.dumps(result.settings, indent=2, default=str))
@@ -131,6 +133,3 @@ def write(result: cmp.Comparison, out: Path, force: bool) -> None:
     figures += [figs.drift_lines(result.drift, t) for t in dict.fromkeys(result.drift["task"])]
     html = [f.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figures)]
     (tmp / "figures.html").write_text("<html><body>\n" + "\n".join(html) + "\n</body></html>\n")
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)

@@ -8,6 +8,7 @@ rejected at construction, so a config that exists is a config that runs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -41,6 +42,32 @@ class TokenWeights:
         return not module.endswith(self.exclude)
 
 
+# The ranges FeatCal's hyper-parameters are checked against: (low, high, what past them means).
+# Wider than any setting in use (the paper's lam 1e-5 to 3, rho 0.5 to 2, alpha 0.15 to 0.6); past
+# them the anchor or the target is extrapolated beyond anything meaningful, or eps swamps lam.
+RANGES = {
+    "lam": (0.0, math.inf, "lambda, the ridge strength toward the anchor"),
+    "rho": (-10.0, 10.0, "rho, the anchor blend rho*W_mer + (1-rho)*W_0"),
+    "alpha": (-1.0, 2.0, "alpha, the target interpolation alpha*x_e + (1-alpha)*x_s"),
+    "eps": (0.0, 1e-2, "eps, the tiny ridge and the clamp of the task scales (> 0)"),
+}
+
+
+def check_setting(lam, rho, alpha, eps=None) -> None:
+    """Every hyper-parameter a finite number in :data:`RANGES` (eps > 0), else ``ValueError``
+    naming it, its value and its range: :class:`Setting` (so every solve and preview) and the
+    config call it."""
+    for name, v in (("lam", lam), ("rho", rho), ("alpha", alpha), ("eps", eps)):
+        if v is None and name == "eps":
+            continue
+        low, high, what = RANGES[name]
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        ok = ok and (low < v if name == "eps" else low <= v) and v <= high
+        if not ok:
+            lo = "(" if name == "eps" else "["
+            raise ValueError(f"{name} ({what}) must be a finite number in {lo}{low:g}, {high:g}], got {v!r}.")
+
+
 @dataclass(frozen=True)
 class Setting:
     """One point of FeatCal's three hyper-parameters, what a solve needs beyond the statistics
@@ -52,12 +79,7 @@ class Setting:
     alpha: float
 
     def __post_init__(self):
-        for name in ("lam", "rho", "alpha"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or abs(v) == float("inf"):
-                raise ValueError(f"{name} must be a finite number, got {v!r}.")
-        if not self.lam >= 0.0:
-            raise ValueError(f"lam (lambda) must be >= 0, got {self.lam}.")
+        check_setting(self.lam, self.rho, self.alpha)
 
     def replace(self, lam: float | None = None, rho: float | None = None, alpha: float | None = None) -> "Setting":
         """This setting with the given values changed (None: kept)."""
@@ -97,9 +119,7 @@ class FeatCalConfig:
     modules: tuple[str, ...] | None = field(default=None)
 
     def __post_init__(self):
-        Setting(self.lam, self.rho, self.alpha)  # checks them
-        if not self.eps > 0.0:
-            raise ValueError(f"eps must be > 0 (it keeps the solve defined), got {self.eps}.")
+        check_setting(self.lam, self.rho, self.alpha, self.eps)
         if self.stats_dtype not in (torch.float32, torch.float64):
             raise ValueError(f"stats_dtype must be torch.float32 or torch.float64, got {self.stats_dtype}.")
         if not (self.linear or self.layernorm):

@@ -1,6 +1,6 @@
 """Export page: the calibrated model (in the format the zoo was loaded in), its report,
 and the figures as PNG or HTML. An existing directory is replaced only after an
-explicit confirmation."""
+explicit confirmation, and only one featcal wrote; never the zoo's own files."""
 
 import json
 from pathlib import Path
@@ -9,6 +9,7 @@ import streamlit as st
 
 from app import compute, controls, figures, state, ui, workers
 from app.settings import ModelRef
+from featcal.util import outdir
 
 zoo, source = state.active_zoo(), state.active_source()
 fp = state.fingerprint(source)
@@ -43,17 +44,23 @@ default_dir = str(Path("featcal-out").resolve() / f"{zoo.name}-{merger.method}-f
 out_dir = st.text_input("output directory", default_dir, key="export_dir")
 target = Path(out_dir).expanduser().resolve()
 st.caption(f"Writes to `{target}`")
-exists = target.exists()
-replace = False
-if exists:
-    st.warning(f"`{target}` already exists.", icon=":material/warning:")
+exists = target.exists() or target.is_symlink()
+replace, blocked = False, None
+try:  # never over the zoo it reads; an existing directory only if featcal wrote it (featcal.util.outdir)
+    outdir.check_output(target, force=True, inputs=zoo.input_paths())
+except ValueError as exc:
+    blocked = str(exc)
+if blocked is not None:
+    st.warning(f"{blocked}", icon=":material/block:")
+elif exists:
+    st.warning(f"`{target}` already exists (an earlier export of featcal's).", icon=":material/warning:")
     replace = st.checkbox(
         "Replace the existing directory (the old one is removed once the new one is written)", key="export_replace"
     )
 if st.button(
     f"Save the calibrated model ({zoo.fmt} format) and report.json",
     type="primary",
-    disabled=not out_dir.strip() or (exists and not replace),
+    disabled=not out_dir.strip() or blocked is not None or (exists and not replace),
 ):
     from featcal.zoo.io import OutputExistsError, save_model, zoo_card
 
@@ -74,11 +81,12 @@ if st.button(
                     scores=report["scores"],
                     drift=report["drift"],
                 ),
+                inputs=zoo.input_paths(),
             )
         st.success(f"Saved to `{path}`.")
     except OutputExistsError as exc:
         st.error(f"{exc} Tick the confirmation box to replace it.")
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RuntimeError) as exc:  # (RuntimeError: another export holds its lock)
         st.error(f"Could not save: {exc}")
 st.download_button(
     "Download report.json",

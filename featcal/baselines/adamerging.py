@@ -17,8 +17,8 @@ tensor of the model (every entry of ``named_parameters``); buffers stay the base
 Predictions need a classification head per task: ``logits(model, task, batch)`` returns the
 ``(B, classes)`` logits of ``model`` on ``batch`` (a zoo gives it: the task's frozen head on its
 features). A model without one (an LLM's next-token distribution) is refused: FusionBench's
-Llama variant minimises the entropy of generated tokens on task prompts, which featcal does not
-implement.
+Llama variant is another method: it learns layer-wise coefficients on the next-token
+cross-entropy of labelled instruction data, not on an entropy; featcal does not implement it.
 """
 
 from __future__ import annotations
@@ -183,7 +183,8 @@ def _check(experts, calib_data, logits, granularity, steps, lr, batch) -> None:
         raise ValueError(
             "adamerging needs each task's class logits: logits=fn(model, task, batch) -> (batch, classes) "
             "(a zoo's heads give them; featcal compare passes them). A model without a classification head "
-            "(an LLM) is not supported: FusionBench's Llama variant uses generated tokens' entropy, not done here."
+            "(an LLM) is not supported: FusionBench's Llama variant trains on labelled next-token cross-entropy "
+            "instead, which featcal does not implement."
         )
     if granularity not in GRANULARITY:
         raise ValueError(f"adamerging: granularity={granularity!r}; choose one of {GRANULARITY}.")

@@ -16,7 +16,7 @@ its merged parameters; ``s_i`` = 1/T unless ``scaling`` is given), and per param
 (``minimal`` = 1e-6 keeps a zero Fisher entry defined). Parameters are merged this way;
 buffers are the experts' mean (integer ones the base's). The log-likelihood needs a
 classification head per task, ``logits(model, task, batch)``; a model without one (an LLM) is
-refused (FusionBench's GPT-2 variant uses its classification heads too).
+refused (FusionBench's GPT-2 variant reads a sequence-classification head too).
 """
 
 from __future__ import annotations

@@ -60,10 +60,24 @@ def _task_vectors(base: StateDict, experts: Mapping[str, StateDict], key: str) -
     return torch.stack([sd[key].to(b.dtype) - b for sd in experts.values()])
 
 
+def _check_finite(base: StateDict, experts: Mapping[str, StateDict], key: str, taus: torch.Tensor) -> None:
+    """NaN or Inf in an entry's task vectors is blamed on the base or the expert holding it."""
+    if bool(torch.isfinite(taus).all()):
+        return
+    who = "the base" if not bool(torch.isfinite(base[key]).all()) else None
+    if who is None:
+        who = next((f"expert {t!r}" for t, sd in experts.items() if not bool(torch.isfinite(sd[key]).all())), None)
+    raise FloatingPointError(
+        f"merge: {who or 'a task vector'}: parameter {key!r} holds NaN or Inf values; "
+        "merge only finite checkpoints (check that expert's file)."
+    )
+
+
 def _merge_each(
     base: StateDict, experts: Mapping[str, StateDict], combine: Callable[[str, torch.Tensor], torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """Apply ``theta = theta_0 + combine(key, taus)`` to every floating entry."""
+    """Apply ``theta = theta_0 + combine(key, taus)`` to every floating entry (NaN/Inf in an
+    input refused, naming whose)."""
     _check_compatible(base, experts)
     out: dict[str, torch.Tensor] = {}
     for key, theta0 in base.items():
@@ -71,6 +85,7 @@ def _merge_each(
             out[key] = theta0.clone()
             continue
         taus = _task_vectors(base, experts, key)  # (n_tasks, *shape)
+        _check_finite(base, experts, key, taus)
         merged = theta0.to(taus.dtype) + combine(key, taus)
         out[key] = merged.to(theta0.dtype)
     return out

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -74,8 +75,11 @@ class Param:
 
     def check(self, method: str, value: Any) -> Any:
         """``value`` as this parameter takes it (an int given for a float becomes a float), or a
-        ``ValueError`` naming the method, the parameter and what it takes."""
+        ``ValueError`` naming the method, the parameter and what it takes. A number may also come
+        per task, as ``{task: number}`` (mergekit's per-model densities): each is checked."""
         d = self.default
+        if isinstance(value, Mapping) and isinstance(d, (int, float)) and not isinstance(d, bool):
+            return {k: self.check(method, v) for k, v in value.items()}
         want = None
         if isinstance(d, bool):
             want, ok = "true or false", isinstance(value, bool)
@@ -84,6 +88,8 @@ class Param:
         elif isinstance(d, float):
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             want, value = "a number", float(value) if ok else value
+            if ok and not math.isfinite(value):  # NaN in, error out
+                want, ok = "a finite number", False
         elif isinstance(d, str):
             want, ok = "a string", isinstance(value, str)
         else:
@@ -244,7 +250,9 @@ def get(name: str, *kinds: str) -> Method:
         known = names(*kinds)
         aliases = [a for a, n in ALIASES.items() if n in known]
         what = "method"
-        if kinds and set(kinds) <= {"merger", "data_merger"}:
+        if kinds == ("data_merger",):
+            what = "data-using merge method"
+        elif kinds and set(kinds) <= {"merger", "data_merger"}:
             what = "merge method"
         elif kinds and set(kinds) <= {"calibrator", "trained"}:
             what = "calibrator"
@@ -267,9 +275,13 @@ def merge(method: str, base_sd: Mapping, expert_sds: Mapping | list, **params) -
     """Merge expert state dicts into a new one with a data-free merger of :data:`MERGERS`.
 
     ``expert_sds`` is ``{task: state_dict}`` (a list is numbered). ``params`` are the method's
-    own (``scale``, ``density``, ...), checked against the registry first."""
+    own (``scale``, ``density``, ...), checked against the registry first; ``progress`` is passed on
+    to the mergers that show a bar."""
     m = get(method, "merger")
-    params = check_params(m.name, params)
+    filled = {"progress": params.pop("progress")} if "progress" in params else {}
+    if filled and "progress" not in inspect.signature(m.fn).parameters:
+        filled = {}  # a merger without a progress bar
+    params = {**check_params(m.name, params), **filled}
     if not isinstance(expert_sds, Mapping):
         expert_sds = {str(i): sd for i, sd in enumerate(expert_sds)}
     return m.fn(base_sd, expert_sds, **params)

@@ -27,6 +27,7 @@ traceback instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -38,6 +39,7 @@ import torch
 from diagnostics import cli as diagnose_cli
 from diagnostics import compare_cli
 from featcal.baselines.registry import MERGERS_WITH_DATA, merge_with_data, zoo_logits
+from featcal.cli import app as app_launch
 from featcal.cli import ranks
 from featcal.cli import sweep as tune_cli
 from featcal.cli.common import (
@@ -51,6 +53,7 @@ from featcal.cli.common import (
     check_out,
     parse_params,
     zoo_from_args,
+    zoo_inputs,
 )
 from featcal.cli.formats import (
     add_checkpoint_options,
@@ -63,6 +66,7 @@ from featcal.config import FeatCalConfig
 from featcal.engine.distributed import DistributedError
 from featcal.engine.run import calibrate
 from featcal.model.streams import device_of
+from featcal.util.outdir import OutputLockedError, output_lock
 from featcal.zoo import BUILT, NAMES, evaluate, load_any, load_demo
 from featcal.zoo.io import load_model, save_model, zoo_card
 from featcal.zoo.scores import average, expert_accuracies, markdown_table, normalized, write_scores
@@ -162,24 +166,25 @@ def run_merge(args) -> int:
     with_data = args.method in MERGERS_WITH_DATA
     if with_data and args.n_per_task < 1:
         raise UserError(f"--n-per-task must be at least 1, got {args.n_per_task}.")
-    check_out(args.out, args.force)
-    zoo = zoo_from_args(args)
-    info = {"zoo": args.zoo, "method": args.method, "params": params}
-    if with_data:
-        data = zoo.calib_data(args.n_per_task, seed=args.seed, batch_size=args.batch_size)
-        model = merge_with_data(
-            args.method,
-            base=zoo.base,
-            experts=zoo.experts,
-            calib_data=data,
-            logits=zoo_logits(zoo),
-            progress=not args.quiet,
-            **params,
-        )
-        info.update(n_per_task=args.n_per_task, seed=args.seed, batch_size=args.batch_size)
-    else:
-        model = zoo.merged(args.method, **params)
-    out = _write(args, zoo, model, "merge.json", info, scored={args.method: model})
+    check_out(args.out, args.force, zoo_inputs(args))
+    with output_lock(args.out):
+        zoo = zoo_from_args(args)
+        info = {"zoo": args.zoo, "method": args.method, "params": params}
+        if with_data:
+            data = zoo.calib_data(args.n_per_task, seed=args.seed, batch_size=args.batch_size)
+            model = merge_with_data(
+                args.method,
+                base=zoo.base,
+                experts=zoo.experts,
+                calib_data=data,
+                logits=zoo_logits(zoo),
+                progress=not args.quiet,
+                **params,
+            )
+            info.update(n_per_task=args.n_per_task, seed=args.seed, batch_size=args.batch_size)
+        else:
+            model = zoo.merged(args.method, **params)
+        out = _write(args, zoo, model, "merge.json", info, scored={args.method: model})
     print(f"wrote {out}")
     return 0
 
@@ -192,7 +197,15 @@ def _write(args, zoo, model, json_name: str, doc: dict, scored: dict) -> Path:
     merge = doc.get("merge") or {"method": doc.get("method"), "params": doc.get("params")}
     calibration = {"n_per_task": doc["n_per_task"], "seed": doc["seed"]} if "report" in doc else None
     card = zoo_card(zoo, merge, doc.get("report"), scores=doc.get("accuracy"), calibration=calibration)
-    return save_model(model, args.out, fmt=zoo.fmt, force=args.force, extra_files={json_name: doc}, hub=card)
+    return save_model(
+        model,
+        args.out,
+        fmt=zoo.fmt,
+        force=args.force,
+        extra_files={json_name: doc},
+        hub=card,
+        inputs=zoo_inputs(args, zoo),
+    )
 
 
 # ------------------------------------------------------------------ calibrate
@@ -308,11 +321,15 @@ def run_calibrate_checkpoints(args) -> int:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             raise UserError(f"--expert {item!r}: expected NAME=DIR (e.g. math=ckpt/math).")
+        if name in experts:
+            raise UserError(f"--expert {name}= is given twice ({experts[name]!r} and {path!r}); give each task once.")
         experts[name] = path
     choose_preset(args, preset_for(_read_config(args.base)))
     cfg = config_from_args(args)
     merge = None if args.merged else (args.merge, parse_params(args.param, args.merge))
     kw = streamed_options(args)
+    inputs = {"the base": args.base, "--data": args.data, "--merged": args.merged}
+    check_out(args.out, args.force, inputs | {f"expert {t!r}": p for t, p in experts.items()})
     apply_threads(args)
     try:
         report = _stream(args, experts, merge, cfg, kw)
@@ -344,33 +361,37 @@ def run_calibrate(args) -> int:
         return run_calibrate_mergekit(args, config_from_args(args))
     if args.base:
         return run_calibrate_checkpoints(args)
-    if args.expert or args.merged or args.data or args.resume:
-        raise UserError("--expert, --merged, --data and --resume go with --base (model directories), not --zoo.")
+    if args.expert or args.merged or args.data or args.resume or args.trust_remote_code:
+        raise UserError(
+            "--expert, --merged, --data, --resume and --trust-remote-code go with --base (model directories), "
+            "not --zoo."
+        )
     params = parse_params(args.param, args.merge)
     if args.n_per_task < 1:
         raise UserError(f"--n-per-task must be at least 1, got {args.n_per_task}.")
     config_from_args(args, "none" if args.preset in (None, "auto") else None)  # bad values fail before loading
-    check_out(args.out, args.force)
-    zoo = ranks.rank0_first(lambda: zoo_from_args(args))
-    choose_preset(args, preset_for_model(zoo.base))
-    cfg = config_from_args(args)
-    merged = zoo.merged(args.merge, **params)
-    data = zoo.calib_data(args.n_per_task, seed=args.seed, batch_size=args.batch_size)
-    model, report = calibrate(
-        merged, base=zoo.base, experts=zoo.experts, calib_data=data, config=cfg, progress=not args.quiet
-    )
-    if not ranks.is_main():  # rank 0 writes (and evaluates)
-        return 0
-    doc = {
-        "zoo": args.zoo,
-        "merge": {"method": args.merge, "params": params},
-        "n_per_task": args.n_per_task,
-        "seed": args.seed,
-        "batch_size": args.batch_size,
-        "preset": args.preset,
-        "report": report.to_dict(),
-    }
-    out = _write(args, zoo, model, "report.json", doc, scored={args.merge: merged, "featcal": model})
+    check_out(args.out, args.force, zoo_inputs(args))
+    with output_lock(args.out) if ranks.is_main() else contextlib.nullcontext():  # rank 0 writes
+        zoo = ranks.rank0_first(lambda: zoo_from_args(args))
+        choose_preset(args, preset_for_model(zoo.base))
+        cfg = config_from_args(args)
+        merged = zoo.merged(args.merge, **params)
+        data = zoo.calib_data(args.n_per_task, seed=args.seed, batch_size=args.batch_size)
+        model, report = calibrate(
+            merged, base=zoo.base, experts=zoo.experts, calib_data=data, config=cfg, progress=not args.quiet
+        )
+        if not ranks.is_main():  # rank 0 writes (and evaluates)
+            return 0
+        doc = {
+            "zoo": args.zoo,
+            "merge": {"method": args.merge, "params": params},
+            "n_per_task": args.n_per_task,
+            "seed": args.seed,
+            "batch_size": args.batch_size,
+            "preset": args.preset,
+            "report": report.to_dict(),
+        }
+        out = _write(args, zoo, model, "report.json", doc, scored={args.merge: merged, "featcal": model})
     print(f"calibrated in {report.seconds:.1f} s; wrote {out}")
     return 0
 
@@ -460,6 +481,7 @@ COMMANDS: dict[str, tuple[AddArguments, Run, str]] = {
         compare_cli.run,
         "run several methods on a zoo and compare them side by side",
     ),
+    "app": (app_launch.add_arguments, app_launch.run, app_launch.HELP),
 }
 
 
@@ -476,7 +498,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # (DistributedError: another rank of a torchrun launch stopped or hangs)
-USER_ERRORS = (UserError, FileNotFoundError, FileExistsError, NotADirectoryError, ValueError, DistributedError)
+USER_ERRORS = (
+    UserError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    ValueError,
+    DistributedError,
+    OutputLockedError,
+)
 
 
 def main(argv: list[str] | None = None) -> int:

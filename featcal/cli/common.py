@@ -11,14 +11,16 @@ Bad input raises :class:`UserError` (or ``ValueError`` / ``FileNotFoundError``),
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from pathlib import Path
+from typing import Mapping
 
 import torch
 
 from featcal.baselines import registry
+from featcal.util import outdir
 from featcal.util.threads import default_threads
-from featcal.zoo import Zoo, load_any
+from featcal.zoo import Zoo, load_any, source_path
 
 
 class UserError(Exception):
@@ -112,11 +114,17 @@ def add_param(p: argparse.ArgumentParser, what: str = "the merge method", old: t
         p.add_argument(flag, dest="param", action=_DeprecatedParam, metavar="NAME=VALUE", help=argparse.SUPPRESS)
 
 
-def check_out(out: str, force: bool) -> None:
-    """Fail before any work if the output directory exists (unless ``force``); every
-    subcommand that writes calls it first (the writers check again when writing)."""
-    if Path(out).expanduser().exists() and not force:
-        raise UserError(f"output {out!r} already exists; pass --force to replace it.")
+def check_out(out: str, force: bool, inputs: Mapping[str, str | os.PathLike | None] | None = None) -> None:
+    """Fail before any work if the output directory exists (unless ``force``, and then only
+    featcal's own may be replaced) or overlaps one of ``inputs`` (``{what: path}``); every
+    subcommand that writes calls it first (the writers check again when writing), see
+    :mod:`featcal.util.outdir`."""
+    outdir.check_output(out, force, inputs)
+
+
+def zoo_inputs(args: argparse.Namespace, zoo: Zoo | None = None) -> dict:
+    """``{what: path}`` of what ``--zoo`` reads (and, once loaded, the zoo's own models and data)."""
+    return {"the zoo": source_path(args.zoo)} | ({} if zoo is None else zoo.input_paths())
 
 
 # ------------------------------------------------------------------ the zoo

@@ -35,6 +35,12 @@ def add_checkpoint_options(c: argparse._ArgumentGroup) -> None:
         help="a mergekit config: base and experts from it; with --merged, mergekit's output, else featcal's merge",
     )
     c.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="build a model class from the checkpoint's own Python code (config.json's auto_map); off by "
+        "default, and never taken from a file",
+    )
+    c.add_argument(
         "--task-name",
         action="append",
         metavar="MODEL=NAME",
@@ -64,6 +70,7 @@ def streamed_options(args) -> dict:
         progress=not args.quiet,
         common_rows=args.common_rows,
         lora_any_base=args.lora_any_base,
+        trust_remote_code=args.trust_remote_code,
     )
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import warnings
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from featcal.cli.common import (
 from featcal.config import FeatCalConfig
 from featcal.sweep import studies
 from featcal.sweep.search import Grid, TuneConfig, holdout_report, tune_zoo
+from featcal.util import outdir
 from featcal.util.collect import collected_warnings
 
 STUDIES = ("sample-efficiency", "robustness")
@@ -63,13 +63,9 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def _out_dir(path: str, force: bool) -> Path:
-    """Create the output directory once there is something to write (replaced if ``force``)."""
-    check_out(path, force)
-    out = Path(path)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    return out
+    """Create the output directory once there is something to write (replaced if ``force`` and
+    featcal wrote it, :func:`featcal.util.outdir.fresh_dir`)."""
+    return outdir.fresh_dir(path, force, kind="sweep")
 
 
 def _figures():
@@ -159,6 +155,9 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--ray", action="store_true", help="run previews and exact runs as Ray tasks")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray started by --ray")
     p.add_argument(
+        "--ray-address", metavar="auto|HOST:PORT", help="run the jobs on this existing Ray cluster (implies --ray)"
+    )
+    p.add_argument(
         "--report",
         action="store_true",
         help="after choosing, print and write the TEST accuracy of the anchor and the tuned setting",
@@ -186,7 +185,7 @@ def run_tune(args: argparse.Namespace) -> int:
             n_confirm=args.n_confirm,
             rounds=args.rounds,
             top_k=args.top_k,
-            ray=args.ray,
+            ray=args.ray_address or args.ray,
             num_cpus=args.num_cpus,
         ),
         progress=not args.quiet,
@@ -203,7 +202,7 @@ def run_tune(args: argparse.Namespace) -> int:
     b = res.best
     print(
         f"{len(res.table)} points previewed, {int(res.table.confirmed.sum())} exact runs, {res.seconds:.1f} s "
-        f"({'Ray' if args.ray else 'one process'}); score: val {res.score}"
+        f"({'Ray' if args.ray or args.ray_address else 'one process'}); score: val {res.score}"
     )
     print(
         f"best: lam={b['lam']:.4g} rho={b['rho']:.4g} alpha={b['alpha']:.4g}  val {b['score']:.4f} "

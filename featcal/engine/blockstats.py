@@ -62,6 +62,7 @@ class Context:
     scratch: Scratch = field(default_factory=Scratch)  # where the big buffers come from and go back to
     warn_rows: list[str] = field(default_factory=list)  # the first "fewer rows than width" warning
     fallbacks: list[str] = field(default_factory=list)  # solves re-done in float64 (featcal.method.linalg.EigenSolve)
+    precision: list[str] = field(default_factory=list)  # float32 solves with a large estimated error
 
 
 def token_weights(

@@ -123,7 +123,9 @@ def _solve_block(run: RunState, block: int, blk: nn.Module, targets, systems: di
             )
             d_in, d_out, rows = W.shape[1], W.shape[0], sysm.min_rows
         else:
-            W, b = solve.solve_norm(sysm, ends, setting, eps=cfg.eps)
+            W, b = solve.solve_norm(
+                sysm, ends, setting, eps=cfg.eps, what=f"block {block} {t.name}", notes=factors.notes
+            )
             before = solve.norm_residual(sysm, W_mer, b_mer)
             after = solve.norm_residual(sysm, W, b)
             d_in = d_out = W.shape[0]
@@ -141,6 +143,7 @@ def _solve_block(run: RunState, block: int, blk: nn.Module, targets, systems: di
     for t, W, b in new_params:
         arch.set_params(blk, t, W, b)
     run.ctx.fallbacks.extend(factors.notes)
+    run.ctx.precision.extend(factors.precision)
     scratch.give(factors.close())
     if keep is None:
         scratch.give([s.S for s in systems.values() if isinstance(s, solve.LinearSystem) and s.owns_S])
@@ -261,11 +264,11 @@ def _visit_blocks(run: RunState, source: BlockSource, model, blks, experts, cali
         bar.set_postfix_str(f"block {block}: {len(targets)} modules")
 
 
-def _summarised(notes: list[str], first: int = 3) -> list[str]:
+def _summarised(notes: list[str], first: int = 3, same: str = "re-solved the same way") -> list[str]:
     """The first ``first`` of ``notes`` and one line counting the rest (one per module could be hundreds)."""
     if len(notes) <= first:
         return list(notes)
-    return notes[:first] + [f"... and {len(notes) - first} more modules re-solved the same way."]
+    return notes[:first] + [f"... and {len(notes) - first} more modules {same}."]
 
 
 def _checked_models(merged, base, experts, calib_data, blocks, block_source):
@@ -343,6 +346,8 @@ def calibrate(
     t_start = time.perf_counter()
     # 1. Validate before touching anything.
     tasks, base, experts, path = _checked_models(merged, base, experts, calib_data, blocks, block_source)
+    firsts = [arch.resolve_blocks(merged, s)[1][0] for s in path.split(arch.STACK_SEP)]
+    validate.check_modules(firsts, cfg.modules, cfg.linear, cfg.layernorm)  # a typo would calibrate nothing
 
     # 2. The model to calibrate, and its stacks of blocks (an encoder-decoder's two, in forward order).
     device = device_of(merged) if device is None else check_device(device)
@@ -369,10 +374,12 @@ def calibrate(
                 run, model, stack, base, experts, {t: calib_data[t] for t in tasks}, progress, block_source
             )
         if dist is not None:  # the warnings of the modules other ranks solved
-            parts = dist.gather_objects((ctx.warn_rows, ctx.fallbacks), "gathering the warnings")
-            ctx.warn_rows = [m for w, _ in parts for m in w][:1]
-            ctx.fallbacks = [m for _, f in parts for m in f]
-        for msg in ctx.warn_rows + _summarised(ctx.fallbacks):
+            parts = dist.gather_objects((ctx.warn_rows, ctx.fallbacks, ctx.precision), "gathering the warnings")
+            ctx.warn_rows = [m for w, _, _ in parts for m in w][:1]
+            ctx.fallbacks = [m for _, f, _ in parts for m in f]
+            ctx.precision = [m for _, _, p in parts for m in p]
+        precision = _summarised(ctx.precision, same="with the same float32 precision warning")
+        for msg in ctx.warn_rows + _summarised(ctx.fallbacks) + precision:
             if dist is None or dist.rank == 0:  # one process of a group says it
                 warnings.warn(msg, stacklevel=3)
             report.warnings.append(msg)

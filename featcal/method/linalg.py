@@ -242,6 +242,7 @@ def spd_factor(
     take: Callable | None = None,
     lapack_min_d: int | None = FastPaths.lapack_min_d,
     notes: list | None = None,
+    precision: list | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """A solver ``B -> (S + shift I)^-1 B`` for the symmetric matrix whose upper triangle is
     ``S``'s (``S + shift I`` positive definite): Cholesky (in place by LAPACK on a copy for
@@ -250,7 +251,9 @@ def spd_factor(
     ``shift`` too small for the statistics' precision, e.g. ``lam = 0`` with fewer rows than
     width), an :class:`EigenSolve` in float64 instead, logged and noted in ``notes``. ``S`` is
     left as it is; ``take(shape, dtype, device, zero)``: where that copy's buffer comes from (a
-    fresh big tensor costs its page faults; the solver keeps it)."""
+    fresh big tensor costs its page faults; the solver keeps it). A float32 factorisation that
+    holds but whose estimated error (:func:`float32_error`) exceeds :data:`F32_WARN` is noted
+    in ``precision`` (default ``notes``)."""
     lapack = (
         lapack_min_d is not None
         and S.shape[0] >= lapack_min_d
@@ -270,7 +273,9 @@ def spd_factor(
         L, info = torch.linalg.cholesky_ex(A)
         L = L if int(info) == 0 else None
         solver = None if L is None else (lambda B: torch.cholesky_solve(B, L))
-    if L is not None and float(L.diagonal().min()) ** 2 > floor:
+    if L is not None and (pivot2 := float(L.diagonal().min()) ** 2) > floor:
+        if S.dtype == torch.float32 and (est := float32_error(floor, pivot2)) > F32_WARN:
+            _note_float32(what, est, shift, precision if precision is not None else notes)
         return solver
     reason = "fails" if L is None else "rests on pivots within its rounding noise"
     msg = (
@@ -279,10 +284,37 @@ def spd_factor(
         "re-solved in float64 by eigendecomposition, the directions the data leave undetermined taken from "
         "the anchor. stats_dtype=torch.float64 or a larger lam avoids this."
     )
+    note(msg, notes)
+    return EigenSolve(S, shift, what)
+
+
+# The weight error of float32 statistics above which the solve says so (report.warnings);
+# docs/architectures.md 'Dtypes and precision' states it, benchmarks/precision.py measures it.
+F32_WARN = 3e-3
+
+
+def float32_error(floor: float, pivot2: float) -> float:
+    """The estimated relative error of weights solved from float32 statistics: the statistics'
+    rounding floor (:func:`noise_floor`) over the smallest squared Cholesky pivot of
+    ``S + shift I`` (about its smallest eigenvalue). Free once factored; an overestimate in every
+    case measured (benchmarks/README.md, 'Low-rank inputs')."""
+    return floor / pivot2
+
+
+def note(msg: str, notes: list | None) -> None:
+    """Log ``msg`` and keep it in ``notes`` (for ``report.warnings``)."""
     log.warning(msg)
     if notes is not None:
         notes.append(msg)
-    return EigenSolve(S, shift, what)
+
+
+def _note_float32(what: str, est: float, shift: float, notes: list | None) -> None:
+    msg = (
+        f"{what}: float32 statistics at lam + eps = {shift:.3g} may move these weights by up to ~{est:.1e} of "
+        "their size (estimated from the factorisation's smallest pivot); stats_dtype=torch.float64 or a larger "
+        "lam avoids it."
+    )
+    note(msg, notes)
 
 
 class Factors:
@@ -295,8 +327,10 @@ class Factors:
     def __init__(self, lapack_min_d: int | None = FastPaths.lapack_min_d, take: Callable | None = None):
         self.lapack_min_d = lapack_min_d
         self.notes: list[str] = []  # one line per factorisation that fell back to float64 (spd_factor)
+        self.precision: list[str] = []  # one line per float32 factorisation with a large estimated error
         self._take = take
         self._solvers: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}
+        self._noted: dict[tuple, tuple[str, str] | None] = {}  # the precision note of each factorisation
         self._taken: list[torch.Tensor] = []
 
     def _take_kept(self, *args, **kwargs) -> torch.Tensor:
@@ -308,12 +342,17 @@ class Factors:
         key = (id(S), shift)
         if key not in self._solvers:
             take = None if self._take is None else self._take_kept
-            self._solvers[key] = spd_factor(S, shift, what, take, self.lapack_min_d, self.notes)
+            n = len(self.precision)
+            self._solvers[key] = spd_factor(S, shift, what, take, self.lapack_min_d, self.notes, self.precision)
+            self._noted[key] = (what, self.precision[n]) if len(self.precision) > n else None
+        elif self._noted.get(key) is not None:  # a module sharing the input (q/k/v): the same estimate
+            first, msg = self._noted[key]
+            note(what + msg[len(first) :], self.precision)
         return self._solvers[key]
 
     def close(self) -> list[torch.Tensor]:
         """Drop the factorisations; the buffers they took."""
-        taken, self._taken, self._solvers = self._taken, [], {}
+        taken, self._taken, self._solvers, self._noted = self._taken, [], {}, {}
         return taken
 
 

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from featcal.config import Setting
-from featcal.method.linalg import EigenSolve, Factors, add_gram, add_rows_gram, add_weighted, inner, symmetric
+from featcal.method.linalg import EigenSolve, Factors, add_gram, add_rows_gram, add_weighted, inner, note, symmetric
 from featcal.method.stats import LinearMoments
 
 log = logging.getLogger(__name__)
@@ -348,27 +348,83 @@ def norm_scale(e: torch.Tensor, g: torch.Tensor, g_anc: torch.Tensor, lam: float
     return ((e * g).sum(0) + lam * g_anc) / (e.sum(0) + lam).clamp(min=eps)
 
 
+# A norm's per-channel system counts as degenerate where its determinant (2x2) or its diagonal
+# (1x1) is within this many units of rounding of its size: there the data leave a direction of
+# (gamma, beta) undetermined and the clamp at eps would return rounding noise.
+NORM_NOISE_ULPS = 64
+
+
+def norm_degenerate(det: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``(d,)`` bool: channels whose ``det`` is within :data:`NORM_NOISE_ULPS` roundings of ``scale``."""
+    return det <= NORM_NOISE_ULPS * torch.finfo(det.dtype).eps * scale.abs()
+
+
+def anchored_rank_one(
+    a11: torch.Tensor, a12: torch.Tensor, a22: torch.Tensor, r1, r2, g_anc, b_anc
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per channel, of all ``(gamma, beta)`` solving a rank-one 2x2 system ``A x = r`` in the
+    least-squares sense, the one nearest the anchor: ``x = x_anc + u u^T (r - A x_anc) / s`` with
+    ``A ~ s u u^T`` (``s = a11 + a22``, ``u`` along ``A``'s second row, ``a22 = N + lam > 0``),
+    which is what exact arithmetic gives as lam tends to zero from above."""
+    s = a11 + a22
+    norm = (a12 * a12 + a22 * a22).sqrt()
+    u1, u2 = a12 / norm, a22 / norm
+    q1, q2 = r1 - (a11 * g_anc + a12 * b_anc), r2 - (a12 * g_anc + a22 * b_anc)
+    c = (u1 * q1 + u2 * q2) / s
+    return g_anc + c * u1, b_anc + c * u2
+
+
 def solve_norm(
-    sys: NormSystem, ends: Endpoints, at: Setting, *, eps: float
+    sys: NormSystem,
+    ends: Endpoints,
+    at: Setting,
+    *,
+    eps: float,
+    what: str = "norm",
+    notes: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The calibrated ``(gamma, beta)`` per channel (the 2x2 system, determinant clamped below at
     ``eps``; ``ends`` holds the norm's gammas as ``W`` and betas as ``b``); ``gamma`` alone when the
-    LayerNorm has no bias. ``alpha`` plays no part: a norm's target is the expert's own output."""
+    LayerNorm has no bias. ``alpha`` plays no part: a norm's target is the expert's own output.
+    Channels whose system is degenerate (:func:`norm_degenerate`: e.g. lam = 0 and a channel
+    constant over the data) take the undetermined direction from the anchor
+    (:func:`anchored_rank_one`; the scale alone: the anchor), logged and noted in ``notes``, as
+    the Linear solve does."""
     dt = sys.e.dtype
     n = sys.e.shape[0]
     lam, rho = at.lam, at.rho
     g_anc = anchor(ends.W_mer.to(dt), ends.W_0.to(dt), rho)
     E, M = sys.e.sum(0), sys.m.sum(0)
     if sys.b is None:
-        return norm_scale(sys.e, sys.g, g_anc, lam, eps), None
+        gamma = norm_scale(sys.e, sys.g, g_anc, lam, eps)
+        bad = norm_degenerate(E + lam, E.abs().max().clamp_min(torch.finfo(dt).tiny) * n)
+        if bool(bad.any()):
+            gamma = torch.where(bad, g_anc, gamma)
+            _note_degenerate(what, int(bad.sum()), lam, notes)
+        return gamma, None
     b_anc = anchor(ends.b_mer.to(dt), ends.b_0.to(dt), rho)
     r1 = (sys.e * sys.g + sys.m * sys.b).sum(0) + lam * g_anc
     r2 = (sys.m * sys.g + sys.b).sum(0) + lam * b_anc
     a11, a12, a22 = E + lam, M, n + lam
-    det = (a11 * a22 - a12 * a12).clamp(min=eps)
+    raw = a11 * a22 - a12 * a12
+    det = raw.clamp(min=eps)
     gamma = (a22 * r1 - a12 * r2) / det
     beta = (a11 * r2 - a12 * r1) / det
+    bad = norm_degenerate(raw, a11 * a22)
+    if bool(bad.any()):
+        g1, b1 = anchored_rank_one(a11, a12, a22, r1, r2, g_anc, b_anc)
+        gamma, beta = torch.where(bad, g1, gamma), torch.where(bad, b1, beta)
+        _note_degenerate(what, int(bad.sum()), lam, notes)
     return gamma, beta
+
+
+def _note_degenerate(what: str, count: int, lam: float, notes: list | None) -> None:
+    msg = (
+        f"{what}: {count} channel(s) have a degenerate system (lam = {lam:.3g}; the channel is constant, or "
+        "zero, over the calibration data): the direction the data leave undetermined was taken from the "
+        "anchor instead of rounding noise. A larger lam avoids this."
+    )
+    note(msg, notes)
 
 
 def norm_residual(sys: NormSystem, g: torch.Tensor, b: torch.Tensor | None) -> float:

@@ -29,6 +29,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from featcal.model.allowed import library_model_class
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # The weight files a save_pretrained directory may hold (safetensors first).
@@ -65,18 +67,45 @@ class Spec:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
+class CorruptShardError(ValueError):
+    """A safetensors file whose header or size is not what the format says."""
+
+
 def read_header(path: str | os.PathLike) -> dict[str, Spec]:
-    """``{name: Spec}`` of one safetensors file, from its header only."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        if entry["dtype"] not in _FROM_NAME:
-            raise ValueError(f"{path}: tensor {name!r} has dtype {entry['dtype']}, which featcal does not read.")
-        out[name] = Spec(_FROM_NAME[entry["dtype"]], tuple(entry["shape"]))
+    """``{name: Spec}`` of one safetensors file, from its header only, checked against the
+    format and the file's size (a corrupted header or a truncated file raises
+    :class:`CorruptShardError` naming the file)."""
+    path = Path(path)
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if not 2 <= n <= min(size - 8, 100 << 20):
+                raise ValueError(f"a header length of {n} bytes in a file of {size}")
+            header = json.loads(f.read(n).decode("utf-8"))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+        out, end = {}, 0
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            if entry["dtype"] not in _FROM_NAME:
+                raise ValueError(f"tensor {name!r} has dtype {entry['dtype']}, which featcal does not read")
+            spec = Spec(_FROM_NAME[entry["dtype"]], tuple(int(d) for d in entry["shape"]))
+            start, stop = (int(o) for o in entry["data_offsets"])
+            if stop - start != spec.nbytes:
+                raise ValueError(f"tensor {name!r} spans {stop - start} bytes, its shape and dtype need {spec.nbytes}")
+            out[name], end = spec, max(end, stop)
+    except (struct.error, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise CorruptShardError(
+            f"{str(path)!r} is not a readable safetensors file ({type(err).__name__}: {err}); the file is "
+            "corrupted or not safetensors: write it again (save_pretrained(..., safe_serialization=True))."
+        ) from None
+    if 8 + n + end > size:
+        raise CorruptShardError(
+            f"{str(path)!r} is truncated: its header describes {8 + n + end} bytes, the file has {size}; "
+            "copy or download it again."
+        )
     return out
 
 
@@ -105,10 +134,14 @@ class Checkpoint:
         for file in sorted(set(weight_map.values())):
             if not (self.path / file).is_file():
                 raise FileNotFoundError(f"{role} {str(self.path)!r}: shard {file!r} named by {INDEX} is missing.")
-            self.specs.update(read_header(self.path / file))
-        missing = next((n for n in self.files if n not in self.specs), None)
-        if missing is not None:
-            raise ValueError(f"{role} {str(self.path)!r}: {missing!r} is in the index but in no shard.")
+            header = read_header(self.path / file)
+            wrong = next((n for n, f in weight_map.items() if f == file and n not in header), None)
+            if wrong is not None:
+                raise ValueError(
+                    f"{role}: {INDEX} in {str(self.path)!r} puts {wrong!r} in {file!r}, which does not hold it; "
+                    "the index does not match the shards (save the model again)."
+                )
+            self.specs.update({n: spec for n, spec in header.items() if weight_map.get(n) == file})
         self.config = json.loads((self.path / "config.json").read_text())
         self.config_dir = self.path  # where config.json is (a LoRA expert's is its base's)
         self.rows: dict[str, int] = {}  # tensors read cut to their first rows (see check_same_tensors)
@@ -160,6 +193,11 @@ def check_same_tensors(ref: Checkpoint, other: Checkpoint, common_rows: bool = F
             raise ValueError(
                 f"{other.role}: tensor {name!r} has shape {other.specs[name].shape}, {ref.role} has "
                 f"{spec.shape}; experts must be fine-tuned from this base."
+            )
+        if other.specs[name].dtype.is_floating_point != spec.dtype.is_floating_point:
+            raise ValueError(
+                f"{other.role} {str(other.path)!r}: tensor {name!r} is {other.specs[name].dtype}, {ref.role}'s is "
+                f"{spec.dtype}; a float tensor of one model cannot be merged with an integer one of another."
             )
     extra = next((n for n in other.specs if n not in ref.specs), None)
     if extra is not None:
@@ -284,19 +322,33 @@ def params_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
-def skeleton(ckpt: Checkpoint) -> nn.Module:
+def skeleton(ckpt: Checkpoint, trust_remote_code: bool = False) -> nn.Module:
     """The model class ``config.json`` names (``architectures[0]``), built from the config with
-    its parameters on ``meta``, in eval mode."""
+    its parameters on ``meta``, in eval mode. A class of the directory's own code (``auto_map``)
+    only with ``trust_remote_code`` (the user's own flag; never read from a file)."""
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(str(ckpt.config_dir))
-    archs = getattr(config, "architectures", None) or []
-    cls = getattr(transformers, archs[0], None) if archs else None
-    if cls is None:
-        raise ValueError(
-            f"{ckpt.role} {str(ckpt.path)!r}: config.json names no architecture transformers has "
-            f"(architectures={archs}); save the model with save_pretrained."
+    where = f"{ckpt.role} {str(ckpt.path)!r}"
+    try:
+        config = transformers.AutoConfig.from_pretrained(
+            str(ckpt.config_dir), trust_remote_code=trust_remote_code, local_files_only=True
         )
+    except ValueError as err:
+        if "custom code" not in str(err):
+            raise
+        raise ValueError(
+            f"{where}: config.json needs the directory's own Python code (auto_map); featcal runs it only "
+            "when you pass --trust-remote-code (trust_remote_code=True) yourself."
+        ) from None
+    archs = getattr(config, "architectures", None) or []
+    if not archs:
+        raise ValueError(f"{where}: config.json names no architecture; save the model with save_pretrained.")
+    auto = {k: v for k, v in (getattr(config, "auto_map", None) or {}).items() if k.startswith("AutoModel")}
+    own = next((k for k, v in auto.items() if str(v).rsplit(".", 1)[-1] == archs[0]), None)
+    if trust_remote_code and own is not None and hasattr(transformers, own):
+        with params_on_meta():
+            return getattr(transformers, own).from_config(config, trust_remote_code=True).eval()
+    cls = library_model_class(archs[0], where)
     with params_on_meta():
         model = cls._from_config(config) if hasattr(cls, "_from_config") else cls(config)
     return model.eval()

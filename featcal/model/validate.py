@@ -9,6 +9,8 @@ from typing import Mapping
 import torch
 from torch import nn
 
+from featcal.model import arch
+
 SMALL = 1 << 16  # parameters with fewer elements are checked for NaN/Inf together
 
 
@@ -266,6 +268,20 @@ def batch_len(batch) -> int:
     raise TypeError(
         f"a batch is a tensor (model(batch)) or a dict of tensors (model(**batch)), got {type(batch).__name__}."
     )
+
+
+def check_modules(first_blocks: list[nn.Module], only: tuple[str, ...] | None, linear: bool, layernorm: bool) -> None:
+    """Every name of ``FeatCalConfig.modules`` (``only``) selects a calibrated module of some
+    block (the first block of each stack given): a typo would calibrate nothing, silently."""
+    if only is None:
+        return
+    names = sorted({t.name for b in first_blocks for t in arch.block_targets(b, linear=linear, layernorm=layernorm)})
+    bad = [m for m in only if not any(n.endswith(m) or n == m for n in names)]
+    if bad:
+        raise ValueError(
+            f"modules={tuple(only)!r}: {', '.join(repr(m) for m in bad)} matches no calibrated module of a block; "
+            f"the names (or name endings) to choose from: {', '.join(names) or 'none'}."
+        )
 
 
 def data_digest(calib_data: Mapping[str, list]) -> str:

@@ -15,6 +15,7 @@ run never leaves a complete-looking ``out``; ``resume=True`` continues from its 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -35,8 +36,9 @@ from featcal.model.checkpoints import Checkpoint, check_same_tensors, skeleton
 from featcal.model.export import MAX_SHARD_BYTES, copy_base_files, drift_summary, model_name, write_hub_files
 from featcal.model.lora import LoraCheckpoint, is_adapter_dir
 from featcal.streaming.output import write_model
-from featcal.streaming.source import CheckpointSource
-from featcal.streaming.workdir import data_digest, open_work, partial_dir, peak_rss_mb
+from featcal.streaming.source import CheckpointSource, needed_names
+from featcal.streaming.workdir import data_digest, fingerprint_checkpoint, open_work, partial_dir, peak_rss_mb
+from featcal.util import outdir
 
 __all__ = ["calibrate_checkpoints", "open_checkpoints", "partial_dir", "peak_rss_mb", "CheckpointSource"]
 
@@ -62,6 +64,7 @@ def calibrate_checkpoints(
     common_rows: bool = False,
     lora_any_base: bool = False,
     card: Mapping | None = None,
+    trust_remote_code: bool = False,
 ) -> CalibrationReport:
     """Calibrate a merge with FeatCal, streaming every model from its checkpoint one block at a
     time, and write the calibrated model to ``out`` (``save_pretrained`` layout).
@@ -95,6 +98,11 @@ def calibrate_checkpoints(
             model than ``base`` (its shapes are still checked).
         card: more facts for the model card (:func:`featcal.model.export.write_hub_files`:
             ``merge``, ``scores``, ...) than this run knows itself.
+        trust_remote_code: build a model class from the checkpoint's own Python code (its
+            ``auto_map``); never taken from a file, only from this argument (``--trust-remote-code``).
+
+    ``out`` may not be, contain or lie inside an input; ``force`` replaces only a directory featcal
+    wrote (:mod:`featcal.util.outdir`), and one run per ``out`` holds its lock at a time.
 
     Returns:
         The :class:`CalibrationReport` (every block's, a resumed run's included).
@@ -106,44 +114,78 @@ def calibrate_checkpoints(
     if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}.")
     tasks = validate.check_tasks(experts, calib_data)
-    out = Path(out).expanduser().absolute()
-    if out.exists() and not force:
-        raise FileExistsError(f"output {str(out)!r} already exists; pass force=True (--force) to replace it.")
+    inputs = {"the base": base, "the merged model": merged} | {f"expert {t!r}": experts[t] for t in tasks}
+    out = outdir.check_output(out, force, inputs)
     calib_data = {t: calib_data[t] for t in tasks}
 
     ckpts, skels, path = open_checkpoints(
-        base, {t: experts[t] for t in tasks}, merged, blocks, common_rows=common_rows, lora_any_base=lora_any_base
+        base,
+        {t: experts[t] for t in tasks},
+        merged,
+        blocks,
+        common_rows=common_rows,
+        lora_any_base=lora_any_base,
+        trust_remote_code=trust_remote_code,
     )
+    check_token_ids(skels["merged"], calib_data)
     work = partial_dir(out)
     dist = distributed.current(device, (fast or FastPaths()).dist_solve)  # a process group: rank 0 writes
-    fingerprint = _fingerprint(ckpts, merge, cfg, path, calib_data)
-    state = open_work(work, fingerprint, resume=resume, force=force, dist=dist)
-    report = _calibrate_blocks(
-        ckpts,
-        skels,
-        path,
-        calib_data,
-        merge,
-        cfg,
-        state,
-        work,
-        dict(device=device, fast=fast, progress=progress, checkpoint_every=checkpoint_every, on_block=on_block),
-        dist,
-    )
-    if dist is not None and dist.rank != 0:  # rank 0 writes the model
-        dist.barrier("waiting for rank 0 to write the model")
-        return report
-    model_dir = write_model(work, ckpts, tasks, merge, path, max_shard_bytes)
-    report.seconds = time.perf_counter() - t_start
-    report.save_json(model_dir / "featcal_report.json")
-    _hub_files(model_dir, out.name, ckpts, _card(ckpts, merge, cfg, calib_data, report) | dict(card or {}))
-    if out.exists():  # force
-        shutil.rmtree(out)
-    os.rename(model_dir, out)
-    shutil.rmtree(work)
+    writer = dist is None or dist.rank == 0
+    with outdir.output_lock(out) if writer else contextlib.nullcontext():
+        fresh = not work.exists()
+        fingerprint = _fingerprint(ckpts, merge, cfg, path, calib_data)
+        state = open_work(work, fingerprint, resume=resume, force=force, dist=dist)
+        try:
+            report = _calibrate_blocks(
+                ckpts,
+                skels,
+                path,
+                calib_data,
+                merge,
+                cfg,
+                state,
+                work,
+                dict(device=device, fast=fast, progress=progress, checkpoint_every=checkpoint_every, on_block=on_block),
+                dist,
+            )
+        except BaseException:
+            if writer and (fresh or force) and state["done"] < 0:  # nothing to resume: leave nothing in the way
+                shutil.rmtree(work, ignore_errors=True)
+            raise
+        if not writer:  # rank 0 writes the model
+            dist.barrier("waiting for rank 0 to write the model")
+            return report
+        model_dir = write_model(work, ckpts, tasks, merge, path, max_shard_bytes)
+        report.seconds = time.perf_counter() - t_start
+        report.save_json(model_dir / "featcal_report.json")
+        _hub_files(model_dir, out.name, ckpts, _card(ckpts, merge, cfg, calib_data, report) | dict(card or {}))
+        outdir.check_output(out, force, inputs)  # (something may have appeared meanwhile)
+        outdir.commit_dir(model_dir, out, "model")
+        shutil.rmtree(work)
     if dist is not None:
         dist.barrier("writing the model")
     return report
+
+
+def check_token_ids(model, calib_data: Mapping[str, list]) -> None:
+    """Every token id of every batch within the model's vocabulary (before block 0: an id past it
+    would fail deep inside the embedding, or index another row on some devices)."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(emb, "num_embeddings", None)
+    if vocab is None:
+        return
+    for task, batches in calib_data.items():
+        for i, batch in enumerate(batches):
+            for key in ("input_ids", "decoder_input_ids"):
+                ids = batch.get(key) if isinstance(batch, Mapping) else None
+                if ids is None or ids.numel() == 0:
+                    continue
+                low, high = int(ids.min()), int(ids.max())
+                if low < 0 or high >= vocab:
+                    raise ValueError(
+                        f"task {task!r}, batch {i}: {key} holds token ids from {low} to {high}, the model's "
+                        f"vocabulary has {vocab} (ids 0 to {vocab - 1}); tokenize the data with this model's tokenizer."
+                    )
 
 
 def _check_merge(merge, merged) -> tuple[str, dict] | None:
@@ -156,13 +198,24 @@ def _check_merge(merge, merged) -> tuple[str, dict] | None:
         merge = (merge, {})
     if merge[0] not in registry.MERGERS:
         raise ValueError(f"unknown merge method {merge[0]!r}; choose one of {sorted(registry.MERGERS)}.")
-    return (merge[0], dict(merge[1]))
+    params = registry.check_params(merge[0], merge[1], "merger")  # names, types, finite numbers
+    return (merge[0], params)
 
 
-def open_checkpoints(base, experts: Mapping, merged, blocks: str | None, common_rows=False, lora_any_base=False):
+def open_checkpoints(
+    base,
+    experts: Mapping,
+    merged,
+    blocks: str | None,
+    common_rows=False,
+    lora_any_base=False,
+    trust_remote_code: bool = False,
+):
     """Every model's checkpoint (headers only, the same tensors as the base's; a LoRA adapter as
     the expert it makes of the base), its skeleton on the meta device (the merged model's from the
-    base's when merging on the fly), and the blocks' path. See :func:`calibrate_checkpoints`."""
+    base's when merging on the fly), and the blocks' path. The architectures are compared as the
+    in-memory run compares them (:mod:`featcal.model.validate`: configs, classes, heads, epsilons),
+    and every tensor a run reads is found in every checkpoint. See :func:`calibrate_checkpoints`."""
     ckpts = {"base": Checkpoint(base, "the base")}
     for t, d in experts.items():
         if is_adapter_dir(d):
@@ -175,11 +228,34 @@ def open_checkpoints(base, experts: Mapping, merged, blocks: str | None, common_
         if role != "base":
             check_same_tensors(ckpts["base"], ck, common_rows)
     # a checkpoint read cut to the base's vocabulary is built as the base is
-    skels = {role: skeleton(ckpts["base"] if ck.rows else ck) for role, ck in ckpts.items()}
+    skels = {role: skeleton(ckpts["base"] if ck.rows else ck, trust_remote_code) for role, ck in ckpts.items()}
     if "merged" not in skels:
-        skels["merged"] = skeleton(ckpts["base"])
-    path = arch.resolve_blocks(skels["merged"], blocks)[0]
+        skels["merged"] = skeleton(ckpts["base"], trust_remote_code)
+    ref = validate.architecture(skels["merged"])
+    for role, ck in ckpts.items():
+        if role != "merged":
+            validate.check_same_architecture(skels["merged"], skels[role], f"{ck.role} ({str(ck.path)!r})", ref)
+    path = _stream_path(skels["merged"], blocks)
+    for role, ck in ckpts.items():
+        missing = [n for n in needed_names(skels[role], path) if n not in ck.files]
+        if missing:
+            raise ValueError(
+                f"{ck.role} {str(ck.path)!r} lacks {len(missing)} tensor(s) its architecture needs (first "
+                f"{missing[0]!r}); the checkpoint and its config.json do not match (save the model again)."
+            )
     return ckpts, skels, path
+
+
+def _stream_path(model, blocks: str | None) -> str:
+    """The blocks' path, refused up front for models streaming cannot run: more than one stack
+    (an encoder-decoder) or stems that read the unloaded head."""
+    stacks = [p for p, _ in arch.resolve_stacks(model, blocks)]
+    if len(stacks) > 1:
+        raise ValueError(
+            f"{type(model).__name__} has {len(stacks)} stacks of blocks ({', '.join(stacks)}); streaming "
+            "calibrates one stack: load the model in memory (featcal.calibrate) or give blocks=PATH."
+        )
+    return arch.resolve_blocks(model, blocks)[0]
 
 
 def _hub_files(model_dir: Path, name: str, ckpts: dict, card: dict) -> None:
@@ -206,11 +282,16 @@ def _card(ckpts: dict, merge, cfg: FeatCalConfig, calib_data: Mapping, report: C
 
 
 def _fingerprint(ckpts: dict, merge, cfg: FeatCalConfig, path: str, calib_data: Mapping) -> dict:
-    """What a resumed run must share with the run that left the work directory."""
+    """What a resumed run must share with the run that left the work directory: the models' paths
+    and contents (:func:`fingerprint_checkpoint`), the merge, the config, the blocks and the data."""
+
+    def files(ck: Checkpoint) -> dict:
+        return {"path": str(ck.path.absolute()), "files": fingerprint_checkpoint(ck)}
+
     doc = {
-        "base": str(ckpts["base"].path.absolute()),
-        "experts": {t: str(ckpts[t].path.absolute()) for t in calib_data},
-        "merged": str(ckpts["merged"].path.absolute()) if "merged" in ckpts else None,
+        "base": files(ckpts["base"]),
+        "experts": {t: files(ckpts[t]) for t in calib_data},
+        "merged": files(ckpts["merged"]) if "merged" in ckpts else None,
         "merge": merge,
         "config": cfg.to_dict(),
         "blocks": path,

@@ -24,7 +24,7 @@ from featcal.engine.blocksource import BlockSource, move_streams, streams_fit, t
 from featcal.engine.report import CalibrationReport
 from featcal.model import arch, validate
 from featcal.model.checkpoints import Checkpoint, fill, release
-from featcal.streaming.workdir import STATE, STREAMS, peak_rss_mb, save_atomic, write_json_atomic
+from featcal.streaming.workdir import check_streams, commit, peak_rss_mb, save_atomic, save_streams, streams_files
 from featcal.util.progress import note
 
 
@@ -63,7 +63,16 @@ class CheckpointSource(BlockSource):
     # ---- reading
 
     def _read(self, role: str, full: list[str]) -> dict[str, torch.Tensor]:
-        return self.ckpts[role].read(full)
+        """Tensors ``full`` of one model's checkpoint, checked finite (a NaN or Inf is blamed on
+        the file that holds it, before anything is merged from it)."""
+        ck = self.ckpts[role]
+        tensors = ck.read(full)
+        try:
+            validate._finite_params(tensors, ck.role, self.path)
+        except FloatingPointError as err:
+            bad = next(n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))
+            raise FloatingPointError(f"{err} It is in {str(ck.path / ck.files[bad])!r}.") from None
+        return tensors
 
     def _merged(self, full: list[str], base: dict, experts: dict) -> dict[str, torch.Tensor]:
         """The merged model's tensors ``full``: read, or merged from the base's and experts'."""
@@ -73,7 +82,8 @@ class CheckpointSource(BlockSource):
         return registry.merge(method, base, experts, **params)
 
     def _fill(self, role: str, module: nn.Module, tensors: dict, prefix: str, device) -> None:
-        validate._finite_params(tensors, f"the {role} checkpoint", self.path)
+        if role == "merged":  # (the models read were checked as they were read)
+            validate._finite_params(tensors, "the merged model", self.path)
         rel = {name[len(prefix) :]: t.to(device) for name, t in tensors.items()}
         fill(module, rel)
         module.to(device)  # the non-persistent buffers too
@@ -87,15 +97,14 @@ class CheckpointSource(BlockSource):
         roles = ["merged", *self.tasks]
         for role in roles:
             skel = self.skels[role]
-            skip = _head_only(skel)
-            names = [n for n, p in skel.named_parameters() if not n.startswith(self.path + ".") and id(p) not in skip]
+            names = stem_names(skel, self.path)
             if role == "merged":
                 base = self._read("base", names)
                 tensors = self._merged(names, base, {t: self._read(t, names) for t in self.tasks})
             else:
                 tensors = self._read(role, names)
-            validate._finite_params(tensors, f"the {role} checkpoint", self.path)
-            skel.load_state_dict(tensors, strict=False, assign=True)
+            validate._finite_params(tensors, "the merged model" if role == "merged" else f"expert {role!r}", self.path)
+            skel.load_state_dict(with_aliases(skel, tensors), strict=False, assign=True)
         try:
             streams = make()
         finally:
@@ -140,16 +149,17 @@ class CheckpointSource(BlockSource):
             release(blocks[block])
         _trim_heap()
         last = block == len(self.blocks["base"]) - 1
-        if (block + 1) % self.every == 0 or last:
+        if (block + 1) % self.every == 0 or last:  # a checkpoint (workdir.commit): streams, then the state
+            files = [] if last else streams_files(self.dist, block)
             if not last:
-                self._save_streams(streams)
+                self._save_streams(streams, files[0 if self.dist is None else self.dist.rank], block)
             self.state["done"] = block
             self.state["modules"] = self.state["prior_modules"] + [vars(m) for m in report.modules]
             self.state["blocks"] = self.state["prior_blocks"] + [vars(b) for b in report.blocks]
             if self.dist is not None:  # every rank's streams and the block are written
                 self.dist.barrier(f"block {block}: waiting for every rank's streams")
             if self.dist is None or self.dist.rank == 0:
-                self._write_state()
+                commit(self.work, self.state, files)
         info = {"seconds": time.perf_counter() - self._t0, "peak_rss_mb": peak_rss_mb()}
         if self.device.type == "cuda":
             info["peak_gpu_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
@@ -164,20 +174,11 @@ class CheckpointSource(BlockSource):
 
     # ---- the streams on disk
 
-    def _write_state(self) -> None:
-        """``state.json``, then the streams files of another number of ranks (a resumed run's) go."""
-        files = streams_files(self.dist)
-        self.state["streams"] = files
-        write_json_atomic({k: v for k, v in self.state.items() if not k.startswith("prior_")}, self.work / STATE)
-        for old in self.work.glob("streams*.safetensors"):
-            if old.name not in files:
-                old.unlink()
-
     def _global(self, task: str, b: int) -> int:
         """The index among all of ``task``'s batches of this rank's batch ``b``."""
         return b if self.batches is None else self.batches[task][b]
 
-    def _save_streams(self, streams: dict) -> None:
+    def _save_streams(self, streams: dict, name: str, generation: int) -> None:
         """This rank's streams, each batch under its index among all of its task's batches (so
         that a run resumed on another number of ranks finds every batch's)."""
         flat = {}
@@ -185,11 +186,11 @@ class CheckpointSource(BlockSource):
             for kind in ("cal", "exp"):
                 for b, c in enumerate(getattr(streams[task], kind)):
                     flat[f"{kind}.{i}.{self._global(task, b)}"] = to_host(c.hidden).contiguous()
-        save_atomic(flat, self.work / streams_files(self.dist)[0 if self.dist is None else self.dist.rank])
+        save_streams(self.work, name, flat, generation)
 
     def _load_streams(self, streams: dict) -> None:
         where = {}
-        for name in self.state.get("streams", [STREAMS]):  # a run saved on any number of ranks
+        for name in check_streams(self.work, self.state):  # a run saved on any number of ranks
             with safe_open(str(self.work / name), framework="pt", device="cpu") as f:
                 where |= dict.fromkeys(f.keys(), name)
         for i, task in enumerate(self.tasks):
@@ -203,11 +204,34 @@ class CheckpointSource(BlockSource):
                 setattr(streams[task], kind, loaded)
 
 
-def streams_files(dist: distributed.Dist | None) -> list[str]:
-    """The streams files of a run on ``dist``'s ranks (one process: the one file)."""
-    if dist is None:
-        return [STREAMS]
-    return [f"streams-{r}-of-{dist.size}.safetensors" for r in range(dist.size)]
+def with_aliases(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` plus every other name of a tied parameter (T5's ``shared.weight`` is also
+    ``encoder.embed_tokens.weight``): loading by assignment would otherwise fill one name and leave
+    the other on the meta device."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    out = dict(tensors)
+    for names in by_id.values():
+        given = next((n for n in names if n in tensors), None)
+        if given is not None:
+            out.update({n: tensors[given] for n in names if n not in out})
+    return out
+
+
+def stem_names(model: nn.Module, path: str) -> list[str]:
+    """The parameters outside the blocks at ``path`` that the stems read (the head left out)."""
+    skip = _head_only(model)
+    return [n for n, p in model.named_parameters() if not n.startswith(path + ".") and id(p) not in skip]
+
+
+def needed_names(model: nn.Module, path: str) -> list[str]:
+    """Every tensor name a streamed run reads of a model: the stems' parameters and its blocks'
+    state dicts."""
+    names = stem_names(model, path)
+    for i, blk in enumerate(arch.resolve_blocks(model, path)[1]):
+        names += [f"{path}.{i}.{k}" for k in blk.state_dict()]
+    return names
 
 
 def _head_only(model: nn.Module) -> set[int]:

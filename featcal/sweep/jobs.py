@@ -6,7 +6,8 @@
   :func:`exact_job` (one forward-order FeatCal run);
 - two runners with one ``map``: :class:`Local` (this process, in order) and
   :class:`RayRunner` (Ray tasks, one CPU each, the bundle shipped once with
-  ``ray.put``; results gathered in submission order). The same job functions on
+  ``ray.put``; results gathered in submission order), on a Ray started here or on an
+  existing cluster (``address``: ``"auto"`` or ``HOST:PORT``, featcal's code shipped to it). The same job functions on
   the same inputs in the same order give the same results on both.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -168,12 +170,16 @@ class Local:
 class RayRunner:
     """Runs jobs as Ray tasks (one CPU each); results come back in submission order."""
 
-    def __init__(self, work: Work, num_cpus: int | None, progress: bool = False):
+    def __init__(self, work: Work, num_cpus: int | None, progress: bool = False, address: str | None = None):
         import ray
 
         self.ray, self.progress = ray, progress
         self.started = not ray.is_initialized()
-        if self.started:
+        if self.started and address is not None:  # an existing cluster: its CPUs, our code shipped
+            if num_cpus is not None:
+                raise ValueError("num_cpus is for a Ray started here; a cluster at ray_address has its own CPUs.")
+            ray.init(address=address, log_to_driver=False, runtime_env={"py_modules": [_package_dir()]})
+        elif self.started:
             ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
         self.slots = max(1, int(ray.available_resources().get("CPU", 1)))
         self.ref = ray.put(work)
@@ -195,10 +201,17 @@ class RayRunner:
             self.ray.shutdown()
 
 
-def runner(work: Work, use_ray: bool, num_cpus: int | None, progress: bool = False):
+def _package_dir() -> str:
+    """featcal's package directory (shipped to a Ray cluster's workers: the same code runs there)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # featcal/sweep/jobs.py -> featcal/
+
+
+def runner(work: Work, use_ray: bool | str, num_cpus: int | None, progress: bool = False):
+    """Where the jobs run: ``use_ray`` False (this process), True (Ray started here, or the one
+    already initialised) or a cluster's address (``"auto"``, ``HOST:PORT``, ``ray://HOST:PORT``)."""
     if use_ray:
         try:
-            return RayRunner(work, num_cpus, progress)
+            return RayRunner(work, num_cpus, progress, use_ray if isinstance(use_ray, str) else None)
         except ImportError:
             warnings.warn(
                 "ray=True but Ray is not installed (pip install 'featcal[tune]'); running in one process.", stacklevel=3

@@ -17,10 +17,10 @@ Scores are computed on *validation* data only, higher is better:
 passes a zoo's ``calib`` and ``val`` splits only. :func:`holdout_report` is the
 one place that reads ``test``, after the choice is made.
 
-Every point is an independent job. With ``ray=True`` the preview batches and
-the exact confirmations are Ray tasks (models and data shipped once with
-``ray.put``); otherwise they run in this process. Both paths run the same job
-functions on the same inputs in the same order, so they return the same table.
+Every point is an independent job. With ``ray=True`` (or an existing cluster's address,
+``ray="auto"`` or ``ray="HOST:PORT"``) the preview batches and the exact confirmations are Ray
+tasks (models and data shipped once with ``ray.put``); otherwise they run in this process. Both
+paths run the same job functions on the same inputs in the same order, so they return the same table.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class TuneConfig:
     n_confirm: int = 4  # best previews re-run exactly (besides the anchor)
     score: str = "auto"  # "accuracy" (needs labels), "kl" (to the experts), "auto"
     batch_size: int = 256  # validation batch size
-    ray: bool = False  # fan jobs out as Ray tasks
+    ray: bool | str = False  # fan jobs out as Ray tasks (a string: the address of an existing cluster)
     num_cpus: int | None = None  # Ray: CPUs of a locally started Ray (None: Ray's default)
 
     def __post_init__(self):

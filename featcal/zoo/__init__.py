@@ -29,7 +29,7 @@ from featcal.zoo import fusionbench, spec
 from featcal.zoo.core import SPLITS, TaskData, Zoo, evaluate
 from featcal.zoo.demo import DEMO_VERSION, build_demo, cache_dir, demo_path, load_demo
 from featcal.zoo.io import OutputExistsError, load_model, save_model
-from featcal.zoo.realtext import load_realtext
+from featcal.zoo.realtext import load_realtext, realtext_path
 from featcal.zoo.scores import average, expert_accuracies, normalized, summary, write_scores
 from featcal.zoo.store import is_zoo_dir, read_zoo_dir
 
@@ -45,6 +45,7 @@ __all__ = [
     "load_demo",
     "load_realtext",
     "load_any",
+    "source_path",
     "NAMES",
     "BUILT",
     "OutputExistsError",
@@ -104,6 +105,19 @@ def load_any(name_or_path: str | os.PathLike, progress: bool = True, rebuild: bo
     raise FileNotFoundError(
         f"zoo {key!r} {what}; give {', '.join(repr(n) for n in [*NAMES, *BUILT])}, a .yaml spec, or a zoo directory."
     )
+
+
+def source_path(name_or_path: str | os.PathLike) -> Path | None:
+    """Where :func:`load_any` reads ``name_or_path`` from (a built-in zoo's cache directory,
+    the spec file, the zoo directory), None when nothing is there yet (an output must lie
+    apart from it; the spec's own models are known once it is loaded, :meth:`Zoo.input_paths`)."""
+    key = str(name_or_path)
+    if key in NAMES:
+        return demo_path(NAMES[key])
+    if key in BUILT:
+        return realtext_path()
+    path = Path(os.path.expandvars(key)).expanduser()
+    return path if path.exists() else None
 
 
 def _on(zoo: Zoo, device: str) -> Zoo:

@@ -80,6 +80,13 @@ class Zoo:
     def tasks(self) -> list[str]:
         return list(self.experts)
 
+    def input_paths(self) -> dict[str, str]:
+        """``{what: path}`` of the files and directories this zoo was read from (its directory,
+        or its spec's models, heads and data): an output must lie apart from all of them."""
+        if "inputs" in self.meta:
+            return dict(self.meta["inputs"])
+        return {"the zoo": self.meta["path"]} if "path" in self.meta else {}
+
     def split(self, task: str, split: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, labels)`` of one task's split."""
         return self.data[task].split(split)

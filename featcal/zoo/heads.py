@@ -87,14 +87,14 @@ def load_hf_text_encoder(path: Path, device: str = "cpu") -> tuple[HFTextEncoder
     """``(encoder, exp(logit_scale))`` from a full HF ``CLIPModel`` directory (and its tokenizer)."""
     from transformers import AutoConfig, AutoTokenizer, CLIPModel
 
-    cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    cfg = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     if not hasattr(cfg, "text_config"):
         raise ValueError(
             f"{path}: a {type(cfg).__name__} has no text tower; zero-shot heads need a full "
             "CLIPModel (give heads.text_model, or use file heads)."
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as err:
         raise ValueError(
             f"{path}: no usable CLIP tokenizer files (vocab.json/merges.txt or tokenizer.json): {err}"

@@ -5,9 +5,10 @@ Two guarantees hold for everything written here:
 1. **No half-written output.** A directory is written into a temporary sibling
    (``.<name>.tmp-*``) and renamed into place only once complete; a failure
    removes the temporary directory and leaves any existing target untouched.
-2. **No silent overwrite.** An existing target is replaced only with
-   ``force=True``; the old directory stays in place until the new one is
-   complete.
+2. **No silent overwrite, nothing of the user's lost.** An existing target is replaced only
+   with ``force=True``, only if featcal wrote it, never over an input, and one run per
+   output at a time (:mod:`featcal.util.outdir`); the old directory stays in place until
+   the new one is complete.
 
 Weights are written as safetensors and read back only through safetensors (or
 ``torch.load(weights_only=True)`` for a legacy ``.bin``): never a pickle.
@@ -26,44 +27,47 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 from featcal.model.export import MAX_SHARD_BYTES, drift_summary, model_name, write_hub_files
+from featcal.util import outdir
+from featcal.util.outdir import OutputExistsError as OutputExistsError
+from featcal.util.outdir import OutputLockedError as OutputLockedError
+from featcal.util.outdir import UnsafeOutputError as UnsafeOutputError
 
 FORMATS = ("hf", "open_clip", "torch")
 MARKER = "featcal_model.json"  # written beside every saved model: its format and origin
 WEIGHTS = "model.safetensors"
 
 
-class OutputExistsError(FileExistsError):
-    """The output directory exists and ``force`` was not given."""
-
-
 @contextlib.contextmanager
-def atomic_dir(target: str | os.PathLike, force: bool = False) -> Iterator[Path]:
+def atomic_dir(
+    target: str | os.PathLike,
+    force: bool = False,
+    inputs: Mapping[str, str | os.PathLike | None] | None = None,
+    kind: str = "output",
+    wait: bool = False,
+) -> Iterator[Path]:
     """Yield a fresh temporary directory that becomes ``target`` on success.
 
-    On an exception inside the block the temporary directory is removed and
-    ``target`` is left as it was. An existing ``target`` raises
-    :class:`OutputExistsError` unless ``force``; with ``force`` the old
-    directory is moved aside and deleted only after the new one is in place.
+    The output's lock is held throughout (:func:`featcal.util.outdir.output_lock`). On an
+    exception inside the block the temporary directory is removed and ``target`` is left as it
+    was. ``target`` must lie apart from ``inputs`` (``{what: path}``); an existing ``target``
+    raises :class:`OutputExistsError` unless ``force``, and with ``force`` it is replaced only
+    if featcal wrote it (:func:`featcal.util.outdir.check_replaceable`), once the new one is in
+    place. The finished directory carries featcal's marker (``kind`` recorded in it).
+    ``wait``: wait for another process's lock on ``target`` instead of failing.
     """
     target = Path(target).expanduser().absolute()
-    _check_target(target, force)
+    outdir.check_output(target, force, inputs)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        yield tmp
-        _normalise_permissions(tmp)
-        _check_target(target, force)  # something may have appeared meanwhile
-        _swap_into_place(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _check_target(target: Path, force: bool) -> None:
-    if target.exists() and not force:
-        raise OutputExistsError(f"output {str(target)!r} already exists; pass --force (force=True) to replace it.")
-    if target.exists() and not target.is_dir():
-        raise OutputExistsError(f"output {str(target)!r} exists and is not a directory.")
+    with outdir.output_lock(target, wait=wait):
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            yield tmp
+            _normalise_permissions(tmp)
+            outdir.check_output(target, force, inputs)  # something may have appeared meanwhile
+            outdir.commit_dir(tmp, target, kind)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def _normalise_permissions(root: Path) -> None:
@@ -86,23 +90,6 @@ def _current_umask() -> int:
     except OSError:
         pass
     return 0o022
-
-
-def _swap_into_place(tmp: Path, target: Path) -> None:
-    """Rename ``tmp`` to ``target``; an old ``target`` is moved aside first and
-    restored if the rename fails."""
-    if not target.exists():
-        os.replace(tmp, target)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-    os.rmdir(old)
-    os.replace(target, old)
-    try:
-        os.replace(tmp, target)
-    except BaseException:
-        os.replace(old, target)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -146,6 +133,7 @@ def save_model(
     extra_files: Mapping[str, str | bytes | dict | list] | None = None,
     config: dict | None = None,
     hub: Mapping | None = None,
+    inputs: Mapping[str, str | os.PathLike | None] | None = None,
 ) -> Path:
     """Write ``model`` to ``out_dir`` in the format it was loaded in.
 
@@ -161,13 +149,15 @@ def save_model(
             constructor arguments); written into the marker file.
         hub: the keywords of :func:`featcal.model.export.write_hub_files` (``base_dir``, the
             merge, settings, scores, ...): the base's tokenizer files and a model card beside it.
+        inputs: ``{what: path}`` the output must lie apart from (the zoo, the models read).
 
     Returns the path written. Raises :class:`OutputExistsError` (naming ``--force``)
-    when ``out_dir`` exists and ``force`` is false.
+    when ``out_dir`` exists and ``force`` is false, :class:`UnsafeOutputError` when it
+    overlaps an input or is not featcal's to replace (see :func:`atomic_dir`).
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown model format {fmt!r}; choose one of {FORMATS}.")
-    with atomic_dir(out_dir, force=force) as tmp:
+    with atomic_dir(out_dir, force=force, inputs=inputs, kind="model") as tmp:
         if fmt == "hf":
             if not hasattr(model, "save_pretrained"):
                 raise ValueError(
@@ -225,7 +215,7 @@ def load_model(model_dir: str | os.PathLike, like=None):
     if fmt == "hf":
         cls = type(like) if like is not None else _hf_class(model_dir)
         with quiet_transformers():
-            return cls.from_pretrained(model_dir, use_safetensors=True)
+            return cls.from_pretrained(model_dir, use_safetensors=True, trust_remote_code=False, local_files_only=True)
     if like is None:
         raise ValueError(
             f"{str(model_dir)!r} holds a {fmt!r} state dict; loading it needs "
@@ -263,13 +253,13 @@ def load_legacy_state_dict(path: str | os.PathLike) -> dict:
 
 
 def _hf_class(model_dir: Path):
-    import transformers
+    """The library class config.json's ``architectures`` names (never the directory's own code)."""
+    from featcal.model.allowed import library_model_class
 
-    cfg = json.loads((model_dir / "config.json").read_text())
-    for name in cfg.get("architectures") or []:
-        if hasattr(transformers, name):
-            return getattr(transformers, name)
-    return transformers.AutoModel
+    names = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
+    if not names:
+        raise ValueError(f"{str(model_dir)!r}: config.json names no architecture; load it with like=MODEL.")
+    return library_model_class(names[0], f"{str(model_dir)!r}: config.json's architectures")
 
 
 # ------------------------------------------------------------------ files

@@ -87,7 +87,7 @@ _NOT_VISION = ("text_model.", "text_projection", "visual_projection", "logit_sca
 def hf_vision_config(path: Path):
     from transformers import AutoConfig, CLIPVisionConfig
 
-    cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    cfg = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     cfg = getattr(cfg, "vision_config", cfg)
     if not isinstance(cfg, CLIPVisionConfig):
         raise ValueError(

@@ -129,6 +129,14 @@ class Found:
             out["heads"] = str(self.heads_file)
         return out
 
+    def paths(self) -> dict[str, str]:
+        """``{what: path}`` of every model, head file and dataset found (what an output must not touch)."""
+        out = {f"model {role}": str(p) for role, p in self.models.items()}
+        out.update({f"the data of task {t!r}": str(d.root) for t, d in self.data.items()})
+        if self.heads_file:
+            out["the heads file"] = str(self.heads_file)
+        return out
+
 
 def _hf_dir_problem(path: Path) -> str | None:
     if not path.is_dir():

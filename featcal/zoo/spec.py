@@ -89,6 +89,7 @@ def load(spec_path: str | os.PathLike | ZooSpec, device: str = "cpu") -> Zoo:
         "format": spec.format,
         "features": spec.features,
         "sources": found.describe(),
+        "inputs": {**({"the zoo spec": str(spec.source)} if spec.source else {}), **found.paths()},
         "splits": asdict(spec.splits),
         "image_size": info.image_size,
         "mean": list(info.mean),

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from featcal.model.allowed import check_model_kwargs, library_model_class
+from featcal.util import outdir
 from featcal.zoo.core import SPLITS, TaskData, Zoo
 from featcal.zoo.io import atomic_dir, quiet_transformers, tree_sha256
 from featcal.zoo.lm import EXAMPLES, LMZoo, lm_mean_hidden, read_examples
@@ -113,7 +115,7 @@ def write_zoo_dir(
         raise ValueError(f"unknown feature reader {features!r}; choose one of {sorted(FEATURES)}.")
     if storage_dtype not in STORAGE_DTYPES:
         raise ValueError(f"unknown storage_dtype {storage_dtype!r}; choose one of {sorted(STORAGE_DTYPES)}.")
-    with atomic_dir(path, force=force) as tmp, quiet_transformers():
+    with atomic_dir(path, force=force, kind="zoo", wait=True) as tmp, quiet_transformers():
         _save_model(base, tmp / "base", storage_dtype)
         for task, model in experts.items():
             _save_model(model, tmp / "experts" / task, storage_dtype)
@@ -206,7 +208,7 @@ def read_meta(path: str | os.PathLike) -> dict:
 def verify_zoo_dir(path: str | os.PathLike) -> None:
     """Raise :class:`ZooCorruptedError` if the files differ from the recorded hash."""
     meta = read_meta(path)
-    digest, files = tree_sha256(path, exclude=(META,))
+    digest, files = tree_sha256(path, exclude=(META, outdir.MARKER))
     if digest != meta.get("content_sha256"):
         changed = sorted(set(files.items()) ^ set(meta.get("files", {}).items()))
         first = changed[0][0] if changed else "?"
@@ -218,7 +220,6 @@ def verify_zoo_dir(path: str | os.PathLike) -> None:
 
 def read_zoo_dir(path: str | os.PathLike, verify: bool = True) -> Zoo:
     """Load a zoo written by :func:`write_zoo_dir`."""
-    import transformers
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -227,8 +228,10 @@ def read_zoo_dir(path: str | os.PathLike, verify: bool = True) -> Zoo:
     if verify:
         verify_zoo_dir(path)
     meta = read_meta(path)
-    cls = getattr(transformers, meta["model_class"])
-    kw = {"use_safetensors": True, **meta.get("model_kwargs", {})}  # e.g. a BertModel without its pooler
+    # meta.json is data: its class and keyword arguments pass allow-lists, and no code is run.
+    cls = library_model_class(meta["model_class"], f"zoo {str(path)!r}: meta.json's model_class")
+    kw = check_model_kwargs(meta.get("model_kwargs", {}), f"zoo {str(path)!r}: meta.json's model_kwargs")
+    kw |= {"use_safetensors": True, "trust_remote_code": False, "local_files_only": True}
     with quiet_transformers():
         base = _load_model(cls, path / "base", meta, kw)
         experts = {t: _load_model(cls, path / "experts" / t, meta, kw) for t in meta["tasks"]}

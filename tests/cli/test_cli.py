@@ -34,7 +34,7 @@ def _assert_clean_error(rc, err, *needles):
         assert needle in lines[0]
 
 
-ALL = ("zoo", "merge", "calibrate", "eval", "diagnose", "tune", "study", "compare")
+ALL = ("zoo", "merge", "calibrate", "eval", "diagnose", "tune", "study", "compare", "app")
 
 
 def test_the_table_holds_every_subcommand_and_each_parses(capsys):
@@ -187,12 +187,19 @@ def test_clean_errors(tiny_zoo_dir, tmp_path, capsys):
     assert not (tmp_path / "m").exists() and not (tmp_path / "c").exists()
 
 
-def test_force_replaces_output(tiny_zoo_dir, tmp_path, capsys):
+def test_force_replaces_only_featcal_output(tiny_zoo_dir, tmp_path, capsys):
     out = tmp_path / "m"
-    out.mkdir()
-    (out / "old.txt").write_text("old")
+    rc, _, _ = _run(capsys, "merge", "--zoo", tiny_zoo_dir, "--out", str(out), "-q")
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
     rc, _, _ = _run(capsys, "merge", "--zoo", tiny_zoo_dir, "--out", str(out), "--force", "-q")
-    assert rc == 0 and not (out / "old.txt").exists() and (out / "model.safetensors").is_file()
+    assert rc == 0 and (out / "model.safetensors").stat().st_mtime_ns != stamp
+    # a folder of the user's own files is never replaced, --force or not
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "old.txt").write_text("old")
+    rc, _, err = _run(capsys, "merge", "--zoo", tiny_zoo_dir, "--out", str(mine), "--force", "-q")
+    _assert_clean_error(rc, err, "not written by featcal")
+    assert (mine / "old.txt").read_text() == "old" and sorted(p.name for p in mine.iterdir()) == ["old.txt"]
 
 
 def test_python_dash_m(tiny_zoo_dir, tmp_path):

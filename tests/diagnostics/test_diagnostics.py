@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 
 import pandas as pd
 import pytest
@@ -457,7 +458,9 @@ def test_cli_writes_tables_and_summary(tmp_path, monkeypatch, which):
     )
     assert cli.run(args) == 0
     files = sorted(p.name for p in (tmp_path / "diag").iterdir())
-    assert files == ["drift.csv", "expert_cosine.csv", "output.csv", "summary.txt", "task_vector.csv"]
+    tables = ["drift.csv", "expert_cosine.csv", "output.csv", "summary.txt", "task_vector.csv"]
+    assert files == [".featcal-output.json", *tables]  # the tables and featcal's marker listing them
+    assert json.loads((tmp_path / "diag" / ".featcal-output.json").read_text())["files"] == tables
     drift = pd.read_csv(tmp_path / "diag" / "drift.csv")
     assert list(drift.columns) == ["task", "block", "metric", "value"]
     assert "relative drift" in (tmp_path / "diag" / "summary.txt").read_text()

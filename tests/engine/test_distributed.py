@@ -252,3 +252,34 @@ def test_mismatched_inputs_are_refused_and_a_dead_rank_stops_the_others(tmp_path
     assert "config differ on rank(s) [1]" in res["mismatch"]
     assert "another rank stopped or hangs" in res["died"] and "block 1" in res["died"]
     assert res["seconds"] < 30  # a dead peer is seen at once, not after the timeout
+
+
+def _hang_worker(rank: int) -> dict:
+    (base, experts, merged, data), cfg, fast, _ = _cases()["clip32"]
+    from featcal.engine import dist_systems
+
+    if rank == 1:  # rank 1 hangs at block 1 for longer than the process group's timeout
+        real = dist_systems.DistBlockSystems.finish
+
+        def hang(self):
+            if self.block == 1:
+                time.sleep(25)
+            return real(self)
+
+        dist_systems.DistBlockSystems.finish = hang
+    t0 = time.monotonic()
+    out = {}
+    try:
+        calibrate(merged, base=base, experts=experts, calib_data=data, config=cfg, progress=False)
+    except distributed.DistributedError as err:
+        out["error"] = str(err)
+    out["seconds"] = time.monotonic() - t0
+    return out
+
+
+@pytest.mark.slow
+def test_a_hung_rank_stops_the_others_after_the_timeout(tmp_path):
+    results, errors, codes = distrib.run_ranks(2, _hang_worker, tmp=tmp_path, timeout_s=6, check=False)
+    res = results[0]
+    assert res is not None and "another rank stopped or hangs" in res.get("error", ""), (codes, errors)
+    assert res["seconds"] < 20  # the 6 s timeout, not rank 1's 25 s

@@ -14,7 +14,7 @@ from transformers import LlamaForCausalLM
 
 import tiny
 from featcal import FeatCalConfig, calibrate_checkpoints
-from featcal.baselines import merging
+from featcal.baselines import registry
 from featcal.baselines.mergekit import MergekitError, read_recipe
 from featcal.cli.commands import main
 from featcal.model.checkpoints import load_token_data, read_state_dict, save_token_data
@@ -76,7 +76,7 @@ def _featcal_merge(root, path):
     recipe = read_recipe(path)
     method, params = recipe.featcal_merge()
     base = read_state_dict(root / "models" / "base")
-    return merging.merge(method, base, {t: read_state_dict(root / "models" / t) for t in recipe.experts}, **params)
+    return registry.merge(method, base, {t: read_state_dict(root / "models" / t) for t in recipe.experts}, **params)
 
 
 def test_recipe_reads_models_tasks_and_parameters(root):

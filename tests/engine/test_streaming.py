@@ -159,8 +159,11 @@ def test_bad_inputs_name_the_problem(zoo, tmp_path):
     base, exps, data = zoo["root"] / "base", _experts(zoo), _batches(zoo)
     with pytest.raises(ValueError, match="exactly one"):
         calibrate_checkpoints(base, exps, calib_data=data, out=tmp_path / "o")
+    (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="config.json"):
-        calibrate_checkpoints(base, {**exps, "math": tmp_path}, calib_data=data, out=tmp_path / "o", merge="average")
+        calibrate_checkpoints(
+            base, {**exps, "math": tmp_path / "empty"}, calib_data=data, out=tmp_path / "o", merge="average"
+        )
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="cuda"):
             calibrate_checkpoints(base, exps, calib_data=data, out=tmp_path / "o", merge="average", device="cuda")

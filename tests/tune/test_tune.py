@@ -251,6 +251,7 @@ def test_tune_and_study_command_lines_write_their_files(tmp_path, capsys):
         == 0
     )
     assert {p.name for p in out.iterdir()} == {
+        ".featcal-output.json",  # featcal's marker: --force may replace this directory
         "best.json",
         "table.csv",
         "test_report.csv",
@@ -284,7 +285,8 @@ def test_tune_and_study_command_lines_write_their_files(tmp_path, capsys):
         == 0
     )
     written = {p.name for p in se.iterdir()}
-    assert written - {"warnings.txt"} == {"rows.csv", "summary.csv", "sample_efficiency.html", "plotly.min.js"}
+    files = {".featcal-output.json", "rows.csv", "summary.csv", "sample_efficiency.html", "plotly.min.js"}
+    assert written - {"warnings.txt"} == files
     out, err = capsys.readouterr()
     assert "Warning:" not in err  # the library's warnings are collected, not printed between the bars
     if "warnings.txt" in written:  # 4 examples per task: fewer token rows than some input widths

@@ -78,3 +78,9 @@ def test_one_param_dialect_where_one_method_runs_and_method_dot_name_where_sever
         registry.parse_param_items(["scale=0.4"], None)
     with pytest.raises(ValueError, match="NAME=VALUE"):
         registry.parse_param_items(["scale"], ["ta"])
+
+
+def test_a_number_may_come_per_task():
+    assert registry.check_params("ties", {"density": {"a": 0.5, "b": 1}}) == {"density": {"a": 0.5, "b": 1.0}}
+    with pytest.raises(ValueError, match="'density' takes a number, got 'x'"):
+        registry.check_params("ties", {"density": {"a": "x"}})

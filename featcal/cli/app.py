@@ -1,0 +1,80 @@
+"""``featcal app [--port N] [--host H]``: the Streamlit app, bound to the address given here.
+
+Streamlit reads ``.streamlit/config.toml`` from the current directory, so ``streamlit run``
+started elsewhere listens on every interface. This launcher passes ``--server.address``
+itself (127.0.0.1 unless ``--host`` says otherwise) and tells the app, through
+:data:`HOST_ENV`, which address the user asked for: served on any other non-loopback
+address, the app shows a refusal instead of loading anything (``app/binding.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HOST_ENV = "FEATCAL_APP_HOST"  # the address the user asked for with --host
+APP = Path(__file__).resolve().parents[2] / "app" / "streamlit_app.py"
+HELP = "run the Streamlit app (on 127.0.0.1 unless --host is given)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", type=_port, default=8501, help="port to listen on (default 8501)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1, this machine only); the app has no login, so any "
+        "other address lets everyone who can reach it load zoos and write files as you",
+    )
+
+
+def _port(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 < n < 65536:
+        raise argparse.ArgumentTypeError(f"expected a port number 1-65535, got {text!r}")
+    return n
+
+
+def command(host: str, port: int) -> list[str]:
+    """The ``streamlit run`` command line, the address and port passed explicitly."""
+    return [
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(APP),
+        "--server.address",
+        host,
+        "--server.port",
+        str(port),
+        "--server.headless",
+        "true",
+        "--browser.gatherUsageStats",
+        "false",
+        "--browser.serverAddress",
+        host,
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    if not APP.is_file():
+        raise FileNotFoundError(
+            f"the app's files are not there ({APP}); `featcal app` runs from a checkout of the repository "
+            "(pip install -e .)."
+        )
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"featcal: the app will listen on {args.host}:{args.port} and has no login: everyone who can reach "
+            "that address can load zoos and export files as you.",
+            file=sys.stderr,
+        )
+    env = {**os.environ, HOST_ENV: args.host}
+    try:
+        return subprocess.call(command(args.host, args.port), env=env)
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,123 @@
+"""Nothing of the user's is lost (issue 24, items 1 and 9): --force and the app's Replace replace
+only a directory featcal wrote, never an input or a folder of the user's files; a repeated
+--expert is an error."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from streamlit.testing.v1 import AppTest
+
+from featcal.cli.commands import main
+from featcal.model.checkpoints import save_token_data
+from featcal.util import outdir
+from featcal.zoo.io import UnsafeOutputError, save_model
+
+APP = str(Path(__file__).resolve().parents[2] / "app" / "streamlit_app.py")
+
+
+def _snapshot(root: Path) -> dict:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def models(tmp_path):
+    """A tiny base, two experts and a token file in one folder, beside the user's notes.txt."""
+    import tiny
+
+    base = tiny.tiny_llama()
+    base.save_pretrained(tmp_path / "B")
+    tiny.perturbed(base, 0.02, 1).save_pretrained(tmp_path / "M")
+    tiny.perturbed(base, 0.02, 2).save_pretrained(tmp_path / "C")
+    g = torch.Generator().manual_seed(0)
+    save_token_data(
+        tmp_path / "T.safetensors",
+        {t: {"input_ids": torch.randint(0, 50, (4, 6), generator=g)} for t in ("math", "code")},
+    )
+    (tmp_path / "notes.txt").write_text("my notes")
+    return tmp_path
+
+
+def _calibrate(root: Path, out: Path, *extra) -> int:
+    argv = ["calibrate", "--base", str(root / "B"), "--expert", f"math={root / 'M'}", "--expert", f"code={root / 'C'}"]
+    return main([*argv, "--data", str(root / "T.safetensors"), "--out", str(out), "--lam", "0.1", "-q", *extra])
+
+
+def test_force_never_replaces_an_input_or_the_folder_holding_them(models, capsys):
+    before = _snapshot(models)
+    assert _calibrate(models, models / "C", "--force") == 2  # --out is the expert C
+    assert "is expert 'code'" in capsys.readouterr().err
+    assert _calibrate(models, models, "--force") == 2  # --out holds base, experts and tokens
+    assert "contains" in capsys.readouterr().err
+    assert _calibrate(models, models / "C" / "sub", "--force") == 2  # --out inside an input
+    assert "lies inside" in capsys.readouterr().err
+    assert _snapshot(models) == before  # every input and notes.txt as they were
+
+
+def test_force_replaces_featcal_output_but_not_user_files(models, capsys):
+    out = models / "out"
+    assert _calibrate(models, out) == 0
+    assert (out / outdir.MARKER).is_file()
+    assert _calibrate(models, out, "--force") == 0  # featcal's own output: replaced
+    (out / "mine.txt").write_text("added by the user")
+    assert _calibrate(models, out, "--force") == 2
+    assert "mine.txt" in capsys.readouterr().err
+    assert (out / "mine.txt").read_text() == "added by the user"
+
+
+def test_zoo_dir_as_its_own_output_is_refused(tiny_zoo_dir, tmp_path, capsys):
+    import shutil
+
+    zoo = tmp_path / "zoo"
+    shutil.copytree(tiny_zoo_dir, zoo)
+    before = _snapshot(zoo)
+    for cmd in (["calibrate", "--n-per-task", "8"], ["merge"]):
+        rc = main([*cmd, "--zoo", str(zoo), "--out", str(zoo), "--force", "-q"])
+        assert rc == 2 and "the zoo" in capsys.readouterr().err
+    assert main(["merge", "--zoo", str(zoo), "--out", str(zoo / "inside"), "--force", "-q"]) == 2
+    assert _snapshot(zoo) == before
+
+
+def test_save_model_with_force_never_deletes_a_folder_of_ordinary_files(tmp_path):
+    folder = tmp_path / "papers"
+    folder.mkdir()
+    (folder / "draft.tex").write_text("\\section{}")
+    with pytest.raises(UnsafeOutputError, match="not written by featcal"):
+        save_model(torch.nn.Linear(2, 2), folder, fmt="torch", force=True)
+    assert _snapshot(folder) == {"draft.tex": b"\\section{}"}
+
+
+def test_app_export_replace_refuses_a_folder_of_ordinary_files(tiny_zoo_dir, tmp_path):
+    folder = tmp_path / "papers"
+    folder.mkdir()
+    (folder / "draft.tex").write_text("mine")
+    at = AppTest.from_file(APP, default_timeout=300)
+    at.query_params["zoo"] = "other (path)…"
+    at.query_params["zoo_path"] = tiny_zoo_dir
+    at.run()
+    at.switch_page("pages/export.py").run()
+    at.text_input(key="export_dir").set_value(str(folder)).run()
+    assert at.warning and "not written by featcal" in at.warning[0].value
+    assert not any(c.key == "export_replace" for c in at.checkbox)  # nothing offered to replace it
+    save = next(b for b in at.button if b.label.startswith("Save"))
+    assert save.disabled
+    assert _snapshot(folder) == {"draft.tex": b"mine"}
+
+
+def test_repeated_expert_is_an_error(models, capsys):
+    argv = ["calibrate", "--base", str(models / "B"), "--expert", f"math={models / 'M'}"]
+    rc = main(
+        [*argv, "--expert", f"math={models / 'C'}", "--data", str(models / "T.safetensors"), "--out", str(models / "o")]
+    )
+    assert rc == 2 and "--expert math= is given twice" in capsys.readouterr().err
+
+
+def test_marker_lists_the_files_written(tmp_path):
+    out = save_model(torch.nn.Linear(2, 2), tmp_path / "m", fmt="torch", extra_files={"report.json": {"a": 1}})
+    marker = json.loads((out / outdir.MARKER).read_text())
+    assert marker["written_by"] == "featcal" and set(marker["files"]) == {
+        "model.safetensors",
+        "featcal_model.json",
+        "report.json",
+    }
