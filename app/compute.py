@@ -53,7 +53,7 @@ _READY: set[str] = set()  # demo zoos found loadable without a build (checked on
 def zoo_needs_build(source: str) -> bool:
     """Whether loading ``source`` would build a demo zoo first (no current shipped copy or cache).
     A "no" is remembered: the check hashes the shipped files (about 0.1 s), too slow for every rerun."""
-    from featcal.zoo import NAMES
+    from featcal.zoo import NAMES, realtext
     from featcal.zoo.demo import needs_build
 
     if source == "smollm2" and source not in _READY:  # the LLM zoo: tens of minutes on a CPU
@@ -62,26 +62,29 @@ def zoo_needs_build(source: str) -> bool:
         if llm_needs_build():
             return True
         _READY.add(source)
-    if source not in NAMES or source in _READY:
+    if source not in (*NAMES, "real-text") or source in _READY:
         return False
-    if needs_build(NAMES[source]):
+    if needs_build(NAMES[source]) if source in NAMES else realtext.needs_build():
         return True
     _READY.add(source)
     return False
 
 
 def build_zoo(source: str, on_step) -> None:
-    """Build the demo zoo (or the LLM zoo) ``source`` into the cache, reporting its
-    :class:`featcal.util.progress.Progress` to ``on_step`` (and bars to the server's terminal)."""
-    from featcal.zoo import NAMES
+    """Build the built-in zoo ``source`` (a demo zoo, ``real-text``, the LLM zoo) into the cache,
+    reporting its :class:`featcal.util.progress.Progress` to ``on_step`` (and bars to the server's
+    terminal)."""
+    from featcal.zoo import NAMES, realtext
     from featcal.zoo.demo import build_demo, demo_path
 
     if source == "smollm2":
         from featcal.zoo.smollm2 import ensure_built
 
         ensure_built(progress=True, on_step=on_step)
-        return
-    build_demo(demo_path(NAMES[source]), variant=NAMES[source], progress=True, on_step=on_step)
+    elif source == "real-text":
+        realtext.build_realtext(realtext.realtext_path(), progress=True, force=True, on_step=on_step)
+    else:
+        build_demo(demo_path(NAMES[source]), variant=NAMES[source], progress=True, on_step=on_step)
 
 
 SMALL_MODEL = 20_000_000  # parameters: below this, one CPU thread is fastest
@@ -107,19 +110,36 @@ def cpu_threads(zoo, device: str, alone: bool = False) -> int:
 
 
 def explain_load_error(source: str, exc: BaseException) -> str:
-    """Markdown for the user: what went wrong loading ``source`` and how to fix it."""
+    """Markdown for the user: what went wrong loading ``source`` and what to do about that
+    failure (one piece of advice, chosen by the kind of failure)."""
     msg = str(exc).strip() or type(exc).__name__
-    if isinstance(exc, FileNotFoundError) and "fix:" in msg.lower():
-        fix = "Fix: see the `fix:` lines above (the library lists every missing piece and how to get it)."
-    elif isinstance(exc, ImportError):
-        fix = (
-            "Fix: install the missing package into the app's environment "
-            "(e.g. `pip install open_clip_torch` for open_clip zoos)."
-        )
-    else:
-        fix = FIX_SPEC
     kind = "" if isinstance(exc, FileNotFoundError) else f" ({type(exc).__name__})"
-    return f"**Could not load zoo `{source}`{kind}.**\n\n```text\n{msg}\n```\n\n{fix}"
+    return f"**Could not load zoo `{source}`{kind}.**\n\n```text\n{msg}\n```\n\n{load_error_fix(source, exc)}"
+
+
+def load_error_fix(source: str, exc: BaseException) -> str:
+    """The one fix that matches ``exc``, the failure of loading ``source``."""
+    from featcal.zoo.text_data import MissingPackagesError
+
+    msg = str(exc).lower()
+    path = Path(os.path.expandvars(source)).expanduser()
+    if isinstance(exc, MissingPackagesError):
+        return "Fix: install the packages listed above into the app's environment, then pick the zoo again."
+    if isinstance(exc, ImportError):
+        name = getattr(exc, "name", None) or "the missing package"
+        return f"Fix: install `{name}` into the app's environment (`pip install {name}`), then reload the page."
+    if isinstance(exc, FileNotFoundError) and "fix:" in msg:
+        return "Fix: see the `fix:` lines above (the library lists every missing piece and how to get it)."
+    if isinstance(exc, FileNotFoundError) and not path.exists():
+        return (
+            f"Fix: `{path}` does not exist: check the path, or pick a built-in zoo (`demo`, `real-text`) "
+            "in the sidebar. *Your models* on the Zoo page writes a spec for your own models."
+        )
+    if path.suffix.lower() in (".yaml", ".yml"):
+        return "Fix: correct the spec as the message says (every field is documented in docs/zoos.md)."
+    if path.is_dir():
+        return "Fix: give a zoo directory written by featcal (one holding meta.json), or a zoo spec YAML."
+    return FIX_SPEC
 
 
 def fingerprint(zoo, source: str) -> str:

@@ -15,6 +15,8 @@ from app.settings import CAL_DEFAULTS, CAL_SIZES, MERGE_METHODS, MERGE_PARAMS, A
 
 BIND = dict(bind="query-params", persist_state="session")
 OTHER = "other (path)…"
+APPLIED = "_applied_notice"  # session key: what another page just set on the Calibrate page (shown once)
+OPEN_ZOO = "_open_zoo"  # session key: a zoo source for the picker to switch to on the next run
 # (min, max, step) of the Calibrate page's sliders.
 SLIDERS = {"log_lam": (-6.0, 2.0, 0.1), "rho": (-1.0, 3.0, 0.05), "alpha": (0.0, 1.0, 0.05)}
 
@@ -54,6 +56,9 @@ def zoo_choices() -> list[str]:
 def zoo_picker() -> str:
     """The sidebar zoo selector; returns the zoo source (``demo``, a spec path, a zoo directory)."""
     choices = zoo_choices()
+    opened = st.session_state.pop(OPEN_ZOO, None)
+    if opened is not None:  # a zoo spec just written (Zoo page, "Your models"): set before the widgets exist
+        st.session_state["zoo"], st.session_state["zoo_path"] = OTHER, opened
     pick = st.sidebar.selectbox(
         "Zoo",
         choices,
@@ -111,41 +116,33 @@ def calibration_controls(max_n: int) -> AppCal:
     """The FeatCal widgets (Calibrate page); ``max_n``: the calibration split's size per task."""
     sizes = [n for n in CAL_SIZES if n <= max_n] or [max_n]
     c1, c2, c3 = st.columns(3)
-    log_lam = c1.slider(
-        "log₁₀ λ  (ridge strength)",
-        *SLIDERS["log_lam"][:2],
-        CAL_DEFAULTS["log_lam"],
-        SLIDERS["log_lam"][2],
-        key="log_lam",
-        help="λ pulls every calibrated weight toward the anchor W_anc.",
-        **BIND,
+    sliders = (
+        (c1, "log_lam", "log₁₀ λ  (ridge strength)", "λ pulls every calibrated weight toward the anchor W_anc."),
+        (c2, "rho", "ρ  (anchor blend)", "W_anc = ρ·W_mer + (1-ρ)·W_0"),
+        (c3, "alpha", "α  (target interpolation)", "x_t = α·x_expert + (1-α)·x_calibrating"),
     )
-    rho = c2.slider(
-        "ρ  (anchor blend)",
-        *SLIDERS["rho"][:2],
-        CAL_DEFAULTS["rho"],
-        SLIDERS["rho"][2],
-        key="rho",
-        help="W_anc = ρ·W_mer + (1-ρ)·W_0",
-        **BIND,
-    )
-    alpha = c3.slider(
-        "α  (target interpolation)",
-        *SLIDERS["alpha"][:2],
-        CAL_DEFAULTS["alpha"],
-        SLIDERS["alpha"][2],
-        key="alpha",
-        help="x_t = α·x_expert + (1-α)·x_calibrating",
-        **BIND,
+    log_lam, rho, alpha = (
+        col.slider(label, *SLIDERS[key][:2], step=SLIDERS[key][2], key=key, help=why, **_initial(key), **BIND)
+        for col, key, label, why in sliders
     )
     c4, c5, c6 = st.columns(3)
     default_n = CAL_DEFAULTS["n_cal"] if CAL_DEFAULTS["n_cal"] in sizes else sizes[-1]
-    n = c4.select_slider("calibration examples per task", sizes, default_n, key="n_cal", **BIND)
-    bias = c5.toggle("calibrate Linear biases", CAL_DEFAULTS["bias"], key="bias", **BIND)
-    layernorm = c6.toggle("calibrate LayerNorm affine", CAL_DEFAULTS["layernorm"], key="layernorm", **BIND)
+    if st.session_state.get("n_cal") not in (None, *sizes):
+        st.session_state["n_cal"] = sizes[-1]  # a size another page set that this zoo's split cannot give
+    n = c4.select_slider("calibration examples per task", sizes, key="n_cal", **_initial("n_cal", default_n), **BIND)
+    bias = c5.toggle("calibrate Linear biases", key="bias", **_initial("bias"), **BIND)
+    layernorm = c6.toggle("calibrate LayerNorm affine", key="layernorm", **_initial("layernorm"), **BIND)
     cal = AppCal.from_widgets(log_lam, rho, alpha, n, bias, layernorm)
     c1.caption(f"λ = {cal.config.lam:.3g}")
     return cal
+
+
+def _initial(key: str, default=None) -> dict:
+    """The widget's ``value`` argument: its default, unless Session State already holds a value
+    (another page set it: Streamlit warns when a widget gets both)."""
+    if key in st.session_state:
+        return {}
+    return {"value": CAL_DEFAULTS[key] if default is None else default}
 
 
 def current_calibration(max_n: int) -> AppCal:

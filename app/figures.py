@@ -448,28 +448,41 @@ def expert_cosine_per_block(frames: dict[str, pd.DataFrame], title: str) -> go.F
 
 def task_vector_matrix_heatmap(mat: pd.DataFrame, block: int, title: str) -> go.Figure:
     """``task x task`` cosines of the experts' task vectors at ``block`` (-1: whole model),
-    from :func:`diagnostics.task_vector_matrix`'s table; diverging colours centred at 0, the
-    scale set by the off-diagonal cells (the diagonal, 1, saturates)."""
+    from :func:`diagnostics.task_vector_matrix`'s table; diverging colours centred at 0 on the
+    largest off-diagonal magnitude, which the colour bar states; the diagonal (1) is blank."""
     sel = mat[mat.block == block]
     tasks = list(dict.fromkeys(sel.task))
     grid = sel.pivot(index="task", columns="other", values="value").loc[tasks, tasks]
-    off = grid.values[~np.eye(len(tasks), dtype=bool)]
+    diagonal = np.eye(len(tasks), dtype=bool)
+    off = grid.values[~diagonal]
     top = float(np.nanmax(np.abs(off))) if off.size and np.isfinite(off).any() else 1.0
+    z = np.where(diagonal, np.nan, grid.values)  # the diagonal (1, a task with itself) left blank: no saturation
     trace = {
         "type": "heatmap",
-        "z": grid.values.tolist(),
+        "z": [[None if v != v else float(v) for v in row] for row in z],
         "x": tasks,
         "y": tasks,
         "colorscale": "RdBu_r",
         "zmid": 0.0,
         "zmin": -top,
         "zmax": top,
-        "colorbar": {"title": {"text": "cos(τ_i, τ_j)", "side": "right"}, "thickness": 12, "tickformat": TICKS},
+        "xgap": 1,
+        "ygap": 1,
+        "colorbar": {
+            "title": {"text": f"cos(τ_i, τ_j); scale ±{top:.2g}, off-diagonal", "side": "right"},
+            "thickness": 12,
+            "tickformat": TICKS,
+        },
         "hovertemplate": "%{y} · %{x}<br>cos %{z:.4f}<extra></extra>",
     }
     return _figure(
         [trace],
-        {"title": _title(title), "yaxis": {"autorange": "reversed"}, "xaxis": {"tickangle": -30}},
+        {
+            "title": _title(title),
+            "height": 460,
+            "yaxis": {"autorange": "reversed", "automargin": True},
+            "xaxis": {"tickangle": -45, "automargin": True},
+        },
     )
 
 

@@ -22,10 +22,10 @@ from featcal.baselines import registry
 
 CAL_SIZES = (4, 8, 16, 32, 64, 128, 256, 512)
 DEFAULT_N = 16  # calibration examples per task: the largest meeting the 1 s target (benchmarks/README.md)
-# The instant preview is scored and drawn only when the exact run has not finished this long
-# after a change: a quick exact run then has both cores to itself and is drawn once
+# The instant preview (numbers and charts) is scored and drawn when the exact run has not
+# finished this long after a change; an exact run quicker than that is drawn once
 # (measured: benchmarks/README.md, 'App latency').
-PREVIEW_AFTER_S = float(os.environ.get("FEATCAL_PREVIEW_AFTER_S", "1.0"))
+PREVIEW_AFTER_S = float(os.environ.get("FEATCAL_PREVIEW_AFTER_S", "0.1"))
 # The mergers the Zoo page offers, their labels and slider (min, max, step) per parameter: read from
 # the registry (featcal.baselines.registry: those marked ``app``, fast enough to re-run on a
 # slider's change; the timings are in benchmarks/README.md, "mergers_table.py").
@@ -88,10 +88,9 @@ class AppCal:
 
     @classmethod
     def from_widgets(cls, log_lam: float, rho: float, alpha: float, n: int, bias: bool, layernorm: bool) -> "AppCal":
-        """The settings the widgets show. λ moves on a log10 slider: rounded there (a URL or a
-        slider step can carry float noise, which would split the cache) and turned into
-        ``config.lam`` here, once."""
-        lam = 10 ** round(float(log_lam), 4)
+        """The settings the widgets show. λ moves on a log10 slider and becomes ``config.lam``
+        here, once (:func:`lam_of`)."""
+        lam = lam_of(log_lam)
         config = FeatCalConfig.clip(
             lam=lam, rho=float(rho), alpha=float(alpha), bias=bool(bias), layernorm=bool(layernorm)
         )
@@ -113,6 +112,13 @@ class AppCal:
         c = self.config
         sw = ", ".join(s for s, on in (("bias", c.bias), ("LayerNorm", c.layernorm)) if on) or "weights only"
         return f"{self.point_label}, n={self.n}/task, {sw}"
+
+
+def lam_of(log_lam: float) -> float:
+    """λ of the log10 slider's value, to two significant digits: the slider's 0.1 steps are
+    26% apart, so nothing is lost, and the default -1.3 is the paper's λ = 0.05 exactly
+    (10^-1.3 = 0.0501...); a URL or a slider step's float noise cannot split the cache."""
+    return float(f"{10 ** round(float(log_lam), 4):.2g}")
 
 
 MODEL_KINDS = ("base", "merged", "calibrated", "preview")

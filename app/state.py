@@ -185,6 +185,13 @@ def calibrated(source: str, fp: str, merger: Merger, cal: AppCal) -> Calibrated:
     return run
 
 
+def last_seconds() -> float | None:
+    """The wall seconds of the latest exact run on any zoo (a progress estimate), or None."""
+    runs = _runs()
+    with runs.lock:
+        return next((run.seconds for _, run in reversed(runs.latest.values())), None)
+
+
 def start_calibration(source: str, fp: str, merger: Merger, cal: AppCal) -> Future:
     """Start the exact run on the worker thread (while the script scores the preview on the
     other core); :func:`calibrated` then returns its result once it is cached."""
@@ -207,7 +214,9 @@ def _scratch(source: str, fp: str) -> torch.nn.Module:
 
 
 @contextmanager
-def model_of(source: str, fp: str, ref: ModelRef, hooks: bool = True) -> Iterator[torch.nn.Module]:
+def model_of(
+    source: str, fp: str, ref: ModelRef, hooks: bool = True, experts: bool = True
+) -> Iterator[torch.nn.Module]:
     """The model ``ref`` names, with the lock its use needs (resolved before it).
 
     ``hooks``: the computation sets hooks (a drift table) rather than only calling the
@@ -217,13 +226,16 @@ def model_of(source: str, fp: str, ref: ModelRef, hooks: bool = True) -> Iterato
     - hook-setting work takes the main lock (experts are hooked only under it), and on a
       calibrated model runs on a private copy, so nobody ever hooks a cached calibrated
       model and scoring one needs no lock;
-    - a preview lives in the zoo's scratch model, under its own lock;
+    - a preview lives in the zoo's scratch model, under its own lock; its hook-setting work
+      takes the main lock only when it also runs the experts (``experts``: a drift table
+      without the experts' cached streams), so a preview's drift is drawn while the exact
+      run holds the main lock;
     - base and merged models (every page uses them) are used under the main lock.
     """
     if ref.kind == "preview":
         prev = _calibrated_run(source, fp, ref.merger, ref.from_run)
         model = _scratch(source, fp)
-        with torch_lock(source, workers.scratch_lock()), torch_lock(source) if hooks else nullcontext():
+        with torch_lock(source, workers.scratch_lock()), torch_lock(source) if hooks and experts else nullcontext():
             compute.load_preview(model, prev.model, prev.report, ref.cal.config)
             yield model
     elif ref.kind == "calibrated":
@@ -307,7 +319,7 @@ def drift(source: str, fp: str, ref: ModelRef) -> pd.DataFrame:
     cache = expert_streams(source, fp)
     with _OWN_LOCK:
         own = _OWN_STREAMS.pop((source, fp, ref), None)  # kept by cosine_scores, else none
-    with model_of(source, fp, ref) as model:
+    with model_of(source, fp, ref, experts=cache is None) as model:
         return compute.drift(model, zoo, data, cache, own)
 
 
@@ -359,3 +371,16 @@ def expert_task_vectors(source: str, fp: str) -> pd.DataFrame:
     zoo = _zoo(source, device())
     with workers.torch_lock():
         return task_vector_matrix(zoo.base, zoo.experts)
+
+
+@st.cache_data(max_entries=4, show_spinner=False)
+def weight_views(source: str, fp: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The experts' weight-space views (:mod:`diagnostics.weights`): per tensor and per
+    block (constant for a zoo)."""
+    from diagnostics.weights import block_table, weight_table
+
+    zoo = _zoo(source, device())
+    matrix = expert_task_vectors(source, fp)
+    with workers.torch_lock():
+        table = weight_table(zoo.base, zoo.experts)
+    return table, block_table(table, matrix)

@@ -28,13 +28,16 @@ if (refused := binding.check(st)) is not None:
     st.error(refused)
     st.stop()
 
-from app import controls, state  # noqa: E402  (after the address check: nothing loaded before it)
+from app import controls, state, warnlog  # noqa: E402  (after the address check: nothing loaded before it)
+
+warnlog.install()  # library warnings go to the sidebar's list, not raw into the server's log
 
 # (file, title, icon); tune and studies are other engineers' pages, listed when present.
 PAGES = [
     ("zoo.py", "Zoo", ":material/inventory_2:"),
     ("drift.py", "Drift", ":material/stacked_line_chart:"),
     ("calibrate.py", "Calibrate", ":material/tune:"),
+    ("weights.py", "Weights", ":material/grid_on:"),
     ("export.py", "Export", ":material/download:"),
     ("tune.py", "Tune", ":material/search:"),
     ("studies.py", "Studies", ":material/science:"),
@@ -42,7 +45,8 @@ PAGES = [
     ("generate.py", "Generate", ":material/chat:"),  # LLM zoos: one prompt, every model's reply
 ]
 
-st.set_page_config(page_title="featcal", page_icon=":material/tune:", layout="wide")
+ICON = HERE / "icon.png"  # a local file: a ":material/...:" page icon makes the browser fetch it from Google
+st.set_page_config(page_title="featcal", page_icon=str(ICON), layout="wide")
 
 # 1. The pages.
 pages = [
@@ -55,6 +59,7 @@ page = st.navigation(pages)
 # 2. The zoo.
 st.sidebar.title("featcal")
 source = controls.zoo_picker()
+st.set_page_config(page_title=f"{page.title} · {source or 'no zoo'} · featcal")  # the tab names the zoo loading
 zoo, error = state.zoo_or_error(source)
 
 # 3. The open page, once the zoo is there.
@@ -62,8 +67,15 @@ if error is not None:
     st.error(error)
     st.stop()
 st.session_state["_zoo_source"] = source
+st.set_page_config(page_title=f"{page.title} · {zoo.name} · featcal")
 st.sidebar.caption(
     f"**{zoo.name}**: {len(zoo.tasks)} tasks, {zoo.fmt} format, on {state.device()}. "
     "Post-merging feature calibration, arXiv 2605.13030."
 )
 page.run()
+
+caught = warnlog.recent()
+if caught:  # after the page: this run's warnings are listed too
+    with st.sidebar.expander(f"Library warnings ({len(caught)})", icon=":material/warning:"):
+        for text, times in reversed(caught):
+            st.caption(f"{text}" + (f" ({times} times)" if times > 1 else ""))

@@ -1,4 +1,5 @@
-"""A status line for work the user waits on, drawn without ``st.status``'s pauses.
+"""Drawing helpers: a status line for work the user waits on (without ``st.status``'s pauses),
+elements redrawn in place (:class:`Slots`), table downloads.
 
 ``st.status`` (Streamlit 1.67) sleeps 50 ms when it opens and 50 ms when it closes still
 running, so that quick updates reach the browser in order; the Calibrate page opened three
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import time
+from concurrent.futures import Future, wait
 from typing import Iterator
 
 import pandas as pd
@@ -52,6 +55,78 @@ def status(label: str, slot=None) -> Iterator[StatusLine]:
         raise
     if line.state == "running":
         line.update(state="complete")
+
+
+class Slots:
+    """Elements drawn in place, so that a page keeps its layout while results are replaced.
+
+    The first ``draw`` of a name writes the element where ``where`` (a container, ``st``) is
+    in this run, at the position the same element had in the previous run: the browser keeps
+    the previous run's element there, greyed as stale, until this one replaces it (no empty
+    placeholder first, which would drop it and make the page jump). A later ``draw`` of the
+    name in the same run replaces that element (the exact result over its preview).
+    """
+
+    def __init__(self):
+        self.handles: dict[str, object] = {}
+
+    def draw(self, name: str, where, method: str, *args, **kwargs):
+        """``where.<method>(*args, **kwargs)``, or over the element ``name`` if already drawn."""
+        target = self.handles.get(name, where)
+        self.handles[name] = getattr(target, method)(*args, **kwargs)
+        return self.handles[name]
+
+
+def wait_with_progress(job: Future, line: StatusLine, label: str, expected: float | None, after: float = 1.0) -> None:
+    """Wait for ``job``; once it has run ``after`` seconds, ``line`` counts the seconds (and
+    the fraction of ``expected``, the last such run's time, when known) every quarter second."""
+    t0 = time.perf_counter()
+    wait([job], timeout=after)
+    while not job.done():
+        spent = time.perf_counter() - t0
+        if expected:
+            bar = progress_text(min(spent / expected, 0.99))
+            line.update(label=f"{label} · {bar} {spent:.1f} s of about {expected:.1f} s")
+        else:
+            line.update(label=f"{label} · {spent:.1f} s")
+        wait([job], timeout=0.25)
+
+
+def progress_text(fraction: float, width: int = 12) -> str:
+    """A text progress bar, ``▰▰▰▱▱▱ 50%``."""
+    full = int(round(max(0.0, min(fraction, 1.0)) * width))
+    return "▰" * full + "▱" * (width - full) + f" {100 * fraction:.0f}%"
+
+
+@contextlib.contextmanager
+def progress_of(label: str) -> Iterator[None]:
+    """A long job's progress on the page, in one slot: every featcal progress bar the block
+    draws (on this thread) shows its stage, step and time left here, as it does in the
+    terminal; the slot says what finished, and how long it took."""
+    from featcal.util.progress import listening
+
+    slot = st.empty()
+    slot.progress(0.0, text=f"{label}: starting…")
+    t0 = time.perf_counter()
+
+    def on_step(p) -> None:
+        slot.progress(min(max(p.fraction, 0.0), 1.0), text=f"{label} · {p.describe()}")
+
+    with listening(on_step):
+        yield
+    slot.caption(f":material/check_circle: {label}: done in {time.perf_counter() - t0:.1f} s")
+
+
+def table(df: pd.DataFrame, digits: int = 4, index: bool = True, where=None, **kwargs):
+    """``st.dataframe`` of ``df`` as :mod:`app.tables` formats it: numbers rounded and
+    right-aligned, a dash (never "None") for a missing value."""
+    from app import tables
+
+    frame, texts = tables.dashed(df, digits)
+    config = {c: st.column_config.TextColumn(alignment="right") for c in texts}
+    kwargs.setdefault("width", "stretch")
+    kwargs.setdefault("hide_index", not index)
+    return (where or st).dataframe(tables.styled(frame, digits), column_config=config, **kwargs)
 
 
 def parquet_bytes(df: pd.DataFrame) -> bytes:

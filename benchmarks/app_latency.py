@@ -152,6 +152,9 @@ def bench_parts(source: str, n: int, repeats: int, record: dict | None = None) -
             # CPU: the critical path on two free cores (outputs beside the worker's share).
             d["exact shown"].append(parts[2] + max(parts[3], parts[4]) if j else cal[0] + c5[0] - c3[0])
     pool.shutdown()
+    # The figures the Calibrate page draws per result (built and serialised as plotly_chart does).
+    for name, secs in _figure_seconds(zoo, merged, model0, diag, streams, side, repeats).items():
+        wall[name], cpu[name] = secs, secs
     # What the page first shows for this n: mean accuracy on the live test subset, merged and exact
     # FeatCal at the default setting.
     acc = {
@@ -183,6 +186,29 @@ def bench_parts(source: str, n: int, repeats: int, record: dict | None = None) -
             }
         )
     return rows
+
+
+def _figure_seconds(zoo, merged, model, diag, streams, side, repeats: int) -> dict[str, list[float]]:
+    """Seconds to build the Calibrate page's three result charts from their tables and turn
+    them into the JSON Streamlit sends (``fig.to_json()``), per repeat (one thread)."""
+    from app import compute, figures
+
+    merged_drift = compute.drift(merged, zoo, diag, streams)
+    drift = compute.drift(model, zoo, diag, streams)
+    tv_m, tv = (compute.output_scores(m, zoo, side)["task_vector"] for m in (merged, model))
+    out = []
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        rng = figures.value_range([merged_drift, drift], figures.SQUARED, stacked=True)
+        figs = [
+            figures.drift_decomposition(drift, "d", sq_range=rng, reference=("merged", merged_drift)),
+            figures.expert_cosine_per_block({"merged": merged_drift, "calibrated": drift}, "c"),
+            figures.task_vector_bars({"merged": tv_m, "calibrated": tv}, -1, "t"),
+        ]
+        for fig in figs:
+            fig.to_json()
+        out.append(time.thread_time() - t0)
+    return {"figures: build + JSON (3 charts)": out}
 
 
 # ----------------------------------------------------------------------------- 2. apptest
@@ -269,18 +295,25 @@ def bench_browser(source: str, n: int, repeats: int) -> list[dict]:
                 ("target interpolation", "alpha"),
             ):
                 for how, what in (("mouse", "mouse release"), ("key", "arrow key")):
-                    xs, first = [], []
+                    xs, first, plots = [], [], []
                     for _ in range(repeats):  # one way: every value is new (no cache hit)
-                        total, shown = _browser_move(page, label, +1, how)
+                        total, shown, plot = _browser_move(page, label, +1, how)
                         xs.append(total)
                         first.append(shown)
+                        plots += [] if plot is None else [plot]
                     rows.append({"measure": f"browser: {what} -> first new numbers ({key})", **_stats(first)})
+                    if plots:
+                        rows.append({"measure": f"browser: {what} -> first plots redrawn ({key})", **_stats(plots)})
                     rows.append({"measure": f"browser: {what} -> exact result, plots drawn ({key})", **_stats(xs)})
             browser.close()
         return rows
     finally:
         proc.terminate()
-        proc.wait(15)
+        try:
+            proc.wait(60)  # a loaded machine can take a while to stop the server
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _browser_idle(page) -> None:
@@ -288,6 +321,11 @@ def _browser_idle(page) -> None:
     page.wait_for_function("!document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=300_000)
 
 
+# Records when a chart is first redrawn after the change (the preview's, else the exact one's).
+PLOT_WATCH = """() => { window.firstPlot = null; if (window.plotWatch) window.plotWatch.disconnect();
+  window.plotWatch = new MutationObserver(ms => { if (window.firstPlot === null && ms.some(m =>
+      m.target.closest && m.target.closest('.js-plotly-plot'))) window.firstPlot = performance.now(); });
+  window.plotWatch.observe(document.body, {subtree: true, childList: true}); }"""
 DONE_LINE = """() => [...document.querySelectorAll('[data-testid="stCaptionContainer"]')]
                         .map(e => e.innerText).filter(t => t.includes('Exact FeatCal done')).join('|')"""
 
@@ -307,15 +345,18 @@ def _drag_and_release(page, thumb, direction: int) -> None:
     page.mouse.up()
 
 
-def _browser_move(page, label: str, direction: int, how: str = "mouse") -> tuple[float, float]:
+def _browser_move(page, label: str, direction: int, how: str = "mouse") -> tuple[float, float, float | None]:
     """One slider change from an idle page, one step in ``direction``: dragged and released
     with the mouse (``how="mouse"``; the clock starts at the release, which the browser
     sends at once) or with an arrow key on the focused thumb (``"key"``; the browser sends
-    that change to the server only ~0.24 s after the key press)."""
+    that change to the server only ~0.24 s after the key press). Returns the seconds to the
+    exact result's plots, to the first new numbers, and to the first chart redrawn (the
+    preview's when one is drawn; None if none was seen)."""
     _browser_idle(page)
     sel = '[data-testid="stMetricValue"]'
     before = page.locator(sel).all_inner_texts()
     done_before = page.evaluate(DONE_LINE)
+    page.evaluate(PLOT_WATCH)
     thumb = page.locator('[data-testid="stSlider"]', has_text=label).locator('input[type="range"]')
     if how == "mouse":
         _drag_and_release(page, thumb, direction)
@@ -323,6 +364,7 @@ def _browser_move(page, label: str, direction: int, how: str = "mouse") -> tuple
         thumb.focus()
         page.keyboard.press("ArrowRight" if direction > 0 else "ArrowLeft")
     t0 = time.perf_counter()
+    t0_js = page.evaluate("() => performance.now()")
     page.wait_for_function(
         """([sel, before]) => { const now = [...document.querySelectorAll(sel)].map(e => e.innerText);
              return now.length > 0 && JSON.stringify(now) !== JSON.stringify(before); }""",
@@ -338,7 +380,9 @@ def _browser_move(page, label: str, direction: int, how: str = "mouse") -> tuple
         polling=10,
     )
     page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
-    return time.perf_counter() - t0, shown
+    first_plot = page.evaluate("() => window.firstPlot")
+    plots = None if first_plot is None else max(0.0, (first_plot - t0_js) / 1000)
+    return time.perf_counter() - t0, shown, plots
 
 
 def main() -> None:

@@ -2,15 +2,15 @@
 
 Usage::
 
-    from featcal import FeatCalConfig, calibrate, merge
-    merged_sd = merge("task_arithmetic", base.state_dict(), {t: m.state_dict() for t, m in experts.items()})
+    from featcal import FeatCalConfig, calibrate, merge_model
+    merged = merge_model("task_arithmetic", base, experts, scale=0.3)  # a model; merge() gives a state dict
     model, report = calibrate(merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig.clip())
 """
 
 from featcal import _moved  # noqa: F401  (installs the old flat layout's import names; see its docstring)
 from featcal.baselines.adamerging import adamerging
 from featcal.baselines.fisher import fisher_merging
-from featcal.baselines.registry import MERGERS, MERGERS_WITH_DATA, merge, merge_with_data
+from featcal.baselines.registry import MERGERS, MERGERS_WITH_DATA, merge, merge_model, merge_with_data
 from featcal.baselines.svc import svc
 from featcal.baselines.trained.calibrators import TaskCalibrated, escal
 from featcal.baselines.trained.surgery import surgery, surgery_v2
@@ -28,6 +28,7 @@ __all__ = [
     "calibrate_checkpoints",
     "ExpertTrace",
     "merge",
+    "merge_model",
     "MERGERS",
     "merge_with_data",
     "MERGERS_WITH_DATA",

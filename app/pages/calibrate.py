@@ -10,7 +10,7 @@ next one (Streamlit reruns), so the newest setting always wins.
 import pandas as pd
 import streamlit as st
 
-from app import compute, controls, figures, settings, state, ui, workers
+from app import compute, controls, figures, settings, state, tables, ui, workers
 from app.settings import ModelRef
 
 zoo, source = state.active_zoo(), state.active_source()
@@ -22,6 +22,9 @@ st.caption(
     f"Merged model: **{merger.label}** (change it on the Zoo page). "
     "FeatCal re-solves every Linear and LayerNorm of every block in forward order, in closed form."
 )
+applied = st.session_state.pop(controls.APPLIED, None)
+if applied:
+    st.toast(applied, icon=":material/arrow_forward:")  # a toast: the page's layout does not move
 cal = controls.calibration_controls(compute.split_size(zoo, "calib"))
 if source == "demo":  # measured on this zoo only
     gains = " · ".join(f"{n}: **{g:+.1f} pp** ({s:.2f} s of compute)" for n, (g, s) in settings.DEMO_N_GAINS.items())
@@ -40,56 +43,64 @@ full = full.toggle(
 note.caption(state.live_note(zoo) if not full else "Exact result scored on the full test split of every task.")
 limit = None if full else state.LIVE_TEST
 
-status_slot = st.empty()
-results_slot = st.empty()
+status_slot = st.caption(":material/hourglass_top: Starting…")  # replaced in place by every status
+slots = ui.Slots()  # every result element, drawn in place: the page never empties (see ui.Slots)
 
 
-def show(kind: str, sc: dict, ref_summary: pd.DataFrame, note: str):
-    """Draw one result's numbers (``kind`` = ``preview`` or ``exact``) into the results slot;
-    returns the slot below them for its drift chart (:func:`show_drift`)."""
-    after = compute.task_summary(sc)
-    before = ref_summary
-    with results_slot.container():
-        if kind == "preview":
-            st.info(f"**Preview** · {note}", icon=":material/visibility:")
-        else:
-            st.success(f"**Exact FeatCal** · {note}", icon=":material/check_circle:")
-        cols = st.columns(5)
-        cols[0].metric(
-            "mean accuracy",
-            f"{after.accuracy.mean():.2f}%",
-            f"{after.accuracy.mean() - before.accuracy.mean():+.2f} pp vs merged",
-        )
-        cols[1].metric(
-            "expert cosine",
-            f"{after.expert_cosine.mean():.4f}",
-            f"{after.expert_cosine.mean() - before.expert_cosine.mean():+.4f}",
-        )
-        cols[2].metric(
-            "task-vector cosine",
-            f"{after.task_vector_cosine.mean():.4f}",
-            f"{after.task_vector_cosine.mean() - before.task_vector_cosine.mean():+.4f}",
-        )
-        cols[3].metric(
-            "KL(expert ‖ model)",
-            f"{after.kl.mean():.4f}",
-            f"{after.kl.mean() - before.kl.mean():+.4f}",
-            delta_color="inverse",
-        )
-        cols[4].metric(
-            "top-1 agreement",
-            f"{after.agreement.mean():.2f}%",
-            f"{after.agreement.mean() - before.agreement.mean():+.2f} pp",
-        )
-        st.markdown(figures.task_accuracy_table(before, after, "preview" if kind == "preview" else "calibrated"))
-        box = st.expander(
-            "per-task table (accuracy, KL, agreement, cosines)", key=f"cal_table_{kind}", on_change="rerun"
-        )
-        if box.open:  # drawn only when open: the browser's rendering is part of the 1 s
-            box.dataframe(per_task_table(before, after, kind).round(4), width="stretch")
-        # The charts are appended to this container when they are ready: until then the previous
-        # run's charts stay where they are (greyed by Streamlit as stale), so the page does not jump.
-        return st.container()
+class Layout:
+    """The containers of the results, made on first use in this run (in page order)."""
+
+    def __init__(self):
+        self.parts: dict[str, object] = {}
+
+    def get(self, name: str, make):
+        if name not in self.parts:
+            self.parts[name] = make()
+        return self.parts[name]
+
+
+layout = Layout()
+# The banner above the results keeps one height for all its texts (out of date, preview, exact).
+st.html("<style>.st-key-cal_banner { min-height: 6rem; }</style>")
+
+
+def banner(kind: str, text: str, icon: str) -> None:
+    """The line that says what the results below are (``kind``: info, warning or success)."""
+    where = layout.get("banner", lambda: st.container(key="cal_banner"))
+    slots.draw("banner", where, kind, text, icon=icon)
+
+
+def mark_out_of_date(label: str) -> None:
+    """Say above the previous result that it is not the current setting's, until replaced."""
+    shown = st.session_state.get("_cal_shown")
+    if shown is None:
+        banner("info", f"Computing {label}…", ":material/hourglass_top:")
+    elif shown != label:
+        text = f"**Out of date** · the results below are for {shown}; computing {label}…"
+        banner("warning", text, ":material/history:")
+
+
+def show(kind: str, sc: dict, ref_summary: pd.DataFrame, drift: pd.DataFrame, note: str) -> None:
+    """Draw one result (``kind`` = ``preview`` or ``exact``): banner, numbers, per-task
+    accuracies, drift and cosine charts, each over the element it replaces."""
+    after, before = compute.task_summary(sc), ref_summary
+    if kind == "preview":
+        banner("info", f"**Preview** · {note}", ":material/visibility:")
+    else:
+        banner("success", f"**Exact FeatCal** · {note}", ":material/check_circle:")
+    cols = layout.get("metrics", lambda: st.columns(5))
+    for i, (label, value, delta, inverse) in enumerate(tables.summary_metrics(before, after)):
+        slots.draw(f"metric{i}", cols[i], "metric", label, value, delta, delta_color="inverse" if inverse else "normal")
+    name = "preview" if kind == "preview" else "calibrated"
+    slots.draw("accuracy", st, "markdown", figures.task_accuracy_table(before, after, name))
+    box = layout.get(
+        "table",
+        lambda: st.expander("per-task table (accuracy, KL, agreement, cosines)", key="cal_table", on_change="rerun"),
+    )
+    if box.open:  # drawn only when open: the browser's rendering is part of the 1 s
+        slots.draw("table", box, "dataframe", tables.styled(per_task_table(before, after, kind)), width="stretch")
+    show_drift(kind, drift)
+    show_cosines(kind, drift, sc)
 
 
 def per_task_table(before: pd.DataFrame, after: pd.DataFrame, kind: str) -> pd.DataFrame:
@@ -99,55 +110,62 @@ def per_task_table(before: pd.DataFrame, after: pd.DataFrame, kind: str) -> pd.D
     return table
 
 
-def show_drift(slot, kind: str, drift: pd.DataFrame) -> None:
+def show_drift(kind: str, drift: pd.DataFrame) -> None:
     """The ``kind`` model's drift per block, the merged model's drawn over it on one scale
     (one chart: a second, unchanged one would be redrawn by the browser on every change;
     the Drift page has both side by side)."""
     rng = figures.value_range([merged_drift, drift], figures.SQUARED, stacked=True)
     nrng = figures.value_range([merged_drift, drift], figures.NORMS)
-    slot.plotly_chart(
-        figures.drift_decomposition(
-            drift,
-            f"calibrated ({kind}) vs merged: drift per block",
-            sq_range=rng,
-            norm_range=nrng,
-            reference=("merged", merged_drift),
-        ),
-        key=f"cal_drift_{kind}",
+    fig = figures.drift_decomposition(
+        drift,
+        f"{'preview' if kind == 'preview' else 'calibrated (exact)'} vs merged: drift per block",
+        sq_range=rng,
+        norm_range=nrng,
+        reference=("merged", merged_drift),
     )
+    slots.draw("drift", st, "plotly_chart", fig)
 
 
-def show_cosines(slot, drift: pd.DataFrame, sc: dict) -> None:
+def show_cosines(kind: str, drift: pd.DataFrame, sc: dict) -> None:
     """Expert cosine per block and task, merged vs calibrated, and each model's task-vector
     cosine with every expert, each with the sentence that says what it measures."""
-    left, right = slot.columns(2)
-    left.plotly_chart(
+    left, right = layout.get("cosines", lambda: st.columns(2))
+    name = "preview" if kind == "preview" else "calibrated"
+    slots.draw(
+        "cos_blocks",
+        left,
+        "plotly_chart",
         figures.expert_cosine_per_block(
-            {"merged": merged_drift, "calibrated": drift}, "expert cosine per block and task (merged dotted)"
+            {"merged": merged_drift, name: drift}, f"expert cosine per block ({name}; merged dotted)"
         ),
-        key="cal_cos_blocks",
     )
-    left.caption(
-        "Cosine between the model's and the expert's block output (pooled over tokens, mean over "
-        f"{state.DIAG_N} held-out examples per task): 1 means the block computes the expert's features."
-    )
-    right.plotly_chart(
+    slots.draw(
+        "cos_tv",
+        right,
+        "plotly_chart",
         figures.task_vector_bars(
-            {"merged": merged_scores["task_vector"], "calibrated": sc["task_vector"]},
+            {"merged": merged_scores["task_vector"], name: sc["task_vector"]},
             -1,
             "task-vector cosine with each expert (whole model)",
         ),
-        key="cal_cos_tv",
     )
-    right.caption(
-        "Cosine between the model's displacement from the base, θ − θ₀, and the expert's, τ = θ_task − θ₀: "
-        "a **weight-space** measure. It can fall while the features improve, since FeatCal moves the "
-        "weights toward whatever reproduces the experts' outputs on the data, which need not be any "
-        "expert's direction in weight space."
-    )
+    if "cos_captions" not in layout.parts:
+        layout.parts["cos_captions"] = True
+        left.caption(
+            "Cosine between the model's and the expert's block output (pooled over tokens, mean over "
+            f"{state.DIAG_N} held-out examples per task): 1 means the block computes the expert's features."
+        )
+        right.caption(
+            "Cosine between the model's displacement from the base, θ − θ₀, and the expert's, τ = θ_task − θ₀: "
+            "a **weight-space** measure. It can fall while the features improve, since FeatCal moves the "
+            "weights toward whatever reproduces the experts' outputs on the data, which need not be any "
+            "expert's direction in weight space (the Weights page has it per block)."
+        )
 
 
-# 1. The merged model's numbers (cached across every setting).
+# 1. The merged model's numbers (cached across every setting); the previous result, if any,
+#    stays on the page marked out of date until its replacement is drawn.
+mark_out_of_date(cal.label)
 with ui.status(f"Scoring the merged model ({merger.label})…", status_slot) as s:
     merged_scores = state.scores(source, fp, ModelRef.merged(merger), limit)
     merged_drift = state.drift(source, fp, ModelRef.merged(merger))
@@ -156,7 +174,7 @@ merged_summary = compute.task_summary(merged_scores)
 
 # 2. The instant preview, when an exact run with the same data and switches exists: the
 #    exact run starts first, on a worker thread; if it is not done within PREVIEW_AFTER_S,
-#    the preview is scored beside it and shown meanwhile.
+#    the preview (numbers and charts) is scored beside it and drawn meanwhile.
 from_run = state.preview_from(source, fp, merger, cal)
 exact_job, quick = None, True
 if from_run is not None:
@@ -169,6 +187,7 @@ if not quick:
         f"Preview of {cal.label} from the exact run at {from_run.point_label}; the exact run follows…", status_slot
     ):
         pv_scores = state.scores(source, fp, ref)
+        pv_drift = state.drift(source, fp, ref)
         live_merged = (
             merged_summary
             if limit == state.LIVE_TEST
@@ -178,23 +197,25 @@ if not quick:
         "preview",
         pv_scores,
         live_merged,
+        pv_drift,
         f"{cal.label}, re-solved from the kept statistics of the last exact run "
         f"({from_run.point_label}); it ignores how earlier blocks' changes move "
         "later features. Exact run in progress…",
     )
 
-# 3. The exact forward-order run, then its output scores (here) beside its cosines and drift (worker,
-#    in that order): the numbers are drawn as soon as both scores are in, the drift chart after.
+# 3. The exact forward-order run, then its output scores (here) beside its cosines and drift
+#    (worker, in that order); drawn over the preview (or the out-of-date result) when all are in.
 with ui.status(f"Running exact forward-order FeatCal: {cal.label}…", status_slot) as s:
+    if exact_job is not None and not exact_job.done():
+        ui.wait_with_progress(exact_job, s, f"Running exact forward-order FeatCal: {cal.label}", state.last_seconds())
     run = exact_job.result() if exact_job is not None else state.calibrated(source, fp, merger, cal)
     ref = ModelRef.calibrated(merger, cal)
     heldout_job = state.start_heldout(source, fp, ref)
     cal_scores = state.scores(source, fp, ref, limit)
-    charts = show("exact", cal_scores, merged_summary, f"{cal.label} · {run.report.summary()}")
     cal_drift = heldout_job.result()
-    show_drift(charts, "exact", cal_drift)
-    show_cosines(charts, cal_drift, cal_scores)
-    # Written after the drift chart: benchmarks/app_latency.py stops its clock on "Exact FeatCal done".
+    show("exact", cal_scores, merged_summary, cal_drift, f"{cal.label} · {run.report.summary()}")
+    st.session_state["_cal_shown"] = cal.label
+    # Written after the charts: benchmarks/app_latency.py stops its clock on "Exact FeatCal done".
     s.update(
         label=f"Exact FeatCal done: {cal.label} · {len(run.report.modules)} modules in "
         f"{len(run.report.blocks)} blocks, {run.seconds:.2f} s",
@@ -210,7 +231,7 @@ if box.open:
 # 4. The experts' task vectors (constant for a zoo) and the tables to take away.
 st.subheader("Task vectors of the experts")
 tv = state.expert_task_vectors(source, fp)
-c1, c2 = st.columns([2, 3])
+c1, c2 = st.columns([1, 1])
 blocks_tv = sorted(int(b) for b in tv.block.unique())
 tv_block = c2.selectbox(
     "over",

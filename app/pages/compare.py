@@ -4,13 +4,13 @@ calibration split and shown side by side (:mod:`diagnostics.compare`; figures fr
 session's server, so adding a method runs only that one.
 """
 
-import pandas as pd
 import streamlit as st
 
-from app import compute, figures, state, workers
+from app import compute, figures, state, tables, ui, workers
 from diagnostics import compare as cmp
 from diagnostics import compare_figures as figs
 from featcal.baselines import registry
+from featcal.util.progress import listening
 
 zoo, source = state.active_zoo(), state.active_source()
 fp = state.fingerprint(source)
@@ -28,12 +28,19 @@ def _cache(source: str, fp: str) -> dict:
 
 
 def _run(methods: tuple, n: int, cal_params: dict, max_test: int | None) -> cmp.Comparison:
+    """Run the methods, showing which one runs (of how many), its stage, step and time left."""
     bar = st.progress(0.0, text="Starting…")
+    now = {"i": 0, "total": max(len(methods), 1), "name": ""}
 
     def step(i: int, total: int, name: str) -> None:
+        now.update(i=i, total=total, name=name)
         bar.progress(i / total, text=f"Running {name} ({i + 1} of {total})…")
 
-    with workers.torch_lock(source):
+    def inner(p) -> None:  # the running method's own bars (calibration, training epochs)
+        done = (now["i"] + p.fraction) / now["total"]
+        bar.progress(min(done, 1.0), text=f"{now['name']} ({now['i'] + 1} of {now['total']}) · {p.describe()}")
+
+    with workers.torch_lock(source), listening(inner):
         result = cmp.compare(
             zoo,
             list(methods),
@@ -41,7 +48,7 @@ def _run(methods: tuple, n: int, cal_params: dict, max_test: int | None) -> cmp.
             calibrator_params=cal_params,
             max_test=max_test,
             cache=_cache(source, fp),
-            progress=False,
+            progress=True,  # bars in the terminal, and on the page through `inner`
             on_method=step,
         )
     bar.empty()
@@ -100,25 +107,28 @@ st.caption(
     "added per task; inference overhead (0 without added modules; blank for trained ones: a few timed calls "
     "on a shared CPU are noise, `featcal compare --repeats N` measures it); seconds to merge and to calibrate."
 )
-st.dataframe(
-    summary.drop(columns=["merger", "calibrator"]),
-    hide_index=True,
-    column_config={
-        "accuracy": st.column_config.NumberColumn("avg acc (%)", format="%.1f"),
-        "gap_closed": st.column_config.NumberColumn("gap closed vs TA (%)", format="%.1f"),
-        "gap_closed_vs_merger": st.column_config.NumberColumn("gap closed vs merger (%)", format="%.1f"),
-        "kl": st.column_config.NumberColumn("KL", format="%.3f"),
-        "agreement": st.column_config.NumberColumn("top-1 agr. (%)", format="%.1f"),
-        "added_fraction": st.column_config.NumberColumn("added / model", format="%.3f"),
-        "overhead": st.column_config.NumberColumn("overhead", format="%.2f"),
-        "merge_seconds": st.column_config.NumberColumn("merge s", format="%.1f"),
-        "calib_seconds": st.column_config.NumberColumn("calib s", format="%.1f"),
-    },
-)
-e1, e2, e3 = st.columns(3)
-e1.download_button("Summary (CSV)", summary.to_csv(index=False), "compare_summary.csv", "text/csv")
-e2.download_button("Per-task accuracy (CSV)", result.accuracy.to_csv(index=False), "compare_accuracy.csv", "text/csv")
-e3.download_button("Drift per block (CSV)", result.drift.to_csv(index=False), "compare_drift.csv", "text/csv")
+SCORES = {
+    "method": "method",
+    "accuracy": "avg acc (%)",
+    "gap_closed": "gap closed vs TA (%)",
+    "gap_closed_vs_merger": "gap closed vs merger (%)",
+    "kl": "KL",
+    "agreement": "top-1 agr. (%)",
+}
+COST = {
+    "method": "method",
+    "added_trained": "added (trained)",
+    "added_stored": "added (stored)",
+    "added_fraction": "added / model",
+    "overhead": "overhead",
+    "merge_seconds": "merge s",
+    "calib_seconds": "calibrate s",
+}
+ui.table(summary[list(SCORES)].rename(columns=SCORES), 2, index=False)  # scores, then cost: nothing cut at 1280 px
+ui.table(summary[list(COST)].rename(columns=COST), 2, index=False)
+ui.downloads(summary, "compare_summary", "the summary (every column)")
+ui.downloads(result.accuracy, "compare_accuracy", "the per-task accuracy (tidy)")
+ui.downloads(result.drift, "compare_drift", "the drift per block (tidy)")
 
 acc_tab, out_tab, drift_tab = st.tabs(["Accuracy per task", "Output drift", "Drift per block"])
 with acc_tab:
@@ -126,13 +136,13 @@ with acc_tab:
     st.plotly_chart(fig, key="cmp_acc")
     st.download_button("Figure (HTML)", figures.to_html(fig), "compare_accuracy.html", key="cmp_acc_html")
     table = result.accuracy.pivot(index="method", columns="task", values="accuracy").loc[summary["method"], zoo.tasks]
-    st.dataframe(table.assign(avg=table.mean(axis=1)).style.format("{:.1f}"))
+    ui.table(table.assign(avg=table.mean(axis=1)), 1)
 with out_tab:
     fig = figs.output_scatter(summary)
     st.plotly_chart(fig, key="cmp_out")
     st.download_button("Figure (HTML)", figures.to_html(fig), "compare_output.html", key="cmp_out_html")
     out = result.output.pivot_table(index="method", columns=["metric", "task"], values="value")
-    st.dataframe(out.loc[summary["method"]].style.format("{:.3f}"))
+    ui.table(out.loc[summary["method"]], 3)
 with drift_tab:
     task = st.selectbox("task", zoo.tasks, key="cmp_task")
     fig = figs.drift_lines(result.drift, task)
@@ -142,4 +152,5 @@ with drift_tab:
         "Relative drift |e|/|h_expert| of each block's output from the expert on the task's first "
         f"{result.settings['drift_n']} test examples; dotted: the local mismatch part (see the Drift page)."
     )
-st.caption(f"Settings: {pd.Series(result.settings).to_dict()}")
+st.caption("Settings of this comparison")
+st.dataframe(tables.settings_table(result.settings), hide_index=True, width=520)

@@ -33,6 +33,7 @@ def _sample_efficiency(
             calibrate_on=(merger.method,),
             config=FeatCalConfig.clip(),
             max_per_task=max_test,
+            progress=True,  # the terminal's bars, and the page's through ui.progress_of
         )
 
 
@@ -59,6 +60,7 @@ def _robustness(
             merge_params=merger.kwargs,
             config=FeatCalConfig.clip(),
             max_per_task=max_test,
+            progress=True,
         )
 
 
@@ -71,7 +73,7 @@ def _rows(kind: str, run, args: tuple) -> pd.DataFrame | None:
         st.session_state[f"{kind}_args"] = args
     if st.session_state.get(f"{kind}_args") != args:
         return None
-    with st.spinner("Running the study (FeatCal once per cell, then the test split)…"):
+    with ui.progress_of("Running the study (FeatCal once per cell, then the test split)"):
         return run(*args)
 
 
@@ -99,7 +101,7 @@ with se_tab:
     rows = _rows("sample-efficiency", _sample_efficiency, args) if budgets else None
     if rows is not None:
         st.plotly_chart(tune_figures.sample_efficiency_curve(rows), key="se_curve")
-        st.dataframe(studies.summarize(rows, by=("method", "n")).round(2), hide_index=True, width="stretch")
+        ui.table(studies.summarize(rows, by=("method", "n")), 2, index=False)
         ui.downloads(rows, "sample_efficiency", "every row (method, n, seed, task, accuracy)")
 
 with rb_tab:
@@ -123,7 +125,6 @@ with rb_tab:
     rows = _rows("robustness", _robustness, args) if corruptions and severities else None
     if rows is not None:
         st.plotly_chart(tune_figures.robustness_bars(rows), key="rb_bars")
-        st.dataframe(
-            studies.summarize(rows, by=("method", "corruption", "severity")).round(2), hide_index=True, width="stretch"
-        )
+        summary = studies.summarize(rows, by=("method", "corruption", "severity"))
+        ui.table(summary, 2, index=False)
         ui.downloads(rows, "robustness", "every row (method, corruption, severity, seed, task, accuracy)")

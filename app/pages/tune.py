@@ -48,6 +48,7 @@ def _sweep(
     with workers.torch_lock():
         return tune_zoo(
             z,
+            progress=True,  # the terminal's bars, and the page's through ui.progress_of
             method=merger.method,
             merge_params=merger.kwargs,
             n_calib=n,
@@ -110,13 +111,10 @@ if st.button("Run sweep", type="primary"):
 if st.session_state.get("tune_args") != args:
     st.info(f"{len(GRIDS[grid_name].points())} grid points, {n_confirm} exact confirmations: press **Run sweep**.")
     st.stop()
-with ui.status("Sweeping: one exact run, previews of every point, exact confirmations…") as s:
+with ui.progress_of("Sweeping: one exact run, previews of every point, exact confirmations"):
     res = _sweep(*args)
-    s.update(
-        label=f"Sweep done in {res.seconds:.1f} s: {len(res.table)} points, "
-        f"{int(res.table.confirmed.sum())} exact runs",
-        state="complete",
-    )
+exact_runs = int(res.table.confirmed.sum())
+st.caption(f"Sweep: {len(res.table)} points, {exact_runs} exact runs, {res.seconds:.1f} s of compute.")
 
 
 def widen_grid(grid: Grid, axis: str, side: str) -> None:
@@ -129,12 +127,23 @@ def widen_grid(grid: Grid, axis: str, side: str) -> None:
     st.session_state["tune_grid"] = WIDENED
 
 
-def apply_to_calibrate(lam: float, rho: float, alpha: float) -> None:
-    """Callback of "apply to Calibrate": the Calibrate page's sliders (URL-bound session
-    values, :mod:`app.controls`) take the chosen setting, on their steps and in their ranges."""
-    st.session_state["log_lam"] = controls.on_slider("log_lam", math.log10(lam))
-    st.session_state["rho"] = controls.on_slider("rho", rho)
-    st.session_state["alpha"] = controls.on_slider("alpha", alpha)
+def apply_to_calibrate(lam: float, rho: float, alpha: float, n: int) -> None:
+    """Callback of "apply to Calibrate": the Calibrate page's widgets (URL-bound session
+    values, :mod:`app.controls`) take every setting the sweep chose and ran at (λ, ρ, α on the
+    sliders' steps and in their ranges, the calibration size), and the page says so."""
+    values = {
+        "log_lam": controls.on_slider("log_lam", math.log10(lam)),
+        "rho": controls.on_slider("rho", rho),
+        "alpha": controls.on_slider("alpha", alpha),
+        "n_cal": int(n),
+    }
+    st.session_state.update(values)
+    cal = settings.AppCal.from_widgets(values["log_lam"], values["rho"], values["alpha"], int(n), True, True)
+    st.session_state[controls.APPLIED] = (
+        f"Applied the Tune page's choice: {cal.point_label}, n={n} calibration examples per task"
+        + ("" if math.isclose(cal.config.lam, lam, rel_tol=0.01) else f" (λ {lam:.3g} on the slider's step)")
+        + "."
+    )
     st.session_state["_tune_applied"] = True
 
 
@@ -155,8 +164,8 @@ st.button(
     type="primary",
     icon=":material/arrow_forward:",
     on_click=apply_to_calibrate,
-    args=(float(b["lam"]), float(b["rho"]), float(b["alpha"])),
-    help="Set the Calibrate page's λ, ρ, α to the chosen setting (on the sliders' steps) and open it.",
+    args=(float(b["lam"]), float(b["rho"]), float(b["alpha"]), int(n)),
+    help="Set the Calibrate page's λ, ρ, α and calibration size to the chosen setting and open it.",
     key="tune_apply",
 )
 if st.session_state.pop("_tune_applied", False):
@@ -194,10 +203,10 @@ right.caption(
     "The exact runs choose, so the star need not sit on the brightest cell."
 )
 st.subheader("Every point tried")
-st.dataframe(res.table, hide_index=True, width="stretch")
+ui.table(res.table, 4, index=False)
 ui.downloads(res.table, "tune_table", "every point tried (preview and exact scores)")
 
 st.subheader("Test split")
 if st.button("Score the paper's and the chosen setting on the test split"):
     with st.spinner("Two exact runs and a full test evaluation…"):
-        st.dataframe(_test(source, fp, args, res).round(2), hide_index=True, width="stretch")
+        ui.table(_test(source, fp, args, res), 2, index=False)

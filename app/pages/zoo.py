@@ -2,7 +2,7 @@
 
 import streamlit as st
 
-from app import compute, controls, figures, state, ui
+from app import compute, controls, figures, state, ui, yours
 from app.settings import ModelRef
 
 zoo, source = state.active_zoo(), state.active_source()
@@ -10,6 +10,7 @@ fp = state.fingerprint(source)
 
 st.title(f"Zoo · {zoo.name}")
 st.caption(f"Source `{source}` · format `{zoo.fmt}` · device `{state.device()}` · fingerprint `{fp}`")
+yours.form()
 
 
 models, tasks = state.zoo_tables(source, fp)

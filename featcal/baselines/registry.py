@@ -287,6 +287,20 @@ def merge(method: str, base_sd: Mapping, expert_sds: Mapping | list, **params) -
     return m.fn(base_sd, expert_sds, **params)
 
 
+def merge_model(method: str, base: nn.Module, experts: Mapping | list, **params) -> nn.Module:
+    """:func:`merge` on models: a new model (a deep copy of ``base``, in eval mode) holding the
+    merge of ``experts`` (``{task: model}`` or a list) by ``method``; ``base`` and the experts
+    are left as they are. What :func:`featcal.calibrate` takes as its ``merged``."""
+    import copy
+
+    if not isinstance(experts, Mapping):
+        experts = {str(i): m for i, m in enumerate(experts)}
+    merged_sd = merge(method, base.state_dict(), {t: m.state_dict() for t, m in experts.items()}, **params)
+    model = copy.deepcopy(base)
+    model.load_state_dict(merged_sd)
+    return model.eval()
+
+
 def merge_with_data(method: str, *, base: nn.Module, experts: Mapping, calib_data: Mapping, **params) -> nn.Module:
     """Merge ``experts`` into a new model with a merger that reads calibration data
     (:data:`MERGERS_WITH_DATA`): ``calib_data`` is ``{task: [batch, ...]}`` as for

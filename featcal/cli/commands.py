@@ -217,9 +217,10 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     add_param(p, old=("--merge-param",))
     p.add_argument(
         "--preset",
-        choices=("clip", "llama-3b", "llama-8b", "none"),
-        help="clip: the paper's CLIP setting with the reference run's token weights; llama-3b, llama-8b: "
-        "the paper's Llama settings; none: plain FeatCalConfig (default: clip with --zoo, llama-8b with --base)",
+        choices=("auto", *PRESETS),
+        help="clip: the paper's CLIP setting with the reference run's token weights; flan-t5, llama-3b, "
+        "llama-8b: the paper's FLAN-T5 and Llama settings; none: plain FeatCalConfig; auto (default): the "
+        "preset of the architecture loaded (CLIP, T5, Llama-family by width, else none), printed",
     )
     p.add_argument("--lam", type=float, help="lambda, ridge strength toward the anchor")
     p.add_argument("--rho", type=float, help="rho, anchor blend rho*W_mer + (1-rho)*W_0")
@@ -251,8 +252,9 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     add_common(p)
 
 
-def config_from_args(args):
-    """The :class:`FeatCalConfig` the options ask for (validated by the config itself)."""
+def config_from_args(args, preset: str | None = None):
+    """The :class:`FeatCalConfig` the options ask for (validated by the config itself);
+    ``preset`` instead of ``args.preset`` (e.g. to check the options before a zoo is loaded)."""
     overrides = {k: getattr(args, k) for k in ("lam", "rho", "alpha") if getattr(args, k) is not None}
     if args.no_bias:
         overrides["bias"] = False
@@ -260,12 +262,54 @@ def config_from_args(args):
         overrides["layernorm"] = False
     if getattr(args, "stats_dtype", None):
         overrides["stats_dtype"] = getattr(torch, args.stats_dtype)
-    preset = args.preset or "clip"
+    preset = preset or args.preset or "clip"
     if preset == "clip":
         return FeatCalConfig.clip(**overrides)
+    if preset == "flan-t5":
+        return FeatCalConfig.flan_t5(**overrides)
     if preset.startswith("llama-"):
         return FeatCalConfig.llama(preset.removeprefix("llama-"), **overrides)
     return FeatCalConfig(**overrides)
+
+
+PRESETS = ("clip", "flan-t5", "llama-3b", "llama-8b", "none")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "smollm")
+LLAMA_8B_WIDTH = 4096  # Llama-3.1-8B's hidden size; narrower Llama-family models take the 3B setting
+
+
+def preset_for(config: dict) -> tuple[str, str]:
+    """``(preset, why)`` for a Hugging Face ``config.json`` dict: ``clip`` for CLIP models,
+    ``flan-t5`` for T5, ``llama-8b`` / ``llama-3b`` for Llama-family decoders by width, ``none``
+    (plain FeatCalConfig) for any other architecture."""
+    model_type = str(config.get("model_type", "")).lower()
+    archs = " ".join(config.get("architectures") or []).lower()
+    width = config.get("hidden_size") or config.get("d_model")
+    if model_type.startswith("clip") or "clip" in archs:
+        return "clip", f"model_type {model_type!r} is CLIP"
+    if model_type in ("t5", "mt5", "umt5") or "t5" in archs:
+        return "flan-t5", f"model_type {model_type!r} is T5"
+    if model_type in LLAMA_FAMILY or "llama" in archs:
+        size = "8b" if (width or 0) >= LLAMA_8B_WIDTH else "3b"
+        return f"llama-{size}", f"model_type {model_type!r} is Llama-family, hidden size {width}"
+    return "none", f"model_type {model_type!r} has no paper setting"
+
+
+def preset_for_model(model) -> tuple[str, str]:
+    """:func:`preset_for` of an ``nn.Module``: its Hugging Face config when it has one, else
+    its class name (an open_clip or plain torch model)."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        cfg = config.to_dict()
+        cfg.setdefault("architectures", [type(model).__name__])
+        return preset_for(cfg)
+    return preset_for({"model_type": "", "architectures": [type(model).__name__]})
+
+
+def choose_preset(args, found: tuple[str, str]) -> None:
+    """Set ``args.preset`` from what was loaded unless the user chose one; say which, and why."""
+    if args.preset in (None, "auto"):
+        args.preset, why = found
+        print(f"featcal: preset {args.preset!r} ({why}; --preset to choose another)", file=sys.stderr)
 
 
 def run_calibrate_checkpoints(args) -> int:
@@ -280,7 +324,7 @@ def run_calibrate_checkpoints(args) -> int:
         if name in experts:
             raise UserError(f"--expert {name}= is given twice ({experts[name]!r} and {path!r}); give each task once.")
         experts[name] = path
-    args.preset = args.preset or "llama-8b"
+    choose_preset(args, preset_for(_read_config(args.base)))
     cfg = config_from_args(args)
     merge = None if args.merged else (args.merge, parse_params(args.param, args.merge))
     kw = streamed_options(args)
@@ -297,6 +341,14 @@ def run_calibrate_checkpoints(args) -> int:
     return 0
 
 
+def _read_config(path: str) -> dict:
+    """The base directory's ``config.json`` (empty when it has none: the streamed run says why)."""
+    import json
+
+    file = os.path.join(path, "config.json")
+    return json.loads(open(file).read()) if os.path.isfile(file) else {}
+
+
 def _stream(args, experts: dict, merge, cfg, kw: dict):
     from featcal.streaming.run import calibrate_checkpoints
 
@@ -305,7 +357,7 @@ def _stream(args, experts: dict, merge, cfg, kw: dict):
 
 def run_calibrate(args) -> int:
     if args.mergekit:
-        args.preset = args.preset or "llama-8b"
+        args.preset = "llama-8b" if args.preset in (None, "auto") else args.preset
         return run_calibrate_mergekit(args, config_from_args(args))
     if args.base:
         return run_calibrate_checkpoints(args)
@@ -314,14 +366,15 @@ def run_calibrate(args) -> int:
             "--expert, --merged, --data, --resume and --trust-remote-code go with --base (model directories), "
             "not --zoo."
         )
-    args.preset = args.preset or "clip"
     params = parse_params(args.param, args.merge)
-    cfg = config_from_args(args)
     if args.n_per_task < 1:
         raise UserError(f"--n-per-task must be at least 1, got {args.n_per_task}.")
+    config_from_args(args, "none" if args.preset in (None, "auto") else None)  # bad values fail before loading
     check_out(args.out, args.force, zoo_inputs(args))
     with output_lock(args.out) if ranks.is_main() else contextlib.nullcontext():  # rank 0 writes
         zoo = ranks.rank0_first(lambda: zoo_from_args(args))
+        choose_preset(args, preset_for_model(zoo.base))
+        cfg = config_from_args(args)
         merged = zoo.merged(args.merge, **params)
         data = zoo.calib_data(args.n_per_task, seed=args.seed, batch_size=args.batch_size)
         model, report = calibrate(

@@ -40,6 +40,7 @@ from featcal.config import FeatCalConfig
 from featcal.sweep import studies
 from featcal.sweep.search import Grid, TuneConfig, holdout_report, tune_zoo
 from featcal.util import outdir
+from featcal.util.collect import collected_warnings
 
 STUDIES = ("sample-efficiency", "robustness")
 TUNE_HELP = "choose FeatCal's (lam, rho, alpha) on the validation split"
@@ -257,6 +258,26 @@ def run_study(args: argparse.Namespace) -> int:
     check_out(args.out, args.force)
     zoo = zoo_from_args(args)
     figs = _figures()
+    with collected_warnings() as caught:  # listed after the table, not printed between the bars
+        rows, summary, fig, name = _study(args, zoo, cfg, figs)
+    out = _out_dir(args.out, args.force)
+    rows.to_csv(out / "rows.csv", index=False)
+    summary.to_csv(out / "summary.csv", index=False)
+    if caught:
+        (out / "warnings.txt").write_text("\n".join(caught) + "\n")
+    if fig is not None:
+        fig.write_html(out / f"{name}.html", include_plotlyjs="directory")
+    print(f"{name}: test accuracy (%), task average, mean and std over seeds\n")
+    print(to_markdown(summary))
+    if caught:
+        print(f"\n{len(caught)} distinct library warning(s), also in {out}/warnings.txt:")
+        print("\n".join(f"  - {line}" for line in caught))
+    print(f"\nwrote {out}/")
+    return 0
+
+
+def _study(args: argparse.Namespace, zoo, cfg, figs):
+    """The study ``args`` asks for: ``(rows, summary, figure or None, name)``."""
     if args.study == "sample-efficiency":
         mergers = list(dict.fromkeys((args.merge, *args.mergers)))
         rows = studies.sample_efficiency(
@@ -287,12 +308,4 @@ def run_study(args: argparse.Namespace) -> int:
         summary = studies.summarize(rows, by=("method", "corruption", "severity"))
         fig = figs.robustness_bars(rows) if figs else None
         name = "robustness"
-    out = _out_dir(args.out, args.force)
-    rows.to_csv(out / "rows.csv", index=False)
-    summary.to_csv(out / "summary.csv", index=False)
-    if fig is not None:
-        fig.write_html(out / f"{name}.html", include_plotlyjs="directory")
-    print(f"{name}: test accuracy (%), task average, mean and std over seeds\n")
-    print(to_markdown(summary))
-    print(f"\nwrote {out}/")
-    return 0
+    return rows, summary, fig, name

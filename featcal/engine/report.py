@@ -15,6 +15,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from featcal.engine.preview import Preview
 
 
+RESIDUAL_ROSE = "the mean relative residual rose"  # how check_residuals' warning starts
+
+
 @dataclass
 class ModuleRecord:
     block: int
@@ -67,11 +70,32 @@ class CalibrationReport:
         with open(path, "w") as f:
             json.dump(self.to_dict(), f, indent=2)
 
+    def mean_residuals(self) -> tuple[float, float]:
+        """The mean relative residual over every module, ``(before, after)`` calibration."""
+        n = max(len(self.modules), 1)
+        return sum(m.residual_before for m in self.modules) / n, sum(m.residual_after for m in self.modules) / n
+
+    def check_residuals(self) -> str | None:
+        """When the mean relative residual rose (the calibrated model matches the experts'
+        features worse than the merged one did), add a warning saying so and return it."""
+        if not self.modules:
+            return None
+        before, after = self.mean_residuals()
+        if not after > before:
+            return None
+        c = self.config
+        msg = (
+            f"{RESIDUAL_ROSE} from {before:.4f} to {after:.4f}: the calibrated model matches the experts' "
+            f"features worse than the merged model did. The setting (lam {c.lam:g}, rho {c.rho:g}, alpha "
+            f"{c.alpha:g}) may not suit this model: use the preset of its architecture or tune it (featcal tune)."
+        )
+        self.warnings = [w for w in self.warnings if not w.startswith(RESIDUAL_ROSE)] + [msg]
+        return msg
+
     def summary(self) -> str:
         if not self.modules:
             return "nothing calibrated"
-        before = sum(m.residual_before for m in self.modules) / len(self.modules)
-        after = sum(m.residual_after for m in self.modules) / len(self.modules)
+        before, after = self.mean_residuals()
         return (
             f"{len(self.modules)} modules in {len(self.blocks)} blocks, {len(self.tasks)} tasks, "
             f"{self.seconds:.2f} s; mean relative residual {before:.4f} -> {after:.4f}"

@@ -383,6 +383,9 @@ def calibrate(
             if dist is None or dist.rank == 0:  # one process of a group says it
                 warnings.warn(msg, stacklevel=3)
             report.warnings.append(msg)
+        rose = report.check_residuals()
+        if rose is not None:
+            warnings.warn(rose, stacklevel=3)
     except BaseException:
         if inplace:
             log.error("calibration failed part-way with inplace=True: the model is partly calibrated.")

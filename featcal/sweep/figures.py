@@ -92,9 +92,10 @@ def sweep_parallel(
             tickvals=np.log10(lams).tolist(),
             ticktext=[tick(v) for v in lams],
         ),
-        dict(label="ρ", values=t["rho"], tickformat=".3~r"),
-        dict(label="α", values=t["alpha"], tickformat=".3~r"),
-        dict(label="preview score", values=t["preview"], tickformat=".3~r"),
+        # ticks at the values tried (a few per axis), never plotly's dense defaults that overlap
+        _ticks("ρ", t["rho"].astype(float)),
+        _ticks("α", t["alpha"].astype(float)),
+        _ticks("preview score", t["preview"].astype(float), spread=True),
         dict(label="exact run", values=t["confirmed"].astype(int), tickvals=[0, 1], ticktext=["no", "yes"]),
     ]
     fig = go.Figure(
@@ -103,13 +104,23 @@ def sweep_parallel(
                 color=t["preview"],
                 colorscale="Viridis",
                 showscale=True,
-                colorbar=dict(title=dict(text=SCORE_LABEL.get(score, score), side="right")),
+                colorbar=dict(title=dict(text=SCORE_LABEL.get(score, score), side="right"), x=1.06, thickness=12),
             ),
             dimensions=dims,
         )
     )
-    fig.update_layout(**{**LAYOUT, "margin": dict(l=60, r=40, t=110, b=30)}, title=title_layout(title))
+    fig.update_layout(**{**LAYOUT, "margin": dict(l=60, r=90, t=110, b=30)}, title=title_layout(title))
     return fig
+
+
+def _ticks(label: str, values: pd.Series, spread: bool = False, most: int = 6) -> dict:
+    """A parallel-coordinates axis whose ticks are the distinct values (at most ``most``, else
+    ``most`` evenly spread ones; ``spread``: always spread, for a continuous score)."""
+    distinct = sorted(values.dropna().unique())
+    if spread or len(distinct) > most:
+        lo, hi = (distinct[0], distinct[-1]) if distinct else (0.0, 1.0)
+        distinct = list(np.linspace(lo, hi, min(most, max(len(distinct), 2))))
+    return dict(label=label, values=values, tickvals=distinct, ticktext=[tick(v) for v in distinct])
 
 
 def best_lam(table: pd.DataFrame) -> float:
@@ -288,8 +299,7 @@ def robustness_bars(df: pd.DataFrame, title: str = "FeatCal with corrupted calib
         _reference_line(fig, float(clean.mean()), f"FeatCal, clean data {float(clean.mean()):.1f}%", "#16a34a", "dash")
     for i, (method, acc) in enumerate(plain.items()):
         _reference_line(fig, acc, f"{method} {acc:.1f}%", _color(method, i), "dot")
-    lo = min([float(cal["mean"].min()) if len(cal) else 100.0, *plain.tolist()])
     fig.update_layout(**LAYOUT, title=title_layout(title), barmode="group")
-    fig.update_yaxes(title="test accuracy, task average (%)", range=[max(0.0, math.floor(lo - 10)), 100])
+    fig.update_yaxes(title="test accuracy, task average (%)", range=[0, 100])  # bars compare: from zero
     fig.update_xaxes(title="corruption of the calibration images")
     return fig

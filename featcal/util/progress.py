@@ -14,21 +14,87 @@ callback (an app's progress bar) with the stage, the step and an estimate of the
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 from tqdm.auto import tqdm
 
+_LOCAL = threading.local()  # this thread's listener (see listening)
+
 
 def bar(
     iterable: Iterable | None = None, *, total: int | None = None, desc: str = "", unit: str = "it", show: bool = True
 ) -> tqdm:
     """A tqdm bar over ``iterable`` (or counting to ``total``, advanced with ``update``) that
-    disappears when done; with ``show=False`` it draws nothing and only passes the items on."""
-    return tqdm(iterable, total=total, desc=desc, unit=unit, disable=not show, leave=False)
+    disappears when done (in a terminal; written out complete, ``200/200``, into a log); with
+    ``show=False`` it draws nothing and only passes the items on. Inside :func:`listening`, it
+    also reports every step to the listener."""
+    leave = not sys.stderr.isatty()  # a log keeps the finished bar, not its last refresh
+    on_step = getattr(_LOCAL, "on_step", None)
+    if on_step is None:
+        return tqdm(iterable, total=total, desc=desc, unit=unit, disable=not show, leave=leave)
+    return _Reporting(iterable, on_step, total=total, desc=desc, unit=unit, show=show, leave=leave)
+
+
+@contextlib.contextmanager
+def listening(on_step: Callable[["Progress"], None]) -> Iterator[None]:
+    """Within the block, every :func:`bar` this thread makes also reports its stage (the bar's
+    ``desc``), step, total and time left to ``on_step`` (an app's progress bar), at most
+    every quarter second and at its last step."""
+    previous = getattr(_LOCAL, "on_step", None)
+    _LOCAL.on_step = on_step
+    try:
+        yield
+    finally:
+        _LOCAL.on_step = previous
+
+
+class _Reporting(tqdm):
+    """A bar that reports to a listener (drawn only with ``show``)."""
+
+    def __init__(self, iterable, on_step, total=None, show=True, every_s: float = 0.25, **kw):
+        if total is None and iterable is not None and hasattr(iterable, "__len__"):
+            total = len(iterable)
+        self._on_step, self._every_s, self._t0, self._last = on_step, every_s, time.perf_counter(), -math.inf
+        self._items = iterable
+        super().__init__(iterable, total=total, file=None if show else _NULL, **kw)
+        self._report(force=True)
+
+    def __iter__(self):
+        for item in self._items:
+            yield item
+            self.update(1)
+        self.close()
+
+    def update(self, n=1):
+        out = super().update(n)
+        self._report(force=self.total is not None and self.n >= self.total)
+        return out
+
+    def _report(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not force and now - self._last < self._every_s:
+            return
+        self._last = now
+        total = self.total or 0
+        fraction = min(1.0, self.n / total) if total else 0.0
+        elapsed = now - self._t0
+        eta = elapsed * (1 - fraction) / fraction if fraction > 0 and elapsed > 0.5 else None
+        self._on_step(Progress(self.desc or "working", int(self.n), int(total), fraction, elapsed, eta))
+
+
+class _Null(io.TextIOBase):
+    def write(self, text: str) -> int:
+        return len(text)
+
+
+_NULL = _Null()
 
 
 def note(message: str) -> None:

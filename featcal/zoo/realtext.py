@@ -29,12 +29,13 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from featcal.util.progress import bar
+from featcal.util.progress import Progress, Tracker
 from featcal.zoo import text_data
 from featcal.zoo.core import SPLITS, Zoo
 from featcal.zoo.demo import _default_threads, _torch_threads, cache_dir
@@ -81,13 +82,29 @@ def realtext_path() -> Path:
     return cache_dir() / "zoos" / f"{NAME}-{REALTEXT_VERSION}"
 
 
-def load_realtext(rebuild: bool = False, progress: bool = True, verify: bool = True) -> Zoo:
-    """The real text zoo, built and cached on first use (needs its packages installed:
-    :func:`featcal.zoo.text_data.require_packages` says which are missing)."""
+def _stale(path: Path) -> bool:
+    return is_zoo_dir(path) and read_meta(path).get("recipe_sha256") != TextRecipe().sha256()
+
+
+def needs_build() -> bool:
+    """Whether :func:`load_realtext` would have to build the zoo (no current cached copy)."""
     path = realtext_path()
-    stale = is_zoo_dir(path) and read_meta(path).get("recipe_sha256") != TextRecipe().sha256()
+    return not is_zoo_dir(path) or _stale(path)
+
+
+def load_realtext(
+    rebuild: bool = False,
+    progress: bool = True,
+    verify: bool = True,
+    on_step: Callable[[Progress], None] | None = None,
+) -> Zoo:
+    """The real text zoo, built and cached on first use (needs its packages installed:
+    :func:`featcal.zoo.text_data.require_packages` says which are missing); a build reports
+    its stage, step and time left to ``on_step``."""
+    path = realtext_path()
+    stale = _stale(path)
     if rebuild or stale or not is_zoo_dir(path):
-        build_realtext(path, progress=progress, force=rebuild or stale)
+        build_realtext(path, progress=progress, force=rebuild or stale, on_step=on_step)
     return read_zoo_dir(path, verify=verify)
 
 
@@ -97,17 +114,21 @@ def build_realtext(
     progress: bool = True,
     force: bool = False,
     threads: int | None = None,
+    on_step: Callable[[Progress], None] | None = None,
 ) -> Path:
     """Build the zoo into ``path`` (atomically; an existing one only with ``force``).
 
     ``threads``: torch CPU threads while building (as :func:`featcal.zoo.demo.build_demo`:
-    every core on an idle machine, 1 on a busy one)."""
+    every core on an idle machine, 1 on a busy one); ``on_step``: gets the build's
+    :class:`featcal.progress.Progress` (fine-tuning steps over every task)."""
     threads = threads if threads is not None else _default_threads()
+    recipe = recipe or TextRecipe()
+    tracker = Tracker(len(recipe.tasks) * recipe.steps, on_step=on_step, show=progress)
     with _torch_threads(threads):
-        return _build(Path(path), recipe or TextRecipe(), progress, force, threads)
+        return _build(Path(path), recipe, tracker, force, threads)
 
 
-def _build(path: Path, recipe: TextRecipe, progress: bool, force: bool, threads: int) -> Path:
+def _build(path: Path, recipe: TextRecipe, tracker: Tracker, force: bool, threads: int) -> Path:
     unknown = sorted(set(recipe.tasks) - set(TASKS))
     if unknown:
         raise ValueError(f"unknown text tasks {unknown}; choose from {sorted(TASKS)}.")
@@ -115,13 +136,13 @@ def _build(path: Path, recipe: TextRecipe, progress: bool, force: bool, threads:
     t0 = time.perf_counter()
     tokenizer, base = load_base(recipe.layers)
     experts, heads, arrays, classes = {}, {}, {}, {}
-    for task in bar(recipe.tasks, desc="real-text tasks", show=progress):
+    for task in recipe.tasks:
         classes[task], texts = task_texts(task, recipe)
         encoded = {
             s: (tokenize(tokenizer, xs, recipe.max_len), _label_ids(ys, classes[task])) for s, (xs, ys) in texts.items()
         }
         heads[task] = zero_shot_head(base, tokenizer, task, classes[task], recipe)
-        experts[task] = finetune(base, heads[task], *encoded["train"], recipe, task, progress)
+        experts[task] = finetune(base, heads[task], *encoded["train"], recipe, task, tracker)
         arrays[task] = {s: encoded[s] for s in SPLITS}
     meta = {
         "recipe": asdict(recipe),
@@ -250,17 +271,20 @@ def finetune(
     y: torch.Tensor,
     recipe: TextRecipe,
     task: str,
-    progress: bool = True,
+    tracker: Tracker | bool = True,
 ) -> nn.Module:
     """A copy of ``base`` with every parameter fine-tuned on ``(x, y)`` through the frozen
-    ``head`` (cross-entropy, AdamW, linear warm-up over the first tenth of the steps, seeded batches)."""
+    ``head`` (cross-entropy, AdamW, linear warm-up over the first tenth of the steps, seeded batches);
+    ``tracker``: the build's :class:`featcal.progress.Tracker` (or whether to show a bar)."""
+    if not isinstance(tracker, Tracker):
+        tracker = Tracker(recipe.steps, show=bool(tracker))
     model = copy.deepcopy(base).train()
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
     warm = max(1, recipe.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
     gen = torch.Generator().manual_seed(recipe.seed + 1 + sum(map(ord, task)))
     torch.manual_seed(recipe.seed + 2 + sum(map(ord, task)))  # dropout
-    for _ in bar(range(recipe.steps), desc=f"expert {task}", unit="step", show=progress):
+    for _ in tracker.steps(range(recipe.steps), desc=f"fine-tune expert {task}"):
         idx = torch.randint(len(y), (recipe.batch_size,), generator=gen)
         loss = F.cross_entropy(head(mean_pooled(model, x[idx])), y[idx])
         opt.zero_grad(set_to_none=True)

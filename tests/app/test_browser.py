@@ -333,16 +333,23 @@ def test_a_downloaded_csv_parses(server, browser):
     context.close()
 
 
+def _slider_text(page, label: str) -> str:
+    """The value a (select) slider shows on its thumb."""
+    thumb = page.locator('[data-testid="stSlider"]', has_text=label).locator('[data-testid="stSliderThumbValue"]')
+    return thumb.first.inner_text()
+
+
 def test_apply_to_calibrate_moves_the_sliders(server, browser):
     import math
     import re
 
     from app.controls import on_slider
 
-    url, _ = server
+    url, proc = server
     context = browser.new_context(viewport={"width": 1280, "height": 2600})
     page = context.new_page()
     _goto(page, f"{url}/tune")
+    tuned_n = _slider_text(page, "calibration examples per task")
     page.get_by_role("button", name="Run sweep").click()
     page.wait_for_selector("text=chosen setting", timeout=LOAD_MS)
     _idle(page, LOAD_MS)
@@ -363,6 +370,9 @@ def test_apply_to_calibrate_moves_the_sliders(server, browser):
     ):
         thumb = page.locator('[data-testid="stSlider"]', has_text=label).locator('input[type="range"]')
         assert float(thumb.get_attribute("value")) == pytest.approx(on_slider(key, value), abs=1e-6), label
+    assert _slider_text(page, "calibration examples per task") == tuned_n  # the calibration size too
+    log = Path(os.readlink(f"/proc/{proc.pid}/fd/1")).read_text()  # the server's log
+    assert "Session State API" not in log and "Traceback" not in log, log[-2000:]
     context.close()
 
 

@@ -32,15 +32,18 @@ def test_compare_page_runs_the_chosen_methods(tiny_zoo_dir):
     assert not at.exception, [e.value for e in at.exception]
     assert not at.error, [e.value for e in at.error]
 
-    summary = at.dataframe[0].value
-    assert isinstance(summary, pd.DataFrame)
-    assert summary["method"].tolist() == ["experts", "base", "ta", "ties", "ta+featcal", "ta+surgery_v2"]
-    row = summary.set_index("method")
-    assert row.loc["ta+featcal", "added_trained"] == 0 and row.loc["ta+surgery_v2", "added_trained"] > 0
+    scores, cost = at.dataframe[0].value, at.dataframe[1].value  # scores, then cost
+    assert isinstance(scores, pd.DataFrame) and "avg acc (%)" in scores.columns
+    assert scores["method"].tolist() == ["experts", "base", "ta", "ties", "ta+featcal", "ta+surgery_v2"]
+    row = cost.set_index("method")
+    assert row.loc["ta+featcal", "added (trained)"] == 0 and row.loc["ta+surgery_v2", "added (trained)"] > 0
+    settings = at.dataframe[-1].value  # the settings as a small table, no raw dict
+    assert list(settings.columns) == ["setting", "value"] and not any("{" in str(v) for v in settings.value)
     charts = [c for c in at.get("plotly_chart")]
     assert len(charts) == 3  # accuracy bars, output drift, drift per block
     labels = [b.label for b in at.get("download_button")]
-    assert "Summary (CSV)" in labels
+    for name in ("compare_summary", "compare_accuracy", "compare_drift"):
+        assert f"{name}.csv" in labels and f"{name}.parquet" in labels, labels
 
     at.selectbox(key="cmp_task").set_value("beta").run()  # another task's drift: from the cache
     assert not at.exception and not at.error

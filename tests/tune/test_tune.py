@@ -284,8 +284,14 @@ def test_tune_and_study_command_lines_write_their_files(tmp_path, capsys):
         )
         == 0
     )
+    written = {p.name for p in se.iterdir()}
     files = {".featcal-output.json", "rows.csv", "summary.csv", "sample_efficiency.html", "plotly.min.js"}
-    assert {p.name for p in se.iterdir()} == files
+    assert written - {"warnings.txt"} == files
+    out, err = capsys.readouterr()
+    assert "Warning:" not in err  # the library's warnings are collected, not printed between the bars
+    if "warnings.txt" in written:  # 4 examples per task: fewer token rows than some input widths
+        lines = (se / "warnings.txt").read_text().splitlines()
+        assert lines and all(line in out for line in lines) and "distinct library warning" in out
 
 
 def test_tune_options_are_one_object_with_keyword_overrides():

@@ -1,0 +1,126 @@
+"""Figures of the Weights page: the weight-space views of :mod:`diagnostics.weights` per
+block and task, next to the feature drift of the same block. Pure functions of tidy
+DataFrames (no Streamlit, no model), built from plain dicts as in :mod:`app.figures`.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from app.figures import TASK_COLORS, TICKS, _figure, _heatmap, _title, block_task_grid, label
+
+# The views (diagnostics.weights.block_table's metrics): short name (colour bar, axis), what
+# it is (title), colour scale, fixed range or None.
+VIEWS = {
+    "sign_against": (
+        "against elected sign",
+        "kept entries against TIES's elected sign",
+        "Oranges",
+        (0.0, 1.0),
+    ),
+    "spectral_overlap": (
+        "spectral overlap",
+        "top singular directions shared with other tasks",
+        "Purples",
+        (0.0, 1.0),
+    ),
+    "cosine_others": ("cos(τ_i, τ_j), mean", "task-vector cosine with other tasks", "RdBu_r", None),
+    "tau_norm": ("|τ_i|", "task-vector norm per block", "Greens", None),
+}
+
+
+def view_label(metric: str) -> str:
+    """The short name of a weight view (of a drift metric otherwise)."""
+    return VIEWS[metric][0] if metric in VIEWS else label(metric)
+
+
+def view_title(metric: str) -> str:
+    return VIEWS[metric][1] if metric in VIEWS else label(metric)
+
+
+def view_heatmap(blocks: pd.DataFrame, metric: str, title: str) -> go.Figure:
+    """``block x task`` heatmap of one weight view. Shares and overlaps use their whole range
+    [0, 1] (never saturating); the cosine is centred at 0 on its largest magnitude."""
+    grid = block_task_grid(blocks, metric)
+    name, _, scale, fixed = VIEWS[metric]
+    trace = {"colorscale": scale, "colorbar": {"title": {"text": name, "side": "right"}, "thickness": 12}}
+    trace["colorbar"]["tickformat"] = TICKS
+    if fixed is not None:
+        trace.update(zmin=fixed[0], zmax=fixed[1])
+    elif metric == "cosine_others":
+        top = float(grid.abs().max().max()) if grid.size else 1.0
+        trace.update(zmid=0.0, zmin=-top, zmax=top)
+    return _heatmap(grid, title, name, trace)
+
+
+def conflict_and_drift(blocks: pd.DataFrame, drift: pd.DataFrame, metric: str = "drift_rel") -> go.Figure:
+    """Per block: TIES's sign-conflict share over every task (bars, left axis from 0) and the
+    mean over tasks of the drift ``metric`` (line, right axis from 0)."""
+    conflict = blocks[(blocks.metric == "sign_conflict")].groupby("block")["value"].mean()
+    feat = drift[(drift.metric == metric) & (drift.block >= 0)].groupby("block")["value"].mean()
+    data = [
+        {
+            "type": "bar",
+            "x": [int(b) for b in conflict.index],
+            "y": conflict.tolist(),
+            "name": "sign conflicts (share of entries, TIES trim)",
+            "marker": {"color": "#f97316"},
+            "hovertemplate": "block %{x}<br>sign conflicts %{y:.3f}<extra></extra>",
+        },
+        {
+            "type": "scatter",
+            "mode": "lines+markers",
+            "x": [int(b) for b in feat.index],
+            "y": feat.tolist(),
+            "yaxis": "y2",
+            "name": f"merged model: {label(metric)} (mean over tasks)",
+            "line": {"color": "#111827"},
+            "hovertemplate": "block %{x}<br>drift %{y:.4f}<extra></extra>",
+        },
+    ]
+    return _figure(
+        data,
+        {
+            "title": _title("sign conflicts vs drift, per block"),
+            "xaxis": {"title": {"text": "block"}, "dtick": 1},
+            "yaxis": {"title": {"text": "sign-conflict share"}, "rangemode": "tozero", "tickformat": TICKS},
+            "yaxis2": {
+                "title": {"text": label(metric)},
+                "overlaying": "y",
+                "side": "right",
+                "rangemode": "tozero",
+                "tickformat": ".2~f",
+                "showgrid": False,
+            },
+        },
+    )
+
+
+def view_vs_drift(wide: pd.DataFrame, metric: str, target: str = "drift_rel") -> go.Figure:
+    """One point per (task, block) of :func:`diagnostics.weights.beside_drift`'s table: the
+    weight view ``metric`` across, the drift ``target`` up; one colour per task."""
+    data = []
+    for i, (task, sel) in enumerate(wide.groupby("task", sort=False)):
+        data.append(
+            {
+                "type": "scatter",
+                "mode": "markers+text",
+                "x": sel[metric].tolist(),
+                "y": sel[target].tolist(),
+                "text": [f"b{int(b)}" for b in sel.block],
+                "textposition": "top center",
+                "textfont": {"size": 9},
+                "name": task,
+                "marker": {"color": TASK_COLORS[i % len(TASK_COLORS)], "size": 8},
+                "hovertemplate": f"{task}" + ", block %{text}<br>%{x:.4f} → drift %{y:.4f}<extra></extra>",
+            }
+        )
+    return _figure(
+        data,
+        {
+            "title": _title(f"drift vs {view_label(metric)}"),
+            "xaxis": {"title": {"text": view_label(metric)}, "tickformat": TICKS},
+            "yaxis": {"title": {"text": label(target)}, "rangemode": "tozero", "tickformat": TICKS},
+        },
+    )

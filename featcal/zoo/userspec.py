@@ -1,0 +1,207 @@
+"""A zoo spec for the user's own models, from folders: what the app's "Your models" form
+writes (the YAML format: docs/zoos.md, :mod:`featcal.zoo.schema`).
+
+- :func:`find_tasks`: the tasks of a data folder, one entry per task: ``<task>/`` holding
+  ``train/`` and ``test/`` class folders of images (or a ``datasets`` / parquet layout), or a
+  ``<task>.safetensors`` / ``<task>.npz`` file of ``<split>_inputs`` / ``<split>_labels``;
+- :func:`model_kind`: a model directory's kind (a dense ``save_pretrained`` directory, a
+  PEFT LoRA adapter, which the zoo's loader merges onto the base, an open_clip checkpoint
+  file), checked before anything is written;
+- :func:`user_spec` builds the spec dict (validated by :func:`featcal.zoo.schema.from_dict`),
+  :func:`spec_text` its YAML, :func:`write_spec` writes it, never over a file featcal did not write.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping
+
+import yaml
+
+from featcal.model import lora
+from featcal.zoo import schema
+
+HEADER = "# featcal zoo spec, written by featcal's app (docs/zoos.md documents every key)\n"
+TENSOR_SUFFIXES = (".safetensors", ".npz")
+TOKEN_KEYS = ("input_ids",)
+
+
+class UserSpecError(ValueError):
+    """What the form was given cannot make a zoo; the message names the entry and the fix."""
+
+
+def _path(p: str | os.PathLike) -> Path:
+    return Path(os.path.expandvars(str(p))).expanduser()
+
+
+def find_tasks(root: str | os.PathLike) -> dict[str, str]:
+    """``{task: path}`` of the datasets in ``root`` (sorted by task): sub-folders holding
+    ``train/`` and ``test/`` (image class folders, a ``save_to_disk`` or parquet layout), and
+    ``.safetensors`` / ``.npz`` files (the task is the file's stem)."""
+    folder = _path(root)
+    if not folder.is_dir():
+        raise UserSpecError(f"data folder {str(folder)!r} does not exist (or is not a folder).")
+    tasks = {}
+    for p in sorted(folder.iterdir()):
+        if p.is_dir() and ((p / "train").exists() and (p / "test").exists() or (p / "dataset_dict.json").is_file()):
+            tasks[p.name] = str(p)
+        elif p.is_file() and p.suffix in TENSOR_SUFFIXES:
+            tasks[p.stem] = str(p)
+    if not tasks:
+        raise UserSpecError(
+            f"data folder {str(folder)!r} holds no dataset: give one sub-folder per task with train/ and test/ "
+            "class folders of images (<task>/train/<class>/<image>), or a <task>.safetensors / <task>.npz file "
+            "of train_inputs, train_labels, test_inputs, test_labels."
+        )
+    return tasks
+
+
+def folder_classes(path: str | os.PathLike) -> list[str]:
+    """The class names of an image-folder dataset (its ``train/`` sub-folders, sorted; the
+    order the labels follow), ``[]`` for other layouts."""
+    train = _path(path) / "train"
+    return sorted(p.name for p in train.iterdir() if p.is_dir()) if train.is_dir() else []
+
+
+def train_size(path: str | os.PathLike) -> int | None:
+    """Examples in a dataset's train split (image folders and tensor files; None for others)."""
+    p = _path(path)
+    if (p / "train").is_dir() and not (p / "dataset_dict.json").is_file():
+        return sum(1 for c in (p / "train").iterdir() if c.is_dir() for f in c.iterdir() if f.is_file())
+    if p.suffix == ".npz":
+        import numpy as np
+
+        with np.load(p) as arrays:
+            return len(arrays["train_labels"]) if "train_labels" in arrays else None
+    if p.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(p), "pt") as f:
+            return f.get_slice("train_labels").get_shape()[0] if "train_labels" in f.keys() else None
+    return None
+
+
+def default_splits(data: Mapping[str, str]) -> dict:
+    """The spec's splits for ``data``: calib and val 256 examples per task each, or halves of
+    the smallest train split when it holds fewer than 512; all of test."""
+    sizes = [n for n in (train_size(p) for p in data.values()) if n]
+    n = min(sizes) if sizes else 512
+    calib = min(256, max(1, n // 2))
+    return {"calib": calib, "val": max(1, min(256, n - calib)), "test": None, "seed": 42}
+
+
+def token_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a token file (``input_ids`` tensors: a text / LLM task), which a
+    zoo spec does not take yet (the streamed ``featcal calibrate --base ... --data`` does)."""
+    p = _path(path)
+    if p.suffix != ".safetensors" or not p.is_file():
+        return False
+    from safetensors import safe_open
+
+    with safe_open(str(p), "pt") as f:
+        return any(k.split(".")[-1] in TOKEN_KEYS for k in f.keys())
+
+
+def model_kind(path: str | os.PathLike) -> str:
+    """``dense`` (a ``save_pretrained`` directory: ``config.json`` and weights), ``lora`` (a PEFT
+    adapter directory: ``adapter_config.json``) or ``file`` (a checkpoint file, open_clip's);
+    raises :class:`UserSpecError` for anything else."""
+    p = _path(path)
+    if p.is_file():
+        return "file"
+    if not p.is_dir():
+        raise UserSpecError(f"model {str(p)!r} does not exist.")
+    if lora.is_adapter_dir(p):
+        return "lora"
+    if (p / "config.json").is_file():
+        return "dense"
+    raise UserSpecError(
+        f"{str(p)!r} is not a model directory: no config.json (a save_pretrained directory) and no "
+        "adapter_config.json (a PEFT LoRA adapter) in it."
+    )
+
+
+def lora_supported() -> bool:
+    """Whether this featcal's zoo specs load LoRA adapter experts (:mod:`featcal.model.lora`)."""
+    return hasattr(lora, "LoraAdapter")
+
+
+def user_spec(
+    name: str,
+    base: str,
+    experts: Mapping[str, str],
+    data: Mapping[str, str],
+    heads: Mapping[str, str] | None = None,
+    fmt: str = "hf",
+    splits: Mapping[str, int] | None = None,
+) -> dict:
+    """The spec dict of a zoo of the user's models: ``base`` and ``experts`` (``{task: path}``,
+    dense directories, or LoRA adapters where this featcal loads them), ``data``
+    (``{task: path}``, e.g. :func:`find_tasks`), ``heads`` (default zero-shot through the base's
+    text tower, prompted with the class folders' names; ``{"type": "file", "path": ...}`` for
+    trained heads). Every path is checked and
+    made absolute; the dict is validated as a spec before it is returned."""
+    if not name or not name.replace("-", "").replace("_", "").isalnum():
+        raise UserSpecError(f"zoo name {name!r}: use letters, digits, '-' and '_' only.")
+    if not experts:
+        raise UserSpecError("no experts: give at least one task's expert.")
+    missing = sorted(set(experts) - set(data))
+    if missing:
+        raise UserSpecError(f"expert(s) {missing} have no data: add a dataset per task to the data folder.")
+    tokens = [t for t in experts if token_file(data[t])]
+    if tokens:
+        raise UserSpecError(
+            f"task(s) {tokens} have token files: zoo specs take image data only so far. Calibrate text and "
+            "LLM experts with `featcal calibrate --base DIR --expert TASK=DIR ... --data tokens.safetensors`."
+        )
+    entries = {}
+    for role, path in [("base", base), *((f"expert {t!r}", p) for t, p in experts.items())]:
+        kind = model_kind(path)
+        if kind == "lora" and role == "base":
+            raise UserSpecError(f"base: {path!r} is a LoRA adapter; the base is the dense model the experts adapt.")
+        if kind == "lora" and not lora_supported():
+            raise UserSpecError(
+                f"{role}: {path!r} is a LoRA adapter, which this version of featcal does not load yet; "
+                "merge it into its base (peft's merge_and_unload, then save_pretrained) and give that directory."
+            )
+        if kind == "file" and fmt != "open_clip":
+            raise UserSpecError(f"{role}: {path!r} is a file; hf models are save_pretrained directories.")
+        entries[role] = {"path": str(_path(path))}  # an adapter directory too: the loader merges it onto the base
+    spec = {
+        "name": name,
+        "format": fmt,
+        "base": entries["base"],
+        "experts": {t: entries[f"expert {t!r}"] for t in experts},
+        "heads": dict(heads or {"type": "zero_shot"}),
+        "data": {t: {"path": str(_path(data[t]))} for t in experts},
+        "splits": dict(splits or default_splits({t: data[t] for t in experts})),
+    }
+    if spec["heads"].get("type", "zero_shot") == "zero_shot":  # the prompts name the class folders
+        named = {t: folder_classes(data[t]) for t in experts}
+        spec["heads"].setdefault("classes", {t: c for t, c in named.items() if c})
+    if spec["heads"].get("path"):
+        spec["heads"]["path"] = str(_path(spec["heads"]["path"]))
+    try:
+        schema.from_dict(spec, root=Path.cwd(), source=f"{name}.yaml")
+    except schema.SpecError as exc:
+        raise UserSpecError(str(exc)) from exc
+    return spec
+
+
+def spec_text(spec: dict) -> str:
+    """The spec as YAML, keys in the order written, under featcal's header line."""
+    return HEADER + yaml.safe_dump(spec, sort_keys=False, allow_unicode=True)
+
+
+def write_spec(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` (folders made); an existing file is replaced only when
+    featcal wrote it (it starts with :data:`HEADER`)."""
+    p = _path(path)
+    if p.exists() and not p.read_text(errors="replace").startswith(HEADER):
+        raise UserSpecError(f"{str(p)!r} exists and featcal did not write it: choose another file name.")
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, p)
+    return p

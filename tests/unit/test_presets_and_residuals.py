@@ -1,0 +1,73 @@
+"""Issue 28: the CLI's preset follows the architecture it loads; a calibration whose mean
+relative residual rises says so in ``report.warnings``; ``merge_model`` returns a model."""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+
+import pytest
+import torch
+
+from featcal import FeatCalConfig, calibrate, merge, merge_model
+from featcal.cli.commands import choose_preset, config_from_args, preset_for, preset_for_model
+from featcal.engine.report import RESIDUAL_ROSE
+from tiny import toy_data, toy_zoo
+
+
+@pytest.mark.parametrize(
+    "config,want",
+    [
+        ({"model_type": "clip_vision_model", "hidden_size": 768}, "clip"),
+        ({"model_type": "t5", "d_model": 512, "architectures": ["T5ForConditionalGeneration"]}, "flan-t5"),
+        ({"model_type": "llama", "hidden_size": 4096}, "llama-8b"),
+        ({"model_type": "llama", "hidden_size": 576}, "llama-3b"),  # SmolLM2-135M: the 3B setting
+        ({"model_type": "qwen2", "hidden_size": 3584}, "llama-3b"),
+        ({"model_type": "bert", "hidden_size": 128}, "none"),
+        ({}, "none"),
+    ],
+)
+def test_the_preset_follows_the_architecture(config, want):
+    assert preset_for(config)[0] == want
+
+
+def test_the_chosen_preset_is_printed_and_a_users_choice_kept(capsys):
+    args = argparse.Namespace(preset=None, lam=None, rho=None, alpha=None, no_bias=False, no_layernorm=False)
+    choose_preset(args, preset_for({"model_type": "t5"}))
+    assert args.preset == "flan-t5" and "preset 'flan-t5'" in capsys.readouterr().err
+    assert config_from_args(args) == FeatCalConfig.flan_t5()
+    args.preset = "llama-8b"
+    choose_preset(args, preset_for({"model_type": "t5"}))
+    assert args.preset == "llama-8b" and capsys.readouterr().err == ""
+    base, _, _ = toy_zoo()
+    assert preset_for_model(base)[0] == "none"  # a plain torch model: no paper setting
+
+
+def test_merge_model_is_a_new_model_with_the_merged_weights():
+    base, experts, merged = toy_zoo()
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    model = merge_model("task_arithmetic", base, experts, scale=0.3)
+    assert model is not base and not model.training
+    for k, v in merge("task_arithmetic", base.state_dict(), {t: m.state_dict() for t, m in experts.items()}).items():
+        assert torch.equal(model.state_dict()[k], v) and torch.equal(merged.state_dict()[k], v)
+    assert all(torch.equal(base.state_dict()[k], v) for k, v in before.items())  # the base untouched
+    as_list = merge_model("average", base, list(experts.values()))
+    assert torch.equal(as_list.stem.weight, merge_model("average", base, experts).stem.weight)
+
+
+def test_a_rising_residual_is_a_warning_in_the_report():
+    base, experts, merged = toy_zoo()
+    data = toy_data(experts)
+    good, rep = calibrate(merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig())
+    assert not any(w.startswith(RESIDUAL_ROSE) for w in rep.warnings)
+    # A strong pull toward an anchor far behind the base (rho = -1): worse than the merged model.
+    bad = FeatCalConfig(lam=1e4, rho=-1.0)
+    with pytest.warns(UserWarning, match=RESIDUAL_ROSE):
+        _, rep = calibrate(merged, base=base, experts=experts, calib_data=data, config=bad)
+    before, after = rep.mean_residuals()
+    assert after > before
+    msg = [w for w in rep.warnings if w.startswith(RESIDUAL_ROSE)]
+    assert len(msg) == 1 and f"{before:.4f} to {after:.4f}" in msg[0] and "featcal tune" in msg[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert rep.check_residuals() == msg[0] and len(rep.warnings) == len(set(rep.warnings))
