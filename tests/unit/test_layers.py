@@ -58,6 +58,7 @@ ZOO_LAYERS = {
     "schema": ("featcal.zoo.schema",),
     "locate": ("featcal.zoo.locate",),
     "load": (
+        "featcal.zoo.userspec",  # writes a spec from the user's folders (the app's "Your models")
         "featcal.zoo.loaders",
         "featcal.zoo.heads",
         "featcal.zoo.data",
