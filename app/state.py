@@ -384,3 +384,20 @@ def weight_views(source: str, fp: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     with workers.torch_lock():
         table = weight_table(zoo.base, zoo.experts)
     return table, block_table(table, matrix)
+
+
+@st.cache_resource(show_spinner=False)
+def _memo() -> OrderedDict:
+    return OrderedDict()
+
+
+def memoized(fn, *args, keep: int = 16):
+    """``fn(*args)``, remembered for the server by ``fn``'s name and ``repr(args)``: a cache
+    for long jobs that draw their progress on the page (``st.cache_data`` forbids a cached
+    function to write into the page's elements)."""
+    key, memo = (fn.__module__, fn.__qualname__, repr(args)), _memo()
+    if key not in memo:
+        memo[key] = fn(*args)
+        while len(memo) > keep:
+            memo.popitem(last=False)
+    return memo[key]

@@ -17,7 +17,6 @@ zoo, source = state.active_zoo(), state.active_source()
 fp = state.fingerprint(source)
 
 
-@st.cache_data(max_entries=8, show_spinner=False, hash_funcs=settings.HASH_FUNCS)
 def _sample_efficiency(
     source: str, fp: str, merger: settings.Merger, budgets: tuple, seeds: tuple, max_test: int | None
 ) -> pd.DataFrame:
@@ -37,7 +36,6 @@ def _sample_efficiency(
         )
 
 
-@st.cache_data(max_entries=8, show_spinner=False, hash_funcs=settings.HASH_FUNCS)
 def _robustness(
     source: str,
     fp: str,
@@ -74,7 +72,7 @@ def _rows(kind: str, run, args: tuple) -> pd.DataFrame | None:
     if st.session_state.get(f"{kind}_args") != args:
         return None
     with ui.progress_of("Running the study (FeatCal once per cell, then the test split)"):
-        return run(*args)
+        return state.memoized(run, *args)
 
 
 merger = controls.current_merger()

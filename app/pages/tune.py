@@ -33,7 +33,6 @@ fp = state.fingerprint(source)
 merger = controls.current_merger()
 
 
-@st.cache_data(max_entries=8, show_spinner=False)
 def _sweep(
     source: str,
     fp: str,
@@ -112,7 +111,7 @@ if st.session_state.get("tune_args") != args:
     st.info(f"{len(GRIDS[grid_name].points())} grid points, {n_confirm} exact confirmations: press **Run sweep**.")
     st.stop()
 with ui.progress_of("Sweeping: one exact run, previews of every point, exact confirmations"):
-    res = _sweep(*args)
+    res = state.memoized(_sweep, *args)
 exact_runs = int(res.table.confirmed.sum())
 st.caption(f"Sweep: {len(res.table)} points, {exact_runs} exact runs, {res.seconds:.1f} s of compute.")
 
