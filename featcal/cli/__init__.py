@@ -1,5 +1,6 @@
 """The ``featcal`` command line: commands (the COMMANDS table, the one featcal module that imports
-diagnostics), common (shared options and checks), one module per command group."""
+diagnostics; zoo and merge), calibrate, evaluate (eval, and writing a model with its record), sweep (tune,
+study), app (the launcher), formats, ranks, common (shared options and checks)."""
 
 from featcal._moved import moved_attribute
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from featcal import FeatCalConfig, calibrate, merge, merge_model
-from featcal.cli.commands import choose_preset, config_from_args, preset_for, preset_for_model
+from featcal.cli.calibrate import choose_preset, config_from_args, preset_for, preset_for_model
 from featcal.engine.report import RESIDUAL_ROSE
 from tiny import toy_data, toy_zoo
 
