@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import traceback
+import types
 from datetime import timedelta
 from pathlib import Path
 
@@ -54,8 +56,15 @@ def run_ranks(world: int, fn, *args, tmp: Path, timeout_s: float = COLLECTIVE_TI
         ctx.Process(target=_worker, args=(r, world, port, str(tmp), fn, args, timeout_s), daemon=True)
         for r in range(world)
     ]
-    for p in procs:
-        p.start()
+    # A spawned process first re-imports the parent's __main__; after an AppTest that is the app's
+    # script (Streamlit runs it as __main__), which would run in every rank. Start them without one.
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        sys.modules["__main__"] = main
     for p in procs:
         p.join(RUN_TIMEOUT_S)
     for p in procs:
