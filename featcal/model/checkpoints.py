@@ -347,7 +347,7 @@ def skeleton(ckpt: Checkpoint, trust_remote_code: bool = False) -> nn.Module:
     own = next((k for k, v in auto.items() if str(v).rsplit(".", 1)[-1] == archs[0]), None)
     if trust_remote_code and own is not None and hasattr(transformers, own):
         with params_on_meta():
-            return getattr(transformers, own).from_config(config, trust_remote_code=True).eval()
+            return getattr(transformers, own).from_config(config, trust_remote_code=trust_remote_code).eval()
     cls = library_model_class(archs[0], where)
     with params_on_meta():
         model = cls._from_config(config) if hasattr(cls, "_from_config") else cls(config)
