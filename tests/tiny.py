@@ -283,3 +283,34 @@ def text_zoo(make, data, n_tasks: int = 2, std: float = 0.02):
         merge("task_arithmetic", base.state_dict(), {t: m.state_dict() for t, m in experts.items()}, scale=0.3)
     )
     return base, experts, merged, {t: data(seed=i) for i, t in enumerate(experts)}
+
+
+TEXT_WORDS = "red blue green cat dog bird sun rain snow happy sad fast slow big small".split()
+
+
+def tiny_text_encoder(path, seed: int = 0, layers: int = 2, words: list[str] = TEXT_WORDS):
+    """A tiny random ``BertModel`` and its word-piece tokenizer (a vocabulary of ``words``), saved
+    with ``save_pretrained`` in ``path`` (the base of a text zoo spec). Returns the model."""
+    from pathlib import Path
+
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "this", "text", "is", "about", ".", *words]
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertTokenizer(str(path / "vocab.txt")).save_pretrained(path)
+    torch.manual_seed(seed)
+    cfg = BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    model = BertModel(cfg, add_pooling_layer=False).eval()
+    model.save_pretrained(path)
+    return model

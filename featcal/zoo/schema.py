@@ -5,27 +5,9 @@ Nothing here looks for or loads anything: :func:`parse` reads a spec file,
 :mod:`featcal.zoo.locate` then finds what it names, and :func:`featcal.zoo.spec.load`
 builds the zoo.
 
-A spec (paths may use ``~``, ``$VAR``, ``${VAR}`` and ``${VAR:-default}``;
-relative paths are relative to the spec file)::
-
-    name: clip-vit-b32-ta8
-    format: hf                       # hf | open_clip: one format for every model
-    base: openai/clip-vit-base-patch32          # local dir, HF id, or a mapping
-    experts:
-      sun397: tanganke/clip-vit-base-patch32_sun397
-      mnist: {path: ./experts/mnist}
-    heads:
-      type: zero_shot                # zero_shot | file
-      logit_scale: true              # multiply cosines by CLIP's exp(logit_scale)
-    data:
-      sun397: {path: "${FEATCAL_DATA:-~/data}/sun397", hub: tanganke/sun397}
-      mnist: ${FEATCAL_DATA:-~/data}/mnist
-    splits: {calib: 256, val: 256, test: null, seed: 42}
-
-An open_clip model entry: ``{path: ckpt.safetensors, arch: ViT-B-32}``
-(``arch``, ``config`` and ``quick_gelu`` may also be given once at the top
-level), or ``{pretrained: openai, arch: ViT-B-32}`` for a tag already in the
-HF cache. See :data:`SCHEMA` for every key.
+A spec is documented, with complete worked examples (an image zoo, a ``modality: text`` zoo, a
+merged model of one's own), in docs/zoos.md; paths may use ``~``, ``$VAR``, ``${VAR}`` and
+``${VAR:-default}``, relative paths are relative to the spec file. See :data:`SCHEMA` for every key.
 """
 
 from __future__ import annotations
@@ -43,7 +25,9 @@ from featcal.zoo import classnames
 
 FORMATS = ("hf", "open_clip")
 HEAD_TYPES = ("zero_shot", "file")
-DATA_FORMATS = ("auto", "image_folder", "arrow", "parquet", "tensors")
+DATA_FORMATS = ("auto", "image_folder", "arrow", "parquet", "tensors", "text", "tokens")
+MODALITIES = ("image", "text")
+TEXT_FORMATS = ("auto", "text", "tokens")
 FEATURES = ("embedding", "projection", "pooled")
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -63,6 +47,8 @@ SCHEMA: dict[str, dict[str, str]] = {
         "preprocess": "image size, mean and std (default: from the base model, CLIP's mean/std)",
         "features": "embedding | projection | pooled: what the heads read (default embedding)",
         "dtype": "float32 | float16 | bfloat16 for the models (default float32)",
+        "modality": "image | text: what the models read (default image: CLIP towers; text: an HF text encoder)",
+        "merged": "optional: your own merged model (a model entry, e.g. a mergekit output), the merger `given`",
     },
     "model": {
         "path": "local directory (HF save_pretrained; an expert's may be a PEFT LoRA adapter) or file (open_clip)",
@@ -87,7 +73,7 @@ SCHEMA: dict[str, dict[str, str]] = {
         "hub": "HF dataset id whose parquet files are in the local HF cache (tried after path)",
         "revision": "HF revision of the hub dataset (default main)",
         "subset": "sub-folder of the hub dataset holding the splits (its config, e.g. cropped_digits for svhn)",
-        "format": "auto | image_folder | arrow | parquet | tensors (default auto: detected)",
+        "format": "auto | image_folder | arrow | parquet | tensors | text | tokens (default auto: detected)",
         "train_split": "name of the split calib and val are carved from (default train)",
         "test_split": "name of the split test comes from (default test)",
         "image_column": "image column of an arrow/parquet dataset (default image)",
@@ -104,6 +90,7 @@ SCHEMA: dict[str, dict[str, str]] = {
         "mean": "per-channel mean (default CLIP's)",
         "std": "per-channel std (default CLIP's)",
         "interpolation": "bicubic | bilinear | nearest (default bicubic)",
+        "max_length": "text: tokens per example, special tokens included (default 128)",
     },
 }
 
@@ -173,6 +160,7 @@ class PreprocessSpec:
     mean: tuple[float, float, float] | None = None
     std: tuple[float, float, float] | None = None
     interpolation: str = "bicubic"
+    max_length: int = 128
 
 
 @dataclass(frozen=True)
@@ -190,6 +178,8 @@ class ZooSpec:
     features: str = "embedding"
     dtype: str = "float32"
     source: str | None = None
+    modality: str = "image"
+    merged: ModelSpec | None = None  # the user's own merged model, if given
 
     @property
     def tasks(self) -> list[str]:
@@ -410,6 +400,7 @@ def _preprocess(ctx: _Ctx, raw: Any) -> PreprocessSpec:
         interpolation=_choice(
             ctx, d.get("interpolation", "bicubic"), ("bicubic", "bilinear", "nearest"), "preprocess.interpolation"
         ),
+        max_length=_int(ctx, d.get("max_length", 128), "preprocess.max_length", 2),
     )
 
 
@@ -441,15 +432,13 @@ def from_dict(raw: Mapping[str, Any], root: str | os.PathLike = ".", source: str
             f"no expert for {sorted(set(data_tasks) - set(tasks))}.",
         )
     features = _choice(ctx, d.get("features", "embedding"), FEATURES, "features")
+    modality = _choice(ctx, d.get("modality", "image"), MODALITIES, "modality")
     heads = _heads(ctx, d.get("heads"), tasks, defaults)
-    if heads.type == "zero_shot":
-        unnamed = [t for t in tasks if t not in heads.classes and classnames.canonical_task(t) not in classnames.TASKS]
-        if unnamed:
-            raise ctx.fail(
-                "heads.classes",
-                f"zero-shot heads need class names for {unnamed} (no built-in ones; "
-                f"built-in: {sorted(classnames.TASKS)}).",
-            )
+    data = {t: _data(ctx, t, d["data"][t]) for t in tasks}
+    if modality == "text":
+        _check_text(ctx, fmt, features, heads, data)
+    else:
+        _check_image(ctx, tasks, heads, data)
     if heads.type == "zero_shot" and features != "embedding":
         raise ctx.fail("features", "zero-shot heads read the normalised image embedding; use features: embedding.")
     if features == "pooled" and fmt == "open_clip":
@@ -461,13 +450,44 @@ def from_dict(raw: Mapping[str, Any], root: str | os.PathLike = ".", source: str
         base=_model(ctx, d["base"], defaults, "base"),
         experts=MappingProxyType(experts),
         heads=heads,
-        data=MappingProxyType({t: _data(ctx, t, d["data"][t]) for t in tasks}),
+        data=MappingProxyType(data),
         splits=_splits(ctx, d.get("splits")),
         preprocess=_preprocess(ctx, d.get("preprocess")),
         features=features,
         dtype=_choice(ctx, d.get("dtype", "float32"), DTYPES, "dtype"),
         source=source,
+        modality=modality,
+        merged=_model(ctx, d["merged"], defaults, "merged") if d.get("merged") is not None else None,
     )
+
+
+def _check_image(ctx: _Ctx, tasks: list[str], heads: HeadSpec, data: Mapping[str, DataSpec]) -> None:
+    """An image zoo: image data; zero-shot heads need class names (given or built-in)."""
+    texty = [t for t, e in data.items() if e.format in ("text", "tokens")]
+    if texty:
+        raise ctx.fail(f"data.{texty[0]}.format", "text and token data need `modality: text`.")
+    if heads.type == "zero_shot":
+        unnamed = [t for t in tasks if t not in heads.classes and classnames.canonical_task(t) not in classnames.TASKS]
+        if unnamed:
+            raise ctx.fail(
+                "heads.classes",
+                f"zero-shot heads need class names for {unnamed} (no built-in ones; "
+                f"built-in: {sorted(classnames.TASKS)}).",
+            )
+
+
+def _check_text(ctx: _Ctx, fmt: str, features: str, heads: HeadSpec, data: Mapping[str, DataSpec]) -> None:
+    """A text zoo: HF encoders, mean-pooled normalised features, text or token data; zero-shot
+    heads encode their prompts through the base (class names: the text files' labels)."""
+    if fmt != "hf":
+        raise ctx.fail("format", "a text zoo's models are HF save_pretrained directories: use format: hf.")
+    if features != "embedding":
+        raise ctx.fail("features", "a text zoo's heads read the mean-pooled, normalised embedding: use embedding.")
+    if heads.text_model is not None:
+        raise ctx.fail("heads.text_model", "a text zoo's zero-shot prompts go through its base; remove text_model.")
+    for t, e in data.items():
+        if e.format not in TEXT_FORMATS:
+            raise ctx.fail(f"data.{t}.format", f"a text zoo reads {list(TEXT_FORMATS)} data, not {e.format!r}.")
 
 
 def parse(spec_path: str | os.PathLike) -> ZooSpec:

@@ -107,6 +107,36 @@ def test_your_models_form_writes_a_zoo_and_opens_it(tmp_path, monkeypatch):
     assert "Zoo · tiny-mine" in [t.value for t in at.title]
 
 
+def test_your_models_form_takes_text_files_and_a_merged_model(tmp_path, monkeypatch):
+    """Text and token files per task, and a merged model of one's own: the form writes a text
+    zoo whose merger defaults to that model; the Zoo and Calibrate pages run on it."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "zoo"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    from test_userspec import write_text_models
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("FEATCAL_CACHE", str(tmp_path / "cache"))
+    root = write_text_models(tmp_path / "words")
+    at = _app().run()
+    at.text_input(key="yours_name").input("tiny-words")
+    at.text_input(key="yours_base").input(str(root / "base"))
+    at.text_input(key="yours_data").input(str(root / "data"))
+    at.text_input(key="yours_experts").input(str(root / "experts"))
+    at.text_input(key="yours_merged").input(str(root / "experts" / "colour"))
+    next(b for b in at.button if "zoo YAML" in b.label).click()
+    _ok(at.run())
+    text = at.session_state["_yours_written"][1]
+    assert "modality: text" in text and "merged:" in text and "animal.npz" in text
+    at = _ok(_app(at.session_state["_yours_written"][0]).run())
+    assert "Zoo · tiny-words" in [t.value for t in at.title]
+    assert at.selectbox(key="merge").value == "given"
+    assert at.selectbox(key="merge").options[0] == "your merged model (the zoo's own)"
+    assert any(m.label == "merged, mean accuracy" for m in at.metric)
+    _ok(at.selectbox(key="merge").set_value("task_arithmetic").run())
+    _page(at, "calibrate")
+    assert any(m.label == "mean accuracy" for m in at.metric)
+
+
 @pytest.mark.parametrize("key,value", [("log_lam", 0.5), ("rho", 0.5), ("alpha", 0.9)])
 def test_each_calibration_slider_changes_the_numbers(tiny_zoo_dir, key, value):
     at = _page(_app(tiny_zoo_dir).run(), "calibrate")

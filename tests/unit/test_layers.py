@@ -62,6 +62,7 @@ ZOO_LAYERS = {
         "featcal.zoo.loaders",
         "featcal.zoo.heads",
         "featcal.zoo.data",
+        "featcal.zoo.text_spec",  # a spec's text zoo: encoders, tokenizer, text and token files
         "featcal.zoo.spec",
         "featcal.zoo.store",
         "featcal.zoo.scores",
