@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import streamlit as st
 
-from app.compute import REPO
 from app.settings import CAL_DEFAULTS, CAL_SIZES, MERGE_METHODS, MERGE_PARAMS, AppCal, Merger, merge_default
+from app.zoos import REPO
 
 BIND = dict(bind="query-params", persist_state="session")
 OTHER = "other (path)…"
