@@ -34,3 +34,14 @@ def test_the_old_modules_that_became_packages_keep_their_names(package, name, ta
     assert value is getattr(importlib.import_module(target), name)
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         pkg.no_such_name
+
+
+@pytest.mark.parametrize("module", ["featcal.cli.calibrate", "featcal.cli.evaluate", "featcal.engine.run"])
+def test_a_package_module_imported_first_finds_its_sibling_modules(module):
+    """``from featcal.cli import ranks`` inside the package is the submodule, not an old name
+    looked up in the flat module's successor (which would import it half-way: a circular import)."""
+    import subprocess
+
+    code = f"import {module}"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
