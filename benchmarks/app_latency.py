@@ -76,15 +76,15 @@ def bench_parts(source: str, n: int, repeats: int, record: dict | None = None) -
 
     import torch
 
-    from app import compute
+    from app import compute, zoos
     from featcal import FeatCalConfig
 
-    dev = compute.device()
-    zoo = compute.load_zoo(source, dev)
-    torch.set_num_threads(compute.cpu_threads(zoo, dev))  # as the app does
+    dev = zoos.device()
+    zoo = zoos.load_zoo(source, dev)
+    torch.set_num_threads(zoos.cpu_threads(zoo, dev))  # as the app does
     merged = zoo.merged("task_arithmetic", scale=0.3)
     data = zoo.calib_data(n, seed=42)
-    diag = zoo.calib_data(min(compute.DIAG_N, compute.split_size(zoo, "val")), seed=0, split="val")
+    diag = zoo.calib_data(min(compute.DIAG_N, zoos.split_size(zoo, "val")), seed=0, split="val")
     side = compute.expert_side(zoo, diag, compute.LIVE_TEST)  # once per zoo in the app
     streams = compute.expert_streams(zoo, diag)  # likewise
     compute.scores(merged, zoo, diag, compute.LIVE_TEST, side)  # warm-up (allocator, first-call costs)
@@ -109,7 +109,7 @@ def bench_parts(source: str, n: int, repeats: int, record: dict | None = None) -
         return time.perf_counter(), time.thread_time()
 
     threads = torch.get_num_threads()
-    solo = compute.cpu_threads(zoo, dev, alone=True)  # the exact run's, as the app's
+    solo = zoos.cpu_threads(zoo, dev, alone=True)  # the exact run's, as the app's
     pool = ThreadPoolExecutor(max_workers=1)
 
     def exact(rho: float):
@@ -401,7 +401,7 @@ def main() -> None:
         "assets/measured/demo_calibration_sizes.json)",
     )
     args = ap.parse_args()
-    from app import compute
+    from app import compute, zoos
 
     compute.LIVE_TEST = args.live or compute.LIVE_TEST
     compute.DIAG_N = args.diag or compute.DIAG_N
@@ -422,7 +422,7 @@ def main() -> None:
         f"\napp latency on zoo {args.zoo!r}, {n} calibration examples per task, "
         f"live subset {compute.LIVE_TEST} test / {compute.DIAG_N} held-out examples per task"
     )
-    print(_common.environment(compute.device()))
+    print(_common.environment(zoos.device()))
     print(_common.markdown_table(rows))
 
 

@@ -10,7 +10,7 @@ next one (Streamlit reruns), so the newest setting always wins.
 import pandas as pd
 import streamlit as st
 
-from app import compute, controls, figures, settings, state, tables, ui, workers
+from app import compute, controls, figures, settings, state, tables, ui, workers, zoos
 from app.settings import ModelRef
 
 zoo, source = state.active_zoo(), state.active_source()
@@ -25,7 +25,7 @@ st.caption(
 applied = st.session_state.pop(controls.APPLIED, None)
 if applied:
     st.toast(applied, icon=":material/arrow_forward:")  # a toast: the page's layout does not move
-cal = controls.calibration_controls(compute.split_size(zoo, "calib"))
+cal = controls.calibration_controls(zoos.split_size(zoo, "calib"))
 if source == "demo":  # measured on this zoo only
     gains = " · ".join(f"{n}: **{g:+.1f} pp** ({s:.2f} s of compute)" for n, (g, s) in settings.DEMO_N_GAINS.items())
     st.caption(
