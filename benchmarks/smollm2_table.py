@@ -7,12 +7,12 @@
 
 Rows: base, each expert on every task, Task Arithmetic 0.3, TIES, DARE, TSV, Iso-C, RegMean++,
 and TA / TIES / TSV + FeatCal at ``FeatCalConfig.llama("3b")`` (statistics in float64: lam 1e-5
-needs them) and, with ``--tuned lam,rho,alpha`` (the setting ``featcal tune`` chose on val), at
-that setting. Each row's scores are kept in ``OUT/rows.json`` as soon as they are measured, so
-a rerun with the same ``--out`` continues where the last one stopped (the zoo's content hash
-and the options must match). Prints the raw table, the MergeBench-style normalised one (each
-task's score / its own expert's), the share of the TA-to-experts gap FeatCal closes, and the
-timings.
+needs them) and, with ``--tuned ta=lam,rho,alpha`` (the setting ``featcal tune`` chose on val for
+that merge; repeatable), at that setting. Each row's scores are kept in ``OUT/rows.json`` as
+soon as they are measured, so a rerun with the same ``--out`` continues where the last one
+stopped (the zoo's content hash and the options must match). Prints the raw table, the
+MergeBench-style normalised one (each task's score / its own expert's), the share of the
+TA-to-experts gap FeatCal closes, and the timings.
 """
 
 from __future__ import annotations
@@ -68,7 +68,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--split", default="test")
     ap.add_argument("--max-per-task", type=int, default=None, help="score only the first N examples of each task")
     ap.add_argument("--autocast", default=None, choices=("bfloat16",), help="score under CPU autocast (2-3x faster)")
-    ap.add_argument("--tuned", default=None, help="lam,rho,alpha: also the +FeatCal rows at this setting")
+    ap.add_argument(
+        "--tuned",
+        action="append",
+        default=[],
+        help="[ta|ties|tsv=]lam,rho,alpha: also that merge's +FeatCal row at this setting (what `featcal tune` "
+        "chose on val; without a merge's name, every +FeatCal row); repeatable",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--report", action="store_true", help="only print the table of the rows measured so far")
     args = ap.parse_args(argv)
@@ -88,10 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     if doc.get("key") != key:
         doc = {"key": key, "rows": {}, "seconds": {}}
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
-    settings = {"llama-3b": FeatCalConfig.llama("3b", stats_dtype=torch.float64)}
-    if args.tuned:
-        lam, rho, alpha = (float(v) for v in args.tuned.split(","))
-        settings[f"tuned {lam:g}, {rho:g}, {alpha:g}"] = settings["llama-3b"].with_(lam=lam, rho=rho, alpha=alpha)
+    settings = tuned_settings(FeatCalConfig.llama("3b", stats_dtype=torch.float64), args.tuned)
     data = zoo.calib_data(args.n_per_task, seed=args.seed, batch_size=8)
     score = _scorer(zoo, args)
     for row in rows:
@@ -106,6 +109,20 @@ def main(argv: list[str] | None = None) -> None:
             write_json(store, doc)
             print(f"{name}: {doc['rows'][name]}  ({doc['seconds'][name]})", flush=True)
     print(report(doc, zoo.tasks))
+
+
+def tuned_settings(preset, tuned: list[str]) -> dict[str, dict]:
+    """``{merge row: {setting name: FeatCalConfig}}``: the preset for every +FeatCal row, plus
+    each ``--tuned [row=]lam,rho,alpha`` for its row (or all)."""
+    out = {row: {"llama-3b": preset} for row in ("ta", "ties", "tsv")}
+    for spec in tuned:
+        row, _, values = spec.rpartition("=")
+        lam, rho, alpha = (float(v) for v in values.split(","))
+        for r in [row] if row else list(out):
+            if r not in out:
+                raise SystemExit(f"--tuned {spec!r}: the merge is one of {', '.join(out)}.")
+            out[r][f"tuned on val: {lam:g}, {rho:g}, {alpha:g}"] = preset.with_(lam=lam, rho=rho, alpha=alpha)
+    return out
 
 
 def _scorer(zoo, args):
@@ -145,7 +162,7 @@ def _models(row: str, zoo, data, settings):
             model, _ = calibrate(merged, base=zoo.base, experts=zoo.experts, calib_data=data, config=cfg, progress=True)
             return model, None
 
-        return [(f"{LABELS[merged_row]} + FeatCal ({s})", lambda c=c: make(c)) for s, c in settings.items()]
+        return [(f"{LABELS[merged_row]} + FeatCal ({s})", lambda c=c: make(c)) for s, c in settings[merged_row].items()]
     raise SystemExit(f"unknown row {row!r}; choose from {', '.join(ORDER)}.")
 
 

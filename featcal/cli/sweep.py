@@ -25,6 +25,8 @@ import json
 import warnings
 from pathlib import Path
 
+import torch
+
 from featcal.baselines.registry import MERGERS
 from featcal.cli.common import (
     add_common,
@@ -98,11 +100,16 @@ def _common(p: argparse.ArgumentParser) -> None:
     add_common(p)
 
 
-PRESETS = {"clip": FeatCalConfig.clip, "default": FeatCalConfig}
+PRESETS = {
+    "clip": FeatCalConfig.clip,
+    "default": FeatCalConfig,
+    "llama-3b": lambda **kw: FeatCalConfig.llama("3b", **kw),
+}
 
 
 def _featcal_config(args):
-    return PRESETS[args.preset](lam=args.lam, rho=args.rho, alpha=args.alpha)
+    extra = {"stats_dtype": torch.float64} if getattr(args, "stats_dtype", None) == "float64" else {}
+    return PRESETS[args.preset](lam=args.lam, rho=args.rho, alpha=args.alpha, **extra)
 
 
 def _anchor_args(p: argparse.ArgumentParser) -> None:
@@ -113,8 +120,12 @@ def _anchor_args(p: argparse.ArgumentParser) -> None:
         "--preset",
         choices=sorted(PRESETS),
         default="clip",
-        help="switches and token weights: clip (the CLIP preset's last-block token weights, default) or "
-        "default (FeatCalConfig(): no token weights, e.g. for mean-pooled text models)",
+        help="switches and token weights: clip (the CLIP preset's last-block token weights, default), "
+        "default (FeatCalConfig(): no token weights, e.g. for mean-pooled text models) or llama-3b (the "
+        "paper's Llama switches: RMSNorm scales kept merged)",
+    )
+    p.add_argument(
+        "--stats-dtype", choices=("float32", "float64"), default="float32", help="statistics dtype (lam 1e-5: float64)"
     )
 
 

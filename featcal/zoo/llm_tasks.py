@@ -8,8 +8,9 @@ Every example is generated offline with a seed, or read from WordNet 3.0 (Debian
 - ``python``: "what does this Python expression evaluate to" over expressions we generate,
   the answers computed from our own expression trees (never ``eval``); scored by exact
   match of the reply's first line (whitespace, backticks and a final period stripped);
-- ``wordnet``: which of four words a WordNet gloss defines, multiple choice scored by
-  log-likelihood like ARC (the option letter with the highest log-probability);
+- ``wordnet``: which of four listed words a WordNet gloss defines, multiple choice scored
+  by log-likelihood as ARC is (the option word most likely as the reply, its tokens'
+  log-probabilities summed);
 - ``instructions``: define a WordNet word under one checkable constraint in the IFEval way
   (capital letters only, exactly N words, end with a given word, JSON with a given key);
   scored by whether the reply meets the constraint.
@@ -30,8 +31,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from featcal.zoo import text_data
-
-LETTERS = "ABCD"
 
 
 @dataclass(frozen=True)
@@ -184,6 +183,8 @@ def _glossary() -> list[tuple[str, str]]:
 
 
 def wordnet_choice(rng: random.Random, n: int) -> list[Example]:
+    """Which of four listed words a WordNet gloss defines; the reference reply is the word
+    itself (scored by each option word's log-likelihood as the reply, as ARC is scored)."""
     pairs = _glossary()
     words = sorted({w for w, _ in pairs})
     out = []
@@ -191,15 +192,15 @@ def wordnet_choice(rng: random.Random, n: int) -> list[Example]:
         word, gloss = pairs[i]
         options = [word, *rng.sample([w for w in rng.sample(words, 8) if w != word], 3)]
         rng.shuffle(options)
-        label = options.index(word)
-        listing = "\n".join(f"{LETTERS[k]}. {o}" for k, o in enumerate(options))
-        q = f'Which word has this meaning: "{gloss}"?\n{listing}\nAnswer with the letter.'
-        out.append(Example(q, LETTERS[label], target=LETTERS[label], options=tuple(LETTERS), label=label))
+        listing = "\n".join(f"- {o}" for o in options)
+        q = f'Which word has this meaning: "{gloss}"?\n{listing}\nAnswer with the word only.'
+        out.append(Example(q, word, target=word, options=tuple(options), label=options.index(word)))
     return out
 
 
 def score_choice(logliks: Sequence[float], ex: Example) -> float:
-    """1 when the right option's log-likelihood is strictly the highest (a tie or a NaN counts as wrong)."""
+    """1 when the right option's log-likelihood (summed over its tokens, as the assistant's
+    reply) is strictly the highest; a tie, a NaN or a wrong number of options counts as wrong."""
     if len(logliks) != len(ex.options) or any(not math.isfinite(v) for v in logliks):
         return 0.0
     best = max(logliks)

