@@ -207,6 +207,9 @@ def _calibrated_run(source: str, fp: str, merger: Merger, cal: AppCal) -> Calibr
     return _runs().run((source, fp, merger, cal.structure), cal) or calibrated(source, fp, merger, cal)
 
 
+_SCRATCH_HOLDS: dict[tuple, tuple] = {}  # (source, fp) -> (preview ref, id of its run, id of the scratch model)
+
+
 @st.cache_resource(max_entries=2, show_spinner=False)
 def _scratch(source: str, fp: str) -> torch.nn.Module:
     """One model per zoo that previews are written into (under its own lock)."""
@@ -236,7 +239,11 @@ def model_of(
         prev = _calibrated_run(source, fp, ref.merger, ref.from_run)
         model = _scratch(source, fp)
         with torch_lock(source, workers.scratch_lock()), torch_lock(source) if hooks and experts else nullcontext():
-            compute.load_preview(model, prev.model, prev.report, ref.cal.config)
+            holds = (ref, id(prev), id(model))
+            if _SCRATCH_HOLDS.get((source, fp)) != holds:  # its scores, cosines and drift: one write
+                _SCRATCH_HOLDS.pop((source, fp), None)
+                compute.load_preview(model, prev.model, prev.report, ref.cal.config)
+                _SCRATCH_HOLDS[(source, fp)] = holds
             yield model
     elif ref.kind == "calibrated":
         model = _calibrated_run(source, fp, ref.merger, ref.cal).model
@@ -253,7 +260,12 @@ def model_of(
 
 @st.cache_resource(max_entries=4, show_spinner=False)
 def expert_side(source: str, fp: str, max_per_task: int | None) -> compute.ExpertSide:
-    """The experts' logits and features on the live subsets (they never change)."""
+    """The experts' logits and features on the live subsets (they never change); a smaller
+    test subset's (the preview's) are the first rows of the live one's."""
+    if max_per_task is not None and max_per_task < LIVE_TEST:
+        live = expert_side(source, fp, LIVE_TEST)
+        logits = {t: v[:max_per_task] for t, v in live.logits.items()}
+        return compute.ExpertSide(max_per_task, logits, live.features)
     zoo = _zoo(source, device())
     data = diag_data(source, fp)
     with torch_lock(source):
@@ -277,14 +289,15 @@ _OWN_LOCK = threading.Lock()
 @st.cache_data(max_entries=256, show_spinner=False, hash_funcs=HASH_FUNCS)
 def cosine_scores(source: str, fp: str, ref: ModelRef) -> pd.DataFrame:
     """Expert cosine on the held-out subset (the experts' features do not depend on the
-    test subset's size, so any cached side serves). Unless the model is a preview, its
-    streams are kept on the way (when the experts' are) for its :func:`drift`, which then
-    runs its blocks only on the experts' streams (the worker computes the two in turn)."""
+    test subset's size, so any cached side serves). The model's streams are kept on the way
+    (when the experts' are) for its :func:`drift`, which then runs its blocks only on the
+    experts' streams (the worker computes the two in turn; a preview, the script). Only the
+    model is hooked, so a preview's pass takes the scratch lock alone, not the exact run's."""
     zoo = _zoo(source, device())
     data = diag_data(source, fp)
     side = expert_side(source, fp, LIVE_TEST)
-    keep = ref.kind != "preview" and expert_streams(source, fp) is not None
-    with model_of(source, fp, ref, hooks=keep) as model:
+    keep = expert_streams(source, fp) is not None
+    with model_of(source, fp, ref, hooks=keep, experts=False) as model:
         if not keep:
             return compute.cosine_scores(model, zoo, data, side)
         frame, own = compute.cosine_scores_and_streams(model, zoo, data, side)

@@ -102,6 +102,7 @@ def bench_parts(source: str, n: int, repeats: int, record: dict | None = None) -
     )
     wall: dict[str, list[float]] = {k: [] for k in (*pieces, "preview shown", "exact shown")}
     cpu: dict[str, list[float]] = {k: [] for k in (*pieces, "preview shown", "exact shown")}
+    split: dict[str, list[float]] = {k: [] for k in SPLIT}  # the exact run's own account (wall s)
 
     def clock() -> tuple[float, float]:
         """(wall, this thread's CPU) seconds."""
@@ -116,8 +117,10 @@ def bench_parts(source: str, n: int, repeats: int, record: dict | None = None) -
         torch.set_num_threads(solo)  # per thread, as app.workers.torch_lock does
         with torch.no_grad():
             a = clock()
-            model, _ = compute.calibrate(merged, zoo, data, FeatCalConfig.clip(rho=rho), trace)
+            model, rep = compute.calibrate(merged, zoo, data, FeatCalConfig.clip(rho=rho), trace)
             b = clock()
+            for name, v in calibration_split(rep).items():
+                split[name].append(v)
             return model, (b[0] - a[0], b[1] - a[1])
 
     def heldout(model):
@@ -185,7 +188,21 @@ def bench_parts(source: str, n: int, repeats: int, record: dict | None = None) -
                 "CPU s (median)": f"{statistics.median(cpu[name]):.3f} s",
             }
         )
+    for name, xs in split.items():
+        rows.append({"measure": f"exact run's split: {name}", **_stats(xs), "CPU s (median)": ""})
     return rows
+
+
+SPLIT = ("forward passes + statistics", "solves", "advance (calibrated block forward)")
+
+
+def calibration_split(report) -> dict[str, float]:
+    """The exact run's wall seconds by kind, summed over its blocks (its own
+    :class:`~featcal.engine.report.BlockRecord` s): the block forward passes through the merged
+    and expert blocks with the statistics, the solves, and the calibrated blocks' forwards."""
+    b = report.blocks
+    kinds = (sum(r.stats_seconds for r in b), sum(r.solve_seconds for r in b), sum(r.advance_seconds for r in b))
+    return dict(zip(SPLIT, kinds))
 
 
 def _figure_seconds(zoo, merged, model, diag, streams, side, repeats: int) -> dict[str, list[float]]:

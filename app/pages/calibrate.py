@@ -179,28 +179,28 @@ from_run = state.preview_from(source, fp, merger, cal)
 exact_job, quick = None, True
 if from_run is not None:
     exact_job = state.start_calibration(source, fp, merger, cal)
+    # No wait when the last exact run took longer than the deadline: the preview starts at once.
+    slow = (state.last_seconds() or 0.0) > 2 * settings.PREVIEW_AFTER_S
     with ui.status(f"Running exact forward-order FeatCal: {cal.label}…", status_slot):
-        quick = workers.done_within(exact_job, settings.PREVIEW_AFTER_S)
+        quick = workers.done_within(exact_job, 0.0 if slow else settings.PREVIEW_AFTER_S)
 if not quick:
     ref = ModelRef.preview(merger, from_run, cal)
     with ui.status(
         f"Preview of {cal.label} from the exact run at {from_run.point_label}; the exact run follows…", status_slot
     ):
-        pv_scores = state.scores(source, fp, ref)
+        pv_scores = state.scores(source, fp, ref, settings.PREVIEW_TEST)
         pv_drift = state.drift(source, fp, ref)
-        live_merged = (
-            merged_summary
-            if limit == state.LIVE_TEST
-            else compute.task_summary(state.scores(source, fp, ModelRef.merged(merger)))
-        )
+        pv_merged = compute.task_summary(state.scores(source, fp, ModelRef.merged(merger), settings.PREVIEW_TEST))
+    n_pv = min(settings.PREVIEW_TEST, compute.split_size(zoo, "test"))
     show(
         "preview",
         pv_scores,
-        live_merged,
+        pv_merged,
         pv_drift,
         f"{cal.label}, re-solved from the kept statistics of the last exact run "
         f"({from_run.point_label}); it ignores how earlier blocks' changes move "
-        "later features. Exact run in progress…",
+        f"later features. Scored on the first {n_pv} test examples per task (merged too; the exact result: "
+        f"{'all' if limit is None else min(limit, compute.split_size(zoo, 'test'))}). Exact run in progress…",
     )
 
 # 3. The exact forward-order run, then its output scores (here) beside its cosines and drift

@@ -190,6 +190,8 @@ def test_the_preview_is_drawn_only_while_the_exact_run_is_slow(tiny_zoo_dir, mon
     _ok(at.slider(key="alpha").set_value(value).run())
     assert any("Exact FeatCal" in s.value for s in at.success)
     assert any(config.alpha == value for config in previews) == previewed, previews
+    # The preview is written into the scratch model once: its scores, cosines and drift share it.
+    assert sum(config.alpha == value for config in previews) == int(previewed), previews
 
 
 def test_the_calibration_gets_the_config_the_url_sets(tiny_zoo_dir, monkeypatch):
