@@ -88,10 +88,10 @@ def test_the_worked_example_in_docs_zoos_md_is_a_valid_spec(tmp_path):
 
     import yaml
 
-    from featcal.zoo import schema
+    from featcal.zoo import parsing, schema
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "zoos.md").read_text()
     example = re.search(r"^```yaml\n(.*?)^```$", doc, flags=re.S | re.M).group(1)
-    spec = schema.from_dict(yaml.safe_load(example), root=tmp_path, source="zoos.md")
+    spec = parsing.from_dict(yaml.safe_load(example), root=tmp_path, source="zoos.md")
     assert list(spec.tasks) == ["flowers", "stanford-cars"]
     assert set(yaml.safe_load(example)) <= set(schema.SCHEMA["zoo"])  # every key it shows is documented
