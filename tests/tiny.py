@@ -314,3 +314,39 @@ def tiny_text_encoder(path, seed: int = 0, layers: int = 2, words: list[str] = T
     model = BertModel(cfg, add_pooling_layer=False).eval()
     model.save_pretrained(path)
     return model
+
+
+def model_expert_batches(kind: str):
+    """``(model, expert, batches)`` of one architecture (``toy``, ``hf_clip``, ``open_clip``): a
+    model, an expert near it, and image-like batches (the diagnostics' tests)."""
+    if kind == "toy":
+        base, experts, merged = toy_zoo(n_tasks=1)
+        return merged, experts["t0"], toy_data(["t0"], n=6, batch=3)["t0"]
+    build = {"hf_clip": tiny_hf_clip, "open_clip": tiny_open_clip_vit}[kind]
+    model = build(seed=0)
+    gen = torch.Generator().manual_seed(3)
+    return model, perturbed(model, 0.05, 1), list(torch.randn(6, 3, 16, 16, generator=gen).split(3))
+
+
+def toy_zoo_object(model_for_experts=None):
+    """A two-task :class:`featcal.zoo.core.Zoo` of toy models with random calib and test splits
+    (every expert ``model_for_experts`` when given)."""
+    from featcal.zoo.core import TaskData, Zoo
+
+    base, experts, _ = toy_zoo(n_tasks=2)
+    if model_for_experts is not None:
+        experts = {t: model_for_experts for t in experts}
+    gen = torch.Generator().manual_seed(5)
+    data = {
+        t: TaskData(
+            t,
+            ["a", "b", "c"],
+            {
+                s: (torch.randn(12, 5, 6, generator=gen), torch.randint(0, 3, (12,), generator=gen))
+                for s in ("calib", "test")
+            },
+        )
+        for t in experts
+    }
+    heads = {t: nn.Linear(8, 3).requires_grad_(False) for t in experts}
+    return Zoo("toy", base, experts, heads, data, features=lambda m, x: m.hidden(x)[:, 0], fmt="torch")

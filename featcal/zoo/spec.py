@@ -24,6 +24,7 @@ from featcal.zoo import data as data_mod
 from featcal.zoo import heads as heads_mod
 from featcal.zoo import loaders, locate
 from featcal.zoo.core import Zoo
+from featcal.zoo.parsing import expand, from_dict, parse
 from featcal.zoo.resolve import Missing, MissingResourcesError
 from featcal.zoo.schema import (
     SCHEMA,
@@ -34,9 +35,6 @@ from featcal.zoo.schema import (
     SpecError,
     SplitSpec,
     ZooSpec,
-    expand,
-    from_dict,
-    parse,
 )
 
 __all__ = [

@@ -9,7 +9,7 @@ writes (the YAML format: docs/zoos.md, :mod:`featcal.zoo.schema`).
 - :func:`model_kind`: a model directory's kind (a dense ``save_pretrained`` directory, a
   PEFT LoRA adapter, which the zoo's loader merges onto the base, an open_clip checkpoint
   file), checked before anything is written;
-- :func:`user_spec` builds the spec dict (validated by :func:`featcal.zoo.schema.from_dict`;
+- :func:`user_spec` builds the spec dict (validated by :func:`featcal.zoo.parsing.from_dict`;
   text or token data make a ``modality: text`` zoo; an optional merged model of the user's own
   is the spec's ``merged:``), :func:`spec_text` its YAML, :func:`write_spec` writes it, never
   over a file featcal did not write.
@@ -25,7 +25,7 @@ from typing import Mapping
 import yaml
 
 from featcal.model import lora
-from featcal.zoo import locate, schema
+from featcal.zoo import locate, parsing, schema
 
 HEADER = "# featcal zoo spec, written by featcal's app (docs/zoos.md documents every key)\n"
 TENSOR_SUFFIXES = (".safetensors", ".npz")
@@ -214,7 +214,7 @@ def user_spec(
     if spec["heads"].get("path"):
         spec["heads"]["path"] = str(_path(spec["heads"]["path"]))
     try:
-        schema.from_dict(spec, root=Path.cwd(), source=f"{name}.yaml")
+        parsing.from_dict(spec, root=Path.cwd(), source=f"{name}.yaml")
     except schema.SpecError as exc:
         raise UserSpecError(str(exc)) from exc
     return spec

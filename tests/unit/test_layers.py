@@ -55,7 +55,7 @@ ZOO_LAYERS = {
         "featcal.zoo.resolve",
         "featcal.zoo.tokens",
     ),
-    "schema": ("featcal.zoo.schema",),
+    "schema": ("featcal.zoo.schema", "featcal.zoo.parsing"),
     "locate": ("featcal.zoo.locate",),
     "load": (
         "featcal.zoo.userspec",  # writes a spec from the user's folders (the app's "Your models")

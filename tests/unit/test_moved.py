@@ -26,6 +26,8 @@ def test_an_old_module_name_is_the_new_module_with_a_warning(old):
         ("featcal.cli", "main", "featcal.cli.commands"),
         ("featcal.model.checkpoints", "skeleton", "featcal.model.skeletons"),
         ("featcal.model.checkpoints", "release", "featcal.model.skeletons"),
+        ("featcal.zoo.schema", "parse", "featcal.zoo.parsing"),
+        ("featcal.zoo.schema", "from_dict", "featcal.zoo.parsing"),
     ],
 )
 def test_the_names_an_old_module_held_still_work_from_it(package, name, target):

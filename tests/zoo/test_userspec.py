@@ -144,7 +144,7 @@ def test_text_and_token_files_make_a_text_zoo(tmp_path, monkeypatch):
 
 def test_a_text_zoo_says_what_is_wrong(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from featcal.zoo import schema
+    from featcal.zoo import parsing, schema
 
     root = write_text_models(tmp_path)
     good = {
@@ -154,9 +154,9 @@ def test_a_text_zoo_says_what_is_wrong(tmp_path, monkeypatch):
         "data": {"colour": str(root / "data" / "colour.txt")},
     }
     with pytest.raises(schema.SpecError, match="need `modality: text`"):
-        schema.from_dict({**good, "modality": "image", "data": {"colour": {"path": "x.txt", "format": "text"}}})
+        parsing.from_dict({**good, "modality": "image", "data": {"colour": {"path": "x.txt", "format": "text"}}})
     with pytest.raises(schema.SpecError, match="use format: hf"):
-        schema.from_dict({**good, "format": "open_clip", "arch": "ViT-B-32"})
+        parsing.from_dict({**good, "format": "open_clip", "arch": "ViT-B-32"})
     with pytest.raises(zoo_spec.SpecError, match="text.*set `modality: text`"):
         zoo_spec.load(zoo_spec.from_dict({**good, "modality": "image", "heads": {"classes": {"colour": ["r"]}}}))
     (root / "data" / "colour.txt").write_text("red\tok\nno tab here\n")
@@ -213,12 +213,12 @@ def test_the_worked_example_in_docs_zoos_md_is_a_valid_spec(tmp_path):
 
     import yaml
 
-    from featcal.zoo import schema
+    from featcal.zoo import parsing, schema
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "zoos.md").read_text()
     example, text = re.findall(r"^```yaml\n(.*?)^```$", doc, flags=re.S | re.M)
-    spec = schema.from_dict(yaml.safe_load(example), root=tmp_path, source="zoos.md")
+    spec = parsing.from_dict(yaml.safe_load(example), root=tmp_path, source="zoos.md")
     assert list(spec.tasks) == ["flowers", "stanford-cars"]
     assert set(yaml.safe_load(example)) <= set(schema.SCHEMA["zoo"])  # every key it shows is documented
-    spec = schema.from_dict(yaml.safe_load(text), root=tmp_path, source="zoos.md")  # the text zoo's
+    spec = parsing.from_dict(yaml.safe_load(text), root=tmp_path, source="zoos.md")  # the text zoo's
     assert spec.modality == "text" and spec.preprocess.max_length == 64 and list(spec.tasks) == ["reviews", "topics"]

@@ -47,7 +47,7 @@ from torch import nn
 from featcal.baselines.examples import ExamplePool, take
 from featcal.baselines.trained.calibrators import TaskCalibrated, checked_models
 from featcal.baselines.trained.modules import ATTR, SurgeryAdapter, insert
-from featcal.baselines.trained.training import TaskRun
+from featcal.baselines.trained.training import TaskRun, TrainOptions
 from featcal.model.arch import resolve_blocks
 from featcal.model.modes import eval_mode
 from featcal.model.streams import call_model, device_of
@@ -198,12 +198,13 @@ def _rows(x, idx):
     return x if idx is None else (take(x, idx) if isinstance(x, Mapping) else x[idx])
 
 
-def _train(model, path, emb, expert, batches, modules, steps, lr, batch, seed, desc, progress) -> TaskRun:
+def _train(model, path, emb, expert, batches, modules, opts: TrainOptions, desc: str) -> TaskRun:
     """Adam on ``modules`` (``{block: module, "embedding": module}``), inserted into ``model``
-    (a private copy). Expert i's features are computed once (the targets, frozen); with modules
-    after the blocks (SurgeryV2), each step runs the model on one minibatch; with only the final
-    module (Surgery), the merged model's final embeddings are computed once too, and each step
-    runs the module alone (the same steps: nothing before the module changes)."""
+    (a private copy), for ``opts.length`` steps. Expert i's features are computed once (the
+    targets, frozen); with modules after the blocks (SurgeryV2), each step runs the model on one
+    minibatch; with only the final module (Surgery), the merged model's final embeddings are
+    computed once too, and each step runs the module alone (the same steps: nothing before the
+    module changes)."""
     start = time.perf_counter()
     n_blocks = len(resolve_blocks(model, path)[1])
     block_mods = any(k != "embedding" for k in modules)
@@ -215,18 +216,18 @@ def _train(model, path, emb, expert, batches, modules, steps, lr, batch, seed, d
     def reduce(k, h, mask):
         return compared(k, h, emb, n_blocks, mask).to(dev)
 
-    targets = [site_outputs(expert, u, sites, batch, reduce) for u in units]
+    targets = [site_outputs(expert, u, sites, opts.batch, reduce) for u in units]
     units = [_to(u, dev) for u in units]
-    inputs = None if block_mods else [site_outputs(model, u, sites, batch) for u in units]
+    inputs = None if block_mods else [site_outputs(model, u, sites, opts.batch) for u in units]
     place(model, path, emb, modules)
     params = [p for m in modules.values() for p in m.parameters()]
-    opt = torch.optim.Adam(params, lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
-    draws = pool.draws(batch, torch.Generator().manual_seed(seed))
+    opt = torch.optim.Adam(params, lr=opts.lr, betas=(0.9, 0.999), weight_decay=0.0)
+    draws = pool.draws(opts.batch, torch.Generator().manual_seed(opts.seed))
     mine = _Capture(model, sites) if block_mods else None
     losses = []
     try:
         with eval_mode(model):
-            for _ in bar(range(steps), desc=desc, unit="step", show=progress):
+            for _ in bar(range(opts.length), desc=desc, unit="step", show=opts.progress):
                 j, idx = next(draws)
                 xb = _rows(units[j], idx)
                 if block_mods:
@@ -241,7 +242,7 @@ def _train(model, path, emb, expert, batches, modules, steps, lr, batch, seed, d
                 opt.step()
                 losses.append(float(loss.detach()))
                 if not torch.isfinite(loss):
-                    raise FloatingPointError(f"{desc}: the loss became {losses[-1]}; lower lr (now {lr:g}).")
+                    raise FloatingPointError(f"{desc}: the loss became {losses[-1]}; lower lr (now {opts.lr:g}).")
     finally:
         if mine is not None:
             mine.close()
@@ -310,23 +311,8 @@ def surgery(
 ) -> TaskCalibrated:
     """Representation Surgery: per task, one module on the final embedding, L1 to expert i's
     (module docstring). Adds ``2 d_out r`` numbers per task."""
-    return _run(
-        "surgery",
-        merged,
-        experts,
-        calib_data,
-        False,
-        rank,
-        steps,
-        lr,
-        batch,
-        seed,
-        embedding,
-        pool,
-        blocks,
-        device,
-        progress,
-    )
+    opts = TrainOptions(rank, steps, lr, batch, seed, device, progress)
+    return _run("surgery", merged, experts, calib_data, opts, False, embedding, pool, blocks)
 
 
 def surgery_v2(
@@ -348,23 +334,8 @@ def surgery_v2(
     """SurgeryV2: per task, a module after every block (every token) and one on the final
     embedding; loss: the L1 of the token means at every block plus the final embedding's
     (module docstring). Adds ``2 L d r + 2 d_out r`` numbers per task."""
-    return _run(
-        "surgery_v2",
-        merged,
-        experts,
-        calib_data,
-        True,
-        rank,
-        steps,
-        lr,
-        batch,
-        seed,
-        embedding,
-        pool,
-        blocks,
-        device,
-        progress,
-    )
+    opts = TrainOptions(rank, steps, lr, batch, seed, device, progress)
+    return _run("surgery_v2", merged, experts, calib_data, opts, True, embedding, pool, blocks)
 
 
 def surgery_modules(
@@ -378,42 +349,27 @@ def surgery_modules(
     return mods
 
 
-def _run(
-    method,
-    merged,
-    experts,
-    calib_data,
-    per_block,
-    rank,
-    steps,
-    lr,
-    batch,
-    seed,
-    embedding,
-    pool,
-    blocks,
-    device,
-    progress,
-):
-    if rank < 1 or steps < 1 or batch < 1 or not lr > 0:
+def _run(method, merged, experts, calib_data, opts: TrainOptions, per_block: bool, embedding, pool, blocks):
+    """Train each task's fresh modules (:func:`surgery_modules`) on a private copy of the merged
+    model (frozen), for ``opts.length`` steps."""
+    if opts.rank < 1 or opts.length < 1 or opts.batch < 1 or not opts.lr > 0:
         raise ValueError(
-            f"{method}: rank, steps and batch must be >= 1 and lr > 0; got {rank}, {steps}, {batch}, {lr}."
+            f"{method}: rank, steps and batch must be >= 1 and lr > 0; "
+            f"got {opts.rank}, {opts.length}, {opts.batch}, {opts.lr}."
         )
     path, _ = checked_models(merged, experts, calib_data, blocks)
-    model = copy.deepcopy(merged).to(device if device is not None else device_of(merged)).eval()
-    model.requires_grad_(False)
+    model = opts.training_copy(merged)
     n_blocks = len(resolve_blocks(model, path)[1])
     emb = final_embedding(model, path, embedding, pool)
     d, d_out = _widths(model, path, emb, calib_data[next(iter(experts))][0])
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(opts.seed)
     modules, runs = {}, {}
     for task, expert in experts.items():
         if device_of(expert) != device_of(model):
             expert = copy.deepcopy(expert).to(device_of(model))
-        mods = surgery_modules(d, d_out, n_blocks, per_block, emb, rank, gen, device_of(model))
-        args = (model, path, emb, expert, calib_data[task], mods, steps, lr, batch, seed)
-        runs[task] = _train(*args, f"{method} {task}", progress)
+        mods = surgery_modules(d, d_out, n_blocks, per_block, emb, opts.rank, gen, device_of(model))
+        runs[task] = _train(model, path, emb, expert, calib_data[task], mods, opts, f"{method} {task}")
         modules[task] = mods
-    settings = dict(rank=rank, steps=steps, lr=lr, batch=batch, seed=seed, embedding=emb.path, pool=emb.pool)
+    settings = dict(opts.settings("steps"), embedding=emb.path, pool=emb.pool)
     settings["device"] = str(device_of(model))
     return TaskCalibrated(method, model, path, modules, runs, settings, embedding=emb.path)
