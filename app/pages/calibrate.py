@@ -215,6 +215,7 @@ with ui.status(f"Running exact forward-order FeatCal: {cal.label}…", status_sl
     cal_drift = heldout_job.result()
     show("exact", cal_scores, merged_summary, cal_drift, f"{cal.label} · {run.report.summary()}")
     st.session_state["_cal_shown"] = cal.label
+    state.prepare_preview(run)  # the next change previews from this run: its one-off work now
     # Written after the charts: benchmarks/app_latency.py stops its clock on "Exact FeatCal done".
     s.update(
         label=f"Exact FeatCal done: {cal.label} · {len(run.report.modules)} modules in "
