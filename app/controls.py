@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import streamlit as st
 
-from app.compute import REPO
 from app.settings import (
     CAL_DEFAULTS,
     CAL_SIZES,
@@ -22,6 +21,7 @@ from app.settings import (
     Merger,
     merge_default,
 )
+from app.zoos import REPO
 
 BIND = dict(bind="query-params", persist_state="session")
 OTHER = "other (path)…"

@@ -28,12 +28,12 @@ import pandas as pd
 import streamlit as st
 import torch
 
-from app import compute, st_patch, workers
+from app import compute, st_patch, workers, zoos
 from app.settings import HASH_FUNCS, AppCal, Merger, ModelRef
 from app.workers import torch_lock
 
 LIVE_TEST, DIAG_N = compute.LIVE_TEST, compute.DIAG_N
-device = compute.device
+device = zoos.device
 
 
 # ============================================================================ 1. the zoo
@@ -44,9 +44,9 @@ _BUILD = threading.Lock()  # one zoo build at a time; other sessions wait for it
 
 @st.cache_resource(max_entries=2, show_spinner="Loading the zoo…")
 def _zoo(source: str, dev: str):
-    zoo = compute.load_zoo(source, dev)
+    zoo = zoos.load_zoo(source, dev)
     for alone in (False, True):
-        workers.THREADS[source, alone] = compute.cpu_threads(zoo, dev, alone)
+        workers.THREADS[source, alone] = zoos.cpu_threads(zoo, dev, alone)
     return zoo
 
 
@@ -56,11 +56,11 @@ def zoo_or_error(source: str) -> tuple[object | None, str | None]:
     if not source:
         return None, "No zoo selected. Fix: enter the path of a zoo spec YAML (or pick the embedded demo)."
     try:
-        if compute.zoo_needs_build(source):
+        if zoos.zoo_needs_build(source):
             _build_with_progress(source)
         return _zoo(source, device()), None
     except Exception as exc:  # shown to the user, never as a traceback
-        return None, compute.explain_load_error(source, exc)
+        return None, zoos.explain_load_error(source, exc)
 
 
 def _build_with_progress(source: str) -> None:
@@ -70,8 +70,8 @@ def _build_with_progress(source: str) -> None:
         st.info(f"Building the `{source}` zoo offline: first use on this machine, cached afterwards.")
         progress = st.progress(0.0, text="Waiting for another session's build…" if _BUILD.locked() else "Starting…")
     with _BUILD:
-        if compute.zoo_needs_build(source):  # another session may have built it meanwhile
-            compute.build_zoo(source, lambda p: progress.progress(p.fraction, text=p.describe()))
+        if zoos.zoo_needs_build(source):  # another session may have built it meanwhile
+            zoos.build_zoo(source, lambda p: progress.progress(p.fraction, text=p.describe()))
     box.empty()
 
 
@@ -90,7 +90,7 @@ def active_zoo():
 
 
 def fingerprint(source: str) -> str:
-    return compute.fingerprint(active_zoo() if source == active_source() else _zoo(source, device()), source)
+    return zoos.fingerprint(active_zoo() if source == active_source() else _zoo(source, device()), source)
 
 
 # ============================================================================ 2. models
@@ -112,8 +112,8 @@ def calib_data(source: str, fp: str, n: int, split: str = "calib", seed: int = 4
 def diag_data(source: str, fp: str) -> dict:
     """The held-out subset the drift and cosines are measured on (``val``, else ``calib``)."""
     zoo = _zoo(source, device())
-    split = "val" if "val" in compute.splits_of(zoo) else "calib"
-    n = min(DIAG_N, compute.split_size(zoo, split))
+    split = "val" if "val" in zoos.splits_of(zoo) else "calib"
+    n = min(DIAG_N, zoos.split_size(zoo, split))
     return calib_data(source, fp, n, split=split, seed=0)
 
 
@@ -368,7 +368,7 @@ def start_heldout(source: str, fp: str, ref: ModelRef) -> Future:
 def zoo_tables(source: str, fp: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The zoo's models (role, parameters, MB) and tasks (classes, split sizes)."""
     zoo = _zoo(source, device())
-    return compute.zoo_models(zoo), compute.zoo_tasks(zoo)
+    return zoos.zoo_models(zoo), zoos.zoo_tasks(zoo)
 
 
 @st.cache_data(max_entries=64, show_spinner=False)
@@ -382,7 +382,7 @@ def png(fig_json: str) -> bytes:
 
 
 def live_note(zoo) -> str:
-    n = min(LIVE_TEST, compute.split_size(zoo, "test"))
+    n = min(LIVE_TEST, zoos.split_size(zoo, "test"))
     return (
         f"Live view: accuracy, KL and agreement on the first {n} test examples per task; drift and "
         f"cosines on {DIAG_N} held-out examples per task. Full-test-set evaluation on demand."

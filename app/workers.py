@@ -19,7 +19,7 @@ import streamlit as st
 import torch
 
 # Torch CPU threads per (zoo source, alone), set when :mod:`app.state` loads a zoo
-# (:func:`app.compute.cpu_threads`); read by every :func:`torch_lock`.
+# (:func:`app.zoos.cpu_threads`); read by every :func:`torch_lock`.
 THREADS: dict[tuple[str, bool], int] = {}
 
 
@@ -51,7 +51,7 @@ def torch_lock(source: str | None = None, lock=None, alone: bool = False) -> Ite
     """Run torch work on the shared models: one at a time (``lock``, by default
     :func:`model_lock`; a ``nullcontext`` for none), without autograd, with the zoo's CPU
     thread count (set on every call: it is per thread; ``alone``: for work that has the
-    machine to itself, :func:`app.compute.cpu_threads`)."""
+    machine to itself, :func:`app.zoos.cpu_threads`)."""
     with lock or model_lock(), torch.no_grad():
         _set_threads(source, alone)
         yield

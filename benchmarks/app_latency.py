@@ -5,8 +5,8 @@ every one runs the exact forward-order FeatCal (nothing served from the cache):
 
 1. ``parts``: the work one slider change can trigger, timed piece by piece without
    Streamlit: the instant preview's scores, cosines and drift as the page computes them
-   (only when the exact run is slow; timed here on their own), the exact calibration alone on a worker thread with
-   the threads the app gives it, then the new model's output scores beside its expert
+   (only when the exact run is slow; timed here on their own), the exact calibration alone
+   on a worker thread with the threads the app gives it, then the new model's output scores beside its expert
    cosines and drift (the drift reusing the model's streams kept while its features were
    read for the cosines, and the experts' streams cached as the app keeps them). Besides wall
    time, each piece's CPU time (``time.thread_time``): on a shared machine wall time mostly
@@ -76,15 +76,15 @@ def bench_parts(source: str, n: int, repeats: int, record: dict | None = None) -
 
     import torch
 
-    from app import compute
+    from app import compute, zoos
     from featcal import FeatCalConfig
 
-    dev = compute.device()
-    zoo = compute.load_zoo(source, dev)
-    torch.set_num_threads(compute.cpu_threads(zoo, dev))  # as the app does
+    dev = zoos.device()
+    zoo = zoos.load_zoo(source, dev)
+    torch.set_num_threads(zoos.cpu_threads(zoo, dev))  # as the app does
     merged = zoo.merged("task_arithmetic", scale=0.3)
     data = zoo.calib_data(n, seed=42)
-    diag = zoo.calib_data(min(compute.DIAG_N, compute.split_size(zoo, "val")), seed=0, split="val")
+    diag = zoo.calib_data(min(compute.DIAG_N, zoos.split_size(zoo, "val")), seed=0, split="val")
     side = compute.expert_side(zoo, diag, compute.LIVE_TEST)  # once per zoo in the app
     streams = compute.expert_streams(zoo, diag)  # likewise
     compute.scores(merged, zoo, diag, compute.LIVE_TEST, side)  # warm-up (allocator, first-call costs)
@@ -102,6 +102,7 @@ def bench_parts(source: str, n: int, repeats: int, record: dict | None = None) -
     )
     wall: dict[str, list[float]] = {k: [] for k in (*pieces, "preview shown", "exact shown")}
     cpu: dict[str, list[float]] = {k: [] for k in (*pieces, "preview shown", "exact shown")}
+    split: dict[str, list[float]] = {k: [] for k in SPLIT}  # the exact run's own account (wall s)
 
     def clock() -> tuple[float, float]:
         """(wall, this thread's CPU) seconds."""
@@ -120,7 +121,7 @@ def bench_parts(source: str, n: int, repeats: int, record: dict | None = None) -
         compute.drift(model, zoo, diag, streams, own)
 
     threads = torch.get_num_threads()
-    solo = compute.cpu_threads(zoo, dev, alone=True)  # the exact run's, as the app's
+    solo = zoos.cpu_threads(zoo, dev, alone=True)  # the exact run's, as the app's
     pool = ThreadPoolExecutor(max_workers=1)
     prep: list[tuple[float, float]] = []  # the next preview's eigendecompositions, per exact run
 
@@ -128,9 +129,11 @@ def bench_parts(source: str, n: int, repeats: int, record: dict | None = None) -
         torch.set_num_threads(solo)  # per thread, as app.workers.torch_lock does
         with torch.no_grad():
             a = clock()
-            model, report = compute.calibrate(merged, zoo, data, FeatCalConfig.clip(rho=rho), trace)
+            model, rep = compute.calibrate(merged, zoo, data, FeatCalConfig.clip(rho=rho), trace)
             b = clock()
-            report.preview_state.prepare()  # what the app does in the background once the result is drawn
+            for name, v in calibration_split(rep).items():
+                split[name].append(v)
+            rep.preview_state.prepare()  # what the app does in the background once the result is drawn
             c = clock()
             prep.append((c[0] - b[0], c[1] - b[1]))
             return model, (b[0] - a[0], b[1] - a[1])
@@ -202,7 +205,21 @@ def bench_parts(source: str, n: int, repeats: int, record: dict | None = None) -
                 "CPU s (median)": f"{statistics.median(cpu[name]):.3f} s",
             }
         )
+    for name, xs in split.items():
+        rows.append({"measure": f"exact run's split: {name}", **_stats(xs), "CPU s (median)": ""})
     return rows
+
+
+SPLIT = ("forward passes + statistics", "solves", "advance (calibrated block forward)")
+
+
+def calibration_split(report) -> dict[str, float]:
+    """The exact run's wall seconds by kind, summed over its blocks (its own
+    :class:`~featcal.engine.report.BlockRecord` s): the block forward passes through the merged
+    and expert blocks with the statistics, the solves, and the calibrated blocks' forwards."""
+    b = report.blocks
+    kinds = (sum(r.stats_seconds for r in b), sum(r.solve_seconds for r in b), sum(r.advance_seconds for r in b))
+    return dict(zip(SPLIT, kinds))
 
 
 def _figure_seconds(zoo, merged, model, diag, streams, side, repeats: int) -> dict[str, list[float]]:
@@ -420,7 +437,7 @@ def main() -> None:
         "assets/measured/demo_calibration_sizes.json)",
     )
     args = ap.parse_args()
-    from app import compute
+    from app import compute, zoos
 
     compute.LIVE_TEST = args.live or compute.LIVE_TEST
     compute.DIAG_N = args.diag or compute.DIAG_N
@@ -441,7 +458,7 @@ def main() -> None:
         f"\napp latency on zoo {args.zoo!r}, {n} calibration examples per task, "
         f"live subset {compute.LIVE_TEST} test / {compute.DIAG_N} held-out examples per task"
     )
-    print(_common.environment(compute.device()))
+    print(_common.environment(zoos.device()))
     print(_common.markdown_table(rows))
 
 

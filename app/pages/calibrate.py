@@ -10,7 +10,7 @@ next one (Streamlit reruns), so the newest setting always wins.
 import pandas as pd
 import streamlit as st
 
-from app import compute, controls, figures, settings, state, tables, ui, workers
+from app import compute, controls, figures, settings, state, tables, ui, workers, zoos
 from app.settings import ModelRef
 
 zoo, source = state.active_zoo(), state.active_source()
@@ -25,7 +25,7 @@ st.caption(
 applied = st.session_state.pop(controls.APPLIED, None)
 if applied:
     st.toast(applied, icon=":material/arrow_forward:")  # a toast: the page's layout does not move
-cal = controls.calibration_controls(compute.split_size(zoo, "calib"))
+cal = controls.calibration_controls(zoos.split_size(zoo, "calib"))
 if source == "demo":  # measured on this zoo only
     gains = " · ".join(f"{n}: **{g:+.1f} pp** ({s:.2f} s of compute)" for n, (g, s) in settings.DEMO_N_GAINS.items())
     st.caption(
@@ -191,7 +191,7 @@ if not quick:
         pv_scores = state.scores(source, fp, ref, settings.PREVIEW_TEST)
         pv_drift = state.drift(source, fp, ref)
         pv_merged = compute.task_summary(state.scores(source, fp, ModelRef.merged(merger), settings.PREVIEW_TEST))
-    n_pv = min(settings.PREVIEW_TEST, compute.split_size(zoo, "test"))
+    n_pv = min(settings.PREVIEW_TEST, zoos.split_size(zoo, "test"))
     show(
         "preview",
         pv_scores,
@@ -200,7 +200,7 @@ if not quick:
         f"{cal.label}, re-solved from the kept statistics of the last exact run "
         f"({from_run.point_label}); it ignores how earlier blocks' changes move "
         f"later features. Scored on the first {n_pv} test examples per task (merged too; the exact result: "
-        f"{'all' if limit is None else min(limit, compute.split_size(zoo, 'test'))}). Exact run in progress…",
+        f"{'all' if limit is None else min(limit, zoos.split_size(zoo, 'test'))}). Exact run in progress…",
     )
 
 # 3. The exact forward-order run, then its output scores (here) beside its cosines and drift
