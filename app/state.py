@@ -185,6 +185,20 @@ def calibrated(source: str, fp: str, merger: Merger, cal: AppCal) -> Calibrated:
     return run
 
 
+_PREPARING: dict[int, Future] = {}  # id(report) -> its preview's eigendecompositions, under way or done
+
+
+def prepare_preview(run: Calibrated) -> None:
+    """Start the one-off eigendecompositions of ``run``'s preview in the background (the next
+    slider change previews from this run: demo zoo 0.07, real-text 1.9 CPU s saved from its wait;
+    benchmarks/README.md, 'App latency')."""
+    key = id(run.report)
+    if key not in _PREPARING:
+        while len(_PREPARING) >= 4:
+            _PREPARING.pop(next(iter(_PREPARING)))
+        _PREPARING[key] = workers.in_background(run.report.preview_state.prepare)
+
+
 def last_seconds() -> float | None:
     """The wall seconds of the latest exact run on any zoo (a progress estimate), or None."""
     runs = _runs()
@@ -242,6 +256,9 @@ def model_of(
             holds = (ref, id(prev), id(model))
             if _SCRATCH_HOLDS.get((source, fp)) != holds:  # its scores, cosines and drift: one write
                 _SCRATCH_HOLDS.pop((source, fp), None)
+                preparing = _PREPARING.get(id(prev.report))
+                if preparing is not None:  # under way: wait for it rather than decompose twice
+                    preparing.result()
                 compute.load_preview(model, prev.model, prev.report, ref.cal.config)
                 _SCRATCH_HOLDS[(source, fp)] = holds
             yield model

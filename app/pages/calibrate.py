@@ -191,7 +191,7 @@ if not quick:
         pv_scores = state.scores(source, fp, ref, settings.PREVIEW_TEST)
         pv_drift = state.drift(source, fp, ref)
         pv_merged = compute.task_summary(state.scores(source, fp, ModelRef.merged(merger), settings.PREVIEW_TEST))
-    n_pv = min(settings.PREVIEW_TEST, compute.split_size(zoo, "test"))
+    n_pv = min(settings.PREVIEW_TEST, zoos.split_size(zoo, "test"))
     show(
         "preview",
         pv_scores,
@@ -200,7 +200,7 @@ if not quick:
         f"{cal.label}, re-solved from the kept statistics of the last exact run "
         f"({from_run.point_label}); it ignores how earlier blocks' changes move "
         f"later features. Scored on the first {n_pv} test examples per task (merged too; the exact result: "
-        f"{'all' if limit is None else min(limit, compute.split_size(zoo, 'test'))}). Exact run in progress…",
+        f"{'all' if limit is None else min(limit, zoos.split_size(zoo, 'test'))}). Exact run in progress…",
     )
 
 # 3. The exact forward-order run, then its output scores (here) beside its cosines and drift
@@ -215,6 +215,7 @@ with ui.status(f"Running exact forward-order FeatCal: {cal.label}…", status_sl
     cal_drift = heldout_job.result()
     show("exact", cal_scores, merged_summary, cal_drift, f"{cal.label} · {run.report.summary()}")
     st.session_state["_cal_shown"] = cal.label
+    state.prepare_preview(run)  # the next change previews from this run: its one-off work now
     # Written after the charts: benchmarks/app_latency.py stops its clock on "Exact FeatCal done".
     s.update(
         label=f"Exact FeatCal done: {cal.label} · {len(run.report.modules)} modules in "

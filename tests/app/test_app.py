@@ -185,13 +185,23 @@ def test_the_preview_is_drawn_only_while_the_exact_run_is_slow(tiny_zoo_dir, mon
     previews = []
     monkeypatch.setattr(settings, "PREVIEW_AFTER_S", after)
     monkeypatch.setattr(compute, "calibrate", lambda *a, **k: time.sleep(0.3) or real_calibrate(*a, **k))
-    monkeypatch.setattr(compute, "load_preview", lambda *a, **k: previews.append(a[3]) or real_preview(*a, **k))
+    prepared = []  # at each preview: whether its run's eigendecompositions were all done before it
+
+    def preview(scratch, model, report, config):
+        ps = report.preview_state
+        prepared.append(len(ps._eig) == sum(e.target.kind == "linear" for e in ps.entries))
+        previews.append(config)
+        return real_preview(scratch, model, report, config)
+
+    monkeypatch.setattr(compute, "load_preview", preview)
     at = _page(_app(tiny_zoo_dir).run(), "calibrate")
     _ok(at.slider(key="alpha").set_value(value).run())
     assert any("Exact FeatCal" in s.value for s in at.success)
     assert any(config.alpha == value for config in previews) == previewed, previews
-    # The preview is written into the scratch model once: its scores, cosines and drift share it.
+    # The preview is written into the scratch model once: its scores, cosines and drift share it,
+    # from a run whose one-off eigendecompositions were done in the background after it was drawn.
     assert sum(config.alpha == value for config in previews) == int(previewed), previews
+    assert all(prepared), prepared
 
 
 def test_the_calibration_gets_the_config_the_url_sets(tiny_zoo_dir, monkeypatch):
