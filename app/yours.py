@@ -68,17 +68,19 @@ def form() -> None:
     written = st.session_state.get("_yours_written")
     box = st.expander("**Your models** · a zoo of your own base, experts and data", expanded=bool(written))
     with box:
-        st.caption(
-            "A base model and its task experts (`save_pretrained` directories; LoRA adapters "
-            + ("are loaded" if userspec.lora_supported() else "are not supported yet in this version")
-            + "), optionally your own merged model (e.g. a mergekit output: the merger *your merged model*), "
-            "and a data folder with one dataset per task: images as `<task>/train/<class>/<image>` and "
-            "`<task>/test/<class>/<image>`, or `<task>.npz` of `train_inputs`, `train_labels`, `test_inputs`, "
-            "`test_labels`; text as `<task>.txt`, one `label<TAB>text` example per line (tokenised with the "
-            "base's tokenizer; a fifth is test), or tokens as `<task>.npz` / `.safetensors` of "
-            "`train_input_ids`, `train_labels`, `test_input_ids`, `test_labels` (optional `*_attention_mask`). "
-            "Text makes a text zoo: the base is an encoder (BERT, MiniLM, ...). The app writes the zoo spec "
-            "(YAML, documented in docs/zoos.md) and opens it."
+        lora = "are loaded" if userspec.lora_supported() else "are not supported yet in this version"
+        st.markdown(
+            f"""
+- **Models**: a base and its task experts (`save_pretrained` directories; LoRA adapters {lora}),
+  optionally your own merged model (e.g. a mergekit output), offered as the merger *your merged model*.
+- **Data**, one dataset per task in one folder. Images: `<task>/train/<class>/<image>` and
+  `<task>/test/<class>/<image>`, or `<task>.npz` of `train_inputs`, `train_labels`, `test_inputs`,
+  `test_labels`. Text: `<task>.txt`, one `label<TAB>text` example per line (tokenised with the base's
+  tokenizer; a fifth is test), or tokens: `<task>.npz` / `.safetensors` of `train_input_ids`,
+  `train_labels`, `test_input_ids`, `test_labels` (optional `*_attention_mask`). Text makes a text zoo,
+  whose base is an encoder (BERT, MiniLM, ...).
+- The app writes the zoo spec (YAML, documented in docs/zoos.md) and opens it.
+"""
         )
         with st.form("yours"):
             c1, c2 = st.columns([3, 1])
