@@ -193,7 +193,7 @@ def prepare_preview(run: Calibrated) -> None:
     slider change previews from this run: demo zoo 0.07, real-text 1.9 CPU s saved from its wait;
     benchmarks/README.md, 'App latency')."""
     key = id(run.report)
-    if key not in _PREPARING:
+    if run.report.preview_state is not None and key not in _PREPARING:
         while len(_PREPARING) >= 4:
             _PREPARING.pop(next(iter(_PREPARING)))
         _PREPARING[key] = workers.in_background(run.report.preview_state.prepare)
