@@ -110,3 +110,14 @@ def test_studies_page_runs_both_studies_on_a_tiny_zoo(tmp_path):
     # FeatCal runs on the merger the Zoo page chose, the other mergers stay as baselines.
     assert "average+featcal" in set(se["method"]) and "task_arithmetic+featcal" not in set(se["method"])
     assert {"average", "average+featcal"} == set(rb["method"])
+
+
+def test_a_zoos_own_merged_model_is_a_merger_name():
+    """``given`` (a zoo spec's ``merged:``, featcal.zoo.core.GIVEN) passes the check; other
+    unknown names are still refused by name."""
+    from featcal.sweep import studies
+    from featcal.zoo.core import GIVEN
+
+    assert studies._mergers([GIVEN, "task_arithmetic"]) == {GIVEN: {}, "task_arithmetic": {}}
+    with pytest.raises(ValueError, match=r"unknown merger\(s\) \['nope'\].*'given'"):
+        studies._mergers(["nope"])
