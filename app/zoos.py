@@ -163,9 +163,11 @@ def model_size(model: nn.Module) -> tuple[int, int]:
 
 
 def zoo_models(zoo) -> pd.DataFrame:
-    """One row per model of the zoo: role, task, parameters, MB. *Belongs in featcal.zoo*."""
+    """One row per model of the zoo (its own merged model too, when it has one): role, task,
+    parameters, MB. *Belongs in featcal.zoo*."""
     rows = []
-    for role, task, m in [("base", "", zoo.base), *(("expert", t, m) for t, m in zoo.experts.items())]:
+    given = [("your merged model", "", zoo.given_merged)] if zoo.given_merged is not None else []
+    for role, task, m in [("base", "", zoo.base), *(("expert", t, m) for t, m in zoo.experts.items()), *given]:
         params, nbytes = model_size(m)
         rows.append(
             {

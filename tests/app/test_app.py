@@ -131,6 +131,7 @@ def test_your_models_form_takes_text_files_and_a_merged_model(tmp_path, monkeypa
     assert "Zoo · tiny-words" in [t.value for t in at.title]
     assert at.selectbox(key="merge").value == "given"
     assert at.selectbox(key="merge").options[0] == "your merged model (the zoo's own)"
+    assert "your merged model" in list(at.dataframe[0].value.role)  # the Models table lists it
     assert any(m.label == "merged, mean accuracy" for m in at.metric)
     _ok(at.selectbox(key="merge").set_value("task_arithmetic").run())
     _page(at, "calibrate")
