@@ -6,7 +6,8 @@ featcal and diagnostics.
 - :mod:`app.controls`: the URL-bound widgets that set them;
 - :mod:`app.state`: the zoo, its models and result tables, cached across reruns and tabs;
 - :mod:`app.workers`: locks, CPU threads and the worker thread the torch work runs on;
-- :mod:`app.compute`: the library calls, without Streamlit;
-- :mod:`app.figures`, :mod:`app.ui`: figures from tables, a status line;
+- :mod:`app.zoos`: the zoo (load, build, describe) and the CPU threads its work gets;
+- :mod:`app.compute`: the calibration, its preview and the scores: the library calls, without Streamlit;
+- :mod:`app.figures` (one module per topic), :mod:`app.ui`: figures from tables, a status line;
 - :mod:`app.st_patch`: the one setting of a Streamlit internal, and why.
 """

@@ -10,8 +10,18 @@ from __future__ import annotations
 
 import streamlit as st
 
-from app.compute import REPO
-from app.settings import CAL_DEFAULTS, CAL_SIZES, MERGE_METHODS, MERGE_PARAMS, AppCal, Merger, merge_default
+from app.settings import (
+    CAL_DEFAULTS,
+    CAL_SIZES,
+    GIVEN,
+    MERGE_METHODS,
+    MERGE_PARAMS,
+    METHOD_LABELS,
+    AppCal,
+    Merger,
+    merge_default,
+)
+from app.zoos import REPO
 
 BIND = dict(bind="query-params", persist_state="session")
 OTHER = "other (path)…"
@@ -82,11 +92,22 @@ def zoo_picker() -> str:
 # ----------------------------------------------------------------------------- merger
 
 
-def merger_controls() -> Merger:
-    """The merger's widgets (Zoo page): method and its parameters."""
-    methods = list(MERGE_METHODS)
+def _methods(given: bool) -> list[str]:
+    """The mergers offered: the zoo's own merged model first when it has one, then the registry's."""
+    return [GIVEN, *MERGE_METHODS] if given else list(MERGE_METHODS)
+
+
+def merger_controls(given: bool = False) -> Merger:
+    """The merger's widgets (Zoo page): method and its parameters; ``given``: the zoo has a
+    merged model of its own (offered first, and the default)."""
+    methods = _methods(given)
     method = st.selectbox(
-        "Merger", methods, index=methods.index("task_arithmetic"), format_func=MERGE_METHODS.get, key="merge", **BIND
+        "Merger",
+        methods,
+        index=0 if given else methods.index("task_arithmetic"),
+        format_func=METHOD_LABELS.get,
+        key="merge",
+        **BIND,
     )
     params = []
     for name, (lo, hi, step) in MERGE_PARAMS.get(method, {}).items():
@@ -97,10 +118,15 @@ def merger_controls() -> Merger:
     return Merger(method, tuple(params))
 
 
-def current_merger() -> Merger:
-    """The merger the Zoo page's widgets (or the URL) set, on any page."""
-    method = _setting("merge", "task_arithmetic", str)
-    if method not in MERGE_METHODS:
+def current_merger(given: bool | None = None) -> Merger:
+    """The merger the Zoo page's widgets (or the URL) set, on any page; ``given``: whether the
+    zoo has a merged model of its own (default: the active zoo's), then its default."""
+    if given is None:
+        from app import state
+
+        given = state.active_zoo().given_merged is not None
+    method = _setting("merge", GIVEN if given else "task_arithmetic", str)
+    if method not in _methods(given):
         method = "task_arithmetic"
     params = tuple(
         (name, round(float(_setting(f"{method}_{name}", merge_default(method, name), float)), 4))

@@ -26,10 +26,16 @@ DEFAULT_N = 16  # calibration examples per task: the largest meeting the 1 s tar
 # finished this long after a change; an exact run quicker than that is drawn once
 # (measured: benchmarks/README.md, 'App latency').
 PREVIEW_AFTER_S = float(os.environ.get("FEATCAL_PREVIEW_AFTER_S", "0.1"))
+# The preview's scores are read on the first PREVIEW_TEST test examples per task (the exact
+# result's on the live subset, 50): a third of the forward work, so its plots come sooner; the
+# page says so. Its drift and cosines use the same held-out examples as the exact result's.
+PREVIEW_TEST = int(os.environ.get("FEATCAL_PREVIEW_TEST", "16"))
 # The mergers the Zoo page offers, their labels and slider (min, max, step) per parameter: read from
 # the registry (featcal.baselines.registry: those marked ``app``, fast enough to re-run on a
 # slider's change; the timings are in benchmarks/README.md, "mergers_table.py").
 MERGE_METHODS = {m.name: m.label for m in registry.METHODS if m.kind == "merger" and m.app}
+GIVEN = "given"  # a zoo's own merged model (featcal.zoo.core.GIVEN: a spec's `merged:`)
+METHOD_LABELS = {**MERGE_METHODS, GIVEN: "your merged model (the zoo's own)"}
 MERGE_PARAMS = {
     name: {p.name: p.range for p in registry.get(name).params if p.range is not None}
     for name in MERGE_METHODS
@@ -71,7 +77,7 @@ class Merger:
     @property
     def label(self) -> str:
         args = ", ".join(f"{k}={v:g}" for k, v in self.params)
-        return f"{MERGE_METHODS.get(self.method, self.method)}" + (f" ({args})" if args else "")
+        return f"{METHOD_LABELS.get(self.method, self.method)}" + (f" ({args})" if args else "")
 
 
 @dataclass(frozen=True)

@@ -28,12 +28,12 @@ import pandas as pd
 import streamlit as st
 import torch
 
-from app import compute, st_patch, workers
+from app import compute, st_patch, workers, zoos
 from app.settings import HASH_FUNCS, AppCal, Merger, ModelRef
 from app.workers import torch_lock
 
 LIVE_TEST, DIAG_N = compute.LIVE_TEST, compute.DIAG_N
-device = compute.device
+device = zoos.device
 
 
 # ============================================================================ 1. the zoo
@@ -44,9 +44,9 @@ _BUILD = threading.Lock()  # one zoo build at a time; other sessions wait for it
 
 @st.cache_resource(max_entries=2, show_spinner="Loading the zoo…")
 def _zoo(source: str, dev: str):
-    zoo = compute.load_zoo(source, dev)
+    zoo = zoos.load_zoo(source, dev)
     for alone in (False, True):
-        workers.THREADS[source, alone] = compute.cpu_threads(zoo, dev, alone)
+        workers.THREADS[source, alone] = zoos.cpu_threads(zoo, dev, alone)
     return zoo
 
 
@@ -56,11 +56,11 @@ def zoo_or_error(source: str) -> tuple[object | None, str | None]:
     if not source:
         return None, "No zoo selected. Fix: enter the path of a zoo spec YAML (or pick the embedded demo)."
     try:
-        if compute.zoo_needs_build(source):
+        if zoos.zoo_needs_build(source):
             _build_with_progress(source)
         return _zoo(source, device()), None
     except Exception as exc:  # shown to the user, never as a traceback
-        return None, compute.explain_load_error(source, exc)
+        return None, zoos.explain_load_error(source, exc)
 
 
 def _build_with_progress(source: str) -> None:
@@ -70,8 +70,8 @@ def _build_with_progress(source: str) -> None:
         st.info(f"Building the `{source}` zoo offline: first use on this machine, cached afterwards.")
         progress = st.progress(0.0, text="Waiting for another session's build…" if _BUILD.locked() else "Starting…")
     with _BUILD:
-        if compute.zoo_needs_build(source):  # another session may have built it meanwhile
-            compute.build_zoo(source, lambda p: progress.progress(p.fraction, text=p.describe()))
+        if zoos.zoo_needs_build(source):  # another session may have built it meanwhile
+            zoos.build_zoo(source, lambda p: progress.progress(p.fraction, text=p.describe()))
     box.empty()
 
 
@@ -90,7 +90,7 @@ def active_zoo():
 
 
 def fingerprint(source: str) -> str:
-    return compute.fingerprint(active_zoo() if source == active_source() else _zoo(source, device()), source)
+    return zoos.fingerprint(active_zoo() if source == active_source() else _zoo(source, device()), source)
 
 
 # ============================================================================ 2. models
@@ -112,8 +112,8 @@ def calib_data(source: str, fp: str, n: int, split: str = "calib", seed: int = 4
 def diag_data(source: str, fp: str) -> dict:
     """The held-out subset the drift and cosines are measured on (``val``, else ``calib``)."""
     zoo = _zoo(source, device())
-    split = "val" if "val" in compute.splits_of(zoo) else "calib"
-    n = min(DIAG_N, compute.split_size(zoo, split))
+    split = "val" if "val" in zoos.splits_of(zoo) else "calib"
+    n = min(DIAG_N, zoos.split_size(zoo, split))
     return calib_data(source, fp, n, split=split, seed=0)
 
 
@@ -185,6 +185,20 @@ def calibrated(source: str, fp: str, merger: Merger, cal: AppCal) -> Calibrated:
     return run
 
 
+_PREPARING: dict[int, Future] = {}  # id(report) -> its preview's eigendecompositions, under way or done
+
+
+def prepare_preview(run: Calibrated) -> None:
+    """Start the one-off eigendecompositions of ``run``'s preview in the background (the next
+    slider change previews from this run: demo zoo 0.07, real-text 1.9 CPU s saved from its wait;
+    benchmarks/README.md, 'App latency')."""
+    key = id(run.report)
+    if key not in _PREPARING:
+        while len(_PREPARING) >= 4:
+            _PREPARING.pop(next(iter(_PREPARING)))
+        _PREPARING[key] = workers.in_background(run.report.preview_state.prepare)
+
+
 def last_seconds() -> float | None:
     """The wall seconds of the latest exact run on any zoo (a progress estimate), or None."""
     runs = _runs()
@@ -205,6 +219,9 @@ def preview_from(source: str, fp: str, merger: Merger, cal: AppCal) -> AppCal | 
 
 def _calibrated_run(source: str, fp: str, merger: Merger, cal: AppCal) -> Calibrated:
     return _runs().run((source, fp, merger, cal.structure), cal) or calibrated(source, fp, merger, cal)
+
+
+_SCRATCH_HOLDS: dict[tuple, tuple] = {}  # (source, fp) -> (preview ref, id of its run, id of the scratch model)
 
 
 @st.cache_resource(max_entries=2, show_spinner=False)
@@ -236,7 +253,14 @@ def model_of(
         prev = _calibrated_run(source, fp, ref.merger, ref.from_run)
         model = _scratch(source, fp)
         with torch_lock(source, workers.scratch_lock()), torch_lock(source) if hooks and experts else nullcontext():
-            compute.load_preview(model, prev.model, prev.report, ref.cal.config)
+            holds = (ref, id(prev), id(model))
+            if _SCRATCH_HOLDS.get((source, fp)) != holds:  # its scores, cosines and drift: one write
+                _SCRATCH_HOLDS.pop((source, fp), None)
+                preparing = _PREPARING.get(id(prev.report))
+                if preparing is not None:  # under way: wait for it rather than decompose twice
+                    preparing.result()
+                compute.load_preview(model, prev.model, prev.report, ref.cal.config)
+                _SCRATCH_HOLDS[(source, fp)] = holds
             yield model
     elif ref.kind == "calibrated":
         model = _calibrated_run(source, fp, ref.merger, ref.cal).model
@@ -253,7 +277,12 @@ def model_of(
 
 @st.cache_resource(max_entries=4, show_spinner=False)
 def expert_side(source: str, fp: str, max_per_task: int | None) -> compute.ExpertSide:
-    """The experts' logits and features on the live subsets (they never change)."""
+    """The experts' logits and features on the live subsets (they never change); a smaller
+    test subset's (the preview's) are the first rows of the live one's."""
+    if max_per_task is not None and max_per_task < LIVE_TEST:
+        live = expert_side(source, fp, LIVE_TEST)
+        logits = {t: v[:max_per_task] for t, v in live.logits.items()}
+        return compute.ExpertSide(max_per_task, logits, live.features)
     zoo = _zoo(source, device())
     data = diag_data(source, fp)
     with torch_lock(source):
@@ -277,14 +306,15 @@ _OWN_LOCK = threading.Lock()
 @st.cache_data(max_entries=256, show_spinner=False, hash_funcs=HASH_FUNCS)
 def cosine_scores(source: str, fp: str, ref: ModelRef) -> pd.DataFrame:
     """Expert cosine on the held-out subset (the experts' features do not depend on the
-    test subset's size, so any cached side serves). Unless the model is a preview, its
-    streams are kept on the way (when the experts' are) for its :func:`drift`, which then
-    runs its blocks only on the experts' streams (the worker computes the two in turn)."""
+    test subset's size, so any cached side serves). The model's streams are kept on the way
+    (when the experts' are) for its :func:`drift`, which then runs its blocks only on the
+    experts' streams (the worker computes the two in turn; a preview, the script). Only the
+    model is hooked, so a preview's pass takes the scratch lock alone, not the exact run's."""
     zoo = _zoo(source, device())
     data = diag_data(source, fp)
     side = expert_side(source, fp, LIVE_TEST)
-    keep = ref.kind != "preview" and expert_streams(source, fp) is not None
-    with model_of(source, fp, ref, hooks=keep) as model:
+    keep = expert_streams(source, fp) is not None
+    with model_of(source, fp, ref, hooks=keep, experts=False) as model:
         if not keep:
             return compute.cosine_scores(model, zoo, data, side)
         frame, own = compute.cosine_scores_and_streams(model, zoo, data, side)
@@ -338,7 +368,7 @@ def start_heldout(source: str, fp: str, ref: ModelRef) -> Future:
 def zoo_tables(source: str, fp: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The zoo's models (role, parameters, MB) and tasks (classes, split sizes)."""
     zoo = _zoo(source, device())
-    return compute.zoo_models(zoo), compute.zoo_tasks(zoo)
+    return zoos.zoo_models(zoo), zoos.zoo_tasks(zoo)
 
 
 @st.cache_data(max_entries=64, show_spinner=False)
@@ -352,7 +382,7 @@ def png(fig_json: str) -> bytes:
 
 
 def live_note(zoo) -> str:
-    n = min(LIVE_TEST, compute.split_size(zoo, "test"))
+    n = min(LIVE_TEST, zoos.split_size(zoo, "test"))
     return (
         f"Live view: accuracy, KL and agreement on the first {n} test examples per task; drift and "
         f"cosines on {DIAG_N} held-out examples per task. Full-test-set evaluation on demand."

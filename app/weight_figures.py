@@ -8,7 +8,7 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from app.figures import TASK_COLORS, TICKS, _figure, _heatmap, _title, block_task_grid, label
+from app.figures.base import TASK_COLORS, TICKS, _figure, _heatmap, _title, block_task_grid, label
 
 # The views (diagnostics.weights.block_table's metrics): short name (colour bar, axis), what
 # it is (title), colour scale, fixed range or None.

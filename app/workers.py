@@ -4,7 +4,8 @@ Torch work on shared models runs under one process-wide lock (hooks on a shared 
 must not interleave between tabs); previews are written into a scratch model under a
 lock of their own. The work a slider change triggers runs in pairs on two cores: the
 exact calibration or the held-out diagnostics on the worker thread (:func:`submit`),
-the scores on the script's thread. :mod:`app.state` decides what runs where.
+the scores on the script's thread; what prepares the next preview runs in the background
+(:func:`in_background`). :mod:`app.state` decides what runs where.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import streamlit as st
 import torch
 
 # Torch CPU threads per (zoo source, alone), set when :mod:`app.state` loads a zoo
-# (:func:`app.compute.cpu_threads`); read by every :func:`torch_lock`.
+# (:func:`app.zoos.cpu_threads`); read by every :func:`torch_lock`.
 THREADS: dict[tuple[str, bool], int] = {}
 
 
@@ -50,7 +51,7 @@ def torch_lock(source: str | None = None, lock=None, alone: bool = False) -> Ite
     """Run torch work on the shared models: one at a time (``lock``, by default
     :func:`model_lock`; a ``nullcontext`` for none), without autograd, with the zoo's CPU
     thread count (set on every call: it is per thread; ``alone``: for work that has the
-    machine to itself, :func:`app.compute.cpu_threads`)."""
+    machine to itself, :func:`app.zoos.cpu_threads`)."""
     with lock or model_lock(), torch.no_grad():
         _set_threads(source, alone)
         yield
@@ -64,6 +65,17 @@ def _pool() -> ThreadPoolExecutor:
 def submit(fn, *args) -> Future:
     """Run ``fn(*args)`` on the app's one worker thread (shared by all tabs, so jobs queue)."""
     return _pool().submit(fn, *args)
+
+
+@st.cache_resource(show_spinner=False)
+def _idle_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="featcal-prepare")
+
+
+def in_background(fn, *args) -> Future:
+    """Run ``fn(*args)`` on a thread of its own, for work nobody waits for yet (what makes the
+    next preview quick), so that it never holds up the worker's exact runs."""
+    return _idle_pool().submit(fn, *args)
 
 
 def done_within(job: Future, seconds: float) -> bool:

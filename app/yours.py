@@ -1,5 +1,6 @@
 """The Zoo page's "Your models" form: base, experts (dense directories, or LoRA adapters where
-this featcal loads them) and a data folder become a zoo spec YAML, written, shown to keep, and
+this featcal loads them), optionally a merged model of the user's own, and a data folder (image
+folders, or a text / token file per task) become a zoo spec YAML, written, shown to keep, and
 opened as the app's zoo. The spec is :func:`featcal.zoo.userspec.user_spec`'s."""
 
 from __future__ import annotations
@@ -44,7 +45,13 @@ def _write() -> None:
         experts = expert_paths(ss["yours_experts"], ss["yours_lines"], list(data))
         heads = {"type": "file", "path": ss["yours_heads"].strip()} if ss["yours_heads"].strip() else None
         spec = userspec.user_spec(
-            ss["yours_name"].strip(), ss["yours_base"].strip(), experts, data, heads, ss["yours_format"]
+            ss["yours_name"].strip(),
+            ss["yours_base"].strip(),
+            experts,
+            data,
+            heads,
+            ss["yours_format"],
+            merged=ss["yours_merged"].strip() or None,
         )
         text = userspec.spec_text(spec)
         folder = Path(ss["yours_folder"].strip()).expanduser() if ss["yours_folder"].strip() else default_folder()
@@ -64,9 +71,14 @@ def form() -> None:
         st.caption(
             "A base model and its task experts (`save_pretrained` directories; LoRA adapters "
             + ("are loaded" if userspec.lora_supported() else "are not supported yet in this version")
-            + "), and a data folder with one dataset per task: `<task>/train/<class>/<image>` and "
+            + "), optionally your own merged model (e.g. a mergekit output: the merger *your merged model*), "
+            "and a data folder with one dataset per task: images as `<task>/train/<class>/<image>` and "
             "`<task>/test/<class>/<image>`, or `<task>.npz` of `train_inputs`, `train_labels`, `test_inputs`, "
-            "`test_labels`. The app writes the zoo spec (YAML, documented in docs/zoos.md) and opens it."
+            "`test_labels`; text as `<task>.txt`, one `label<TAB>text` example per line (tokenised with the "
+            "base's tokenizer; a fifth is test), or tokens as `<task>.npz` / `.safetensors` of "
+            "`train_input_ids`, `train_labels`, `test_input_ids`, `test_labels` (optional `*_attention_mask`). "
+            "Text makes a text zoo: the base is an encoder (BERT, MiniLM, ...). The app writes the zoo spec "
+            "(YAML, documented in docs/zoos.md) and opens it."
         )
         with st.form("yours"):
             c1, c2 = st.columns([3, 1])
@@ -80,6 +92,11 @@ def form() -> None:
                 placeholder="~/models/experts",
             )
             st.text_area("or one expert per line: task = directory", key="yours_lines", height=80)
+            st.text_input(
+                "your merged model (optional: a save_pretrained directory, used instead of featcal's merge)",
+                key="yours_merged",
+                placeholder="~/models/mergekit-out",
+            )
             st.text_input(
                 "heads file (optional: safetensors of <task>.weight; default zero-shot from the base's text tower)",
                 key="yours_heads",

@@ -4,9 +4,9 @@ Three measurements on a zoo (default: the embedded demo), each a fresh setting s
 every one runs the exact forward-order FeatCal (nothing served from the cache):
 
 1. ``parts``: the work one slider change can trigger, timed piece by piece without
-   Streamlit: the instant preview's scores (which the app computes only when the exact run
-   is slow, timed here on their own), the exact calibration alone on a worker thread with
-   the threads the app gives it, then the new model's output scores beside its expert
+   Streamlit: the instant preview's scores, cosines and drift as the page computes them
+   (only when the exact run is slow; timed here on their own), the exact calibration alone
+   on a worker thread with the threads the app gives it, then the new model's output scores beside its expert
    cosines and drift (the drift reusing the model's streams kept while its features were
    read for the cosines, and the experts' streams cached as the app keeps them). Besides wall
    time, each piece's CPU time (``time.thread_time``): on a shared machine wall time mostly
@@ -76,15 +76,15 @@ def bench_parts(source: str, n: int, repeats: int, record: dict | None = None) -
 
     import torch
 
-    from app import compute
+    from app import compute, zoos
     from featcal import FeatCalConfig
 
-    dev = compute.device()
-    zoo = compute.load_zoo(source, dev)
-    torch.set_num_threads(compute.cpu_threads(zoo, dev))  # as the app does
+    dev = zoos.device()
+    zoo = zoos.load_zoo(source, dev)
+    torch.set_num_threads(zoos.cpu_threads(zoo, dev))  # as the app does
     merged = zoo.merged("task_arithmetic", scale=0.3)
     data = zoo.calib_data(n, seed=42)
-    diag = zoo.calib_data(min(compute.DIAG_N, compute.split_size(zoo, "val")), seed=0, split="val")
+    diag = zoo.calib_data(min(compute.DIAG_N, zoos.split_size(zoo, "val")), seed=0, split="val")
     side = compute.expert_side(zoo, diag, compute.LIVE_TEST)  # once per zoo in the app
     streams = compute.expert_streams(zoo, diag)  # likewise
     compute.scores(merged, zoo, diag, compute.LIVE_TEST, side)  # warm-up (allocator, first-call costs)
@@ -95,7 +95,7 @@ def bench_parts(source: str, n: int, repeats: int, record: dict | None = None) -
     )
     pieces = (
         "preview: load_into",
-        "preview: scores",
+        "preview: scores + cosines + drift",
         "exact: calibrate",
         "exact: output scores",
         "exact: cosines + drift",
@@ -109,9 +109,21 @@ def bench_parts(source: str, n: int, repeats: int, record: dict | None = None) -
         _common.sync(dev)
         return time.perf_counter(), time.thread_time()
 
+    from app.settings import PREVIEW_TEST
+
+    pv_side = compute.ExpertSide(PREVIEW_TEST, {t: v[:PREVIEW_TEST] for t, v in side.logits.items()}, side.features)
+
+    def preview_scores(model):
+        """What the page computes for a preview (app.state): output scores on the first
+        PREVIEW_TEST test examples, the cosines with the model's streams kept, the drift on them."""
+        compute.output_scores(model, zoo, pv_side)
+        _, own = compute.cosine_scores_and_streams(model, zoo, diag, side)
+        compute.drift(model, zoo, diag, streams, own)
+
     threads = torch.get_num_threads()
-    solo = compute.cpu_threads(zoo, dev, alone=True)  # the exact run's, as the app's
+    solo = zoos.cpu_threads(zoo, dev, alone=True)  # the exact run's, as the app's
     pool = ThreadPoolExecutor(max_workers=1)
+    prep: list[tuple[float, float]] = []  # the next preview's eigendecompositions, per exact run
 
     def exact(rho: float):
         torch.set_num_threads(solo)  # per thread, as app.workers.torch_lock does
@@ -121,6 +133,9 @@ def bench_parts(source: str, n: int, repeats: int, record: dict | None = None) -
             b = clock()
             for name, v in calibration_split(rep).items():
                 split[name].append(v)
+            rep.preview_state.prepare()  # what the app does in the background once the result is drawn
+            c = clock()
+            prep.append((c[0] - b[0], c[1] - b[1]))
             return model, (b[0] - a[0], b[1] - a[1])
 
     def heldout(model):
@@ -137,7 +152,7 @@ def bench_parts(source: str, n: int, repeats: int, record: dict | None = None) -
         c0 = clock()  # the preview, scored only when the exact run is slow
         compute.load_preview(scratch, rep0.preview_state.template, rep0, FeatCalConfig.clip(rho=rho))
         c1 = clock()
-        compute.scores(scratch, zoo, diag, compute.LIVE_TEST, side)
+        preview_scores(scratch)
         c2 = clock()
         model, cal = pool.submit(exact, rho).result()  # alone: the app's usual path
         c3 = clock()
@@ -155,6 +170,8 @@ def bench_parts(source: str, n: int, repeats: int, record: dict | None = None) -
             # CPU: the critical path on two free cores (outputs beside the worker's share).
             d["exact shown"].append(parts[2] + max(parts[3], parts[4]) if j else cal[0] + c5[0] - c3[0])
     pool.shutdown()
+    wall["next preview: prepare (background)"] = [w for w, _ in prep]
+    cpu["next preview: prepare (background)"] = [c for _, c in prep]
     # The figures the Calibrate page draws per result (built and serialised as plotly_chart does).
     for name, secs in _figure_seconds(zoo, merged, model0, diag, streams, side, repeats).items():
         wall[name], cpu[name] = secs, secs
@@ -299,7 +316,9 @@ def bench_browser(source: str, n: int, repeats: int) -> list[dict]:
                     break
             except OSError:
                 time.sleep(0.5)
-        query = {"n_cal": n} if source == "demo" else {"zoo": "other (path)…", "zoo_path": source, "n_cal": n}
+        path = Path(source).expanduser()
+        query = {"zoo": source, "n_cal": n} if not path.exists() else {"zoo": "other (path)…", "zoo_path": source}
+        query["n_cal"] = n  # a built-in zoo (demo, real-text, ...) by name, else a path
         rows = []
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium, args=_common.CHROMIUM_ARGS)
@@ -418,7 +437,7 @@ def main() -> None:
         "assets/measured/demo_calibration_sizes.json)",
     )
     args = ap.parse_args()
-    from app import compute
+    from app import compute, zoos
 
     compute.LIVE_TEST = args.live or compute.LIVE_TEST
     compute.DIAG_N = args.diag or compute.DIAG_N
@@ -439,7 +458,7 @@ def main() -> None:
         f"\napp latency on zoo {args.zoo!r}, {n} calibration examples per task, "
         f"live subset {compute.LIVE_TEST} test / {compute.DIAG_N} held-out examples per task"
     )
-    print(_common.environment(compute.device()))
+    print(_common.environment(zoos.device()))
     print(_common.markdown_table(rows))
 
 

@@ -334,38 +334,9 @@ def compare(
         if on_method is not None:
             on_method(i, len(specs), spec)
         results.append(run_method(zoo, spec, progress=progress, **kw))
-    merger_accs = {}
-    for r in results[len(REFERENCES) :]:
-        if r.merger not in merger_accs:
-            merger_accs[r.merger] = _avg(run_method(zoo, method_name(r.merger), **kw).accuracy)
-    ta = merger_accs.get(GAP_REFERENCE)
-    if ta is None:
-        ta = _avg(run_method(zoo, "ta", **kw).accuracy)
+    merger_accs, ta = _gap_starts(zoo, results[len(REFERENCES) :], kw)
     experts = _avg(results[0].accuracy)
-    rows = []
-    for r in results:
-        out = r.output.pivot_table(index="task", columns="metric", values="value")
-        acc = _avg(r.accuracy)
-        rows.append(
-            {
-                "method": r.method,
-                "merger": r.merger,
-                "calibrator": r.calibrator,
-                "accuracy": acc,
-                "gap_closed": gap_closed(acc, ta, experts) if r.merger else float("nan"),
-                "gap_closed_vs_merger": gap_closed(acc, merger_accs[r.merger], experts)
-                if r.calibrator
-                else float("nan"),
-                "kl": float(out["kl"].mean()),
-                "agreement": float(out["agreement"].mean()),
-                "added_trained": r.added["trained"],
-                "added_stored": r.added["stored"],
-                "added_fraction": r.added["fraction"],
-                "overhead": r.overhead,
-                "merge_seconds": r.merge_seconds,
-                "calib_seconds": r.calib_seconds,
-            }
-        )
+    rows = [_summary_row(r, ta, merger_accs, experts) for r in results]
     settings = dict(
         n=n,
         seed=seed,
@@ -386,6 +357,42 @@ def compare(
         drift=_tidy(results, lambda r: r.drift),
         settings=settings,
     )
+
+
+def _gap_starts(zoo, results: list[MethodResult], kw: dict) -> tuple[dict[str, float], float]:
+    """Where the gaps to the experts are measured from: ``({merger: its mean accuracy alone}, Task
+    Arithmetic's)``, each merger of ``results`` run alone (``kw``: :func:`run_method`'s settings)."""
+    merger_accs = {}
+    for r in results:
+        if r.merger not in merger_accs:
+            merger_accs[r.merger] = _avg(run_method(zoo, method_name(r.merger), **kw).accuracy)
+    ta = merger_accs.get(GAP_REFERENCE)
+    if ta is None:
+        ta = _avg(run_method(zoo, "ta", **kw).accuracy)
+    return merger_accs, ta
+
+
+def _summary_row(r: MethodResult, ta: float, merger_accs: Mapping[str, float], experts: float) -> dict:
+    """One method's row of the summary: mean accuracy, the gap it closes (from Task Arithmetic
+    and from its own merger), mean KL and agreement, what it adds and what it costs."""
+    out = r.output.pivot_table(index="task", columns="metric", values="value")
+    acc = _avg(r.accuracy)
+    return {
+        "method": r.method,
+        "merger": r.merger,
+        "calibrator": r.calibrator,
+        "accuracy": acc,
+        "gap_closed": gap_closed(acc, ta, experts) if r.merger else float("nan"),
+        "gap_closed_vs_merger": gap_closed(acc, merger_accs[r.merger], experts) if r.calibrator else float("nan"),
+        "kl": float(out["kl"].mean()),
+        "agreement": float(out["agreement"].mean()),
+        "added_trained": r.added["trained"],
+        "added_stored": r.added["stored"],
+        "added_fraction": r.added["fraction"],
+        "overhead": r.overhead,
+        "merge_seconds": r.merge_seconds,
+        "calib_seconds": r.calib_seconds,
+    }
 
 
 def _avg(accs: Mapping[str, float]) -> float:

@@ -181,6 +181,26 @@ def streams_while(
     return results, ExpertStreams(path, calls)
 
 
+def _checked_inputs(model, experts, data, blocks, tokens, expert_cache, model_cache) -> tuple[list, list, dict]:
+    """:func:`drift_table`'s arguments checked (tokens, tasks, architectures, caches of the same
+    blocks and batches); ``(tasks, the model's blocks, {task: the expert's blocks})``."""
+    if tokens not in TOKENS:
+        raise ValueError(f"tokens={tokens!r}; choose one of {TOKENS}.")
+    tasks = check_tasks(experts, data, name="data")
+    model_arch = architecture(model)  # read once for every expert
+    for t in tasks:
+        check_same_params(model, experts[t], f"expert {t!r}", model_arch)
+    path, blks = resolve_blocks(model, blocks)
+    eblks = {t: resolve_blocks(experts[t], path)[1] for t in tasks}
+    for cache, name, fix in (
+        (expert_cache, "expert_cache", "expert_streams(experts, data)"),
+        (model_cache, "model_cache", "streams_while(model, data, fn)"),
+    ):
+        if cache is not None:
+            _check_cached(cache, path, data, len(blks), name, fix)
+    return tasks, blks, eblks
+
+
 @torch.no_grad()
 def drift_table(
     model: nn.Module,
@@ -221,20 +241,7 @@ def drift_table(
         A tidy DataFrame, one row per task x block (0-based) x metric: ``task``, ``block``,
         ``metric``, ``value``. Metrics: see :func:`drift_metrics` and :meth:`BlockSums.metrics`.
     """
-    if tokens not in TOKENS:
-        raise ValueError(f"tokens={tokens!r}; choose one of {TOKENS}.")
-    tasks = check_tasks(experts, data, name="data")
-    model_arch = architecture(model)  # read once for every expert
-    for t in tasks:
-        check_same_params(model, experts[t], f"expert {t!r}", model_arch)
-    path, blks = resolve_blocks(model, blocks)
-    eblks = {t: resolve_blocks(experts[t], path)[1] for t in tasks}
-    for cache, name, fix in (
-        (expert_cache, "expert_cache", "expert_streams(experts, data)"),
-        (model_cache, "model_cache", "streams_while(model, data, fn)"),
-    ):
-        if cache is not None:
-            _check_cached(cache, path, data, len(blks), name, fix)
+    tasks, blks, eblks = _checked_inputs(model, experts, data, blocks, tokens, expert_cache, model_cache)
     group = current(device_of(model))
     if group is not None:  # each rank reduces its share of the batches (featcal.engine.distributed)
         data, expert_cache, model_cache = my_share(group, data, expert_cache, model_cache)

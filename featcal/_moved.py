@@ -78,10 +78,16 @@ if not any(isinstance(finder, _Alias) for finder in sys.meta_path):
 
 def moved_attribute(package: str, target: str):
     """A module ``__getattr__`` for a package that replaced the flat module of the same name:
-    ``featcal.engine.calibrate`` -> ``featcal.engine.run.calibrate``, with a warning."""
+    ``featcal.engine.calibrate`` -> ``featcal.engine.run.calibrate``, with a warning; or for a
+    module some of whose names moved to ``target``. A name that is a submodule of ``package`` is
+    left to the import system (``from featcal.cli import ranks`` inside the package must not
+    import ``target`` half-way through the package's own imports)."""
+
+    def _submodule(name: str) -> bool:
+        return hasattr(sys.modules[package], "__path__") and importlib.util.find_spec(f"{package}.{name}") is not None
 
     def __getattr__(name: str):
-        if not name.startswith("__"):
+        if not name.startswith("__") and not _submodule(name):
             module = importlib.import_module(target)
             if hasattr(module, name):
                 _warn(f"{package}.{name}", f"{target}.{name}", stacklevel=3)

@@ -2,6 +2,9 @@
 and the app: the places a reader may find too long. Run from the repository root:
 
     python scripts/code_sizes.py [--files 450] [--functions 60]
+
+The few places long on purpose are in :data:`ALLOWED`, each with its reason; they are printed
+apart (``allowed: ...``), so that a new long place is never hidden among them.
 """
 
 from __future__ import annotations
@@ -12,6 +15,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("featcal", "diagnostics", "app")
+# Files or functions (as ``path`` or ``path:function``) allowed past the limits, and why.
+ALLOWED = {
+    "featcal/zoo/classnames.py": "pure data: the class names and prompt templates of the eight CLIP tasks, "
+    "one name per line as the datasets list them; three small functions, nothing to split",
+}
 
 
 def _docstring_lines(node: ast.AST) -> int:
@@ -24,7 +32,7 @@ def _docstring_lines(node: ast.AST) -> int:
 
 def long_places(root: Path = ROOT, file_limit: int = 450, function_limit: int = 60) -> list[str]:
     """One line per file over ``file_limit`` lines and per function over ``function_limit`` lines of
-    code (its docstring not counted)."""
+    code (its docstring not counted), :data:`ALLOWED` ones included."""
     out = []
     for package in PACKAGES:
         for path in sorted((root / package).rglob("*.py")):
@@ -41,13 +49,25 @@ def long_places(root: Path = ROOT, file_limit: int = 450, function_limit: int = 
     return out
 
 
+def allowed_reason(place: str) -> str | None:
+    """Why ``place`` (a line of :func:`long_places`) may stay long, or None when it may not."""
+    kind, rest = place.split(" ", 1)
+    path = rest.split(":", 1)[0]
+    key = path if kind == "file" else f"{path}:{rest.split(' ')[1]}"
+    return ALLOWED.get(key)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--files", type=int, default=450, help="file length limit (lines)")
     ap.add_argument("--functions", type=int, default=60, help="function length limit (lines of code)")
     args = ap.parse_args()
     found = long_places(file_limit=args.files, function_limit=args.functions)
-    print("\n".join(found) if found else "none")
+    long = [p for p in found if allowed_reason(p) is None]
+    print("\n".join(long) if long else "none")
+    for place in found:
+        if allowed_reason(place) is not None:
+            print(f"allowed: {place} ({allowed_reason(place)})")
 
 
 if __name__ == "__main__":

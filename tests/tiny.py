@@ -283,3 +283,70 @@ def text_zoo(make, data, n_tasks: int = 2, std: float = 0.02):
         merge("task_arithmetic", base.state_dict(), {t: m.state_dict() for t, m in experts.items()}, scale=0.3)
     )
     return base, experts, merged, {t: data(seed=i) for i, t in enumerate(experts)}
+
+
+TEXT_WORDS = "red blue green cat dog bird sun rain snow happy sad fast slow big small".split()
+
+
+def tiny_text_encoder(path, seed: int = 0, layers: int = 2, words: list[str] = TEXT_WORDS):
+    """A tiny random ``BertModel`` and its word-piece tokenizer (a vocabulary of ``words``), saved
+    with ``save_pretrained`` in ``path`` (the base of a text zoo spec). Returns the model."""
+    from pathlib import Path
+
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "this", "text", "is", "about", ".", *words]
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertTokenizer(str(path / "vocab.txt")).save_pretrained(path)
+    torch.manual_seed(seed)
+    cfg = BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    model = BertModel(cfg, add_pooling_layer=False).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def model_expert_batches(kind: str):
+    """``(model, expert, batches)`` of one architecture (``toy``, ``hf_clip``, ``open_clip``): a
+    model, an expert near it, and image-like batches (the diagnostics' tests)."""
+    if kind == "toy":
+        base, experts, merged = toy_zoo(n_tasks=1)
+        return merged, experts["t0"], toy_data(["t0"], n=6, batch=3)["t0"]
+    build = {"hf_clip": tiny_hf_clip, "open_clip": tiny_open_clip_vit}[kind]
+    model = build(seed=0)
+    gen = torch.Generator().manual_seed(3)
+    return model, perturbed(model, 0.05, 1), list(torch.randn(6, 3, 16, 16, generator=gen).split(3))
+
+
+def toy_zoo_object(model_for_experts=None):
+    """A two-task :class:`featcal.zoo.core.Zoo` of toy models with random calib and test splits
+    (every expert ``model_for_experts`` when given)."""
+    from featcal.zoo.core import TaskData, Zoo
+
+    base, experts, _ = toy_zoo(n_tasks=2)
+    if model_for_experts is not None:
+        experts = {t: model_for_experts for t in experts}
+    gen = torch.Generator().manual_seed(5)
+    data = {
+        t: TaskData(
+            t,
+            ["a", "b", "c"],
+            {
+                s: (torch.randn(12, 5, 6, generator=gen), torch.randint(0, 3, (12,), generator=gen))
+                for s in ("calib", "test")
+            },
+        )
+        for t in experts
+    }
+    heads = {t: nn.Linear(8, 3).requires_grad_(False) for t in experts}
+    return Zoo("toy", base, experts, heads, data, features=lambda m, x: m.hidden(x)[:, 0], fmt="torch")

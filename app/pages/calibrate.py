@@ -10,7 +10,7 @@ next one (Streamlit reruns), so the newest setting always wins.
 import pandas as pd
 import streamlit as st
 
-from app import compute, controls, figures, settings, state, tables, ui, workers
+from app import compute, controls, figures, settings, state, tables, ui, workers, zoos
 from app.settings import ModelRef
 
 zoo, source = state.active_zoo(), state.active_source()
@@ -25,7 +25,7 @@ st.caption(
 applied = st.session_state.pop(controls.APPLIED, None)
 if applied:
     st.toast(applied, icon=":material/arrow_forward:")  # a toast: the page's layout does not move
-cal = controls.calibration_controls(compute.split_size(zoo, "calib"))
+cal = controls.calibration_controls(zoos.split_size(zoo, "calib"))
 if source == "demo":  # measured on this zoo only
     gains = " · ".join(f"{n}: **{g:+.1f} pp** ({s:.2f} s of compute)" for n, (g, s) in settings.DEMO_N_GAINS.items())
     st.caption(
@@ -179,28 +179,28 @@ from_run = state.preview_from(source, fp, merger, cal)
 exact_job, quick = None, True
 if from_run is not None:
     exact_job = state.start_calibration(source, fp, merger, cal)
+    # No wait when the last exact run took longer than the deadline: the preview starts at once.
+    slow = (state.last_seconds() or 0.0) > 2 * settings.PREVIEW_AFTER_S
     with ui.status(f"Running exact forward-order FeatCal: {cal.label}…", status_slot):
-        quick = workers.done_within(exact_job, settings.PREVIEW_AFTER_S)
+        quick = workers.done_within(exact_job, 0.0 if slow else settings.PREVIEW_AFTER_S)
 if not quick:
     ref = ModelRef.preview(merger, from_run, cal)
     with ui.status(
         f"Preview of {cal.label} from the exact run at {from_run.point_label}; the exact run follows…", status_slot
     ):
-        pv_scores = state.scores(source, fp, ref)
+        pv_scores = state.scores(source, fp, ref, settings.PREVIEW_TEST)
         pv_drift = state.drift(source, fp, ref)
-        live_merged = (
-            merged_summary
-            if limit == state.LIVE_TEST
-            else compute.task_summary(state.scores(source, fp, ModelRef.merged(merger)))
-        )
+        pv_merged = compute.task_summary(state.scores(source, fp, ModelRef.merged(merger), settings.PREVIEW_TEST))
+    n_pv = min(settings.PREVIEW_TEST, zoos.split_size(zoo, "test"))
     show(
         "preview",
         pv_scores,
-        live_merged,
+        pv_merged,
         pv_drift,
         f"{cal.label}, re-solved from the kept statistics of the last exact run "
         f"({from_run.point_label}); it ignores how earlier blocks' changes move "
-        "later features. Exact run in progress…",
+        f"later features. Scored on the first {n_pv} test examples per task (merged too; the exact result: "
+        f"{'all' if limit is None else min(limit, zoos.split_size(zoo, 'test'))}). Exact run in progress…",
     )
 
 # 3. The exact forward-order run, then its output scores (here) beside its cosines and drift
@@ -215,6 +215,7 @@ with ui.status(f"Running exact forward-order FeatCal: {cal.label}…", status_sl
     cal_drift = heldout_job.result()
     show("exact", cal_scores, merged_summary, cal_drift, f"{cal.label} · {run.report.summary()}")
     st.session_state["_cal_shown"] = cal.label
+    state.prepare_preview(run)  # the next change previews from this run: its one-off work now
     # Written after the charts: benchmarks/app_latency.py stops its clock on "Exact FeatCal done".
     s.update(
         label=f"Exact FeatCal done: {cal.label} · {len(run.report.modules)} modules in "

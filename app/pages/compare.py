@@ -6,7 +6,7 @@ session's server, so adding a method runs only that one.
 
 import streamlit as st
 
-from app import compute, figures, state, tables, ui, workers
+from app import figures, state, tables, ui, workers, zoos
 from diagnostics import compare as cmp
 from diagnostics import compare_figures as figs
 from featcal.baselines import registry
@@ -67,7 +67,7 @@ mergers = c1.multiselect("mergers alone", MERGER_NAMES, ["ta", "ties", "iso_c"],
 base_merger = c2.selectbox("calibrate on top of", MERGER_NAMES, MERGER_NAMES.index("ta"), key="cmp_base")
 calibrators = c3.multiselect("calibrators", CALIBRATOR_NAMES, ["featcal"], key="cmp_cals")
 
-n_calib = compute.split_size(zoo, "calib")
+n_calib = zoos.split_size(zoo, "calib")
 d1, d2, d3 = st.columns(3)
 budgets = [b for b in (8, 16, 32, 64, 128, 256) if b <= n_calib] or [n_calib]
 n = d1.select_slider("calibration examples per task", budgets, min(64, budgets[-1]), key="cmp_n")

@@ -8,13 +8,13 @@ selectboxes below the charts do the same.
 import pandas as pd
 import streamlit as st
 
-from app import compute, controls, figures, state, ui
+from app import controls, figures, state, ui, zoos
 from app.settings import ModelRef
 
 zoo, source = state.active_zoo(), state.active_source()
 fp = state.fingerprint(source)
 merger = controls.current_merger()
-cal = controls.current_calibration(compute.split_size(zoo, "calib"))
+cal = controls.current_calibration(zoos.split_size(zoo, "calib"))
 ALL = "mean over tasks"
 METRICS = {
     k: figures.label(k) for k in ("drift_rel", "drift", "drift_sq_mismatch_share", "mismatch_rel", "propagation_rel")
@@ -40,7 +40,7 @@ with st.expander("What is plotted: the formulas"):
         "\\qquad e_l = m_l + p_l.$$\n\n"
         "The bars split the squared drift exactly, $|e|^2 = \\langle e, m\\rangle + \\langle e, p\\rangle$ "
         "(one part can be negative); the lines are the norms $|e|, |m|, |p|$, which do not add. "
-        f"The maths: `{compute.REPO / 'docs' / 'maths.md'}`, section *Diagnostics*."
+        f"The maths: `{zoos.REPO / 'docs' / 'maths.md'}`, section *Diagnostics*."
     )
 
 with ui.status(f"Measuring the drift of the merged model ({merger.label})…") as s:

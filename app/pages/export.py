@@ -7,14 +7,14 @@ from pathlib import Path
 
 import streamlit as st
 
-from app import compute, controls, figures, state, ui, workers
+from app import compute, controls, figures, state, ui, workers, zoos
 from app.settings import ModelRef
 from featcal.util import outdir
 
 zoo, source = state.active_zoo(), state.active_source()
 fp = state.fingerprint(source)
 merger = controls.current_merger()
-cal = controls.current_calibration(compute.split_size(zoo, "calib"))
+cal = controls.current_calibration(zoos.split_size(zoo, "calib"))
 
 st.title("Export")
 st.caption(

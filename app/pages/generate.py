@@ -3,7 +3,7 @@ every expert, side by side (greedy decoding, the tokenizer's chat template)."""
 
 import streamlit as st
 
-from app import compute, controls, state, ui
+from app import controls, state, ui, zoos
 from app.settings import ModelRef
 
 zoo, source = state.active_zoo(), state.active_source()
@@ -17,7 +17,7 @@ if not hasattr(zoo, "generate"):
 
 fp = state.fingerprint(source)
 merger = controls.current_merger()
-cal = controls.current_calibration(compute.split_size(zoo, "calib"))
+cal = controls.current_calibration(zoos.split_size(zoo, "calib"))
 st.caption(
     f"Greedy replies of **{merger.label}**, of it + exact FeatCal **{cal.label}** and of each expert "
     "(change the merge and the calibration on the Zoo and Calibrate pages)."

@@ -8,7 +8,7 @@ wrote. Both draw the same figures (:mod:`featcal.sweep.figures`) and summary tab
 import pandas as pd
 import streamlit as st
 
-from app import compute, controls, settings, state, ui, workers
+from app import controls, settings, state, ui, workers, zoos
 from featcal.config import FeatCalConfig
 from featcal.sweep import figures as tune_figures
 from featcal.sweep import studies
@@ -81,7 +81,7 @@ st.caption(
     f"FeatCal at the paper's CLIP setting (λ=0.05, ρ=2, α=0.3) on **{merger.label}** (change it on the "
     "Zoo page); accuracies on the test split, task average, mean ± std over the seeds of the calibration draw."
 )
-n_calib = compute.split_size(zoo, "calib")
+n_calib = zoos.split_size(zoo, "calib")
 max_test = st.select_slider("test examples per task", [50, 100, 200, "all"], 100, key="study_test")
 max_test = None if max_test == "all" else int(max_test)
 se_tab, rb_tab = st.tabs(["Sample efficiency", "Robustness"])

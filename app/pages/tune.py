@@ -13,7 +13,7 @@ import math
 import pandas as pd
 import streamlit as st
 
-from app import compute, controls, settings, state, ui, workers
+from app import controls, settings, state, ui, workers, zoos
 from featcal.config import FeatCalConfig
 from featcal.sweep import figures as tune_figures
 from featcal.sweep.search import Grid, holdout_report, tune_zoo
@@ -75,7 +75,7 @@ st.caption(
     "(ties keep the paper's setting). The test split is not read unless you ask below."
 )
 c1, c2, c3, c4 = st.columns(4)
-sizes = [n for n in settings.CAL_SIZES if n <= compute.split_size(zoo, "calib")]
+sizes = [n for n in settings.CAL_SIZES if n <= zoos.split_size(zoo, "calib")]
 n = c1.select_slider("calibration examples per task", sizes, 64 if 64 in sizes else sizes[-1], key="tune_n")
 grid_name = c2.selectbox(
     "grid",
@@ -92,7 +92,7 @@ search = c3.selectbox(
     help="adaptive: after the grid, refine twice around the three best previews",
 )
 n_confirm = c4.slider("exact confirmations", 0, 8, 4, key="tune_confirm")
-n_val = compute.split_size(zoo, "val") if "val" in compute.splits_of(zoo) else 0
+n_val = zoos.split_size(zoo, "val") if "val" in zoos.splits_of(zoo) else 0
 if n_val == 0:
     st.error("This zoo has no `val` split: tuning needs validation data apart from calibration and test.")
     st.stop()

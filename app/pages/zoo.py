@@ -29,7 +29,7 @@ with c2:
 st.subheader("Merger")
 left, right = st.columns([1, 2])
 with left:
-    merger = controls.merger_controls()
+    merger = controls.merger_controls(given=zoo.given_merged is not None)
     full = st.toggle(
         "score on the full test split",
         key="zoo_full_eval",

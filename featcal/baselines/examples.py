@@ -57,19 +57,31 @@ class ExamplePool:
     def __len__(self) -> int:
         return self.n
 
-    def minibatches(self, size: int, generator: torch.Generator) -> Iterator[Any]:
-        """Endless minibatches of ``size`` examples (the last of a pass may be smaller), each
-        pass a new seeded permutation; the given batches in a seeded order when they cannot be
-        joined."""
+    @property
+    def units(self) -> list:
+        """What :meth:`draws` indexes: ``[the joined examples]``, or the given batches."""
+        return [self.joined] if self.joined is not None else self.batches
+
+    def draws(self, size: int, generator: torch.Generator) -> Iterator[tuple[int, torch.Tensor | None]]:
+        """Endless ``(unit, rows)``: the rows of ``units[unit]`` that :meth:`minibatches` yields
+        (``None``: the whole unit, a given batch), in the same seeded order."""
         if size < 1:
             raise ValueError(f"batch size must be at least 1, got {size}.")
         while True:
             if self.joined is None:
                 for j in torch.randperm(len(self.batches), generator=generator).tolist():
-                    yield self.batches[j]
+                    yield j, None
             else:
                 for idx in torch.randperm(self.n, generator=generator).split(size):
-                    yield take(self.joined, idx)
+                    yield 0, idx
+
+    def minibatches(self, size: int, generator: torch.Generator) -> Iterator[Any]:
+        """Endless minibatches of ``size`` examples (the last of a pass may be smaller), each
+        pass a new seeded permutation; the given batches in a seeded order when they cannot be
+        joined."""
+        units = self.units
+        for j, idx in self.draws(size, generator):
+            yield units[j] if idx is None else take(units[j], idx)
 
     def in_order(self, size: int) -> Iterator[Any]:
         """One pass over the examples in their order, in batches of ``size`` (the given batches

@@ -157,6 +157,14 @@ def _featcal_params() -> tuple[Param, ...]:
     return tuple(fields) + _params(calibrate)
 
 
+def _with_data(kind: str, fn: Callable, label: str, ranges=None, choices=None, aliases=()) -> Method:
+    """The entry of a method that reads calibration data (a data merger, a trained calibrator),
+    named as its function is, its parameters read from the function's signature."""
+    return Method(fn.__name__, kind, fn, label, _params(fn, ranges, choices), aliases=aliases, data_free=False)
+
+
+# RegMean and its forward-order variant: one data merger each, the same parameters.
+REGMEANS = ((regmean, "RegMean"), (regmean_plusplus, "RegMean++"))
 SCALE = (0.05, 2.0, 0.05)
 METHODS: tuple[Method, ...] = (
     Method("average", "merger", merging.average, "Simple averaging", (), app=True),
@@ -189,44 +197,15 @@ METHODS: tuple[Method, ...] = (
     ),
     Method("tsv", "merger", merging.tsv, "TSV", _params(merging.tsv, {"scale": (0.1, 2.0, 0.05)}), app=True),
     Method("wudi", "merger", merging.wudi, "WUDI", _params(merging.wudi)),
-    Method(
-        "regmean",
-        "data_merger",
-        regmean,
-        "RegMean",
-        _params(regmean, {"reduce_nondiag": (0.0, 1.0, 0.05)}),
-        data_free=False,
-    ),
-    Method(
-        "regmean_plusplus",
-        "data_merger",
-        regmean_plusplus,
-        "RegMean++",
-        _params(regmean_plusplus, {"reduce_nondiag": (0.0, 1.0, 0.05)}),
-        data_free=False,
-    ),
-    Method(
-        "adamerging",
-        "data_merger",
-        ada.adamerging,
-        "AdaMerging",
-        _params(ada.adamerging, choices={"granularity": ada.GRANULARITY}),
-        data_free=False,
-    ),
-    Method(
-        "fisher_merging",
-        "data_merger",
-        fisher.fisher_merging,
-        "Fisher merging",
-        _params(fisher.fisher_merging),
-        aliases=("fisher",),
-        data_free=False,
-    ),
+    *(_with_data("data_merger", fn, label, {"reduce_nondiag": (0.0, 1.0, 0.05)}) for fn, label in REGMEANS),
+    _with_data("data_merger", ada.adamerging, "AdaMerging", choices={"granularity": ada.GRANULARITY}),
+    _with_data("data_merger", fisher.fisher_merging, "Fisher merging", aliases=("fisher",)),
     Method("featcal", "calibrator", calibrate, "FeatCal", _featcal_params(), data_free=False),
     Method("svc", "calibrator", svc, "SVC", _params(svc, {"alpha": (0.05, 2.0, 0.05)})),
-    Method("escal", "trained", escal, "ESCal", _params(escal), data_free=False),
-    Method("surgery", "trained", surgery, "Surgery", _params(surgery), data_free=False),
-    Method("surgery_v2", "trained", surgery_v2, "SurgeryV2", _params(surgery_v2), data_free=False),
+    *(
+        _with_data("trained", fn, label)
+        for fn, label in ((escal, "ESCal"), (surgery, "Surgery"), (surgery_v2, "SurgeryV2"))
+    ),
 )
 REGISTRY: dict[str, Method] = {m.name: m for m in METHODS}
 ALIASES: dict[str, str] = {a: m.name for m in METHODS for a in m.aliases}
@@ -355,9 +334,12 @@ def parse_param_items(items: list[str] | None, methods: list[str] | None = None)
     return out
 
 
-def zoo_logits(zoo) -> Callable:
+def zoo_logits(zoo) -> Callable | None:
     """``logits(model, task, batch)``: the class logits of ``model`` through the zoo's frozen head
-    for ``task`` (with gradients, unlike ``Zoo.logits``): what AdaMerging and Fisher merging read."""
+    for ``task`` (with gradients, unlike ``Zoo.logits``): what AdaMerging and Fisher merging read.
+    None for a zoo without heads (an LLM zoo), which those two then refuse with their reason."""
+    if not zoo.heads:
+        return None
 
     def logits(model: nn.Module, task: str, batch):
         head = zoo.heads[task]

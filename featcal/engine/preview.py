@@ -80,13 +80,15 @@ class Preview:
     def _eig_of(self, i: int) -> _EigLinear:
         if i not in self._eig:
             kept = self.entries[i]
-            shared = next((e for j, e in self._eig.items() if self.entries[j].system.S is kept.system.S), None)
+            done = list(self._eig.items())  # a snapshot: prepare() may be filling it on another thread
+            shared = next((e for j, e in done if self.entries[j].system.S is kept.system.S), None)
             eigh = None if shared is None else (shared.ev, shared.Q)  # q/k/v share one S
             self._eig[i] = _eig_linear(kept.system, kept.ends.W_mer, kept.ends.W_0, eigh)
         return self._eig[i]
 
     def prepare(self) -> None:
-        """Do the one-off eigendecompositions now (else on the first preview)."""
+        """Do the one-off eigendecompositions now (else on the first preview); safe to run on
+        another thread beside a preview (a module may then be decomposed twice, never wrongly)."""
         for i, e in enumerate(self.entries):
             if e.target.kind == arch.LINEAR:
                 self._eig_of(i)

@@ -288,6 +288,35 @@ def _checked_models(merged, base, experts, calib_data, blocks, block_source):
     return tasks, base, experts, stacks_of(merged)  # skeletons: the source checks each block as it loads it
 
 
+def _bound_trace(expert_trace, experts, calib_data, tasks, path, cfg, device) -> ExpertTrace | None:
+    """``expert_trace`` bound to this run's experts, batches and the settings its captures depend
+    on (what it holds from another run is dropped when any of them differ); None without one."""
+    if expert_trace is None:
+        return None
+    what = (path, cfg.linear, cfg.layernorm, tuple(cfg.modules or ()), cfg.offload_streams, str(device))
+    return expert_trace.bind(experts, calib_data, tasks, what)
+
+
+def _report_warnings(ctx: Context, report: CalibrationReport, dist) -> None:
+    """The solves' warnings (under a process group: every rank's, gathered), the per-module ones
+    summarised, each said once (by rank 0) and kept in ``report.warnings``; then a warning when
+    calibration raised a residual (:meth:`CalibrationReport.check_residuals`). ``stacklevel``
+    points at :func:`calibrate`'s caller."""
+    if dist is not None:  # the warnings of the modules other ranks solved
+        parts = dist.gather_objects((ctx.warn_rows, ctx.fallbacks, ctx.precision), "gathering the warnings")
+        ctx.warn_rows = [m for w, _, _ in parts for m in w][:1]
+        ctx.fallbacks = [m for _, f, _ in parts for m in f]
+        ctx.precision = [m for _, _, p in parts for m in p]
+    precision = _summarised(ctx.precision, same="with the same float32 precision warning")
+    for msg in ctx.warn_rows + _summarised(ctx.fallbacks) + precision:
+        if dist is None or dist.rank == 0:  # one process of a group says it
+            warnings.warn(msg, stacklevel=4)
+        report.warnings.append(msg)
+    rose = report.check_residuals()
+    if rose is not None:
+        warnings.warn(rose, stacklevel=4)
+
+
 @torch.no_grad()
 def calibrate(
     merged: nn.Module,
@@ -361,10 +390,7 @@ def calibrate(
         raise ValueError(f"block_source works on one stack of blocks; {path!r} has {len(stacks)}.")
     restore_modes = to_eval(model, base, *experts.values())  # each submodule's flag comes back exactly
     report = CalibrationReport(cfg, path, tasks)
-    trace = None
-    if expert_trace is not None:
-        what = (path, cfg.linear, cfg.layernorm, tuple(cfg.modules or ()), cfg.offload_streams, str(device))
-        trace = expert_trace.bind(experts, calib_data, tasks, what)
+    trace = _bound_trace(expert_trace, experts, calib_data, tasks, path, cfg, device)
     ctx = Context(cfg, fast, 0, device, fixed_alpha=None if keep_stats else cfg.alpha)
     run = RunState(ctx, report, [] if keep_stats else None, trace, dist=dist)
     try:
@@ -373,19 +399,8 @@ def calibrate(
             _calibrate_stack(
                 run, model, stack, base, experts, {t: calib_data[t] for t in tasks}, progress, block_source
             )
-        if dist is not None:  # the warnings of the modules other ranks solved
-            parts = dist.gather_objects((ctx.warn_rows, ctx.fallbacks, ctx.precision), "gathering the warnings")
-            ctx.warn_rows = [m for w, _, _ in parts for m in w][:1]
-            ctx.fallbacks = [m for _, f, _ in parts for m in f]
-            ctx.precision = [m for _, _, p in parts for m in p]
-        precision = _summarised(ctx.precision, same="with the same float32 precision warning")
-        for msg in ctx.warn_rows + _summarised(ctx.fallbacks) + precision:
-            if dist is None or dist.rank == 0:  # one process of a group says it
-                warnings.warn(msg, stacklevel=3)
-            report.warnings.append(msg)
-        rose = report.check_residuals()
-        if rose is not None:
-            warnings.warn(rose, stacklevel=3)
+        # 4. What the solves warned of, said once, and a check of the residuals.
+        _report_warnings(ctx, report, dist)
     except BaseException:
         if inplace:
             log.error("calibration failed part-way with inplace=True: the model is partly calibrated.")

@@ -8,7 +8,8 @@ closes it again (a mapping kept open would keep every page read so far resident)
 streams tensor by tensor into the safetensors format (an 8-byte little-endian header length,
 a JSON header of dtypes, shapes and byte offsets, then the raw bytes), so no shard is ever
 held whole in memory. The model skeletons are built from the config with their parameters on
-the ``meta`` device (no memory); :mod:`featcal.streaming.run` fills one block at a time.
+the ``meta`` device (no memory; :mod:`featcal.model.skeletons`); :mod:`featcal.streaming.run` fills
+one block at a time.
 
 Calibration data for the command line (:func:`load_token_data`): one safetensors file with
 ``TASK.input_ids`` (``(N, T)`` integers) and optionally ``TASK.attention_mask`` per task.
@@ -16,20 +17,21 @@ Calibration data for the command line (:func:`load_token_data`): one safetensors
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
-from featcal.model.allowed import library_model_class
+from featcal._moved import moved_attribute
+
+# skeleton, params_on_meta, release and fill moved to featcal.model.skeletons (old names kept, with a warning)
+__getattr__ = moved_attribute(__name__, "featcal.model.skeletons")
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -299,75 +301,6 @@ def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]
             shutil.copy2(p, Path(dst) / p.name)
             copied.append(p.name)
     return copied
-
-
-# ------------------------------------------------------------------ skeletons
-
-
-@contextlib.contextmanager
-def params_on_meta() -> Iterator[None]:
-    """Every parameter registered inside goes to the ``meta`` device (no memory, no init
-    cost); buffers stay real (rotary frequencies and the like are computed, not stored)."""
-    register = nn.Module.register_parameter
-
-    def on_meta(self, name, param):
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(self, name, param)
-
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
-
-
-def skeleton(ckpt: Checkpoint, trust_remote_code: bool = False) -> nn.Module:
-    """The model class ``config.json`` names (``architectures[0]``), built from the config with
-    its parameters on ``meta``, in eval mode. A class of the directory's own code (``auto_map``)
-    only with ``trust_remote_code`` (the user's own flag; never read from a file)."""
-    import transformers
-
-    where = f"{ckpt.role} {str(ckpt.path)!r}"
-    try:
-        config = transformers.AutoConfig.from_pretrained(
-            str(ckpt.config_dir), trust_remote_code=trust_remote_code, local_files_only=True
-        )
-    except ValueError as err:
-        if "custom code" not in str(err):
-            raise
-        raise ValueError(
-            f"{where}: config.json needs the directory's own Python code (auto_map); featcal runs it only "
-            "when you pass --trust-remote-code (trust_remote_code=True) yourself."
-        ) from None
-    archs = getattr(config, "architectures", None) or []
-    if not archs:
-        raise ValueError(f"{where}: config.json names no architecture; save the model with save_pretrained.")
-    auto = {k: v for k, v in (getattr(config, "auto_map", None) or {}).items() if k.startswith("AutoModel")}
-    own = next((k for k, v in auto.items() if str(v).rsplit(".", 1)[-1] == archs[0]), None)
-    if trust_remote_code and own is not None and hasattr(transformers, own):
-        with params_on_meta():
-            return getattr(transformers, own).from_config(config, trust_remote_code=trust_remote_code).eval()
-    cls = library_model_class(archs[0], where)
-    with params_on_meta():
-        model = cls._from_config(config) if hasattr(cls, "_from_config") else cls(config)
-    return model.eval()
-
-
-def release(module: nn.Module) -> None:
-    """Put every parameter of ``module`` back on ``meta`` (its memory is freed)."""
-    for m in module.modules():
-        for name, p in list(m._parameters.items()):
-            if p is not None and p.device.type != "meta":
-                m._parameters[name] = nn.Parameter(
-                    torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False
-                )
-
-
-def fill(module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Give ``module`` these parameters and persistent buffers (names relative to it; every
-    one it has must be there), taking the tensors as they are."""
-    module.load_state_dict(dict(tensors), strict=True, assign=True)
 
 
 # ------------------------------------------------------------------ calibration data

@@ -32,9 +32,10 @@ from featcal.engine.blocksource import check_device
 from featcal.engine.report import BlockRecord, CalibrationReport, ModuleRecord
 from featcal.engine.run import calibrate
 from featcal.model import arch, validate
-from featcal.model.checkpoints import Checkpoint, check_same_tensors, skeleton
+from featcal.model.checkpoints import Checkpoint, check_same_tensors
 from featcal.model.export import MAX_SHARD_BYTES, copy_base_files, drift_summary, model_name, write_hub_files
 from featcal.model.lora import LoraCheckpoint, is_adapter_dir
+from featcal.model.skeletons import skeleton
 from featcal.streaming.output import write_model
 from featcal.streaming.source import CheckpointSource, needed_names
 from featcal.streaming.workdir import data_digest, fingerprint_checkpoint, open_work, partial_dir, peak_rss_mb
@@ -108,63 +109,67 @@ def calibrate_checkpoints(
         The :class:`CalibrationReport` (every block's, a resumed run's included).
     """
     t_start = time.perf_counter()
-    cfg = config or FeatCalConfig()
-    device = check_device(device)
-    merge = _check_merge(merge, merged)
+    # 1. Check the arguments, before anything is read or written.
+    cfg, device, merge = config or FeatCalConfig(), check_device(device), _check_merge(merge, merged)
     if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}.")
     tasks = validate.check_tasks(experts, calib_data)
     inputs = {"the base": base, "the merged model": merged} | {f"expert {t!r}": experts[t] for t in tasks}
     out = outdir.check_output(out, force, inputs)
-    calib_data = {t: calib_data[t] for t in tasks}
-
-    ckpts, skels, path = open_checkpoints(
-        base,
-        {t: experts[t] for t in tasks},
-        merged,
-        blocks,
-        common_rows=common_rows,
-        lora_any_base=lora_any_base,
-        trust_remote_code=trust_remote_code,
-    )
+    # 2. Open the checkpoints (headers and skeletons) of the tasks the data has.
+    experts, calib_data = {t: experts[t] for t in tasks}, {t: calib_data[t] for t in tasks}
+    ckpts, skels, path = open_checkpoints(base, experts, merged, blocks, common_rows, lora_any_base, trust_remote_code)
     check_token_ids(skels["merged"], calib_data)
     work = partial_dir(out)
     dist = distributed.current(device, (fast or FastPaths()).dist_solve)  # a process group: rank 0 writes
     writer = dist is None or dist.rank == 0
     with outdir.output_lock(out) if writer else contextlib.nullcontext():
-        fresh = not work.exists()
-        fingerprint = _fingerprint(ckpts, merge, cfg, path, calib_data)
-        state = open_work(work, fingerprint, resume=resume, force=force, dist=dist)
-        try:
-            report = _calibrate_blocks(
-                ckpts,
-                skels,
-                path,
-                calib_data,
-                merge,
-                cfg,
-                state,
-                work,
-                dict(device=device, fast=fast, progress=progress, checkpoint_every=checkpoint_every, on_block=on_block),
-                dist,
-            )
-        except BaseException:
-            if writer and (fresh or force) and state["done"] < 0:  # nothing to resume: leave nothing in the way
-                shutil.rmtree(work, ignore_errors=True)
-            raise
+        # 3. Open (or resume) the work directory, and 4. calibrate the blocks not done yet.
+        run = dict(device=device, fast=fast, progress=progress, checkpoint_every=checkpoint_every, on_block=on_block)
+        report = _in_work_dir(
+            work,
+            _fingerprint(ckpts, merge, cfg, path, calib_data),
+            lambda state: _calibrate_blocks(ckpts, skels, path, calib_data, merge, cfg, state, work, run, dist),
+            resume=resume,
+            force=force,
+            dist=dist,
+        )
         if not writer:  # rank 0 writes the model
             dist.barrier("waiting for rank 0 to write the model")
             return report
-        model_dir = write_model(work, ckpts, tasks, merge, path, max_shard_bytes)
+        model_dir = write_model(work, ckpts, tasks, merge, path, max_shard_bytes)  # 5. write the model; 6. commit
         report.seconds = time.perf_counter() - t_start
         report.save_json(model_dir / "featcal_report.json")
         _hub_files(model_dir, out.name, ckpts, _card(ckpts, merge, cfg, calib_data, report) | dict(card or {}))
-        outdir.check_output(out, force, inputs)  # (something may have appeared meanwhile)
-        outdir.commit_dir(model_dir, out, "model")
-        shutil.rmtree(work)
+        _commit(model_dir, out, work, lambda: outdir.check_output(out, force, inputs))
     if dist is not None:
         dist.barrier("writing the model")
     return report
+
+
+def _in_work_dir(
+    work: Path, fingerprint: dict, calibrate_in: Callable, *, resume: bool, force: bool, dist
+) -> CalibrationReport:
+    """Open (or resume) the work directory (:func:`featcal.streaming.workdir.open_work`) and run
+    ``calibrate_in(state)`` in it; when that fails before a block is saved, rank 0 removes a work
+    directory this run made or replaced (nothing there to resume, nothing left in the way)."""
+    fresh = not work.exists()
+    state = open_work(work, fingerprint, resume=resume, force=force, dist=dist)
+    try:
+        return calibrate_in(state)
+    except BaseException:
+        writer = dist is None or dist.rank == 0
+        if writer and (fresh or force) and state["done"] < 0:
+            shutil.rmtree(work, ignore_errors=True)
+        raise
+
+
+def _commit(model_dir: Path, out: Path, work: Path, check_out: Callable) -> None:
+    """Rename the written model to ``out`` once ``check_out`` passes again (something may have
+    appeared there meanwhile), then remove the work directory."""
+    check_out()
+    outdir.commit_dir(model_dir, out, "model")
+    shutil.rmtree(work)
 
 
 def check_token_ids(model, calib_data: Mapping[str, list]) -> None:

@@ -23,7 +23,8 @@ from featcal.engine import distributed
 from featcal.engine.blocksource import BlockSource, move_streams, streams_fit, to_host
 from featcal.engine.report import CalibrationReport
 from featcal.model import arch, validate
-from featcal.model.checkpoints import Checkpoint, fill, release
+from featcal.model.checkpoints import Checkpoint
+from featcal.model.skeletons import fill, release
 from featcal.streaming.workdir import check_streams, commit, peak_rss_mb, save_atomic, save_streams, streams_files
 from featcal.util.progress import note
 

@@ -28,7 +28,7 @@ from featcal.config import FeatCalConfig
 from featcal.engine.run import calibrate
 from featcal.sweep import corrupt
 from featcal.util.progress import bar
-from featcal.zoo.core import Zoo, evaluate
+from featcal.zoo.core import GIVEN, Zoo, evaluate
 
 BUDGETS = (4, 8, 16, 32, 64, 128, 256)
 BASELINES = ("task_arithmetic", "average", "ties")  # the mergers sample_efficiency compares by default
@@ -46,14 +46,14 @@ def _rows(acc: Mapping[str, float], **cell) -> list[dict]:
 
 def _mergers(mergers: Mapping[str, dict] | Sequence[str] | None) -> dict[str, dict]:
     """``{name: parameters}`` from names (their default parameters) or a mapping, each checked
-    against :data:`featcal.MERGERS`."""
+    against :data:`featcal.MERGERS` (or ``given``: a zoo's own merged model)."""
     if isinstance(mergers, Mapping):
         out = {name: dict(params) for name, params in mergers.items()}
     else:
         out = {name: {} for name in (BASELINES if mergers is None else mergers)}
-    unknown = [m for m in out if m not in MERGERS]
+    unknown = [m for m in out if m not in MERGERS and m != GIVEN]
     if unknown:
-        raise ValueError(f"unknown merger(s) {unknown}; choose from {sorted(MERGERS)}.")
+        raise ValueError(f"unknown merger(s) {unknown}; choose from {sorted(MERGERS)} (or {GIVEN!r}).")
     return out
 
 

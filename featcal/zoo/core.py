@@ -23,6 +23,7 @@ from featcal.model.streams import device_of
 from featcal.zoo.tokens import as_batch
 
 SPLITS = ("calib", "val", "test")
+GIVEN = "given"  # the merger name of a zoo's own merged model (Zoo.given_merged)
 
 
 @dataclass
@@ -65,6 +66,8 @@ class Zoo:
         fmt: the format the models were loaded in (``hf``, ``open_clip``), so that an
             exported model is written the same way.
         meta: free-form facts about the zoo (content hash, build time, sources).
+        given_merged: the user's own merged model (a spec's ``merged:``, e.g. a mergekit
+            output), the merger :data:`GIVEN` that :meth:`merged` returns; ``None`` without one.
     """
 
     name: str
@@ -75,6 +78,7 @@ class Zoo:
     features: FeatureFn
     fmt: str = "hf"
     meta: dict = field(default_factory=dict)
+    given_merged: nn.Module | None = None
 
     @property
     def tasks(self) -> list[str]:
@@ -143,7 +147,12 @@ class Zoo:
         return out
 
     def merged(self, method: str = "task_arithmetic", **params) -> nn.Module:
-        """A new model holding ``featcal.merge(method, base, experts, **params)``."""
+        """A new model holding ``featcal.merge(method, base, experts, **params)``, or a copy of
+        the zoo's own merged model for ``method="given"`` (:data:`GIVEN`)."""
+        if method == GIVEN:
+            if self.given_merged is None:
+                raise ValueError(f"zoo {self.name!r} has no merged model of its own (a spec's `merged:`).")
+            return copy.deepcopy(self.given_merged)
         sd = merge(method, self.base.state_dict(), {t: m.state_dict() for t, m in self.experts.items()}, **params)
         model = copy.deepcopy(self.base)
         model.load_state_dict(sd)

@@ -26,8 +26,9 @@ from typing import Mapping
 import yaml
 
 from featcal.zoo import classnames, locate
+from featcal.zoo.parsing import from_dict
 from featcal.zoo.resolve import format_missing, hf_snapshot
-from featcal.zoo.schema import SpecError, from_dict
+from featcal.zoo.schema import SpecError
 
 POOL_TARGET = "CLIPVisionModelPool"
 LORA_TARGET = "load_lora_vision_model_hf"
@@ -184,7 +185,7 @@ def from_fusionbench(
     root: str | os.PathLike | None = None,
     splits: Mapping | None = None,
 ) -> dict:
-    """A featcal zoo spec (a dict :func:`featcal.zoo.schema.from_dict` accepts) from a FusionBench
+    """A featcal zoo spec (a dict :func:`featcal.zoo.parsing.from_dict` accepts) from a FusionBench
     CLIP model pool and, optionally, its task pool; local paths are made absolute against ``root``
     (default: the model pool's folder)."""
     pool_path = Path(modelpool).expanduser()

@@ -259,10 +259,13 @@ def _preprocessor_stats(path: Path) -> tuple[tuple | None, tuple | None]:
     return (tuple(mean) if mean else None), (tuple(std) if std else None)
 
 
-def load_models(spec: ZooSpec, found: Found, device: str = "cpu") -> tuple[nn.Module, dict[str, nn.Module], ModelInfo]:
-    """``(base, {task: expert}, info)``: every model on ``device`` in the spec's dtype."""
+def load_models(
+    spec: ZooSpec, found: Found, device: str = "cpu"
+) -> tuple[nn.Module, dict[str, nn.Module], ModelInfo, nn.Module | None]:
+    """``(base, {task: expert}, info, the spec's own merged model or None)``: every model on
+    ``device`` in the spec's dtype."""
     dtype = _DTYPES[spec.dtype]
-    roles = ["base"] + [f"expert:{t}" for t in spec.tasks]
+    roles = ["base"] + [f"expert:{t}" for t in spec.tasks] + (["merged"] if spec.merged else [])
     paths = {r: found.models[r] for r in roles}
     base_path = paths["base"]
     if spec.format == "hf":
@@ -272,6 +275,7 @@ def load_models(spec: ZooSpec, found: Found, device: str = "cpu") -> tuple[nn.Mo
         mean, std = _preprocessor_stats(base_path)
     else:
         specs = {"base": spec.base, **{f"expert:{t}": m for t, m in spec.experts.items()}}
+        specs.update({"merged": spec.merged} if spec.merged else {})
         models = load_open_clip_visual(specs, paths, dtype, device)
         projection = None
         size = models["base"].image_size
@@ -285,4 +289,4 @@ def load_models(spec: ZooSpec, found: Found, device: str = "cpu") -> tuple[nn.Mo
         mean=tuple(pre.mean or mean or CLIP_MEAN),
         std=tuple(pre.std or std or CLIP_STD),
     )
-    return models["base"], {t: models[f"expert:{t}"] for t in spec.tasks}, info
+    return models["base"], {t: models[f"expert:{t}"] for t in spec.tasks}, info, models.get("merged")

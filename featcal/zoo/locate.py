@@ -14,7 +14,9 @@ cache, in one of four formats:
 - ``image_folder``: ``<split>/<class>/<image>`` folders;
 - ``arrow``: a ``datasets.save_to_disk`` directory;
 - ``parquet``: parquet files per split;
-- ``tensors``: a ``.safetensors`` or ``.npz`` file with ``<split>_inputs`` / ``<split>_labels``.
+- ``tensors``: a ``.safetensors`` or ``.npz`` file with ``<split>_inputs`` / ``<split>_labels``;
+- ``text`` (a text zoo): a ``.txt`` / ``.tsv`` file of ``label<TAB>text`` lines, or a folder of
+  ``<split>.txt`` files; ``tokens``: a ``.safetensors`` / ``.npz`` file of ``<split>_input_ids``.
 
 :func:`locate` finds every model, head file and dataset of a spec and lists what is
 missing; :func:`locate_all` raises one :class:`MissingResourcesError` for all of it.
@@ -34,6 +36,7 @@ from featcal.zoo.resolve import Missing, MissingResourcesError, hf_fix, hf_snaps
 from featcal.zoo.schema import DataSpec, ModelSpec, ZooSpec
 
 OPEN_CLIP_HUB_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
+TEXT_SUFFIXES = (".txt", ".tsv")
 
 
 # ----------------------------------------------------------------------------- data
@@ -50,13 +53,17 @@ class LocatedData:
 
 def _detect_format(root: Path, spec: DataSpec) -> tuple[str | None, str]:
     """``(format, '')`` for a usable dataset at ``root``, else ``(None, why not)``."""
+    splits = (spec.train_split, spec.test_split)
     if root.is_file():
         if root.suffix in (".safetensors", ".npz"):
-            return "tensors", ""
-        return None, f"a {root.suffix or 'plain'} file; tensors must be .safetensors or .npz"
+            return ("tokens" if f"{spec.train_split}_input_ids" in tensor_keys(root) else "tensors"), ""
+        if root.suffix in TEXT_SUFFIXES:
+            return "text", ""
+        return None, f"a {root.suffix or 'plain'} file; tensors must be .safetensors or .npz, text .txt or .tsv"
     if not root.is_dir():
         return None, "does not exist"
-    splits = (spec.train_split, spec.test_split)
+    if all(text_split_file(root, s) for s in splits):
+        return "text", ""
     if (root / "dataset_dict.json").is_file() or all((root / s / "state.json").is_file() for s in splits):
         absent = [s for s in splits if not (root / s / "state.json").is_file()]
         return ("arrow", "") if not absent else (None, f"datasets.save_to_disk dir without split(s) {absent}")
@@ -69,6 +76,24 @@ def _detect_format(root: Path, spec: DataSpec) -> tuple[str | None, str]:
         f"not a dataset: expected {spec.train_split}/ and {spec.test_split}/ class folders, a "
         "datasets.save_to_disk dir, parquet files, or a .safetensors/.npz file"
     )
+
+
+def tensor_keys(path: Path) -> list[str]:
+    """The array names in a ``.safetensors`` or ``.npz`` file (nothing else is read)."""
+    if path.suffix == ".npz":
+        import numpy as np
+
+        with np.load(path, allow_pickle=False) as z:
+            return list(z.files)
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return list(f.keys())
+
+
+def text_split_file(root: Path, split: str) -> Path | None:
+    """``root/<split>.txt`` (or ``.tsv``) when it exists: one split of a text folder."""
+    return next((root / f"{split}{s}" for s in TEXT_SUFFIXES if (root / f"{split}{s}").is_file()), None)
 
 
 def parquet_files(root: Path, split: str) -> list[Path]:
@@ -118,7 +143,7 @@ def locate_data(spec: DataSpec) -> tuple[LocatedData | None, Missing | None]:
 class Found:
     """Local paths of everything a spec needs (the output of :func:`locate_all`)."""
 
-    models: dict[str, Path] = field(default_factory=dict)  # "base", "expert:<task>", "text_model"
+    models: dict[str, Path] = field(default_factory=dict)  # "base", "expert:<task>", "merged", "text_model"
     data: dict[str, LocatedData] = field(default_factory=dict)
     heads_file: Path | None = None
 
@@ -216,6 +241,8 @@ def locate(spec: ZooSpec) -> tuple[Found, list[Missing]]:
     os.environ["HF_HUB_OFFLINE"] = "1"  # any later transformers/huggingface_hub call stays offline
     found, missing = Found(), []
     entries = [("base", "base", spec.base)] + [(f"expert:{t}", f"expert {t!r}", m) for t, m in spec.experts.items()]
+    if spec.merged is not None:
+        entries.append(("merged", "merged", spec.merged))
     if spec.heads.type == "zero_shot" and spec.heads.text_model is not None:
         entries.append(("text_model", "heads.text_model", spec.heads.text_model))
     for role, what, m in entries:

@@ -24,6 +24,7 @@ from featcal.zoo import data as data_mod
 from featcal.zoo import heads as heads_mod
 from featcal.zoo import loaders, locate
 from featcal.zoo.core import Zoo
+from featcal.zoo.parsing import expand, from_dict, parse
 from featcal.zoo.resolve import Missing, MissingResourcesError
 from featcal.zoo.schema import (
     SCHEMA,
@@ -34,9 +35,6 @@ from featcal.zoo.schema import (
     SpecError,
     SplitSpec,
     ZooSpec,
-    expand,
-    from_dict,
-    parse,
 )
 
 __all__ = [
@@ -69,8 +67,14 @@ def load(spec_path: str | os.PathLike | ZooSpec, device: str = "cpu") -> Zoo:
     spec = spec_path if isinstance(spec_path, ZooSpec) else parse(spec_path)
     # 1. Locate everything; fail once, listing all that is missing.
     found = locate.locate_all(spec)
+    _check_data_kinds(spec, found)
+    if spec.modality == "text":  # encoders, tokenizer, text or token data
+        from featcal.zoo import text_spec
+
+        parts = text_spec.load_parts(spec, found, device=device)
+        return Zoo(name=spec.name, fmt=spec.format, meta=_meta(spec, found), **parts)
     # 2. Models.
-    base, experts, info = loaders.load_models(spec, found, device=device)
+    base, experts, info, given = loaders.load_models(spec, found, device=device)
     # 3. Heads (zero-shot through the base CLIP text tower, or a file), checked against the features.
     heads, classes = heads_mod.build_heads(spec, found, device=device)
     with torch.no_grad():
@@ -84,17 +88,7 @@ def load(spec_path: str | os.PathLike | ZooSpec, device: str = "cpu") -> Zoo:
                 f"task {t!r}: {len(data[t].classes)} classes in the data/spec, "
                 f"{heads[t].out_features} outputs in its head."
             )
-    meta = {
-        "spec": spec.source,
-        "format": spec.format,
-        "features": spec.features,
-        "sources": found.describe(),
-        "inputs": {**({"the zoo spec": str(spec.source)} if spec.source else {}), **found.paths()},
-        "splits": asdict(spec.splits),
-        "image_size": info.image_size,
-        "mean": list(info.mean),
-        "std": list(info.std),
-    }
+    meta = {**_meta(spec, found), "image_size": info.image_size, "mean": list(info.mean), "std": list(info.std)}
     return Zoo(
         name=spec.name,
         base=base,
@@ -104,7 +98,29 @@ def load(spec_path: str | os.PathLike | ZooSpec, device: str = "cpu") -> Zoo:
         features=info.features,
         fmt=spec.format,
         meta=meta,
+        given_merged=given,
     )
+
+
+def _meta(spec: ZooSpec, found: locate.Found) -> dict:
+    return {
+        "spec": spec.source,
+        "format": spec.format,
+        "modality": spec.modality,
+        "features": spec.features,
+        "sources": found.describe(),
+        "inputs": {**({"the zoo spec": str(spec.source)} if spec.source else {}), **found.paths()},
+        "splits": asdict(spec.splits),
+    }
+
+
+def _check_data_kinds(spec: ZooSpec, found: locate.Found) -> None:
+    """Text and token data go with ``modality: text``, images with the default."""
+    for t, d in found.data.items():
+        texty = d.format in ("text", "tokens")
+        if texty != (spec.modality == "text"):
+            fix = "set `modality: text`" if texty else "give text (.txt) or token files, or remove `modality: text`"
+            raise SpecError(f"{spec.source or 'zoo spec'}: data {t!r} ({d.root}) is {d.format} data: {fix}.")
 
 
 def check(spec_path: str | os.PathLike | ZooSpec) -> list[Missing]:

@@ -125,22 +125,8 @@ def write_zoo_dir(
         )
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp / "tokenizer"))
-        flat = {}
-        for task, splits in arrays.items():
-            for split, (x, y) in splits.items():
-                if isinstance(x, TokenRows):
-                    flat[f"{task}/{split}/x"] = x.input_ids.numpy().astype(np.int32)
-                    flat[f"{task}/{split}/mask"] = x.attention_mask.numpy().astype(np.uint8)
-                else:
-                    flat[f"{task}/{split}/x"] = np.asarray(x, dtype=np.uint8)
-                flat[f"{task}/{split}/y"] = np.asarray(y, dtype=np.int64)
-        save_npz(tmp / "data.npz", flat)
-        for rel, text in (extra_files or {}).items():
-            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            if isinstance(text, bytes):
-                (tmp / rel).write_bytes(text)
-            else:
-                (tmp / rel).write_text(text)
+        save_npz(tmp / "data.npz", _flat_arrays(arrays))
+        _write_files(tmp, extra_files or {})
         digest, files = tree_sha256(tmp)
         meta = {
             "kind": KIND,
@@ -163,6 +149,31 @@ def write_zoo_dir(
         }
         (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
     return Path(path)
+
+
+def _flat_arrays(arrays: Mapping[str, Mapping[str, tuple]]) -> dict[str, np.ndarray]:
+    """Every split as named arrays for data.npz: ``TASK/SPLIT/x`` (uint8 pixels, or int32 token
+    ids with their uint8 ``TASK/SPLIT/mask``) and ``TASK/SPLIT/y`` (int64 labels)."""
+    flat = {}
+    for task, splits in arrays.items():
+        for split, (x, y) in splits.items():
+            if isinstance(x, TokenRows):
+                flat[f"{task}/{split}/x"] = x.input_ids.numpy().astype(np.int32)
+                flat[f"{task}/{split}/mask"] = x.attention_mask.numpy().astype(np.uint8)
+            else:
+                flat[f"{task}/{split}/x"] = np.asarray(x, dtype=np.uint8)
+            flat[f"{task}/{split}/y"] = np.asarray(y, dtype=np.int64)
+    return flat
+
+
+def _write_files(root: Path, files: Mapping[str, str | bytes]) -> None:
+    """``{relative name: text or bytes}`` written under ``root`` (folders made as needed)."""
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(text, bytes):
+            (root / rel).write_bytes(text)
+        else:
+            (root / rel).write_text(text)
 
 
 STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16}

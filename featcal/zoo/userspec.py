@@ -2,17 +2,22 @@
 writes (the YAML format: docs/zoos.md, :mod:`featcal.zoo.schema`).
 
 - :func:`find_tasks`: the tasks of a data folder, one entry per task: ``<task>/`` holding
-  ``train/`` and ``test/`` class folders of images (or a ``datasets`` / parquet layout), or a
-  ``<task>.safetensors`` / ``<task>.npz`` file of ``<split>_inputs`` / ``<split>_labels``;
+  ``train/`` and ``test/`` class folders of images (or a ``datasets`` / parquet layout, or
+  ``train.txt`` and ``test.txt``), a ``<task>.safetensors`` / ``<task>.npz`` file of images
+  (``<split>_inputs``) or tokens (``<split>_input_ids``), or a ``<task>.txt`` / ``.tsv`` file of
+  ``label<TAB>text`` lines; :func:`data_kind` says which (image, text, tokens);
 - :func:`model_kind`: a model directory's kind (a dense ``save_pretrained`` directory, a
   PEFT LoRA adapter, which the zoo's loader merges onto the base, an open_clip checkpoint
   file), checked before anything is written;
-- :func:`user_spec` builds the spec dict (validated by :func:`featcal.zoo.schema.from_dict`),
-  :func:`spec_text` its YAML, :func:`write_spec` writes it, never over a file featcal did not write.
+- :func:`user_spec` builds the spec dict (validated by :func:`featcal.zoo.parsing.from_dict`;
+  text or token data make a ``modality: text`` zoo; an optional merged model of the user's own
+  is the spec's ``merged:``), :func:`spec_text` its YAML, :func:`write_spec` writes it, never
+  over a file featcal did not write.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Mapping
@@ -20,11 +25,11 @@ from typing import Mapping
 import yaml
 
 from featcal.model import lora
-from featcal.zoo import schema
+from featcal.zoo import locate, parsing, schema
 
 HEADER = "# featcal zoo spec, written by featcal's app (docs/zoos.md documents every key)\n"
 TENSOR_SUFFIXES = (".safetensors", ".npz")
-TOKEN_KEYS = ("input_ids",)
+TEXT_SUFFIXES = locate.TEXT_SUFFIXES
 
 
 class UserSpecError(ValueError):
@@ -44,17 +49,40 @@ def find_tasks(root: str | os.PathLike) -> dict[str, str]:
         raise UserSpecError(f"data folder {str(folder)!r} does not exist (or is not a folder).")
     tasks = {}
     for p in sorted(folder.iterdir()):
-        if p.is_dir() and ((p / "train").exists() and (p / "test").exists() or (p / "dataset_dict.json").is_file()):
+        split_dirs = (p / "train").exists() and (p / "test").exists()
+        text_dir = all(locate.text_split_file(p, s) for s in ("train", "test"))
+        if p.is_dir() and (split_dirs or text_dir or (p / "dataset_dict.json").is_file()):
             tasks[p.name] = str(p)
-        elif p.is_file() and p.suffix in TENSOR_SUFFIXES:
+        elif p.is_file() and p.suffix in TENSOR_SUFFIXES + TEXT_SUFFIXES:
             tasks[p.stem] = str(p)
     if not tasks:
         raise UserSpecError(
             f"data folder {str(folder)!r} holds no dataset: give one sub-folder per task with train/ and test/ "
-            "class folders of images (<task>/train/<class>/<image>), or a <task>.safetensors / <task>.npz file "
-            "of train_inputs, train_labels, test_inputs, test_labels."
+            "class folders of images (<task>/train/<class>/<image>), a <task>.safetensors / <task>.npz file "
+            "of train_inputs, train_labels, test_inputs, test_labels (or of train_input_ids, ... for tokens), "
+            "or a <task>.txt file of label<TAB>text lines."
         )
     return tasks
+
+
+def data_kind(path: str | os.PathLike) -> str:
+    """``image``, ``text`` (``label<TAB>text`` lines: a ``.txt`` / ``.tsv`` file, or a folder of
+    ``train.txt`` and ``test.txt``) or ``tokens`` (a tensors file of ``train_input_ids``); a
+    tensors file of bare ``input_ids`` (the streamed ``featcal calibrate`` format) is refused."""
+    p = _path(path)
+    if p.is_dir():
+        return "text" if all(locate.text_split_file(p, s) for s in ("train", "test")) else "image"
+    if p.suffix in TEXT_SUFFIXES:
+        return "text"
+    keys = locate.tensor_keys(p) if p.suffix in TENSOR_SUFFIXES and p.is_file() else []
+    if "train_input_ids" in keys:
+        return "tokens"
+    if any(k.split(".")[-1] == "input_ids" for k in keys):
+        raise UserSpecError(
+            f"{str(p)!r} holds bare input_ids (featcal calibrate's --data format): a zoo's token file needs "
+            "train_input_ids, train_labels, test_input_ids, test_labels (and optionally *_attention_mask)."
+        )
+    return "image"
 
 
 def folder_classes(path: str | os.PathLike) -> list[str]:
@@ -65,10 +93,16 @@ def folder_classes(path: str | os.PathLike) -> list[str]:
 
 
 def train_size(path: str | os.PathLike) -> int | None:
-    """Examples in a dataset's train split (image folders and tensor files; None for others)."""
+    """Examples in a dataset's train split (image folders, text and tensor files; None for others;
+    a single text file's: the four fifths that are not test)."""
     p = _path(path)
+    if p.is_dir() and locate.text_split_file(p, "train"):
+        return _lines(locate.text_split_file(p, "train"))
     if (p / "train").is_dir() and not (p / "dataset_dict.json").is_file():
         return sum(1 for c in (p / "train").iterdir() if c.is_dir() for f in c.iterdir() if f.is_file())
+    if p.suffix in TEXT_SUFFIXES and p.is_file():
+        n = _lines(p)
+        return n - max(1, n // 5)  # text_spec.TEST_FRACTION
     if p.suffix == ".npz":
         import numpy as np
 
@@ -82,6 +116,25 @@ def train_size(path: str | os.PathLike) -> int | None:
     return None
 
 
+def _lines(path: Path) -> int:
+    return sum(1 for line in path.read_text(errors="replace").splitlines() if line.strip())
+
+
+def token_classes(path: str | os.PathLike) -> list[str] | None:
+    """The class names a token file stores (``classes``: an npz array or safetensors metadata)."""
+    p = _path(path)
+    if p.suffix == ".npz":
+        import numpy as np
+
+        with np.load(p, allow_pickle=False) as z:
+            return [str(c) for c in z["classes"]] if "classes" in z.files else None
+    from safetensors import safe_open
+
+    with safe_open(str(p), "pt") as f:
+        raw = (f.metadata() or {}).get("classes")
+    return json.loads(raw) if raw else None
+
+
 def default_splits(data: Mapping[str, str]) -> dict:
     """The spec's splits for ``data``: calib and val 256 examples per task each, or halves of
     the smallest train split when it holds fewer than 512; all of test."""
@@ -89,18 +142,6 @@ def default_splits(data: Mapping[str, str]) -> dict:
     n = min(sizes) if sizes else 512
     calib = min(256, max(1, n // 2))
     return {"calib": calib, "val": max(1, min(256, n - calib)), "test": None, "seed": 42}
-
-
-def token_file(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a token file (``input_ids`` tensors: a text / LLM task), which a
-    zoo spec does not take yet (the streamed ``featcal calibrate --base ... --data`` does)."""
-    p = _path(path)
-    if p.suffix != ".safetensors" or not p.is_file():
-        return False
-    from safetensors import safe_open
-
-    with safe_open(str(p), "pt") as f:
-        return any(k.split(".")[-1] in TOKEN_KEYS for k in f.keys())
 
 
 def model_kind(path: str | os.PathLike) -> str:
@@ -135,13 +176,16 @@ def user_spec(
     heads: Mapping[str, str] | None = None,
     fmt: str = "hf",
     splits: Mapping[str, int] | None = None,
+    merged: str | None = None,
 ) -> dict:
     """The spec dict of a zoo of the user's models: ``base`` and ``experts`` (``{task: path}``,
     dense directories, or LoRA adapters where this featcal loads them), ``data``
-    (``{task: path}``, e.g. :func:`find_tasks`), ``heads`` (default zero-shot through the base's
-    text tower, prompted with the class folders' names; ``{"type": "file", "path": ...}`` for
-    trained heads). Every path is checked and
-    made absolute; the dict is validated as a spec before it is returned."""
+    (``{task: path}``, e.g. :func:`find_tasks`; text or token data make a text zoo), ``heads``
+    (default zero-shot: through the base's text tower, prompted with the class folders' names, or
+    for text the base itself on the files' labels; ``{"type": "file", "path": ...}`` for trained
+    heads), ``merged`` (optional: a merged model of the user's own, e.g. a mergekit output, which
+    the app offers as the merger "given"). Every path is checked and made absolute; the dict is
+    validated as a spec before it is returned."""
     if not name or not name.replace("-", "").replace("_", "").isalnum():
         raise UserSpecError(f"zoo name {name!r}: use letters, digits, '-' and '_' only.")
     if not experts:
@@ -149,17 +193,43 @@ def user_spec(
     missing = sorted(set(experts) - set(data))
     if missing:
         raise UserSpecError(f"expert(s) {missing} have no data: add a dataset per task to the data folder.")
-    tokens = [t for t in experts if token_file(data[t])]
-    if tokens:
-        raise UserSpecError(
-            f"task(s) {tokens} have token files: zoo specs take image data only so far. Calibrate text and "
-            "LLM experts with `featcal calibrate --base DIR --expert TASK=DIR ... --data tokens.safetensors`."
-        )
+    kinds = {t: data_kind(data[t]) for t in experts}
+    text = sorted(t for t, k in kinds.items() if k != "image")
+    if text and len(text) < len(kinds):
+        raise UserSpecError(f"the tasks mix image and text data ({kinds}): a zoo reads one or the other.")
+    spec = {"name": name, "format": fmt, **({"modality": "text"} if text else {})}
+    spec.update(_model_entries(base, experts, merged, fmt))
+    spec["heads"] = dict(heads or {"type": "zero_shot"})
+    spec["data"] = {t: {"path": str(_path(data[t]))} for t in experts}
+    spec["splits"] = dict(splits or default_splits({t: data[t] for t in experts}))
+    if spec["heads"].get("type", "zero_shot") == "zero_shot":  # the prompts name the classes
+        named = {t: (token_classes if kinds[t] == "tokens" else folder_classes)(data[t]) for t in experts}
+        unnamed = [t for t in experts if kinds[t] == "tokens" and not named[t]]
+        if unnamed:
+            raise UserSpecError(
+                f"token file(s) of {unnamed} name no classes, which zero-shot heads need: store them (an npz "
+                "`classes` array, safetensors metadata `classes`), or give a heads file."
+            )
+        spec["heads"].setdefault("classes", {t: c for t, c in named.items() if c})
+    if spec["heads"].get("path"):
+        spec["heads"]["path"] = str(_path(spec["heads"]["path"]))
+    try:
+        parsing.from_dict(spec, root=Path.cwd(), source=f"{name}.yaml")
+    except schema.SpecError as exc:
+        raise UserSpecError(str(exc)) from exc
+    return spec
+
+
+def _model_entries(base: str, experts: Mapping[str, str], merged: str | None, fmt: str) -> dict:
+    """``{base, experts, merged}`` entries of the spec, each path checked (kind, LoRA rules)."""
+    roles = [("base", base), *((f"expert {t!r}", p) for t, p in experts.items())]
     entries = {}
-    for role, path in [("base", base), *((f"expert {t!r}", p) for t, p in experts.items())]:
+    for role, path in roles + ([("merged", merged)] if merged else []):
         kind = model_kind(path)
-        if kind == "lora" and role == "base":
-            raise UserSpecError(f"base: {path!r} is a LoRA adapter; the base is the dense model the experts adapt.")
+        if kind == "lora" and not role.startswith("expert"):
+            raise UserSpecError(
+                f"{role}: {path!r} is a LoRA adapter; the {role} model must be dense (a save_pretrained directory)."
+            )
         if kind == "lora" and not lora_supported():
             raise UserSpecError(
                 f"{role}: {path!r} is a LoRA adapter, which this version of featcal does not load yet; "
@@ -168,25 +238,8 @@ def user_spec(
         if kind == "file" and fmt != "open_clip":
             raise UserSpecError(f"{role}: {path!r} is a file; hf models are save_pretrained directories.")
         entries[role] = {"path": str(_path(path))}  # an adapter directory too: the loader merges it onto the base
-    spec = {
-        "name": name,
-        "format": fmt,
-        "base": entries["base"],
-        "experts": {t: entries[f"expert {t!r}"] for t in experts},
-        "heads": dict(heads or {"type": "zero_shot"}),
-        "data": {t: {"path": str(_path(data[t]))} for t in experts},
-        "splits": dict(splits or default_splits({t: data[t] for t in experts})),
-    }
-    if spec["heads"].get("type", "zero_shot") == "zero_shot":  # the prompts name the class folders
-        named = {t: folder_classes(data[t]) for t in experts}
-        spec["heads"].setdefault("classes", {t: c for t, c in named.items() if c})
-    if spec["heads"].get("path"):
-        spec["heads"]["path"] = str(_path(spec["heads"]["path"]))
-    try:
-        schema.from_dict(spec, root=Path.cwd(), source=f"{name}.yaml")
-    except schema.SpecError as exc:
-        raise UserSpecError(str(exc)) from exc
-    return spec
+    out = {"base": entries["base"], "experts": {t: entries[f"expert {t!r}"] for t in experts}}
+    return {**out, "merged": entries["merged"]} if merged else out
 
 
 def spec_text(spec: dict) -> str:

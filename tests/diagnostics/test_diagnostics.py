@@ -1,11 +1,10 @@
-"""Diagnostics: the drift identity e = m + p, its squared split, the zero cases,
-the one-pass cost, and the tables' shapes (tiny seeded models, offline)."""
+"""Diagnostics: the drift identity e = m + p, its squared split, the zero cases, and the pure
+maths (CKA, KL, task-vector cosines, row selection) (tiny seeded models, offline). The cost,
+the cached streams, the tables' shapes and the command lines: test_drift_tables.py."""
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 
 import pandas as pd
 import pytest
@@ -14,12 +13,9 @@ from torch import nn
 
 from diagnostics import (
     WHOLE,
-    diagnose,
     drift_table,
-    drift_tables,
     drift_tokens,
     expert_cosine,
-    expert_streams,
     kl_rows,
     output_drift,
     task_vector_cosine,
@@ -29,8 +25,14 @@ from diagnostics.decomposition import batch_first, select_rows
 from diagnostics.similarity import CKASums, accumulate_cka, linear_cka
 from featcal.model.arch import resolve_blocks
 from featcal.model.streams import catch_block_inputs
-from featcal.zoo.core import TaskData, Zoo
-from tiny import ToyModel, perturbed, tiny_hf_clip, tiny_open_clip_vit, toy_data, toy_zoo
+from tiny import (
+    ToyModel,
+    model_expert_batches,
+    perturbed,
+    toy_data,
+    toy_zoo,
+    toy_zoo_object,
+)
 
 torch.set_num_threads(1)
 
@@ -38,17 +40,6 @@ torch.set_num_threads(1)
 def _wide(df: pd.DataFrame) -> pd.DataFrame:
     """``(task, block)`` x metric."""
     return df.pivot_table(index=["task", "block"], columns="metric", values="value")
-
-
-def _pair(kind: str):
-    """``(model, expert, batches)`` of one architecture."""
-    if kind == "toy":
-        base, experts, merged = toy_zoo(n_tasks=1)
-        return merged, experts["t0"], toy_data(["t0"], n=6, batch=3)["t0"]
-    build = {"hf_clip": tiny_hf_clip, "open_clip": tiny_open_clip_vit}[kind]
-    model = build(seed=0)
-    gen = torch.Generator().manual_seed(3)
-    return model, perturbed(model, 0.05, 1), list(torch.randn(6, 3, 16, 16, generator=gen).split(3))
 
 
 def _walk(model, expert, batch):
@@ -69,7 +60,7 @@ def _walk(model, expert, batch):
 
 @pytest.mark.parametrize("kind", ["toy", "hf_clip", "open_clip"])
 def test_drift_is_mismatch_plus_propagation_per_token(kind):
-    model, expert, batches = _pair(kind)
+    model, expert, batches = model_expert_batches(kind)
     for dt in _walk(model, expert, batches[0]):
         assert dt.e.abs().max() > 1e-3  # a real drift, not a trivial zero
         torch.testing.assert_close(dt.m + dt.p, dt.e, rtol=0, atol=1e-12)  # float64 differences
@@ -77,7 +68,7 @@ def test_drift_is_mismatch_plus_propagation_per_token(kind):
 
 
 def test_identity_is_exact_for_bfloat16_models():
-    model, expert, batches = _pair("toy")
+    model, expert, batches = model_expert_batches("toy")
     model, expert = model.to(torch.bfloat16), expert.to(torch.bfloat16)
     for dt in _walk(model, expert, batches[0].to(torch.bfloat16)):
         assert dt.e.dtype == torch.float64
@@ -107,7 +98,7 @@ def test_block_outputs_without_token_axis():
 
 
 def test_streams_match_the_full_forward():
-    model, expert, batches = _pair("hf_clip")
+    model, expert, batches = model_expert_batches("hf_clip")
     walked = _walk(model, expert, batches[0])
     with torch.no_grad():
         full = model(batches[0], output_hidden_states=True).hidden_states  # (L + 1) x (B, T, d)
@@ -117,7 +108,7 @@ def test_streams_match_the_full_forward():
 
 @pytest.mark.parametrize("tokens", ["all", "cls"])
 def test_squared_drift_splits_exactly(tokens):
-    model, expert, batches = _pair("hf_clip")
+    model, expert, batches = model_expert_batches("hf_clip")
     w = _wide(drift_table(model, {"a": expert}, {"a": batches}, tokens=tokens))
     split = torch.tensor((w.drift_sq_mismatch + w.drift_sq_propagation).values)
     torch.testing.assert_close(torch.tensor(w.drift_sq.values), split, rtol=1e-9, atol=1e-9)
@@ -130,7 +121,7 @@ def test_squared_drift_splits_exactly(tokens):
 
 
 def test_table_means_match_the_tokens():
-    model, expert, batches = _pair("toy")
+    model, expert, batches = model_expert_batches("toy")
     w = _wide(drift_table(model, {"a": expert}, {"a": batches[:1]}, tokens="cls"))
     dts = _walk(model, expert, batches[0])
     for l, dt in enumerate(dts):
@@ -140,26 +131,6 @@ def test_table_means_match_the_tokens():
 
 
 # ----------------------------------------------------------------------------- zero cases
-
-
-def _toy_zoo_obj(model_for_experts=None) -> Zoo:
-    base, experts, _ = toy_zoo(n_tasks=2)
-    if model_for_experts is not None:
-        experts = {t: model_for_experts for t in experts}
-    gen = torch.Generator().manual_seed(5)
-    data = {
-        t: TaskData(
-            t,
-            ["a", "b", "c"],
-            {
-                s: (torch.randn(12, 5, 6, generator=gen), torch.randint(0, 3, (12,), generator=gen))
-                for s in ("calib", "test")
-            },
-        )
-        for t in experts
-    }
-    heads = {t: nn.Linear(8, 3).requires_grad_(False) for t in experts}
-    return Zoo("toy", base, experts, heads, data, features=lambda m, x: m.hidden(x)[:, 0], fmt="torch")
 
 
 def test_model_equal_to_expert_has_no_drift():
@@ -173,7 +144,7 @@ def test_model_equal_to_expert_has_no_drift():
     assert (w.cka - 1).abs().max() < 1e-6
     cos = expert_cosine(copy.deepcopy(expert), experts, data)
     assert (cos.value - 1).abs().max() < 1e-6
-    zoo = _toy_zoo_obj(model_for_experts=expert)
+    zoo = toy_zoo_object(model_for_experts=expert)
     out = _wide(output_drift(copy.deepcopy(expert), zoo))
     assert out.kl.abs().max() < 1e-9
     assert (out.agreement == 100.0).all()
@@ -203,157 +174,6 @@ def test_expert_differing_in_one_block(k):
     assert tv[tv.metric == "task_vector_norm"].value.abs().max() == 0.0
     norms = tv[tv.metric == "expert_task_vector_norm"].set_index("block").value
     assert norms[k] > 0 and all(norms[l] == 0 for l in range(3) if l != k)
-
-
-# ----------------------------------------------------------------------------- cost and shape
-
-
-def test_one_extra_block_call_per_block():
-    model, expert, batches = _pair("toy")
-    calls: dict[str, int] = {}
-
-    def counter(key):
-        def hook(*_):
-            calls[key] = calls.get(key, 0) + 1
-
-        return hook
-
-    handles = [b.register_forward_hook(counter(f"mod{l}")) for l, b in enumerate(model.blocks)]
-    handles += [b.register_forward_hook(counter(f"exp{l}")) for l, b in enumerate(expert.blocks)]
-    handles += [
-        model.stem.register_forward_hook(counter("mod_stem")),
-        model.head.register_forward_hook(counter("mod_head")),
-        expert.stem.register_forward_hook(counter("exp_stem")),
-    ]
-    try:
-        drift_table(model, {"a": expert}, {"a": batches})
-    finally:
-        for h in handles:
-            h.remove()
-    n = len(batches)
-    assert calls == {
-        "mod_stem": n,
-        "exp_stem": n,
-        **{f"mod{l}": 2 * n for l in range(3)},
-        **{f"exp{l}": n for l in range(3)},
-    }
-
-
-@pytest.mark.parametrize("kind", ["toy", "hf_clip", "open_clip"])
-def test_cached_expert_streams_give_the_same_table_without_expert_blocks(kind):
-    model, expert, batches = _pair(kind)
-    other = perturbed(model, 0.1, 7)  # a second diagnosed model
-    data = {"a": batches}
-    cache = expert_streams({"a": expert}, data)
-    _, eblks = resolve_blocks(expert)
-    assert len(cache.calls["a"]) == len(eblks) + 1 and cache.nbytes > 0
-    calls = []
-    handles = [b.register_forward_hook(lambda *_: calls.append(1)) for b in eblks]
-    try:
-        got = [drift_table(m, {"a": expert}, data, expert_cache=cache) for m in (model, other)]
-    finally:
-        for h in handles:
-            h.remove()
-    assert calls == []  # the experts' blocks never ran
-    for m, g in zip((model, other), got):
-        pd.testing.assert_frame_equal(g, drift_table(m, {"a": expert}, data))
-
-
-@pytest.mark.parametrize("kind", ["toy", "hf_clip", "open_clip"])
-def test_a_models_own_streams_kept_while_reading_it_give_the_same_table(kind):
-    """streams_while keeps the model's stream while ``fn`` runs it; drift_table given both
-    caches then runs the model's blocks once per batch (the cross call) and the experts' none."""
-    from diagnostics import streams_while
-    from featcal.model.streams import call_model
-
-    model, expert, batches = _pair(kind)
-    data = {"a": batches}
-
-    def fn(m, b):
-        return call_model(m, b)
-
-    results, own = streams_while(model, data, fn)
-    assert len(results["a"]) == len(batches)
-    with torch.no_grad():
-        first = fn(model.eval(), batches[0])
-    want, got = (
-        x[0] if isinstance(x, (tuple, list)) else getattr(x, "last_hidden_state", x) for x in (first, results["a"][0])
-    )
-    torch.testing.assert_close(got, want)  # fn's own results
-    _, blks = resolve_blocks(model)
-    calls = []
-    handles = [b.register_forward_hook(lambda *_: calls.append(1)) for b in blks]
-    try:
-        table = drift_table(
-            model, {"a": expert}, data, expert_cache=expert_streams({"a": expert}, data), model_cache=own
-        )
-    finally:
-        for h in handles:
-            h.remove()
-    assert len(calls) == len(blks) * len(batches)  # only f_mod(h_exp): once per block and batch
-    pd.testing.assert_frame_equal(table, drift_table(model, {"a": expert}, data))
-
-
-def test_streams_while_needs_a_function_that_runs_every_block():
-    from diagnostics import streams_while
-    from featcal.model.streams import catch_block_inputs
-
-    model, expert, batches = _pair("toy")
-    _, blks = resolve_blocks(model)
-    with pytest.raises(RuntimeError, match="did not run every block"):
-        streams_while(model, {"a": batches}, lambda m, b: catch_block_inputs(m, blks[0], b))
-    _, own = streams_while(model, {"a": batches}, lambda m, b: m(b))
-    with pytest.raises(ValueError, match="model_cache .*streams_while"):
-        drift_table(model, {"a": expert}, {"a": batches[:1]}, model_cache=own)
-
-
-def test_cached_expert_streams_must_match_the_data():
-    model, expert, batches = _pair("toy")
-    cache = expert_streams({"a": expert}, {"a": batches})
-    with pytest.raises(ValueError, match="tasks"):
-        drift_table(model, {"b": expert}, {"b": batches}, expert_cache=cache)
-    with pytest.raises(ValueError, match="batches"):
-        drift_table(model, {"a": expert}, {"a": batches[:1]}, expert_cache=cache)
-
-
-def test_per_example_rows_only_for_final_features():
-    zoo = _toy_zoo_obj()
-    tables, summary = diagnose(zoo.merged("task_arithmetic"), zoo, n_per_task=6, batch_size=4)
-    assert set(tables) == {"drift", "expert_cosine", "task_vector", "output"}
-    assert [n for n, df in tables.items() if "example" in df.columns] == ["expert_cosine"]
-    cos = tables["expert_cosine"]
-    assert (cos.block == WHOLE).all() and (cos.metric == "expert_cosine").all()
-    assert sorted(cos.groupby("task").example.apply(list).iloc[0]) == list(range(6))
-    drift = tables["drift"]
-    assert list(drift.columns) == ["task", "block", "metric", "value"]
-    assert sorted(drift.block.unique()) == [0, 1, 2]
-    assert len(drift) == 2 * 3 * drift.metric.nunique()
-    assert "KL(expert" in summary and "task-vector cosine" in summary
-
-
-def test_padding_is_excluded():
-    class MaskedToy(ToyModel):
-        def forward(self, x, attention_mask=None):
-            return super().forward(x)
-
-    torch.manual_seed(0)
-    model = MaskedToy()
-    expert = perturbed(model, 0.2, 3)
-    x = torch.randn(4, 5, 6)
-    padded = x.clone()
-    padded[:, 3:] = 100.0  # garbage in the padding
-    mask = torch.ones(4, 5, dtype=torch.long)
-    mask[:, 3:] = 0
-    got = drift_table(model, {"a": expert}, {"a": [{"x": padded, "attention_mask": mask}]})
-    want = drift_table(model, {"a": expert}, {"a": [x[:, :3]]})  # tokens never mix in the toy
-    torch.testing.assert_close(torch.tensor(got.value.values), torch.tensor(want.value.values))
-
-
-def test_drift_tables_and_model_column():
-    base, experts, merged = toy_zoo(n_tasks=2)
-    df = drift_tables({"merged": merged, "base": base}, experts, toy_data(experts, n=3, batch=3), cka=False)
-    assert list(df.columns[:2]) == ["model", "task"] and set(df.model) == {"merged", "base"}
-    assert "cka" not in set(df.metric)
 
 
 # ----------------------------------------------------------------------------- pure maths
@@ -438,65 +258,3 @@ def test_row_selection_and_layout():
     torch.testing.assert_close(select_rows(h, "cls", mask), h[:1, 0])  # example 1's first token is padding
     assert select_rows(h[:, 0], "all").shape == (2, 2)  # no token axis: one row per example
     torch.testing.assert_close(batch_first(h.transpose(0, 1), 2), h)
-
-
-# ----------------------------------------------------------------------------- CLI plumbing
-
-
-@pytest.mark.parametrize("which", ["merged", "calibrated", "DIR"])
-def test_cli_writes_tables_and_summary(tmp_path, monkeypatch, which):
-    from diagnostics import cli
-    from featcal.zoo.io import save_model
-
-    zoo = _toy_zoo_obj()
-    monkeypatch.setattr("featcal.cli.common.load_any", lambda spec, progress=True, device="cpu": zoo)
-    if which == "DIR":
-        which = str(save_model(zoo.merged("task_arithmetic"), tmp_path / "saved", fmt="torch"))
-    parser = cli.add_arguments(argparse.ArgumentParser(prog="featcal diagnose"))
-    args = parser.parse_args(
-        ["--zoo", "toy", "--model", which, "--n-per-task", "4", "--out", str(tmp_path / "diag"), "--quiet", "--no-cka"]
-    )
-    assert cli.run(args) == 0
-    files = sorted(p.name for p in (tmp_path / "diag").iterdir())
-    tables = ["drift.csv", "expert_cosine.csv", "output.csv", "summary.txt", "task_vector.csv"]
-    assert files == [".featcal-output.json", *tables]  # the tables and featcal's marker listing them
-    assert json.loads((tmp_path / "diag" / ".featcal-output.json").read_text())["files"] == tables
-    drift = pd.read_csv(tmp_path / "diag" / "drift.csv")
-    assert list(drift.columns) == ["task", "block", "metric", "value"]
-    assert "relative drift" in (tmp_path / "diag" / "summary.txt").read_text()
-
-
-def test_featcal_cli_has_diagnose(tmp_path, monkeypatch, capsys):
-    from featcal.cli import commands as featcal_cli
-
-    zoo = _toy_zoo_obj()
-    monkeypatch.setattr("featcal.cli.common.load_any", lambda spec, progress=True, device="cpu": zoo)
-    argv = ["diagnose", "--zoo", "toy", "--n-per-task", "4", "--format", "parquet", "--out", str(tmp_path / "d")]
-    assert featcal_cli.main(argv) == 0
-    assert "KL(expert || merged)" in capsys.readouterr().out
-    assert (tmp_path / "d" / "drift.parquet").is_file()
-    assert featcal_cli.main(argv) == 2  # the output exists: one error line, no traceback
-    assert "already exists" in capsys.readouterr().err
-
-
-def test_an_expert_trace_keeps_the_streams_the_drift_table_reads():
-    """One type for the experts' streams at every block: what a calibration's ExpertTrace
-    kept serves drift_table as its expert cache (the same table, no expert block run)."""
-    from featcal import ExpertTrace, FeatCalConfig, calibrate
-
-    base, experts, merged = toy_zoo(n_tasks=2, n_blocks=2)
-    data = toy_data(experts, n=16)
-    trace = ExpertTrace()
-    model, report = calibrate(
-        merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig(), expert_trace=trace, progress=False
-    )
-    kept = trace.streams[report.blocks_path]
-    assert all(len(kept.calls[t]) == 3 for t in experts)  # block 0, 1 inputs and block 1's output
-    want = drift_table(model, experts, data, cka=False)
-    calls = []
-    for e in experts.values():
-        for blk in resolve_blocks(e)[1]:
-            blk.register_forward_hook(lambda *a: calls.append(1))
-    got = drift_table(model, experts, data, cka=False, expert_cache=kept)
-    pd.testing.assert_frame_equal(got, want)
-    assert calls == []  # the experts' blocks did not run again

@@ -67,3 +67,30 @@ def test_preview_needs_kept_stats():
     _, report = calibrate(merged, base=base, experts=experts, calib_data=tiny.toy_data(experts), progress=False)
     with pytest.raises(RuntimeError, match="keep_stats=True"):
         report.preview(lam=1.0)
+
+
+def test_prepare_on_another_thread_beside_previews_changes_nothing():
+    """The app decomposes a run's systems in the background while a preview may already be
+    reading them: every previewed parameter is the one a single thread computes."""
+    import threading
+
+    base, experts, merged = tiny.toy_zoo(n_tasks=3, n_blocks=3)
+    data = tiny.toy_data(experts, n=40)
+    cfg = FeatCalConfig(stats_dtype=torch.float64)
+    runs = [
+        calibrate(merged, base=base, experts=experts, calib_data=data, config=cfg, keep_stats=True, progress=False)[1]
+        for _ in range(2)
+    ]
+    at = cfg.with_(lam=0.3, rho=1.5, alpha=0.6).setting
+    want = runs[0].preview_state.params(at)
+    state = runs[1].preview_state
+    assert not state._eig  # nothing decomposed yet
+    worker = threading.Thread(target=state.prepare)
+    worker.start()
+    got = [state.params(at) for _ in range(3)]  # beside the worker, racing it
+    worker.join()
+    assert len(state._eig) == sum(e.target.kind == "linear" for e in state.entries)
+    for params in got:
+        for (blk, t, W, b), (blk0, t0, W0, b0) in zip(params, want):
+            assert (blk, t.name) == (blk0, t0.name) and torch.allclose(W, W0, atol=1e-10)
+            assert (b is None) == (b0 is None) and (b is None or torch.allclose(b, b0, atol=1e-10))

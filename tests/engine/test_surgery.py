@@ -2,6 +2,8 @@
 embedding, SurgeryV2's token-mean loss, the authors' schedule, and the papers' parameter counts
 on a model of ViT-B/32's size (d 768, 12 blocks, a 512-d projection)."""
 
+import copy
+
 import pytest
 import torch
 from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
@@ -148,3 +150,65 @@ def test_the_authors_schedule_is_the_default():
     for fn in (surgery, surgery_v2):
         p = inspect.signature(fn).parameters
         assert (p["rank"].default, p["steps"].default, p["lr"].default, p["batch"].default) == (16, 1000, 1e-3, 16)
+
+
+def _per_step_reference(method, merged, expert, batches, steps, batch, lr, seed=0, rank=16):
+    """The training as the papers' loops run it: each step runs expert i and the merged model (its
+    modules inside) on the minibatch. featcal computes expert i's features once (and, for
+    Surgery, the merged model's final embeddings): the same steps."""
+    from featcal.baselines.examples import ExamplePool
+    from featcal.baselines.trained import surgery as S
+
+    model = copy.deepcopy(merged).eval().requires_grad_(False)
+    path, blks = resolve_blocks(model)
+    emb = S.final_embedding(model, path)
+    d, d_out = S._widths(model, path, emb, batches[0])
+    per_block = method == "surgery_v2"
+    mods = S.surgery_modules(d, d_out, len(blks), per_block, emb, rank, torch.Generator().manual_seed(seed))
+    sites = S._sites(path, len(blks), per_block, emb)
+    S.place(model, path, emb, mods)
+    opt = torch.optim.Adam([p for m in mods.values() for p in m.parameters()], lr=lr)
+    draws = ExamplePool(batches).minibatches(batch, torch.Generator().manual_seed(seed))
+    mine, theirs = S._Capture(model, sites), S._Capture(expert, sites)
+    losses = []
+    for _ in range(steps):
+        xb = next(draws)
+        with torch.no_grad():
+            call_model(expert, xb)
+        call_model(model, xb)
+        loss = S._loss(mine.out, dict(theirs.out), emb, len(blks), S._mask(xb))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return mods, losses
+
+
+def _tokens(lengths, width, vocab, seed):
+    """A padded token batch: ``{input_ids, attention_mask}`` with the given lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (len(lengths), width), generator=gen)
+    mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+    return {"input_ids": ids * mask, "attention_mask": mask}
+
+
+@pytest.mark.parametrize("method", ["surgery", "surgery_v2"])
+@pytest.mark.parametrize("kind", ["bert_mean", "bert_mean_ragged", "llama_tokens", "clip_projection"])
+def test_features_computed_once_train_as_the_per_step_loop_does(method, kind):
+    if kind == "clip_projection":
+        base = tiny_hf_clip(with_projection=True)
+        batches = [torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    else:
+        base = tiny_llama() if kind == "llama_tokens" else tiny_bert().bert
+        widths = [7, 5, 6] if kind == "bert_mean_ragged" else [7, 7, 7]  # ragged: one draw per given batch
+        batches = [_tokens([w, w - 2, 3, w - 1], w, 40, i) for i, w in enumerate(widths)]
+    expert, merged = perturbed(base, 0.05, 10), perturbed(base, 0.02, 3)
+    fn = surgery if method == "surgery" else surgery_v2
+    cal = fn(merged, {"t": expert}, {"t": batches}, steps=9, batch=5, lr=1e-2, progress=False)
+    mods, losses = _per_step_reference(method, merged, expert, batches, steps=9, batch=5, lr=1e-2)
+    assert cal.runs["t"].losses == pytest.approx(losses, rel=1e-4, abs=1e-6)
+    assert all(m.W_up.abs().max() > 1e-3 for m in mods.values())  # the modules moved off zero
+    assert set(cal.modules["t"]) == set(mods)
+    for key, mod in mods.items():
+        for name, p in mod.named_parameters():
+            assert torch.allclose(getattr(cal.modules["t"][key], name), p, atol=1e-5), (key, name)

@@ -55,13 +55,14 @@ ZOO_LAYERS = {
         "featcal.zoo.resolve",
         "featcal.zoo.tokens",
     ),
-    "schema": ("featcal.zoo.schema",),
+    "schema": ("featcal.zoo.schema", "featcal.zoo.parsing"),
     "locate": ("featcal.zoo.locate",),
     "load": (
         "featcal.zoo.userspec",  # writes a spec from the user's folders (the app's "Your models")
         "featcal.zoo.loaders",
         "featcal.zoo.heads",
         "featcal.zoo.data",
+        "featcal.zoo.text_spec",  # a spec's text zoo: encoders, tokenizer, text and token files
         "featcal.zoo.spec",
         "featcal.zoo.store",
         "featcal.zoo.scores",

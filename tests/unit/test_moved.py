@@ -24,9 +24,13 @@ def test_an_old_module_name_is_the_new_module_with_a_warning(old):
         ("featcal.engine", "calibrate", "featcal.engine.run"),
         ("featcal.streaming", "calibrate_checkpoints", "featcal.streaming.run"),
         ("featcal.cli", "main", "featcal.cli.commands"),
+        ("featcal.model.checkpoints", "skeleton", "featcal.model.skeletons"),
+        ("featcal.model.checkpoints", "release", "featcal.model.skeletons"),
+        ("featcal.zoo.schema", "parse", "featcal.zoo.parsing"),
+        ("featcal.zoo.schema", "from_dict", "featcal.zoo.parsing"),
     ],
 )
-def test_the_old_modules_that_became_packages_keep_their_names(package, name, target):
+def test_the_names_an_old_module_held_still_work_from_it(package, name, target):
     pkg = importlib.import_module(package)
     pkg.__dict__.pop(name, None)
     with pytest.warns(DeprecationWarning, match=f"{package}.{name} moved to {target}.{name}"):
@@ -34,3 +38,14 @@ def test_the_old_modules_that_became_packages_keep_their_names(package, name, ta
     assert value is getattr(importlib.import_module(target), name)
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         pkg.no_such_name
+
+
+@pytest.mark.parametrize("module", ["featcal.cli.calibrate", "featcal.cli.evaluate", "featcal.engine.run"])
+def test_a_package_module_imported_first_finds_its_sibling_modules(module):
+    """``from featcal.cli import ranks`` inside the package is the submodule, not an old name
+    looked up in the flat module's successor (which would import it half-way: a circular import)."""
+    import subprocess
+
+    code = f"import {module}"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -9,7 +9,8 @@ import shutil
 import pytest
 
 from featcal.cli import commands as cli
-from featcal.model.checkpoints import Checkpoint, skeleton
+from featcal.model.checkpoints import Checkpoint
+from featcal.model.skeletons import skeleton
 from featcal.zoo import load_any
 from featcal.zoo.io import tree_sha256
 

@@ -32,7 +32,14 @@ import torch
 from torch import nn
 
 from featcal.baselines.trained.modules import Bridge, error_bases, escal_weights, frozen, insert
-from featcal.baselines.trained.training import Schedule, TaskRun, block_weights, check_schedule, train_task
+from featcal.baselines.trained.training import (
+    Schedule,
+    TaskRun,
+    TrainOptions,
+    block_weights,
+    check_schedule,
+    train_task,
+)
 from featcal.model.arch import resolve_blocks
 from featcal.model.modes import eval_mode
 from featcal.model.streams import call_model, device_of, to_device
@@ -209,25 +216,9 @@ def escal(
             mods[l] = Bridge(U_r.float(), U_w.float())
         return mods
 
-    settings = dict(rank=r, epochs=epochs, lr=lr, batch=batch, seed=seed, last_read=last_read)
-    return _run(
-        "escal",
-        merged,
-        experts,
-        calib_data,
-        path,
-        make,
-        loss="mse",
-        epochs=epochs,
-        lr=lr,
-        batch=batch,
-        seed=seed,
-        tokens=tokens,
-        weights=block_weights,
-        settings=settings,
-        device=device,
-        progress=progress,
-    )
+    opts = TrainOptions(r, epochs, lr, batch, seed, device, progress)
+    extra = {"last_read": last_read}
+    return _run("escal", merged, experts, calib_data, path, make, opts, "mse", tokens, block_weights, extra)
 
 
 # ----------------------------------------------------------------------------- shared plumbing
@@ -241,35 +232,19 @@ def checked_models(merged, experts, calib_data, blocks) -> tuple[str, nn.ModuleL
     return resolve_blocks(merged, blocks)
 
 
-def _run(
-    method,
-    merged,
-    experts,
-    calib_data,
-    path,
-    make,
-    *,
-    loss,
-    epochs,
-    lr,
-    batch,
-    seed,
-    tokens,
-    weights,
-    settings,
-    device,
-    progress,
-) -> TaskCalibrated:
-    """Train each task's modules on a private copy of the merged model (frozen)."""
-    check_schedule(epochs, lr, batch, tokens)
-    model = copy.deepcopy(merged).to(device if device is not None else device_of(merged)).eval()
-    model.requires_grad_(False)
+def _run(method, merged, experts, calib_data, path, make, opts: TrainOptions, loss, tokens, weights, extra):
+    """Train each task's modules (``make(task, model)``) on a private copy of the merged model
+    (frozen), for ``opts.length`` epochs; ``extra``: the method's own settings to record."""
+    check_schedule(opts.length, opts.lr, opts.batch, tokens)
+    model = opts.training_copy(merged)
     modules, runs = {}, {}
     for task in experts:
         mods = make(task, model)
-        sched = Schedule(epochs, lr, batch, seed, loss, tokens, block_weights(weights, sorted(mods)))
-        runs[task] = train_task(model, path, experts[task], calib_data[task], mods, sched, f"{method} {task}", progress)
+        weighted = block_weights(weights, sorted(mods))
+        sched = Schedule(opts.length, opts.lr, opts.batch, opts.seed, loss, tokens, weighted)
+        desc = f"{method} {task}"
+        runs[task] = train_task(model, path, experts[task], calib_data[task], mods, sched, desc, opts.progress)
         modules[task] = mods
     steps = {t: r.steps for t, r in runs.items()}
-    settings = dict(settings, steps=steps, tokens=tokens, device=str(device_of(model)))
+    settings = dict(opts.settings("epochs"), **extra, steps=steps, tokens=tokens, device=str(device_of(model)))
     return TaskCalibrated(method, model, path, modules, runs, settings)

@@ -47,7 +47,7 @@ from torch import nn
 from featcal.baselines.examples import ExamplePool, take
 from featcal.baselines.trained.calibrators import TaskCalibrated, checked_models
 from featcal.baselines.trained.modules import ATTR, SurgeryAdapter, insert
-from featcal.baselines.trained.training import TaskRun
+from featcal.baselines.trained.training import TaskRun, TrainOptions
 from featcal.model.arch import resolve_blocks
 from featcal.model.modes import eval_mode
 from featcal.model.streams import call_model, device_of
@@ -119,17 +119,6 @@ def token_mean(h: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return (h * w).sum(1) / w.sum(1).clamp_min(1.0)
 
 
-def embedding_distance(z: torch.Tensor, target: torch.Tensor, pool: str, mask) -> torch.Tensor:
-    """The L1 distance of the final embedding: as it is (``example``), of the token means
-    (``mean``), or over the non-padding tokens (``tokens``)."""
-    if pool == "mean":
-        return F.l1_loss(token_mean(z, mask).float(), token_mean(target, mask).float())
-    if pool == "tokens" and mask is not None and z.dim() == 3:
-        keep = mask.to(z.device).bool()
-        return F.l1_loss(z[keep].float(), target[keep].float())
-    return F.l1_loss(z.float(), target.float())
-
-
 class _Capture:
     """Forward hooks keeping the first output of the given submodules."""
 
@@ -157,48 +146,106 @@ def _sites(path: str, n_blocks: int, block_modules: bool, emb: Embedding) -> dic
     return sites
 
 
-def _loss(out: dict, target: dict, emb: Embedding, n_blocks: int, mask) -> torch.Tensor:
-    """The unweighted sum of the L1 terms: each block's token means, the final embedding's."""
+def _is_final(key, emb: Embedding, n_blocks: int) -> bool:
+    return key == "embedding" or (emb.is_last_block and key == n_blocks - 1)
+
+
+def compared(key, h: torch.Tensor, emb: Embedding, n_blocks: int, mask) -> torch.Tensor:
+    """What the loss compares at site ``key``, one row per example: a block's token mean; the
+    final embedding's token mean (``mean``), itself (``example``) or every token (``tokens``:
+    ``(B, T, d)``, the padding left out in :func:`_loss_to`)."""
+    if _is_final(key, emb, n_blocks) and emb.pool != "mean":
+        return h
+    return token_mean(h, mask)
+
+
+def _loss_to(out: dict, target: dict, emb: Embedding, n_blocks: int, mask) -> torch.Tensor:
+    """The unweighted sum of the L1 terms between ``out`` (the sites' outputs) and ``target``
+    (expert i's, already :func:`compared`)."""
     loss = 0.0
     for key, h in out.items():
-        if key == "embedding" or (emb.is_last_block and key == n_blocks - 1):
-            loss = loss + embedding_distance(h, target[key], emb.pool, mask)
-        else:
-            loss = loss + F.l1_loss(token_mean(h, mask).float(), token_mean(target[key], mask).float())
+        z, t = compared(key, h, emb, n_blocks, mask), target[key]
+        if _is_final(key, emb, n_blocks) and emb.pool == "tokens" and mask is not None and z.dim() == 3:
+            keep = mask.to(z.device).bool()
+            z, t = z[keep], t[keep]
+        loss = loss + F.l1_loss(z.float(), t.float())
     return loss
 
 
-def _train(model, path, emb, expert, batches, modules, steps, lr, batch, seed, desc, progress) -> TaskRun:
+def _loss(out: dict, target: dict, emb: Embedding, n_blocks: int, mask) -> torch.Tensor:
+    """The unweighted sum of the L1 terms: each block's token means, the final embedding's."""
+    target = {k: compared(k, v, emb, n_blocks, mask) for k, v in target.items()}
+    return _loss_to(out, target, emb, n_blocks, mask)
+
+
+@torch.no_grad()
+def site_outputs(model: nn.Module, unit, sites: Mapping, batch: int, reduce=None) -> dict:
+    """``{site: output}`` of ``model`` on ``unit`` (a batch), run in chunks of ``batch``
+    examples; ``reduce(key, h, mask)`` maps each chunk's output (default: kept as it is)."""
+    cap, parts = _Capture(model, sites), {k: [] for k in sites}
+    try:
+        with eval_mode(model):
+            for xb in ExamplePool([unit]).in_order(batch):
+                call_model(model, _to(xb, device_of(model)))
+                for k, h in cap.out.items():
+                    parts[k].append(h if reduce is None else reduce(k, h, _mask(xb)))
+    finally:
+        cap.close()
+    return {k: torch.cat(v) for k, v in parts.items()}
+
+
+def _rows(x, idx):
+    return x if idx is None else (take(x, idx) if isinstance(x, Mapping) else x[idx])
+
+
+def _train(model, path, emb, expert, batches, modules, opts: TrainOptions, desc: str) -> TaskRun:
     """Adam on ``modules`` (``{block: module, "embedding": module}``), inserted into ``model``
-    (a private copy); each step: one minibatch, expert i's features (no gradient), the loss."""
+    (a private copy), for ``opts.length`` steps. Expert i's features are computed once (the
+    targets, frozen); with modules after the blocks (SurgeryV2), each step runs the model on one
+    minibatch; with only the final module (Surgery), the merged model's final embeddings are
+    computed once too, and each step runs the module alone (the same steps: nothing before the
+    module changes)."""
     start = time.perf_counter()
     n_blocks = len(resolve_blocks(model, path)[1])
     block_mods = any(k != "embedding" for k in modules)
     sites = _sites(path, n_blocks, block_mods, emb)
+    pool = ExamplePool(batches)
+    units = [_to(u, device_of(expert)) for u in pool.units]
+    dev = device_of(model)
+
+    def reduce(k, h, mask):
+        return compared(k, h, emb, n_blocks, mask).to(dev)
+
+    targets = [site_outputs(expert, u, sites, opts.batch, reduce) for u in units]
+    units = [_to(u, dev) for u in units]
+    inputs = None if block_mods else [site_outputs(model, u, sites, opts.batch) for u in units]
     place(model, path, emb, modules)
     params = [p for m in modules.values() for p in m.parameters()]
-    opt = torch.optim.Adam(params, lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
-    draws = ExamplePool(batches).minibatches(batch, torch.Generator().manual_seed(seed))
-    mine, theirs = _Capture(model, sites), _Capture(expert, sites)
+    opt = torch.optim.Adam(params, lr=opts.lr, betas=(0.9, 0.999), weight_decay=0.0)
+    draws = pool.draws(opts.batch, torch.Generator().manual_seed(opts.seed))
+    mine = _Capture(model, sites) if block_mods else None
     losses = []
     try:
-        with eval_mode(model, expert):
-            for _ in bar(range(steps), desc=desc, unit="step", show=progress):
-                xb = next(draws)
-                with torch.no_grad():
-                    call_model(expert, _to(xb, device_of(expert)))
-                target = {k: v.to(device_of(model)) for k, v in theirs.out.items()}
-                call_model(model, _to(xb, device_of(model)))
-                loss = _loss(mine.out, target, emb, n_blocks, _mask(xb))
+        with eval_mode(model):
+            for _ in bar(range(opts.length), desc=desc, unit="step", show=opts.progress):
+                j, idx = next(draws)
+                xb = _rows(units[j], idx)
+                if block_mods:
+                    call_model(model, xb)
+                    out = mine.out
+                else:
+                    out = {k: modules[k](_rows(h, idx)) for k, h in inputs[j].items()}
+                target = {k: _rows(v, idx) for k, v in targets[j].items()}
+                loss = _loss_to(out, target, emb, n_blocks, _mask(xb))
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
                 losses.append(float(loss.detach()))
                 if not torch.isfinite(loss):
-                    raise FloatingPointError(f"{desc}: the loss became {losses[-1]}; lower lr (now {lr:g}).")
+                    raise FloatingPointError(f"{desc}: the loss became {losses[-1]}; lower lr (now {opts.lr:g}).")
     finally:
-        mine.close()
-        theirs.close()
+        if mine is not None:
+            mine.close()
         unplace(model, path, emb, modules)
     return TaskRun(losses, time.perf_counter() - start)
 
@@ -264,23 +311,8 @@ def surgery(
 ) -> TaskCalibrated:
     """Representation Surgery: per task, one module on the final embedding, L1 to expert i's
     (module docstring). Adds ``2 d_out r`` numbers per task."""
-    return _run(
-        "surgery",
-        merged,
-        experts,
-        calib_data,
-        False,
-        rank,
-        steps,
-        lr,
-        batch,
-        seed,
-        embedding,
-        pool,
-        blocks,
-        device,
-        progress,
-    )
+    opts = TrainOptions(rank, steps, lr, batch, seed, device, progress)
+    return _run("surgery", merged, experts, calib_data, opts, False, embedding, pool, blocks)
 
 
 def surgery_v2(
@@ -302,23 +334,8 @@ def surgery_v2(
     """SurgeryV2: per task, a module after every block (every token) and one on the final
     embedding; loss: the L1 of the token means at every block plus the final embedding's
     (module docstring). Adds ``2 L d r + 2 d_out r`` numbers per task."""
-    return _run(
-        "surgery_v2",
-        merged,
-        experts,
-        calib_data,
-        True,
-        rank,
-        steps,
-        lr,
-        batch,
-        seed,
-        embedding,
-        pool,
-        blocks,
-        device,
-        progress,
-    )
+    opts = TrainOptions(rank, steps, lr, batch, seed, device, progress)
+    return _run("surgery_v2", merged, experts, calib_data, opts, True, embedding, pool, blocks)
 
 
 def surgery_modules(
@@ -332,42 +349,27 @@ def surgery_modules(
     return mods
 
 
-def _run(
-    method,
-    merged,
-    experts,
-    calib_data,
-    per_block,
-    rank,
-    steps,
-    lr,
-    batch,
-    seed,
-    embedding,
-    pool,
-    blocks,
-    device,
-    progress,
-):
-    if rank < 1 or steps < 1 or batch < 1 or not lr > 0:
+def _run(method, merged, experts, calib_data, opts: TrainOptions, per_block: bool, embedding, pool, blocks):
+    """Train each task's fresh modules (:func:`surgery_modules`) on a private copy of the merged
+    model (frozen), for ``opts.length`` steps."""
+    if opts.rank < 1 or opts.length < 1 or opts.batch < 1 or not opts.lr > 0:
         raise ValueError(
-            f"{method}: rank, steps and batch must be >= 1 and lr > 0; got {rank}, {steps}, {batch}, {lr}."
+            f"{method}: rank, steps and batch must be >= 1 and lr > 0; "
+            f"got {opts.rank}, {opts.length}, {opts.batch}, {opts.lr}."
         )
     path, _ = checked_models(merged, experts, calib_data, blocks)
-    model = copy.deepcopy(merged).to(device if device is not None else device_of(merged)).eval()
-    model.requires_grad_(False)
+    model = opts.training_copy(merged)
     n_blocks = len(resolve_blocks(model, path)[1])
     emb = final_embedding(model, path, embedding, pool)
     d, d_out = _widths(model, path, emb, calib_data[next(iter(experts))][0])
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(opts.seed)
     modules, runs = {}, {}
     for task, expert in experts.items():
         if device_of(expert) != device_of(model):
             expert = copy.deepcopy(expert).to(device_of(model))
-        mods = surgery_modules(d, d_out, n_blocks, per_block, emb, rank, gen, device_of(model))
-        args = (model, path, emb, expert, calib_data[task], mods, steps, lr, batch, seed)
-        runs[task] = _train(*args, f"{method} {task}", progress)
+        mods = surgery_modules(d, d_out, n_blocks, per_block, emb, opts.rank, gen, device_of(model))
+        runs[task] = _train(model, path, emb, expert, calib_data[task], mods, opts, f"{method} {task}")
         modules[task] = mods
-    settings = dict(rank=rank, steps=steps, lr=lr, batch=batch, seed=seed, embedding=emb.path, pool=emb.pool)
+    settings = dict(opts.settings("steps"), embedding=emb.path, pool=emb.pool)
     settings["device"] = str(device_of(model))
     return TaskCalibrated(method, model, path, modules, runs, settings, embedding=emb.path)

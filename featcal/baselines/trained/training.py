@@ -39,6 +39,35 @@ TOKENS = ("all", "cls")
 LOSSES = {"mse": F.mse_loss, "l1": F.l1_loss}
 
 
+@dataclass(frozen=True)
+class TrainOptions:
+    """What ESCal, Surgery and SurgeryV2 train with: modules of ``rank``, Adam at ``lr`` for
+    ``length`` (ESCal: epochs over each task's examples; Surgery, SurgeryV2: steps), minibatches of
+    ``batch`` examples drawn with ``seed``, on ``device`` (default: the merged model's), with a
+    ``progress`` bar. The public functions take these as keywords, which the registry, the CLI's
+    ``--param escal.rank=...`` and :func:`diagnostics.compare` read from their signatures, and
+    hand them on as this one object."""
+
+    rank: int
+    length: int
+    lr: float
+    batch: int
+    seed: int
+    device: str | torch.device | None = None
+    progress: bool = True
+
+    def settings(self, length_name: str) -> dict:
+        """The training's part of a :class:`~featcal.baselines.trained.calibrators.TaskCalibrated`'s
+        ``settings``, ``length`` under its method's name for it (``epochs`` or ``steps``)."""
+        return {"rank": self.rank, length_name: self.length, "lr": self.lr, "batch": self.batch, "seed": self.seed}
+
+    def training_copy(self, merged: nn.Module) -> nn.Module:
+        """The model the modules train in: a copy of ``merged`` on :attr:`device`, frozen, in eval
+        mode (the merged model given is never changed)."""
+        model = copy.deepcopy(merged).to(self.device if self.device is not None else device_of(merged)).eval()
+        return model.requires_grad_(False)
+
+
 @dataclass
 class Schedule:
     """How the modules are trained: ``epochs`` passes over the task's examples with Adam at
