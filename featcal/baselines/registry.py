@@ -334,9 +334,12 @@ def parse_param_items(items: list[str] | None, methods: list[str] | None = None)
     return out
 
 
-def zoo_logits(zoo) -> Callable:
+def zoo_logits(zoo) -> Callable | None:
     """``logits(model, task, batch)``: the class logits of ``model`` through the zoo's frozen head
-    for ``task`` (with gradients, unlike ``Zoo.logits``): what AdaMerging and Fisher merging read."""
+    for ``task`` (with gradients, unlike ``Zoo.logits``): what AdaMerging and Fisher merging read.
+    None for a zoo without heads (an LLM zoo), which those two then refuse with their reason."""
+    if not zoo.heads:
+        return None
 
     def logits(model: nn.Module, task: str, batch):
         head = zoo.heads[task]

@@ -108,14 +108,35 @@ PRESETS = {
 
 
 def _featcal_config(args):
-    extra = {"stats_dtype": torch.float64} if getattr(args, "stats_dtype", None) == "float64" else {}
-    return PRESETS[args.preset](lam=args.lam, rho=args.rho, alpha=args.alpha, **extra)
+    """The anchor: the preset with the ``--lam/--rho/--alpha`` given (the preset's own where not;
+    for clip and default those are the paper's CLIP setting, lam 0.05, rho 2, alpha 0.3)."""
+    given = {k: getattr(args, k) for k in ("lam", "rho", "alpha") if getattr(args, k) is not None}
+    if args.preset != "llama-3b":
+        given = {"lam": 0.05, "rho": 2.0, "alpha": 0.3, **given}
+    if getattr(args, "stats_dtype", None) == "float64":
+        given["stats_dtype"] = torch.float64
+    return PRESETS[args.preset](**given)
 
 
 def _anchor_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lam", type=float, default=0.05, help="lambda of the anchor / studied setting (paper CLIP: 0.05)")
-    p.add_argument("--rho", type=float, default=2.0, help="rho of the anchor / studied setting (paper CLIP: 2.0)")
-    p.add_argument("--alpha", type=float, default=0.3, help="alpha of the anchor / studied setting (paper CLIP: 0.3)")
+    p.add_argument(
+        "--lam",
+        type=float,
+        default=None,
+        help="lam of the anchor / studied setting (default: the preset's, CLIP: 0.05)",
+    )
+    p.add_argument(
+        "--rho",
+        type=float,
+        default=None,
+        help="rho of the anchor / studied setting (default: the preset's, CLIP: 2.0)",
+    )
+    p.add_argument(
+        "--alpha",
+        type=float,
+        default=None,
+        help="alpha of the anchor / studied setting (default: the preset's, CLIP: 0.3)",
+    )
     p.add_argument(
         "--preset",
         choices=sorted(PRESETS),

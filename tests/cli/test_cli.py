@@ -287,3 +287,19 @@ def test_merge_runs_adamerging_and_fisher_through_the_zoos_heads(tiny_zoo_dir, t
         ).state_dict()
         got = load_model(str(out), like=zoo.base).state_dict()
         assert all(torch.allclose(got[k], v, atol=1e-5) for k, v in want.items()), method
+
+
+def test_tune_and_study_take_the_llama_preset_and_float64_statistics():
+    """``--preset llama-3b --stats-dtype float64``: the paper's Llama switches (RMSNorm scales kept
+    merged) at its own anchor (lam as given), statistics in float64 (what lam 1e-5 needs)."""
+    import argparse
+
+    from featcal.cli.sweep import _featcal_config, add_tune_arguments
+
+    p = add_tune_arguments(argparse.ArgumentParser())
+    args = p.parse_args(["--preset", "llama-3b", "--stats-dtype", "float64", "--lam", "1e-5", "--out", "x"])
+    cfg = _featcal_config(args)
+    assert (cfg.lam, cfg.rho, cfg.alpha, cfg.layernorm, cfg.stats_dtype) == (1e-5, 0.5, 0.15, False, torch.float64)
+    clip = _featcal_config(p.parse_args(["--out", "x", "--rho", "1.5"]))
+    assert (clip.lam, clip.rho, clip.alpha) == (0.05, 1.5, 0.3)  # the CLIP anchor, rho as given
+    assert _featcal_config(p.parse_args(["--out", "x"])).stats_dtype == torch.float32  # the default

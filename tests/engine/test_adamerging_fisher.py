@@ -82,6 +82,21 @@ def test_adamerging_without_a_head_is_refused_clearly():
         adamerging(base=base, experts=experts, calib_data=data, logits=lambda *a: None, granularity="block")
 
 
+def test_a_zoo_without_heads_gets_the_refusal_not_a_key_error():
+    """An LLM zoo has no class heads: ``featcal compare`` and ``featcal merge`` pass
+    ``zoo_logits(zoo)``, which is then None, so each method says why it cannot run."""
+    from types import SimpleNamespace
+
+    from featcal.baselines.registry import zoo_logits
+
+    base, experts, data, _ = _setup()
+    llm_zoo = SimpleNamespace(heads={})
+    assert zoo_logits(llm_zoo) is None
+    for method in ("adamerging", "fisher_merging"):
+        with pytest.raises(ValueError, match="LLM"):
+            merge_with_data(method, base=base, experts=experts, calib_data=data, logits=zoo_logits(llm_zoo))
+
+
 def test_fisher_weighted_average_one_expert_and_uniform_fisher():
     gen = torch.Generator().manual_seed(0)
     thetas = {
