@@ -7,8 +7,9 @@ Both sides run each batch as its own forward call (``pool_rows=0``), so that the
 passes are the same calls and only the order of the statistics' sums differs: 1e-6 with float64
 statistics, 1e-5 with float32 ones, relative to each tensor's largest entry. With float32
 statistics the last block's LayerNorm biases (token-weighted, a 2x2 solve with cancellation) move
-by up to 5e-5 between a float32 and a float64 single process; there the ranks' result must be at
-least as close to the float64 one as the single process's float32 result is. The default fast
+by up to 5e-5 between a float32 and a float64 single process; there the ranks' result must be within
+twice the single process's float32 distance of the float64 one (both are float32 roundings of
+the same sums in other orders: which of the two lands nearer is a coin toss, seen both ways). The default fast
 paths (calls pooled differently) are held to 1e-4.
 """
 
@@ -113,7 +114,8 @@ def test_ranks_give_the_single_process_model(single, world, tmp_path):
             for k, w in want.items():
                 err = _max_rel({k: got[k]}, {k: w})
                 ok = err <= tol or (
-                    exact is not None and _max_rel({k: got[k]}, {k: exact[k]}) <= _max_rel({k: w}, {k: exact[k]})
+                    exact is not None
+                    and _max_rel({k: got[k]}, {k: exact[k]}) <= max(2 * _max_rel({k: w}, {k: exact[k]}), tol)
                 )
                 assert ok, (name, rank, k, err)
             assert [r[:3] for r in rows] == [r[:3] for r in want_rows]  # every module, all tasks' rows
