@@ -136,7 +136,7 @@ def show_cosines(kind: str, drift: pd.DataFrame, sc: dict) -> None:
         left,
         "plotly_chart",
         figures.expert_cosine_per_block(
-            {"merged": merged_drift, name: drift}, f"expert cosine per block ({name}; merged dotted)"
+            {"merged": merged_drift, name: drift}, f"expert cosine per block<br><sup>{name} solid, merged dotted</sup>"
         ),
     )
     slots.draw(
