@@ -83,6 +83,30 @@ class Recipe:
     )
 
 
+def micro_recipe(**changes) -> Recipe:
+    """The tests' micro demo zoo: two tasks, a one-block model of width 16, a few steps (seconds)."""
+    base = dict(
+        tasks=("colour", "position"),
+        n_train=96,
+        n_calib=32,
+        n_val=16,
+        n_test=24,
+        n_pretrain=32,
+        pretrain_steps=2,
+        finetune_steps=2,
+        batch_size=8,
+        vision=dict(
+            image_size=32,
+            patch_size=16,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+        ),
+    )
+    return Recipe(**{**base, **changes})
+
+
 def recipe_sha256(recipe: Recipe) -> str:
     """A digest of the recipe and the demo version: a cached zoo built from another is stale."""
     text = json.dumps({"version": DEMO_VERSION, **asdict(recipe)}, sort_keys=True)

@@ -6,22 +6,10 @@ from __future__ import annotations
 
 import sys
 
-from featcal.zoo import demo
+from featcal.zoo import demo, demo_recipe
 
-MICRO = demo.Recipe(
-    tasks=("colour", "position"),
-    n_train=96,
-    n_calib=32,
-    n_val=16,
-    n_test=24,
-    n_pretrain=32,
-    pretrain_steps=600,  # a few seconds of steps, so the page shows several progress updates
-    finetune_steps=60,
-    batch_size=8,
-    vision=dict(
-        image_size=32, patch_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
-    ),
-)
+# a few seconds of steps, so the page shows several progress updates
+MICRO = demo_recipe.micro_recipe(pretrain_steps=600, finetune_steps=60)
 
 if __name__ == "__main__":
     demo.Recipe = lambda: MICRO  # what demo.py calls for "the current recipe"

@@ -46,6 +46,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    """Wait until the Streamlit server at ``url`` answers its health check; fail with the
+    server's log (and kill it) when it exits or does not answer within ``timeout`` seconds."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                return
+        except OSError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"streamlit did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.3)
+
+
 def _rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -89,17 +105,7 @@ def server(tmp_path_factory):
             env={**os.environ, "PYTHONUNBUFFERED": "1", "FEATCAL_PREVIEW_AFTER_S": "0"},
         )  # the preview path, every time
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
-                break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            pytest.fail(f"streamlit did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.5)
+    wait_healthy(url, proc, log)
     yield url, proc
     proc.terminate()
     try:

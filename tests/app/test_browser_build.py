@@ -9,12 +9,10 @@ import os
 import re
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-from test_browser import ARGS, CHROMIUM, LOAD_MS, METRIC, REPO, _free_port, _idle
+from test_browser import ARGS, CHROMIUM, LOAD_MS, METRIC, REPO, _free_port, _idle, wait_healthy
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -41,15 +39,7 @@ def test_a_zoo_build_shows_its_stage_step_and_time_left(tmp_path):
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while True:
-            try:
-                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
-                    break
-            except OSError:
-                pass
-            assert proc.poll() is None and time.time() < deadline, f"no server:\n{log.read_text()[-2000:]}"
-            time.sleep(0.3)
+        wait_healthy(url, proc, log)
         with sync_api.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
             page = browser.new_page(viewport={"width": 1280, "height": 1000})

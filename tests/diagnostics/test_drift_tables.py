@@ -33,11 +33,6 @@ from tiny import (
 torch.set_num_threads(1)
 
 
-def _wide(df: pd.DataFrame) -> pd.DataFrame:
-    """``(task, block)`` x metric."""
-    return df.pivot_table(index=["task", "block"], columns="metric", values="value")
-
-
 # ----------------------------------------------------------------------------- cost and shape
 
 

@@ -43,20 +43,7 @@ def test_drop_duplicates():
     assert np.array_equal(ky, [0, 2]) and np.array_equal(kx, x[[0, 2]])
 
 
-MICRO = demo.Recipe(
-    tasks=("colour", "position"),
-    n_train=96,
-    n_calib=32,
-    n_val=16,
-    n_test=24,
-    n_pretrain=32,
-    pretrain_steps=2,
-    finetune_steps=2,
-    batch_size=8,
-    vision=dict(
-        image_size=32, patch_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
-    ),
-)
+MICRO = demo_recipe.micro_recipe()
 
 
 def test_make_data_splits_are_disjoint():
