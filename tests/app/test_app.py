@@ -84,6 +84,18 @@ def test_the_weights_page_shows_every_view_beside_the_drift(tiny_zoo_dir):
         assert len(at.get("plotly_chart")) == 4
 
 
+def _write_your_models(at: AppTest, name: str, root: Path, merged: Path | None = None) -> AppTest:
+    """Fill the Zoo page's Your models form from ``root`` (base/, data/, experts/) and press
+    its button; the app after that run."""
+    at.text_input(key="yours_name").input(name)
+    for key in ("base", "data", "experts"):
+        at.text_input(key=f"yours_{key}").input(str(root / key))
+    if merged is not None:
+        at.text_input(key="yours_merged").input(str(merged))
+    next(b for b in at.button if "zoo YAML" in b.label).click()
+    return _ok(at.run())
+
+
 def test_your_models_form_writes_a_zoo_and_opens_it(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "zoo"))  # the zoo tests' tiny models
     from test_userspec import write_user_models
@@ -91,13 +103,7 @@ def test_your_models_form_writes_a_zoo_and_opens_it(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("FEATCAL_CACHE", str(tmp_path / "cache"))
     root = write_user_models(tmp_path / "mine")
-    at = _app().run()
-    at.text_input(key="yours_name").input("tiny-mine")
-    at.text_input(key="yours_base").input(str(root / "base"))
-    at.text_input(key="yours_data").input(str(root / "data"))
-    at.text_input(key="yours_experts").input(str(root / "experts"))
-    next(b for b in at.button if "zoo YAML" in b.label).click()
-    _ok(at.run())
+    at = _write_your_models(_app().run(), "tiny-mine", root)
     written = tmp_path / "cache" / "zoos" / "yours" / "tiny-mine.yaml"
     assert written.is_file() and at.session_state["_yours_written"][0] == str(written)
     assert any("experts:" in c.value for c in at.code)  # the YAML, shown to keep
@@ -117,14 +123,7 @@ def test_your_models_form_takes_text_files_and_a_merged_model(tmp_path, monkeypa
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("FEATCAL_CACHE", str(tmp_path / "cache"))
     root = write_text_models(tmp_path / "words")
-    at = _app().run()
-    at.text_input(key="yours_name").input("tiny-words")
-    at.text_input(key="yours_base").input(str(root / "base"))
-    at.text_input(key="yours_data").input(str(root / "data"))
-    at.text_input(key="yours_experts").input(str(root / "experts"))
-    at.text_input(key="yours_merged").input(str(root / "experts" / "colour"))
-    next(b for b in at.button if "zoo YAML" in b.label).click()
-    _ok(at.run())
+    at = _write_your_models(_app().run(), "tiny-words", root, merged=root / "experts" / "colour")
     text = at.session_state["_yours_written"][1]
     assert "modality: text" in text and "merged:" in text and "animal.npz" in text
     at = _ok(_app(at.session_state["_yours_written"][0]).run())
