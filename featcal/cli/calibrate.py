@@ -7,7 +7,6 @@ import argparse
 import contextlib
 import os
 import sys
-from typing import Callable
 
 import torch
 
@@ -33,9 +32,6 @@ from featcal.cli.formats import (
 from featcal.config import FeatCalConfig
 from featcal.engine.run import calibrate
 from featcal.util.outdir import output_lock
-
-AddArguments = Callable[[argparse.ArgumentParser], object]
-Run = Callable[[argparse.Namespace], "int | None"]
 
 
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Callable
 
 from featcal.cli.common import (
     UserError,
@@ -19,9 +18,6 @@ from featcal.model.streams import device_of
 from featcal.zoo import evaluate
 from featcal.zoo.io import load_model, save_model, zoo_card
 from featcal.zoo.scores import average, expert_accuracies, markdown_table, normalized, write_scores
-
-AddArguments = Callable[[argparse.ArgumentParser], object]
-Run = Callable[[argparse.Namespace], "int | None"]
 
 
 def write_output(args, zoo, model, json_name: str, doc: dict, scored: dict) -> Path:
