@@ -18,6 +18,7 @@ import copy
 import hashlib
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
@@ -185,18 +186,24 @@ def calibrated(source: str, fp: str, merger: Merger, cal: AppCal) -> Calibrated:
     return run
 
 
-_PREPARING: dict[int, Future] = {}  # id(report) -> its preview's eigendecompositions, under way or done
+# id(report) -> (a weak reference to the report, its preview's eigendecompositions under way or
+# done); the reference tells a live report from a later one that reuses a collected one's id
+_PREPARING: dict[int, tuple[weakref.ref, Future]] = {}
+
+
+def _preparing(report) -> Future | None:
+    entry = _PREPARING.get(id(report))
+    return entry[1] if entry is not None and entry[0]() is report else None
 
 
 def prepare_preview(run: Calibrated) -> None:
-    """Start the one-off eigendecompositions of ``run``'s preview in the background (the next
-    slider change previews from this run: demo zoo 0.07, real-text 1.9 CPU s saved from its wait;
-    benchmarks/README.md, 'App latency')."""
-    key = id(run.report)
-    if run.report.preview_state is not None and key not in _PREPARING:
+    """Start the one-off eigendecompositions of ``run``'s preview in the background: the next
+    slider change previews from this run, and so no longer waits for them (benchmarks/README.md,
+    'Issue 28: a faster preview')."""
+    if run.report.preview_state is not None and _preparing(run.report) is None:
         while len(_PREPARING) >= 4:
             _PREPARING.pop(next(iter(_PREPARING)))
-        _PREPARING[key] = workers.in_background(run.report.preview_state.prepare)
+        _PREPARING[id(run.report)] = (weakref.ref(run.report), workers.in_background(run.report.preview_state.prepare))
 
 
 def last_seconds() -> float | None:
@@ -256,7 +263,7 @@ def model_of(
             holds = (ref, id(prev), id(model))
             if _SCRATCH_HOLDS.get((source, fp)) != holds:  # its scores, cosines and drift: one write
                 _SCRATCH_HOLDS.pop((source, fp), None)
-                preparing = _PREPARING.get(id(prev.report))
+                preparing = _preparing(prev.report)
                 if preparing is not None:  # under way: wait for it rather than decompose twice
                     preparing.result()
                 compute.load_preview(model, prev.model, prev.report, ref.cal.config)
