@@ -14,6 +14,7 @@ import datetime as _dt
 import gc
 import os
 import platform
+import statistics
 import sys
 import threading
 import time
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+APP_SCRIPT = REPO_ROOT / "app" / "streamlit_app.py"  # what `streamlit run` serves
 
 # HF ``CLIPVisionConfig`` fields of each model size the benchmarks use.
 SIZES: dict[str, dict] = {
@@ -349,6 +351,19 @@ def environment(device: torch.device | str = "cpu") -> str:
         f"device {name}; {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
         f"load average {load:.1f}{busy}"
     )
+
+
+APP_TARGET_S = 1.0  # the app's target: slider release -> exact result drawn
+
+
+def latency_stats(xs: list[float], target_s: float = APP_TARGET_S) -> dict[str, str]:
+    """Median, max, count and how many of ``xs`` (seconds) are within ``target_s``: a latency row."""
+    return {
+        "median": f"{statistics.median(xs):.3f} s",
+        "max": f"{max(xs):.3f} s",
+        "n": str(len(xs)),
+        f"<= {target_s:g} s": f"{sum(x <= target_s for x in xs)}/{len(xs)}",
+    }
 
 
 def markdown_table(rows: list[Mapping[str, object]]) -> str:

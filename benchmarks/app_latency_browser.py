@@ -1,0 +1,171 @@
+"""The browser part of ``benchmarks/app_latency.py`` (``--browser``): ``streamlit run`` plus
+Playwright on Debian's chromium, slider release (mouse) or arrow key -> first new numbers, first
+plots redrawn, and the exact result drawn (the measures are described in app_latency.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common
+
+
+def bench_browser(source: str, n: int, repeats: int) -> list[dict]:
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        return [{"measure": "browser: skipped (no chromium; apt-get install chromium)"}]
+    from playwright.sync_api import sync_playwright
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "streamlit",
+            "run",
+            str(_common.APP_SCRIPT),
+            "--server.port",
+            str(port),
+            "--server.address",
+            "127.0.0.1",
+            "--server.headless",
+            "true",
+        ],
+        cwd=_common.REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(240):
+            try:
+                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                    break
+            except OSError:
+                time.sleep(0.5)
+        path = Path(source).expanduser()
+        query = {"zoo": source, "n_cal": n} if not path.exists() else {"zoo": "other (path)…", "zoo_path": source}
+        query["n_cal"] = n  # a built-in zoo (demo, real-text, ...) by name, else a path
+        rows = []
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, args=_common.CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": 1500, "height": 1200})
+            page.goto(f"{url}/calibrate?{urllib.parse.urlencode(query)}")
+            page.wait_for_selector('[data-testid="stMetricValue"]', timeout=900_000)
+            for label, key in (
+                ("ridge strength", "log_lam"),
+                ("anchor blend", "rho"),
+                ("target interpolation", "alpha"),
+            ):
+                for how, what in (("mouse", "mouse release"), ("key", "arrow key")):
+                    xs, first, plots = [], [], []
+                    for _ in range(repeats):  # one way: every value is new (no cache hit)
+                        total, shown, plot = _browser_move(page, label, +1, how)
+                        xs.append(total)
+                        first.append(shown)
+                        plots += [] if plot is None else [plot]
+                    rows.append(
+                        {"measure": f"browser: {what} -> first new numbers ({key})", **_common.latency_stats(first)}
+                    )
+                    if plots:
+                        rows.append(
+                            {
+                                "measure": f"browser: {what} -> first plots redrawn ({key})",
+                                **_common.latency_stats(plots),
+                            }
+                        )
+                    rows.append(
+                        {
+                            "measure": f"browser: {what} -> exact result, plots drawn ({key})",
+                            **_common.latency_stats(xs),
+                        }
+                    )
+            browser.close()
+        return rows
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)  # a loaded machine can take a while to stop the server
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _browser_idle(page) -> None:
+    page.wait_for_timeout(200)
+    page.wait_for_function("!document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=300_000)
+
+
+# Records when a chart is first redrawn after the change (the preview's, else the exact one's).
+PLOT_WATCH = """() => { window.firstPlot = null; if (window.plotWatch) window.plotWatch.disconnect();
+  window.plotWatch = new MutationObserver(ms => { if (window.firstPlot === null && ms.some(m =>
+      m.target.closest && m.target.closest('.js-plotly-plot'))) window.firstPlot = performance.now(); });
+  window.plotWatch.observe(document.body, {subtree: true, childList: true}); }"""
+DONE_LINE = """() => [...document.querySelectorAll('[data-testid="stCaptionContainer"]')]
+                        .map(e => e.innerText).filter(t => t.includes('Exact FeatCal done')).join('|')"""
+
+
+def _drag_and_release(page, thumb, direction: int) -> None:
+    """Press the mouse on the slider's thumb, move it pixel by pixel until the value is one
+    step further (the app hears nothing while the button is down), and release."""
+    box = thumb.locator("..").bounding_box()
+    x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+    start = thumb.input_value()
+    page.mouse.move(x, y)
+    page.mouse.down()
+    for px in range(1, 400):
+        page.mouse.move(x + direction * px, y)
+        if thumb.input_value() != start:
+            break
+    page.mouse.up()
+
+
+def _browser_move(page, label: str, direction: int, how: str = "mouse") -> tuple[float, float, float | None]:
+    """One slider change from an idle page, one step in ``direction``: dragged and released
+    with the mouse (``how="mouse"``; the clock starts at the release, which the browser
+    sends at once) or with an arrow key on the focused thumb (``"key"``; the browser sends
+    that change to the server only ~0.24 s after the key press). Returns the seconds to the
+    exact result's plots, to the first new numbers, and to the first chart redrawn (the
+    preview's when one is drawn; None if none was seen)."""
+    _browser_idle(page)
+    sel = '[data-testid="stMetricValue"]'
+    before = page.locator(sel).all_inner_texts()
+    done_before = page.evaluate(DONE_LINE)
+    page.evaluate(PLOT_WATCH)
+    thumb = page.locator('[data-testid="stSlider"]', has_text=label).locator('input[type="range"]')
+    if how == "mouse":
+        _drag_and_release(page, thumb, direction)
+    else:
+        thumb.focus()
+        page.keyboard.press("ArrowRight" if direction > 0 else "ArrowLeft")
+    t0 = time.perf_counter()
+    t0_js = page.evaluate("() => performance.now()")
+    page.wait_for_function(
+        """([sel, before]) => { const now = [...document.querySelectorAll(sel)].map(e => e.innerText);
+             return now.length > 0 && JSON.stringify(now) !== JSON.stringify(before); }""",
+        arg=[sel, before],
+        timeout=300_000,
+        polling=10,
+    )
+    shown = time.perf_counter() - t0
+    page.wait_for_function(
+        f"([before]) => {{ const now = ({DONE_LINE})(); return now !== '' && now !== before; }}",
+        arg=[done_before],
+        timeout=300_000,
+        polling=10,
+    )
+    page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+    first_plot = page.evaluate("() => window.firstPlot")
+    plots = None if first_plot is None else max(0.0, (first_plot - t0_js) / 1000)
+    return time.perf_counter() - t0, shown, plots
