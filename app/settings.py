@@ -102,6 +102,11 @@ class AppCal:
         )
         return cls(config, int(n))
 
+    def moved(self, log_lam: float, rho: float, alpha: float) -> "AppCal":
+        """These settings at another point of the three sliders (λ from its log10 slider, as
+        :meth:`from_widgets` reads it); every other setting kept."""
+        return AppCal(self.config.with_(lam=lam_of(log_lam), rho=float(rho), alpha=float(alpha)), self.n)
+
     @property
     def structure(self) -> tuple:
         """What the kept statistics depend on (everything but λ, ρ, α): runs sharing it can

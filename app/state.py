@@ -29,7 +29,7 @@ import pandas as pd
 import streamlit as st
 import torch
 
-from app import compute, st_patch, workers, zoos
+from app import compute, runs, st_patch, workers, zoos
 from app.settings import HASH_FUNCS, AppCal, Merger, ModelRef
 from app.workers import torch_lock
 
@@ -125,40 +125,15 @@ class Calibrated:
     seconds: float
 
 
-class _Runs:
-    """The latest exact run per (zoo, merger, statistics structure), kept alive for the
-    instant preview even after the calibration cache evicts it."""
-
-    def __init__(self, keep: int = 2):
-        self.keep = keep
-        self.lock = threading.Lock()
-        self.latest: OrderedDict[tuple, tuple[AppCal, Calibrated]] = OrderedDict()
-        self.done: set[tuple] = set()
-
-    def remember(self, key: tuple, cal: AppCal, run: Calibrated) -> None:
-        with self.lock:
-            self.latest[key] = (cal, run)
-            self.latest.move_to_end(key)
-            while len(self.latest) > self.keep:
-                self.latest.popitem(last=False)
-            self.done.add((key, cal))
-
-    def preview_from(self, key: tuple, cal: AppCal) -> AppCal | None:
-        """The settings of the run to preview ``cal`` from, or None (exact already done / no run)."""
-        with self.lock:
-            if (key, cal) in self.done or key not in self.latest:
-                return None
-            return self.latest[key][0]
-
-    def run(self, key: tuple, cal: AppCal) -> Calibrated | None:
-        with self.lock:
-            hit = self.latest.get(key)
-            return hit[1] if hit is not None and hit[0] == cal else None
+@st.cache_resource(show_spinner=False)
+def _runs() -> runs.Latest:
+    return runs.Latest()
 
 
 @st.cache_resource(show_spinner=False)
-def _runs() -> _Runs:
-    return _Runs()
+def ahead_store() -> runs.Ahead:
+    """The exact runs computed ahead of the sliders (:mod:`app.ahead`)."""
+    return runs.Ahead()
 
 
 @st.cache_resource(max_entries=2, show_spinner=False)
@@ -171,9 +146,8 @@ def _expert_trace(source: str, fp: str, n: int):
         return compute.expert_trace(zoo, data)
 
 
-@st.cache_resource(max_entries=4, show_spinner=False, hash_funcs=HASH_FUNCS)
-def calibrated(source: str, fp: str, merger: Merger, cal: AppCal) -> Calibrated:
-    """The exact forward-order FeatCal run (kept statistics included)."""
+def exact_run(source: str, fp: str, merger: Merger, cal: AppCal) -> Calibrated:
+    """The exact forward-order FeatCal run (kept statistics included), uncached."""
     zoo = _zoo(source, device())
     merged = merged_model(source, fp, merger)
     data = calib_data(source, fp, cal.n)
@@ -181,7 +155,13 @@ def calibrated(source: str, fp: str, merger: Merger, cal: AppCal) -> Calibrated:
     with torch_lock(source, alone=True):  # nothing runs beside it until the preview's deadline
         t0 = time.perf_counter()
         model, report = compute.calibrate(merged, zoo, data, cal.config, trace)
-        run = Calibrated(model, report, time.perf_counter() - t0)
+        return Calibrated(model, report, time.perf_counter() - t0)
+
+
+@st.cache_resource(max_entries=4, show_spinner=False, hash_funcs=HASH_FUNCS)
+def calibrated(source: str, fp: str, merger: Merger, cal: AppCal) -> Calibrated:
+    """:func:`exact_run`, cached; taken from the runs computed ahead when it is there."""
+    run = ahead_store().take((source, fp, merger, cal)) or exact_run(source, fp, merger, cal)
     _runs().remember((source, fp, merger, cal.structure), cal, run)
     return run
 
@@ -208,9 +188,7 @@ def prepare_preview(run: Calibrated) -> None:
 
 def last_seconds() -> float | None:
     """The wall seconds of the latest exact run on any zoo (a progress estimate), or None."""
-    runs = _runs()
-    with runs.lock:
-        return next((run.seconds for _, run in reversed(runs.latest.values())), None)
+    return _runs().seconds()
 
 
 def start_calibration(source: str, fp: str, merger: Merger, cal: AppCal) -> Future:
@@ -220,12 +198,24 @@ def start_calibration(source: str, fp: str, merger: Merger, cal: AppCal) -> Futu
 
 
 def preview_from(source: str, fp: str, merger: Merger, cal: AppCal) -> AppCal | None:
-    """The exact run whose kept statistics preview ``cal`` (None: exact is cached, or no run yet)."""
+    """The exact run whose kept statistics preview ``cal`` (None: exact is cached or computed
+    ahead, or no run yet)."""
+    if ahead_store().has((source, fp, merger, cal)):
+        return None
     return _runs().preview_from((source, fp, merger, cal.structure), cal)
 
 
+def was_run(source: str, fp: str, merger: Merger, cal: AppCal) -> bool:
+    """Whether the exact run of ``cal`` has been computed on this server (cached, unless evicted)."""
+    return ((source, fp, merger, cal.structure), cal) in _runs().done
+
+
 def _calibrated_run(source: str, fp: str, merger: Merger, cal: AppCal) -> Calibrated:
-    return _runs().run((source, fp, merger, cal.structure), cal) or calibrated(source, fp, merger, cal)
+    return (
+        _runs().run((source, fp, merger, cal.structure), cal)
+        or ahead_store().peek((source, fp, merger, cal))
+        or calibrated(source, fp, merger, cal)
+    )
 
 
 _SCRATCH_HOLDS: dict[tuple, tuple] = {}  # (source, fp) -> (preview ref, id of its run, id of the scratch model)

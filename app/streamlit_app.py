@@ -28,7 +28,7 @@ if (refused := binding.check(st)) is not None:
     st.error(refused)
     st.stop()
 
-from app import controls, state, warnlog  # noqa: E402  (after the address check: nothing loaded before it)
+from app import ahead, controls, state, warnlog  # noqa: E402  (after the address check: nothing loaded before it)
 
 warnlog.install()  # library warnings go to the sidebar's list, not raw into the server's log
 
@@ -72,6 +72,7 @@ st.sidebar.caption(
     f"**{zoo.name}**: {len(zoo.tasks)} tasks, {zoo.fmt} format, on {state.device()}. "
     "Post-merging feature calibration, arXiv 2605.13030."
 )
+ahead.stop()  # a new run: the look-ahead of the last one (app.ahead) gives way
 page.run()
 
 caught = warnlog.recent()

@@ -272,6 +272,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--browser", action="store_true", help="also measure in chromium (streamlit run)")
     ap.add_argument("--skip", default="", help="comma list of parts,apptest to skip")
+    ap.add_argument("--steps", type=int, default=1, help="browser: slider steps per change (default 1)")
+    ap.add_argument("--pause", type=float, default=0.0, help="browser: seconds of idle page before each change")
+    ap.add_argument(
+        "--look-ahead",
+        choices=("on", "off"),
+        default=None,
+        help="browser: the server's FEATCAL_LOOK_AHEAD (default: this environment's, on unless set)",
+    )
     ap.add_argument("--live", type=int, default=None, help="test examples per task scored live (app: 50)")
     ap.add_argument("--diag", type=int, default=None, help="held-out examples per task for drift (app: 16)")
     ap.add_argument(
@@ -295,6 +303,9 @@ def main() -> None:
             record = json.loads(Path(args.record).read_text()) if Path(args.record).is_file() else {}
             rows += bench(args.zoo, n, args.repeats, record)
             Path(args.record).write_text(json.dumps(dict(sorted(record.items(), key=lambda kv: int(kv[0]))), indent=1))
+        elif name == "browser":
+            look_ahead = None if args.look_ahead is None else args.look_ahead == "on"
+            rows += bench(args.zoo, n, args.repeats, args.steps, args.pause, look_ahead)
         else:
             rows += bench(args.zoo, n, args.repeats)
         print(f"[{name}: {time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)

@@ -18,7 +18,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common
 
 
-def bench_browser(source: str, n: int, repeats: int) -> list[dict]:
+def bench_browser(
+    source: str, n: int, repeats: int, steps: int = 1, pause: float = 0.0, look_ahead: bool | None = None
+) -> list[dict]:
+    """Each change moves a slider ``steps`` steps, ``pause`` seconds after the page went idle
+    (a person looking at the result); ``look_ahead``: the server's ``FEATCAL_LOOK_AHEAD``
+    (None: as in this environment, on by default)."""
+    env = dict(os.environ)
+    if look_ahead is not None:
+        env["FEATCAL_LOOK_AHEAD"] = "1" if look_ahead else "0"
+    how_far = "" if steps == 1 and not pause else f", {steps} step{'s' if steps > 1 else ''}, {pause:g} s pause"
     chromium = shutil.which("chromium")
     if chromium is None:
         return [{"measure": "browser: skipped (no chromium; apt-get install chromium)"}]
@@ -44,7 +53,7 @@ def bench_browser(source: str, n: int, repeats: int) -> list[dict]:
         cwd=_common.REPO_ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env={**os.environ},
+        env=env,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -71,23 +80,27 @@ def bench_browser(source: str, n: int, repeats: int) -> list[dict]:
                 for how, what in (("mouse", "mouse release"), ("key", "arrow key")):
                     xs, first, plots = [], [], []
                     for _ in range(repeats):  # one way: every value is new (no cache hit)
-                        total, shown, plot = _browser_move(page, label, +1, how)
+                        page.wait_for_timeout(1000 * pause)
+                        total, shown, plot = _browser_move(page, label, +1, how, steps)
                         xs.append(total)
                         first.append(shown)
                         plots += [] if plot is None else [plot]
                     rows.append(
-                        {"measure": f"browser: {what} -> first new numbers ({key})", **_common.latency_stats(first)}
+                        {
+                            "measure": f"browser: {what} -> first new numbers ({key}{how_far})",
+                            **_common.latency_stats(first),
+                        }
                     )
                     if plots:
                         rows.append(
                             {
-                                "measure": f"browser: {what} -> first plots redrawn ({key})",
+                                "measure": f"browser: {what} -> first plots redrawn ({key}{how_far})",
                                 **_common.latency_stats(plots),
                             }
                         )
                     rows.append(
                         {
-                            "measure": f"browser: {what} -> exact result, plots drawn ({key})",
+                            "measure": f"browser: {what} -> exact result, plots drawn ({key}{how_far})",
                             **_common.latency_stats(xs),
                         }
                     )
@@ -116,22 +129,26 @@ DONE_LINE = """() => [...document.querySelectorAll('[data-testid="stCaptionConta
                         .map(e => e.innerText).filter(t => t.includes('Exact FeatCal done')).join('|')"""
 
 
-def _drag_and_release(page, thumb, direction: int) -> None:
-    """Press the mouse on the slider's thumb, move it pixel by pixel until the value is one
-    step further (the app hears nothing while the button is down), and release."""
+def _drag_and_release(page, thumb, direction: int, steps: int = 1) -> None:
+    """Press the mouse on the slider's thumb, move it pixel by pixel until the value is
+    ``steps`` steps further (the app hears nothing while the button is down), and release."""
     box = thumb.locator("..").bounding_box()
     x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
-    start = thumb.input_value()
+    last, moved = thumb.input_value(), 0
     page.mouse.move(x, y)
     page.mouse.down()
-    for px in range(1, 400):
+    for px in range(1, 800):
         page.mouse.move(x + direction * px, y)
-        if thumb.input_value() != start:
-            break
+        if (value := thumb.input_value()) != last:
+            last, moved = value, moved + 1
+            if moved >= steps:
+                break
     page.mouse.up()
 
 
-def _browser_move(page, label: str, direction: int, how: str = "mouse") -> tuple[float, float, float | None]:
+def _browser_move(
+    page, label: str, direction: int, how: str = "mouse", steps: int = 1
+) -> tuple[float, float, float | None]:
     """One slider change from an idle page, one step in ``direction``: dragged and released
     with the mouse (``how="mouse"``; the clock starts at the release, which the browser
     sends at once) or with an arrow key on the focused thumb (``"key"``; the browser sends
@@ -145,10 +162,11 @@ def _browser_move(page, label: str, direction: int, how: str = "mouse") -> tuple
     page.evaluate(PLOT_WATCH)
     thumb = page.locator('[data-testid="stSlider"]', has_text=label).locator('input[type="range"]')
     if how == "mouse":
-        _drag_and_release(page, thumb, direction)
+        _drag_and_release(page, thumb, direction, steps)
     else:
         thumb.focus()
-        page.keyboard.press("ArrowRight" if direction > 0 else "ArrowLeft")
+        for _ in range(steps):
+            page.keyboard.press("ArrowRight" if direction > 0 else "ArrowLeft")
     t0 = time.perf_counter()
     t0_js = page.evaluate("() => performance.now()")
     page.wait_for_function(

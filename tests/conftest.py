@@ -7,6 +7,9 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/tiny.py and tests/app_zoo.py, from any layer's folder
+# The app's look-ahead (app/ahead.py) computes in the background after each result: off in the
+# tests (and the servers they start), which then see one script run's work; its own tests turn it on.
+os.environ.setdefault("FEATCAL_LOOK_AHEAD", "0")
 
 
 @pytest.fixture(scope="session")

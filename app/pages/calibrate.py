@@ -4,13 +4,15 @@ Every change re-runs the exact forward-order FeatCal (cached per setting). When 
 longer than ``settings.PREVIEW_AFTER_S`` (on a worker thread), the preview from the kept
 statistics of the last exact run with the same calibration data and switches is scored and
 shown meanwhile, labelled as such. A newer widget change stops this script and starts the
-next one (Streamlit reruns), so the newest setting always wins.
+next one (Streamlit reruns), so the newest setting always wins. Once a result is drawn, the
+settings one slider step away are computed while the page is idle (:mod:`app.ahead`), so a
+one-step change on a small zoo draws its exact result at once.
 """
 
 import pandas as pd
 import streamlit as st
 
-from app import compute, controls, figures, settings, state, tables, ui, workers, zoos
+from app import ahead, compute, controls, figures, settings, state, tables, ui, workers, zoos
 from app.settings import ModelRef
 
 zoo, source = state.active_zoo(), state.active_source()
@@ -216,6 +218,12 @@ with ui.status(f"Running exact forward-order FeatCal: {cal.label}…", status_sl
     show("exact", cal_scores, merged_summary, cal_drift, f"{cal.label} · {run.report.summary()}")
     st.session_state["_cal_shown"] = cal.label
     state.prepare_preview(run)  # the next change previews from this run: its one-off work now
+    # The settings one slider step away, computed while the page is idle (app.ahead).
+    point = {key: float(st.session_state[key]) for key in controls.SLIDERS}
+    if ahead.worth_it(run.seconds, zoos.model_size(run.model)[1], limit):
+        moved = ahead.last_move(st.session_state.get("_cal_point"), point)
+        ahead.start(source, fp, merger, cal, ahead.neighbours(point, moved), limit)
+    st.session_state["_cal_point"] = point
     # Written after the charts: benchmarks/app_latency.py stops its clock on "Exact FeatCal done".
     s.update(
         label=f"Exact FeatCal done: {cal.label} · {len(run.report.modules)} modules in "

@@ -69,8 +69,9 @@ def _rss_kib(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def start_server(tmp_path_factory, env: dict):
+    """``streamlit run`` of the app on a free port of 127.0.0.1 with ``env`` added to the
+    environment, on the demo zoo (built or checked first); yields ``(url, process)``."""
     if CHROMIUM is None:
         if os.environ.get("FEATCAL_REQUIRE_BROWSER"):  # CI: the browser tests must run
             pytest.fail("Debian chromium is not installed but FEATCAL_REQUIRE_BROWSER is set")
@@ -98,12 +99,8 @@ def server(tmp_path_factory):
     ]
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "FEATCAL_PREVIEW_AFTER_S": "0"},
-        )  # the preview path, every time
+            cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **env}
+        )
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc, log)
     yield url, proc
@@ -115,13 +112,24 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def browser(server):
+def server(tmp_path_factory):
+    # The preview path, every time; no look-ahead (tests/app/test_browser_ahead.py has it).
+    yield from start_server(tmp_path_factory, {"FEATCAL_PREVIEW_AFTER_S": "0", "FEATCAL_LOOK_AHEAD": "0"})
+
+
+def launch_browser():
+    """Debian's chromium under Playwright, with the flags that keep it off the network."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         yield b
         b.close()
+
+
+@pytest.fixture(scope="module")
+def browser(server):
+    yield from launch_browser()
 
 
 def _idle(page, timeout: int = RUN_MS) -> None:
