@@ -391,8 +391,9 @@ def live_test(source: str) -> int:
 
 
 def live_note(zoo) -> str:
-    n = min(compute.live_test(zoo), zoos.split_size(zoo, "test"))
-    fewer = " (fewer on a language model: each is a pass of the whole model)" if n < compute.LIVE_TEST else ""
+    live = compute.live_test(zoo)
+    n = min(live, zoos.split_size(zoo, "test"))
+    fewer = " (fewer on a language model: each is a pass of the whole model)" if live < compute.LIVE_TEST else ""
     return (
         f"Live view: accuracy, KL and agreement on the first {n} test examples per task{fewer}; drift and "
         f"cosines on {DIAG_N} held-out examples per task. Full-test-set evaluation on demand."

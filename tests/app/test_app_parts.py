@@ -323,3 +323,15 @@ def test_small_models_pair_work_on_one_thread_each_and_run_alone_on_every_core(t
     assert zoos.cpu_threads(zoo, "cpu") == zoos.cpu_threads(zoo, "cpu", alone=True) == 2
     monkeypatch.setenv("FEATCAL_APP_THREADS", "3")  # the user's choice wins for both
     assert zoos.cpu_threads(zoo, "cpu") == zoos.cpu_threads(zoo, "cpu", alone=True) == 3
+
+
+def test_the_live_note_says_how_many_test_examples_and_why_fewer_on_an_llm(tiny_zoo_dir, monkeypatch):
+    from app import compute, state, zoos
+
+    zoo = zoos.load_zoo(tiny_zoo_dir, "cpu")
+    n = min(compute.LIVE_TEST, zoos.split_size(zoo, "test"))
+    assert compute.live_test(zoo) == compute.LIVE_TEST
+    note = state.live_note(zoo)
+    assert f"first {n} test examples per task;" in note and "language model" not in note
+    monkeypatch.setattr(compute, "live_test", lambda _zoo: 3)  # as on an LLM zoo
+    assert "first 3 test examples per task (fewer on a language model" in state.live_note(zoo)
