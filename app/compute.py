@@ -20,8 +20,21 @@ from torch import nn
 from featcal import FeatCalConfig
 
 LIVE_TEST = 50  # test examples per task scored live (the first ones of the split)
+LIVE_TEST_LM = 16  # on a language-model zoo, where each is a forward pass of the whole LM over its prompt
 DIAG_N = 16  # held-out examples per task the drift and cosines are measured on
-STREAMS_BYTES = 1 << 30  # the experts' drift streams are kept up to this size
+# What the app keeps of the experts' work (their held-out streams for the drift, the expert trace
+# of the exact runs) may take, each, this share of the memory available when it is made, at most
+# KEEP_CAP bytes: the models themselves stay in memory beside them.
+KEEP_SHARE = 0.25
+KEEP_CAP = 6 << 30
+
+
+def keep_budget(share: float = KEEP_SHARE, cap: int = KEEP_CAP) -> int:
+    """Bytes one kept store of the experts' work may take: ``share`` of the memory available
+    now (psutil's ``available``: free plus reclaimable), at most ``cap``."""
+    import psutil
+
+    return int(min(cap, share * psutil.virtual_memory().available))
 
 
 # ----------------------------------------------------------------------------- featcal
@@ -45,20 +58,13 @@ def calibrate(merged: nn.Module, zoo, data: dict, config: FeatCalConfig, trace=N
     )
 
 
-TRACE_PER_HIDDEN = 20  # a ViT block's captured inputs and outputs, in hidden states (6 in, 6 out; MLP 4x)
-
-
-@torch.no_grad()
-def expert_trace(zoo, data: dict, budget: int = STREAMS_BYTES):
-    """An empty :class:`featcal.ExpertTrace` for repeated calibrations on ``data``, or None
-    when it would hold more than ``budget`` bytes (about ``TRACE_PER_HIDDEN`` hidden states
-    per block and example, estimated from one stem output)."""
+def expert_trace(budget: int | None = None):
+    """An empty :class:`featcal.ExpertTrace` for repeated calibrations on one zoo and data,
+    keeping at most ``budget`` bytes (default :func:`keep_budget`): every block's expert work
+    when it fits, else the first blocks' (the later ones run again on every call)."""
     from featcal import ExpertTrace
 
-    per_example, examples, blocks = _stream_size(zoo, data)
-    if per_example * examples * blocks * TRACE_PER_HIDDEN > budget:
-        return None
-    return ExpertTrace()
+    return ExpertTrace(max_bytes=keep_budget() if budget is None else budget)
 
 
 def _stream_size(zoo, data: dict) -> tuple[float, int, int]:
@@ -87,6 +93,15 @@ def load_preview(scratch: nn.Module, calibrated: nn.Module, report, config: Feat
 
 
 # ----------------------------------------------------------------------------- diagnostics
+
+
+def live_test(zoo) -> int:
+    """Test examples per task the live view scores: :data:`LIVE_TEST`, :data:`LIVE_TEST_LM` on a
+    language-model zoo (:class:`featcal.zoo.lm.LMZoo`), whose scores would otherwise take most of
+    the time from a slider change to the exact result."""
+    from featcal.zoo.lm import LMZoo
+
+    return LIVE_TEST_LM if isinstance(zoo, LMZoo) else LIVE_TEST
 
 
 def scores(
@@ -222,14 +237,15 @@ def drift(model: nn.Module, zoo, data: dict, cache=None, own=None) -> pd.DataFra
 
 
 @torch.no_grad()
-def expert_streams(zoo, data: dict, budget: int = STREAMS_BYTES):
+def expert_streams(zoo, data: dict, budget: int | None = None):
     """The experts' streams on ``data`` at every block (:func:`diagnostics.expert_streams`),
     so that each drift table runs two block calls in three; None when they would take more
-    than ``budget`` bytes (estimated from one stem output before anything else runs)."""
+    than ``budget`` bytes (default :func:`keep_budget`; estimated from one stem output before
+    anything else runs)."""
     from diagnostics import expert_streams as streams
 
     per_example, examples, blocks = _stream_size(zoo, data)
-    if per_example * examples * (blocks + 1) > budget:
+    if per_example * examples * (blocks + 1) > (keep_budget() if budget is None else budget):
         return None
     return streams(zoo.experts, data)
 

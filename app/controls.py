@@ -11,7 +11,6 @@ from __future__ import annotations
 import streamlit as st
 
 from app.settings import (
-    CAL_DEFAULTS,
     CAL_SIZES,
     GIVEN,
     MERGE_METHODS,
@@ -19,6 +18,7 @@ from app.settings import (
     METHOD_LABELS,
     AppCal,
     Merger,
+    cal_defaults,
     merge_default,
 )
 from app.zoos import REPO
@@ -138,8 +138,20 @@ def current_merger(given: bool | None = None) -> Merger:
 # ----------------------------------------------------------------------------- FeatCal
 
 
-def calibration_controls(max_n: int) -> AppCal:
-    """The FeatCal widgets (Calibrate page); ``max_n``: the calibration split's size per task."""
+def zoo_preset(preset: str | None = None) -> str:
+    """``preset``, else the active zoo's (:func:`app.zoos.preset`)."""
+    if preset is not None:
+        return preset
+    from app import state, zoos
+
+    return zoos.preset(state.active_zoo())
+
+
+def calibration_controls(max_n: int, preset: str | None = None) -> AppCal:
+    """The FeatCal widgets (Calibrate page); ``max_n``: the calibration split's size per task;
+    ``preset``: the zoo's (default: the active zoo's), which sets their defaults."""
+    preset = zoo_preset(preset)
+    defaults = cal_defaults(preset)
     sizes = [n for n in CAL_SIZES if n <= max_n] or [max_n]
     c1, c2, c3 = st.columns(3)
     sliders = (
@@ -148,37 +160,44 @@ def calibration_controls(max_n: int) -> AppCal:
         (c3, "alpha", "α  (target interpolation)", "x_t = α·x_expert + (1-α)·x_calibrating"),
     )
     log_lam, rho, alpha = (
-        col.slider(label, *SLIDERS[key][:2], step=SLIDERS[key][2], key=key, help=why, **_initial(key), **BIND)
+        col.slider(
+            label, *SLIDERS[key][:2], step=SLIDERS[key][2], key=key, help=why, **_initial(key, defaults[key]), **BIND
+        )
         for col, key, label, why in sliders
     )
     c4, c5, c6 = st.columns(3)
-    default_n = CAL_DEFAULTS["n_cal"] if CAL_DEFAULTS["n_cal"] in sizes else sizes[-1]
+    default_n = defaults["n_cal"] if defaults["n_cal"] in sizes else sizes[-1]
     if st.session_state.get("n_cal") not in (None, *sizes):
         st.session_state["n_cal"] = sizes[-1]  # a size another page set that this zoo's split cannot give
     n = c4.select_slider("calibration examples per task", sizes, key="n_cal", **_initial("n_cal", default_n), **BIND)
-    bias = c5.toggle("calibrate Linear biases", key="bias", **_initial("bias"), **BIND)
-    layernorm = c6.toggle("calibrate LayerNorm affine", key="layernorm", **_initial("layernorm"), **BIND)
-    cal = AppCal.from_widgets(log_lam, rho, alpha, n, bias, layernorm)
-    c1.caption(f"λ = {cal.config.lam:.3g}")
+    bias = c5.toggle("calibrate Linear biases", key="bias", **_initial("bias", defaults["bias"]), **BIND)
+    norm = _initial("layernorm", defaults["layernorm"])
+    layernorm = c6.toggle("calibrate LayerNorm affine", key="layernorm", **norm, **BIND)
+    cal = AppCal.from_widgets(log_lam, rho, alpha, n, bias, layernorm, preset)
+    c1.caption(f"λ = {cal.config.lam:.3g}" + ("" if preset == "clip" else f" · preset {preset}"))
     return cal
 
 
-def _initial(key: str, default=None) -> dict:
+def _initial(key: str, default) -> dict:
     """The widget's ``value`` argument: its default, unless Session State already holds a value
     (another page set it: Streamlit warns when a widget gets both)."""
     if key in st.session_state:
         return {}
-    return {"value": CAL_DEFAULTS[key] if default is None else default}
+    return {"value": default}
 
 
-def current_calibration(max_n: int) -> AppCal:
-    """The calibration the Calibrate page's widgets (or the URL) set, on any page."""
-    n = int(_setting("n_cal", CAL_DEFAULTS["n_cal"], int))
+def current_calibration(max_n: int, preset: str | None = None) -> AppCal:
+    """The calibration the Calibrate page's widgets (or the URL) set, on any page; ``preset``:
+    the zoo's (default: the active zoo's)."""
+    preset = zoo_preset(preset)
+    d = cal_defaults(preset)
+    n = int(_setting("n_cal", d["n_cal"], int))
     return AppCal.from_widgets(
-        float(_setting("log_lam", CAL_DEFAULTS["log_lam"], float)),
-        float(_setting("rho", CAL_DEFAULTS["rho"], float)),
-        float(_setting("alpha", CAL_DEFAULTS["alpha"], float)),
+        float(_setting("log_lam", d["log_lam"], float)),
+        float(_setting("rho", d["rho"], float)),
+        float(_setting("alpha", d["alpha"], float)),
         min(n, max_n),
-        bool(_setting("bias", CAL_DEFAULTS["bias"], _bool)),
-        bool(_setting("layernorm", CAL_DEFAULTS["layernorm"], _bool)),
+        bool(_setting("bias", d["bias"], _bool)),
+        bool(_setting("layernorm", d["layernorm"], _bool)),
+        preset,
     )

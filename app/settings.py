@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +55,15 @@ def demo_n_gains(path: Path = MEASURED_SIZES) -> dict[int, tuple[float, float]]:
 
 
 DEMO_N_GAINS = demo_n_gains()
-CAL_DEFAULTS = dict(log_lam=-1.3, rho=2.0, alpha=0.3, n_cal=DEFAULT_N, bias=True, layernorm=True)
+
+
+def cal_defaults(preset: str = "clip") -> dict:
+    """The FeatCal widgets' defaults on a zoo whose architecture takes ``preset``
+    (:func:`app.zoos.preset`): the preset's λ (as log10, one decimal: the slider's step), ρ, α and
+    switches, and the app's ``n``."""
+    c = FeatCalConfig.preset(preset)
+    log_lam = round(math.log10(c.lam), 1)
+    return dict(log_lam=log_lam, rho=c.rho, alpha=c.alpha, n_cal=DEFAULT_N, bias=c.bias, layernorm=c.layernorm)
 
 
 def merge_default(method: str, name: str) -> float:
@@ -85,7 +94,7 @@ class AppCal:
     """One exact FeatCal run of the app: its :class:`featcal.FeatCalConfig` and the number of
     calibration examples per task it reads (the only setting the app adds)."""
 
-    config: FeatCalConfig  # the CLIP preset (token weights) with the sliders' λ, ρ, α and switches
+    config: FeatCalConfig  # the zoo's preset (app.zoos.preset) with the sliders' λ, ρ, α and switches
     n: int  # calibration examples per task
 
     def __post_init__(self):
@@ -93,12 +102,15 @@ class AppCal:
             raise ValueError(f"n (calibration examples per task) must be a positive int, got {self.n!r}.")
 
     @classmethod
-    def from_widgets(cls, log_lam: float, rho: float, alpha: float, n: int, bias: bool, layernorm: bool) -> "AppCal":
-        """The settings the widgets show. λ moves on a log10 slider and becomes ``config.lam``
+    def from_widgets(
+        cls, log_lam: float, rho: float, alpha: float, n: int, bias: bool, layernorm: bool, preset: str = "clip"
+    ) -> "AppCal":
+        """The settings the widgets show, on ``preset`` (its token weights; the CLIP one but on
+        LLM zoos, :func:`app.zoos.preset`). λ moves on a log10 slider and becomes ``config.lam``
         here, once (:func:`lam_of`)."""
         lam = lam_of(log_lam)
-        config = FeatCalConfig.clip(
-            lam=lam, rho=float(rho), alpha=float(alpha), bias=bool(bias), layernorm=bool(layernorm)
+        config = FeatCalConfig.preset(
+            preset, lam=lam, rho=float(rho), alpha=float(alpha), bias=bool(bias), layernorm=bool(layernorm)
         )
         return cls(config, int(n))
 

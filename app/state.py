@@ -33,7 +33,7 @@ from app import compute, runs, st_patch, workers, zoos
 from app.settings import HASH_FUNCS, AppCal, Merger, ModelRef
 from app.workers import torch_lock
 
-LIVE_TEST, DIAG_N = compute.LIVE_TEST, compute.DIAG_N
+DIAG_N = compute.DIAG_N
 device = zoos.device
 
 
@@ -139,11 +139,8 @@ def ahead_store() -> runs.Ahead:
 @st.cache_resource(max_entries=2, show_spinner=False)
 def _expert_trace(source: str, fp: str, n: int):
     """What the exact runs on this zoo and calibration size compute of the experts, kept
-    from run to run (None when too large, see :func:`app.compute.expert_trace`)."""
-    zoo = _zoo(source, device())
-    data = calib_data(source, fp, n)
-    with torch_lock(source):
-        return compute.expert_trace(zoo, data)
+    from run to run (as much as fits, see :func:`app.compute.expert_trace`)."""
+    return compute.expert_trace()
 
 
 def exact_run(source: str, fp: str, merger: Merger, cal: AppCal) -> Calibrated:
@@ -276,8 +273,8 @@ def model_of(
 def expert_side(source: str, fp: str, max_per_task: int | None) -> compute.ExpertSide:
     """The experts' logits and features on the live subsets (they never change); a smaller
     test subset's (the preview's) are the first rows of the live one's."""
-    if max_per_task is not None and max_per_task < LIVE_TEST:
-        live = expert_side(source, fp, LIVE_TEST)
+    if max_per_task is not None and max_per_task < live_test(source):
+        live = expert_side(source, fp, live_test(source))
         logits = {t: v[:max_per_task] for t, v in live.logits.items()}
         return compute.ExpertSide(max_per_task, logits, live.features)
     zoo = _zoo(source, device())
@@ -287,7 +284,7 @@ def expert_side(source: str, fp: str, max_per_task: int | None) -> compute.Exper
 
 
 @st.cache_data(max_entries=256, show_spinner=False, hash_funcs=HASH_FUNCS)
-def output_scores(source: str, fp: str, ref: ModelRef, max_per_task: int | None = LIVE_TEST) -> dict[str, pd.DataFrame]:
+def output_scores(source: str, fp: str, ref: ModelRef, max_per_task: int | None) -> dict[str, pd.DataFrame]:
     """Output drift (KL, agreement, accuracy) on the test split, task-vector cosine:
     ``{"output", "task_vector"}``."""
     zoo = _zoo(source, device())
@@ -309,7 +306,7 @@ def cosine_scores(source: str, fp: str, ref: ModelRef) -> pd.DataFrame:
     model is hooked, so a preview's pass takes the scratch lock alone, not the exact run's."""
     zoo = _zoo(source, device())
     data = diag_data(source, fp)
-    side = expert_side(source, fp, LIVE_TEST)
+    side = expert_side(source, fp, live_test(source))
     keep = expert_streams(source, fp) is not None
     with model_of(source, fp, ref, hooks=keep, experts=False) as model:
         if not keep:
@@ -322,7 +319,7 @@ def cosine_scores(source: str, fp: str, ref: ModelRef) -> pd.DataFrame:
     return frame
 
 
-def scores(source: str, fp: str, ref: ModelRef, max_per_task: int | None = LIVE_TEST) -> dict[str, pd.DataFrame]:
+def scores(source: str, fp: str, ref: ModelRef, max_per_task: int | None) -> dict[str, pd.DataFrame]:
     """``{"output", "task_vector"}`` (:func:`output_scores`) and ``"expert_cosine"``
     (:func:`cosine_scores`; computed by :func:`start_heldout` when it was started)."""
     return {**output_scores(source, fp, ref, max_per_task), "expert_cosine": cosine_scores(source, fp, ref)}
@@ -378,10 +375,17 @@ def png(fig_json: str) -> bytes:
     return figures.to_png(pio.from_json(fig_json))
 
 
+def live_test(source: str) -> int:
+    """Test examples per task the live view scores on the zoo ``source`` (:func:`app.compute.live_test`)."""
+    return compute.live_test(_zoo(source, device()))
+
+
 def live_note(zoo) -> str:
-    n = min(LIVE_TEST, zoos.split_size(zoo, "test"))
+    live = compute.live_test(zoo)
+    n = min(live, zoos.split_size(zoo, "test"))
+    fewer = " (fewer on a language model: each is a pass of the whole model)" if live < compute.LIVE_TEST else ""
     return (
-        f"Live view: accuracy, KL and agreement on the first {n} test examples per task; drift and "
+        f"Live view: accuracy, KL and agreement on the first {n} test examples per task{fewer}; drift and "
         f"cosines on {DIAG_N} held-out examples per task. Full-test-set evaluation on demand."
     )
 

@@ -78,6 +78,20 @@ def build_zoo(source: str, on_step) -> None:
         build_demo(demo_path(NAMES[source]), variant=NAMES[source], progress=True, on_step=on_step)
 
 
+LLM_PRESETS = ("flan-t5", "llama-3b", "llama-8b")  # language models: no class token to weight
+
+
+def preset(zoo) -> str:
+    """The FeatCal preset the app calibrates ``zoo`` with: the architecture's own
+    (:func:`featcal.config.preset_for_model`, as ``featcal calibrate`` picks it) for a language
+    model, whose first token is no class token for CLIP's token weights to single out; the
+    CLIP preset for every other zoo (the demo zoos, CLIP and text-encoder zoos)."""
+    from featcal.config import preset_for_model
+
+    found = preset_for_model(zoo.base)[0]
+    return found if found in LLM_PRESETS else "clip"
+
+
 SMALL_MODEL = 20_000_000  # parameters: below this, one CPU thread is fastest
 
 
@@ -88,15 +102,16 @@ def cpu_threads(zoo, device: str, alone: bool = False) -> int:
     else 1 for small models on the CPU, whose work runs in pairs (output scores beside
     the drift): their ops are too small to split, so two one-thread jobs side by side beat
     two-thread jobs one after the other (measured: benchmarks/README.md, 'App latency');
-    "every core" is those the load leaves free (:func:`featcal.util.threads.free_cores`)."""
-    from featcal.util.threads import free_cores, load_average, usable_cores
+    "every core" is those the load of other processes leaves free
+    (:func:`featcal.util.threads.free_cores`, :func:`~featcal.util.threads.others_load`)."""
+    from featcal.util.threads import free_cores, others_load, usable_cores
 
     env = os.environ.get("FEATCAL_APP_THREADS")
     if env:
         return max(1, int(env))
     if device == "cpu" and not alone and model_size(zoo.base)[0] < SMALL_MODEL:
         return 1
-    return free_cores(usable_cores(), load_average())
+    return free_cores(usable_cores(), others_load())
 
 
 def explain_load_error(source: str, exc: BaseException) -> str:

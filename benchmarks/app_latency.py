@@ -52,32 +52,40 @@ _common.setup_path()
 # ----------------------------------------------------------------------------- 1. parts
 
 
-def bench_parts(source: str, n: int, repeats: int, record: dict | None = None) -> list[dict]:
+def bench_parts(source: str, n: int, repeats: int, record: dict | None = None, preview: bool = True) -> list[dict]:
     """The app's work for one slider change, piece by piece, as :mod:`app.state` runs it:
-    the preview's scores (only when the exact run is slow; timed on their own), the exact
-    calibration alone on the worker thread, then the exact model's expert cosines and drift
-    (worker; the hooked passes on copies) and its output scores (here) side by side."""
+    the preview's scores (only when the exact run is slow; timed on their own; not with
+    ``preview=False``), the exact calibration alone on the worker thread, then the exact model's
+    expert cosines and drift (worker; the hooked passes on copies) and its output scores (here)
+    side by side. The settings are the app's defaults for the zoo's preset, rho moved."""
     import copy
 
     import torch
 
     from app import compute, zoos
-    from featcal import FeatCalConfig
+    from app.settings import AppCal, cal_defaults
 
     dev = zoos.device()
     zoo = zoos.load_zoo(source, dev)
     torch.set_num_threads(zoos.cpu_threads(zoo, dev))  # as the app does
+    preset, default = zoos.preset(zoo), cal_defaults(zoos.preset(zoo))
+
+    def setting(rho: float = default["rho"]):
+        """The app's default setting on this zoo with ``rho``, as the widgets make it."""
+        d = default
+        return AppCal.from_widgets(d["log_lam"], rho, d["alpha"], n, d["bias"], d["layernorm"], preset).config
+
     merged = zoo.merged("task_arithmetic", scale=0.3)
     data = zoo.calib_data(n, seed=42)
     diag = zoo.calib_data(min(compute.DIAG_N, zoos.split_size(zoo, "val")), seed=0, split="val")
-    side = compute.expert_side(zoo, diag, compute.LIVE_TEST)  # once per zoo in the app
+    live = compute.live_test(zoo)
+    side = compute.expert_side(zoo, diag, live)  # once per zoo in the app
     streams = compute.expert_streams(zoo, diag)  # likewise
-    compute.scores(merged, zoo, diag, compute.LIVE_TEST, side)  # warm-up (allocator, first-call costs)
-    trace = compute.expert_trace(zoo, data)  # once per zoo and size, as the app keeps it
-    model0, rep0 = compute.calibrate(merged, zoo, data, FeatCalConfig.clip(), trace)  # the app's default setting
-    scratch = compute.load_preview(
-        zoo.merged("task_arithmetic", scale=0.3), rep0.preview_state.template, rep0, FeatCalConfig.clip()
-    )
+    compute.scores(merged, zoo, diag, live, side)  # warm-up (allocator, first-call costs)
+    trace = compute.expert_trace()  # once per zoo and size, as the app keeps it
+    model0, rep0 = compute.calibrate(merged, zoo, data, setting(), trace)  # the app's default setting
+    scratch = zoo.merged("task_arithmetic", scale=0.3)
+    scratch = compute.load_preview(scratch, rep0.preview_state.template, rep0, setting())
     pieces = (
         "preview: load_into",
         "preview: scores + cosines + drift",
@@ -114,7 +122,7 @@ def bench_parts(source: str, n: int, repeats: int, record: dict | None = None) -
         torch.set_num_threads(solo)  # per thread, as app.workers.torch_lock does
         with torch.no_grad():
             a = clock()
-            model, rep = compute.calibrate(merged, zoo, data, FeatCalConfig.clip(rho=rho), trace)
+            model, rep = compute.calibrate(merged, zoo, data, setting(rho), trace)
             b = clock()
             for name, v in calibration_split(rep).items():
                 split[name].append(v)
@@ -133,11 +141,12 @@ def bench_parts(source: str, n: int, repeats: int, record: dict | None = None) -
             return b[0] - a[0], b[1] - a[1]
 
     for i in range(repeats):
-        rho = 1.5 + 0.1 * i
+        rho = default["rho"] - 0.5 + 0.1 * i  # (the demo zoo: 1.5, 1.6, ...)
         c0 = clock()  # the preview, scored only when the exact run is slow
-        compute.load_preview(scratch, rep0.preview_state.template, rep0, FeatCalConfig.clip(rho=rho))
+        compute.load_preview(scratch, rep0.preview_state.template, rep0, setting(rho))
         c1 = clock()
-        preview_scores(scratch)
+        if preview:
+            preview_scores(scratch)
         c2 = clock()
         model, cal = pool.submit(exact, rho).result()  # alone: the app's usual path
         c3 = clock()
@@ -192,6 +201,14 @@ def bench_parts(source: str, n: int, repeats: int, record: dict | None = None) -
         )
     for name, xs in split.items():
         rows.append({"measure": f"exact run's split: {name}", **_common.latency_stats(xs), "CPU s (median)": ""})
+    kept = "not kept" if streams is None else f"{streams.nbytes / 2**30:.2f} GiB"
+    note = (
+        f"live subset {live} test examples per task; preset {preset}; threads {threads} (exact run {solo}); "
+        f"expert trace {trace.nbytes / 2**30:.2f} GiB of "
+        f"{trace.max_bytes / 2**30:.2f} GiB allowed, {len(trace.captures) + len(trace.stacked)} block-batches; "
+        f"experts' held-out streams {kept}"
+    )
+    rows.append({"measure": note, "median": "", "max": "", "CPU s (median)": ""})
     return rows
 
 
@@ -271,7 +288,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=None, help="calibration examples per task (default: the app's)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--browser", action="store_true", help="also measure in chromium (streamlit run)")
-    ap.add_argument("--skip", default="", help="comma list of parts,apptest to skip")
+    ap.add_argument(
+        "--skip", default="", help="comma list of parts,apptest,preview to skip (preview: the parts' preview scores)"
+    )
     ap.add_argument("--steps", type=int, default=1, help="browser: slider steps per change (default 1)")
     ap.add_argument("--pause", type=float, default=0.0, help="browser: seconds of idle page before each change")
     ap.add_argument(
@@ -280,7 +299,7 @@ def main() -> None:
         default=None,
         help="browser: the server's FEATCAL_LOOK_AHEAD (default: this environment's, on unless set)",
     )
-    ap.add_argument("--live", type=int, default=None, help="test examples per task scored live (app: 50)")
+    ap.add_argument("--live", type=int, default=None, help="test examples per task scored live (app: 50, LLM: 16)")
     ap.add_argument("--diag", type=int, default=None, help="held-out examples per task for drift (app: 16)")
     ap.add_argument(
         "--record",
@@ -291,7 +310,8 @@ def main() -> None:
     args = ap.parse_args()
     from app import compute, zoos
 
-    compute.LIVE_TEST = args.live or compute.LIVE_TEST
+    if args.live:  # every zoo's live subset
+        compute.LIVE_TEST = compute.LIVE_TEST_LM = args.live
     compute.DIAG_N = args.diag or compute.DIAG_N
     n = args.n or 16  # app.settings.DEFAULT_N (not imported: it needs streamlit)
     rows = []
@@ -306,12 +326,14 @@ def main() -> None:
         elif name == "browser":
             look_ahead = None if args.look_ahead is None else args.look_ahead == "on"
             rows += bench(args.zoo, n, args.repeats, args.steps, args.pause, look_ahead)
+        elif name == "parts":
+            rows += bench(args.zoo, n, args.repeats, preview="preview" not in args.skip)
         else:
             rows += bench(args.zoo, n, args.repeats)
         print(f"[{name}: {time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
     print(
         f"\napp latency on zoo {args.zoo!r}, {n} calibration examples per task, "
-        f"live subset {compute.LIVE_TEST} test / {compute.DIAG_N} held-out examples per task"
+        f"{compute.DIAG_N} held-out examples per task (the live test subset: in the table)"
     )
     print(_common.environment(zoos.device()))
     print(_common.markdown_table(rows))

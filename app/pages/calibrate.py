@@ -43,7 +43,7 @@ full = full.toggle(
     help="Score the exact result on every test example (slower; the preview stays live).",
 )
 note.caption(state.live_note(zoo) if not full else "Exact result scored on the full test split of every task.")
-limit = None if full else state.LIVE_TEST
+limit = None if full else state.live_test(source)
 
 status_slot = st.caption(":material/hourglass_top: Starting…")  # replaced in place by every status
 slots = ui.Slots()  # every result element, drawn in place: the page never empties (see ui.Slots)

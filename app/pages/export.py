@@ -27,7 +27,8 @@ with ui.status(f"Running exact FeatCal: {cal.label}…") as s:
 mer_ref, cal_ref = ModelRef.merged(merger), ModelRef.calibrated(merger, cal)
 with ui.status("Scoring the merged and the calibrated model, measuring their drift…") as s:
     d_mer, d_cal = state.drift(source, fp, mer_ref), state.drift(source, fp, cal_ref)
-    mer_scores, cal_scores = state.scores(source, fp, mer_ref), state.scores(source, fp, cal_ref)
+    live = state.live_test(source)
+    mer_scores, cal_scores = state.scores(source, fp, mer_ref, live), state.scores(source, fp, cal_ref, live)
     s.update(label="Scores and drift ready", state="complete")
 report = run.report.to_dict() | {
     "zoo": {"name": zoo.name, "source": source, "fingerprint": fp},

@@ -37,7 +37,7 @@ with left:
     )
 right.caption(state.live_note(zoo) if not full else "Full test split of every task.")
 
-limit = None if full else state.LIVE_TEST
+limit = None if full else state.live_test(source)
 with right, ui.status(f"Scoring base, experts and {merger.label}…") as status:
     base = state.scores(source, fp, ModelRef.base_model(), limit)
     merged = state.scores(source, fp, ModelRef.merged(merger), limit)

@@ -29,7 +29,7 @@ from featcal.cli.formats import (
     run_calibrate_mergekit,
     streamed_options,
 )
-from featcal.config import FeatCalConfig
+from featcal.config import PRESETS, FeatCalConfig, preset_for, preset_for_model
 from featcal.engine.run import calibrate
 from featcal.util.outdir import output_lock
 
@@ -85,47 +85,7 @@ def config_from_args(args, preset: str | None = None):
         overrides["layernorm"] = False
     if getattr(args, "stats_dtype", None):
         overrides["stats_dtype"] = getattr(torch, args.stats_dtype)
-    preset = preset or args.preset or "clip"
-    if preset == "clip":
-        return FeatCalConfig.clip(**overrides)
-    if preset == "flan-t5":
-        return FeatCalConfig.flan_t5(**overrides)
-    if preset.startswith("llama-"):
-        return FeatCalConfig.llama(preset.removeprefix("llama-"), **overrides)
-    return FeatCalConfig(**overrides)
-
-
-PRESETS = ("clip", "flan-t5", "llama-3b", "llama-8b", "none")
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "smollm")
-LLAMA_8B_WIDTH = 4096  # Llama-3.1-8B's hidden size; narrower Llama-family models take the 3B setting
-
-
-def preset_for(config: dict) -> tuple[str, str]:
-    """``(preset, why)`` for a Hugging Face ``config.json`` dict: ``clip`` for CLIP models,
-    ``flan-t5`` for T5, ``llama-8b`` / ``llama-3b`` for Llama-family decoders by width, ``none``
-    (plain FeatCalConfig) for any other architecture."""
-    model_type = str(config.get("model_type", "")).lower()
-    archs = " ".join(config.get("architectures") or []).lower()
-    width = config.get("hidden_size") or config.get("d_model")
-    if model_type.startswith("clip") or "clip" in archs:
-        return "clip", f"model_type {model_type!r} is CLIP"
-    if model_type in ("t5", "mt5", "umt5") or "t5" in archs:
-        return "flan-t5", f"model_type {model_type!r} is T5"
-    if model_type in LLAMA_FAMILY or "llama" in archs:
-        size = "8b" if (width or 0) >= LLAMA_8B_WIDTH else "3b"
-        return f"llama-{size}", f"model_type {model_type!r} is Llama-family, hidden size {width}"
-    return "none", f"model_type {model_type!r} has no paper setting"
-
-
-def preset_for_model(model) -> tuple[str, str]:
-    """:func:`preset_for` of an ``nn.Module``: its Hugging Face config when it has one, else
-    its class name (an open_clip or plain torch model)."""
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "to_dict"):
-        cfg = config.to_dict()
-        cfg.setdefault("architectures", [type(model).__name__])
-        return preset_for(cfg)
-    return preset_for({"model_type": "", "architectures": [type(model).__name__]})
+    return FeatCalConfig.preset(preset or args.preset or "clip", **overrides)
 
 
 def choose_preset(args, found: tuple[str, str]) -> None:

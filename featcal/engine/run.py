@@ -83,7 +83,8 @@ def _prepare_streams(
             if offload:
                 exp = [c.with_hidden(to_host(c.hidden)) for c in exp]
             for b, call in enumerate(exp if kept is not None else []):
-                kept.put(task, 0, b, call)
+                if trace.room_for(call):
+                    kept.put(task, 0, b, call)
         if offload:
             cal = [c.with_hidden(to_host(c.hidden)) for c in cal]
         streams[task] = Stream(cal, list(exp))

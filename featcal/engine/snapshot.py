@@ -81,7 +81,7 @@ def _expert_step(run: RunState, eblk: nn.Module, targets, st: Stream, b: int, ke
         with capture(eblk, targets, outputs=True) as ce:
             nxt = ec.after(block_output(eblk, ec, run.ctx.device))
         nxt = nxt.with_hidden(to_host(nxt.hidden)) if run.offload else nxt
-        if trace is not None:
+        if trace is not None and trace.room_for(ce, nxt):  # both or neither (ExpertTrace.max_bytes)
             trace.captures[key] = ce
             trace.stream(path).put(task, block + 1, b, nxt)
     st.exp[b] = nxt
@@ -104,7 +104,7 @@ def _add_stacked(
         ces = [_expert_step(run, eblk, targets, streams[task], 0, None) for task, eblk in zip(tasks, eblks)]
         params = {t.name: _stack_params([arch.get_params(eblk, t) for eblk in eblks]) for t in targets}
         hit, outs = (stacked(ces), params), [streams[task].exp[0] for task in tasks]
-        if trace is not None:
+        if trace is not None and trace.room_for(hit, outs):
             trace.stacked[run.path, block] = hit
             for task, out in zip(tasks, outs):
                 kept.put(task, block + 1, 0, out)

@@ -26,16 +26,29 @@ class ExpertTrace:
     weak references; a dict batch by its keys and its tensors): any other ones clear it. The
     experts and the batches must not be changed in place while it is used. It holds every
     block's expert captures (about one forward pass of activations per task), so keep it for
-    small models.
+    small models, or give it ``max_bytes``: it then keeps the first blocks' work that fits
+    (:meth:`room_for`), and later calls run the experts from the first block it lacks on, the
+    experts' stream at that block being kept with the block before it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self.max_bytes = max_bytes  # None: no limit
+        self.nbytes = 0  # what the kept captures and streams hold (tensor storage, each counted once)
         self._key: tuple | None = None
         self._refs: list = []
         self.streams: dict[str, ExpertStreams] = {}  # stack path -> every expert's stream at every block
         self.captures: dict[tuple, Captured] = {}  # (path, block, task, batch) -> expert i's captures
         # (path, block) -> (stacked captures, stacked params): all tasks reduced as one stack
         self.stacked: dict[tuple, tuple[Captured, dict]] = {}
+
+    def room_for(self, *kept) -> bool:
+        """Whether keeping ``kept`` (captures, block calls, tensors) stays within ``max_bytes``;
+        when it does, its bytes are counted as kept (the caller then keeps all of it)."""
+        size = storage_bytes(kept)
+        if self.max_bytes is not None and self.nbytes + size > self.max_bytes:
+            return False
+        self.nbytes += size
+        return True
 
     def stream(self, path: str) -> ExpertStreams:
         """The experts' streams through the stack at ``path`` (empty until a calibration fills it)."""
@@ -50,10 +63,35 @@ class ExpertTrace:
         key = (key, tuple(tasks), tuple(len(calib_data[t]) for t in tasks))
         alive = [r() for r in self._refs]
         if self._key != key or len(alive) != len(objs) or not all(_same(a, o) for a, o in zip(alive, objs)):
-            self.__init__()
+            self.__init__(self.max_bytes)
             self._key = key
             self._refs = [_ref(o) for o in objs]
         return self
+
+
+def storage_bytes(obj) -> int:
+    """Bytes of the tensor storages in ``obj`` (a tensor, a :class:`Captured`, a block call, or
+    lists, tuples and dicts of them), each storage counted once: captures that share one input
+    tensor (q/k/v) or views of one output hold it once."""
+    seen: dict[int, int] = {}
+
+    def visit(x) -> None:
+        if torch.is_tensor(x):
+            st = x.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        elif isinstance(x, Captured):
+            visit(x.inputs), visit(x.outputs)
+        elif isinstance(x, Mapping):
+            for v in x.values():
+                visit(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                visit(v)
+        elif hasattr(x, "hidden"):  # a BlockCall: its hidden state (its other arguments are shared)
+            visit(x.hidden)
+
+    visit(obj)
+    return sum(seen.values())
 
 
 def _leaves(obj) -> list:

@@ -13,11 +13,14 @@ a model and this machine; ``$FEATCAL_THREADS`` overrides both.
 from __future__ import annotations
 
 import os
+import time
+from pathlib import Path
 
 from torch import nn
 
 SMALL_MODEL = 20_000_000  # parameters: below this, one thread is fastest (ops too small to split)
 ENV = "FEATCAL_THREADS"
+_IMPORTED = time.monotonic()
 
 
 def usable_cores() -> int:
@@ -34,6 +37,31 @@ def load_average() -> float:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
         return 0.0
+
+
+LOAD_WINDOW = 60.0  # seconds: the load average's (1-minute) window
+
+
+def own_load(cpu_seconds: float, age: float, window: float = LOAD_WINDOW) -> float:
+    """This process's part of the load average, roughly: its CPU seconds (every thread's) over
+    the window, or over its whole life when it is older than the window (a single reading
+    cannot tell when in its life it worked). Without it, a process choosing threads after
+    work of its own (loading models, a previous run) would count itself as another's load."""
+    return max(0.0, cpu_seconds) / max(age, window)
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux's /proc; elsewhere since this module was imported)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        return float(Path("/proc/uptime").read_text().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED
+
+
+def others_load() -> float:
+    """The 1-minute load average less this process's own part (:func:`own_load`), at least 0."""
+    return max(0.0, load_average() - own_load(time.process_time(), process_age()))
 
 
 def free_cores(cores: int, load: float) -> int:
@@ -62,4 +90,4 @@ def default_threads(model: nn.Module | None = None, device: str = "cpu") -> int:
     if not str(device).startswith("cpu"):
         return 1
     params = None if model is None else sum(p.numel() for p in model.parameters())
-    return choose_threads(params, usable_cores(), load_average())
+    return choose_threads(params, usable_cores(), others_load())

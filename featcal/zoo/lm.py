@@ -268,13 +268,18 @@ class LMZoo(Zoo):
         """``(n, V)``: the next-token logits where each reply begins (teacher-forced), what
         the app's accuracy, agreement and KL read instead of a head's class logits. The same
         for every task: a choice task's reference reply is the right option word, so its
-        "accuracy" here is that word's first token being the most likely."""
+        "accuracy" here is that word's first token being the most likely.
+
+        The tokens after the last reply start are not run: a causal model's state at a position
+        reads no later token, so they change nothing (up to float rounding, the products being of
+        another shape)."""
         batch = as_batch(inputs)
         dev = _device(model)
-        ids, mask = batch["input_ids"].to(dev), batch["attention_mask"].to(dev)
+        at = self.reply_start(batch["input_ids"].cpu()) - 1  # the position that predicts the reply's first token
+        width = int(at.max()) + 1 if len(at) else 0
+        ids, mask = batch["input_ids"][:, :width].to(dev), batch["attention_mask"][:, :width].to(dev)
         hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
-        at = self.reply_start(ids.cpu()).to(dev) - 1  # the position that predicts the reply's first token
-        return model.get_output_embeddings()(hidden[torch.arange(len(ids), device=dev), at]).float()
+        return model.get_output_embeddings()(hidden[torch.arange(len(ids), device=dev), at.to(dev)]).float()
 
     def generate(self, model: nn.Module, prompts: Sequence[str], max_new_tokens: int = 48) -> list[str]:
         """Greedy replies of ``model`` to free prompts (the app's generate box)."""

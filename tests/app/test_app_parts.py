@@ -27,6 +27,29 @@ def test_widget_values_become_the_featcal_config():
         AppCal.from_widgets(float("nan"), 1.5, 0.45, 16, False, True)
 
 
+def test_llm_zoos_take_their_architectures_preset_and_every_other_zoo_clips():
+    """The widgets' defaults and config follow the zoo's preset: the CLIP one (token weights) as
+    before on every zoo but language models, whose Llama-family setting has none."""
+    from app.settings import AppCal, cal_defaults
+    from featcal import FeatCalConfig
+
+    assert cal_defaults("clip") == dict(log_lam=-1.3, rho=2.0, alpha=0.3, n_cal=16, bias=True, layernorm=True)
+    llama = cal_defaults("llama-3b")
+    assert llama == dict(log_lam=-5.0, rho=0.5, alpha=0.15, n_cal=16, bias=True, layernorm=False)
+    cal = AppCal.from_widgets(**{k: v for k, v in llama.items() if k != "n_cal"}, n=16, preset="llama-3b")
+    assert cal.config == FeatCalConfig.llama("3b") and cal.config.token_weights is None
+
+
+def test_the_zoos_preset_is_clip_unless_it_is_a_language_model(tiny_zoo_dir):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from app import zoos
+
+    assert zoos.preset(zoos.load_zoo(tiny_zoo_dir, "cpu")) == "clip"
+    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=64)
+    assert zoos.preset(type("Zoo", (), {"base": LlamaForCausalLM(cfg)})()) == "llama-3b"
+
+
 def _cal(log_lam=-1.3, rho=2.0, alpha=0.3, n=8, bias=True):
     from app.settings import AppCal
 
@@ -259,6 +282,15 @@ def test_cached_expert_streams_give_the_same_drift_and_respect_the_budget(tiny_z
     assert compute.expert_streams(zoo, data, budget=cache.nbytes - 1) is None  # the estimate is exact here
 
 
+def test_the_expert_trace_keeps_what_the_memory_allows():
+    from app import compute
+
+    assert 0 < compute.keep_budget() <= compute.KEEP_CAP
+    assert compute.keep_budget(cap=1000) == 1000  # a machine has more than 1000 bytes available
+    assert 0 < compute.expert_trace().max_bytes <= compute.KEEP_CAP
+    assert compute.expert_trace(budget=123).max_bytes == 123
+
+
 def test_streams_kept_while_scoring_cosines_give_the_same_drift(tiny_zoo_dir):
     """The worker's path: the cosine pass keeps the model's streams, the drift reuses them."""
     from app import compute, zoos
@@ -282,6 +314,7 @@ def test_small_models_pair_work_on_one_thread_each_and_run_alone_on_every_core(t
     monkeypatch.delenv("FEATCAL_APP_THREADS", raising=False)
     monkeypatch.setattr(threads, "usable_cores", lambda: 6)
     monkeypatch.setattr(threads, "load_average", lambda: 0.0)
+    monkeypatch.setattr(threads, "own_load", lambda *_: 0.0)  # the load is other processes' here
     assert zoos.cpu_threads(zoo, "cpu") == 1
     assert zoos.cpu_threads(zoo, "cpu", alone=True) == 6
     monkeypatch.setattr(zoos, "SMALL_MODEL", 0)  # a big model: every core either way
@@ -290,3 +323,15 @@ def test_small_models_pair_work_on_one_thread_each_and_run_alone_on_every_core(t
     assert zoos.cpu_threads(zoo, "cpu") == zoos.cpu_threads(zoo, "cpu", alone=True) == 2
     monkeypatch.setenv("FEATCAL_APP_THREADS", "3")  # the user's choice wins for both
     assert zoos.cpu_threads(zoo, "cpu") == zoos.cpu_threads(zoo, "cpu", alone=True) == 3
+
+
+def test_the_live_note_says_how_many_test_examples_and_why_fewer_on_an_llm(tiny_zoo_dir, monkeypatch):
+    from app import compute, state, zoos
+
+    zoo = zoos.load_zoo(tiny_zoo_dir, "cpu")
+    n = min(compute.LIVE_TEST, zoos.split_size(zoo, "test"))
+    assert compute.live_test(zoo) == compute.LIVE_TEST
+    note = state.live_note(zoo)
+    assert f"first {n} test examples per task;" in note and "language model" not in note
+    monkeypatch.setattr(compute, "live_test", lambda _zoo: 3)  # as on an LLM zoo
+    assert "first 3 test examples per task (fewer on a language model" in state.live_note(zoo)

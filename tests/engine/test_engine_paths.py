@@ -292,6 +292,44 @@ def test_an_expert_trace_reruns_no_expert_block_and_changes_nothing(kind, per_ta
     assert not cleared.captures and not cleared.streams and not cleared.stacked
 
 
+@pytest.mark.parametrize("kind", ["toy", "hf_clip"])
+def test_an_expert_trace_within_max_bytes_keeps_the_first_blocks_and_changes_nothing(kind):
+    """An ExpertTrace with ``max_bytes`` keeps the first blocks' expert work that fits; the next
+    run runs the experts' later blocks only (from the kept stream) and gives the very same model
+    as a run without a trace."""
+    from featcal import ExpertTrace
+    from featcal.model.arch import resolve_blocks
+
+    base, experts, merged, data = tiny.zoo(kind, n=4)
+    other = tiny.perturbed(merged, 0.02, 99)
+    cfg = FeatCalConfig.clip(lam=0.1, rho=1.5, alpha=0.4)
+    full = ExpertTrace()
+    calibrate(merged, base=base, experts=experts, calib_data=data, config=cfg, progress=False, expert_trace=full)
+    trace = ExpertTrace(max_bytes=full.nbytes - 1)  # all but the last block
+    calibrate(merged, base=base, experts=experts, calib_data=data, config=cfg, progress=False, expert_trace=trace)
+    assert 0 < trace.nbytes < full.nbytes
+    blocks_kept = lambda t: len(t.captures) + len(t.stacked)  # noqa: E731 (task by task, or stacked)
+    assert 0 < blocks_kept(trace) < blocks_kept(full)
+    calls = []
+    blocks = [b for e in experts.values() for b in resolve_blocks(e)[1]]
+    handles = [b.register_forward_pre_hook(lambda *_: calls.append(1)) for b in blocks]
+    try:
+        got, rep = calibrate(
+            other, base=base, experts=experts, calib_data=data, config=cfg, progress=False, expert_trace=trace
+        )
+        traced, calls[:] = len(calls), []
+        want, rep_want = calibrate(other, base=base, experts=experts, calib_data=data, config=cfg, progress=False)
+    finally:
+        for h in handles:
+            h.remove()
+    assert 0 < traced < len(calls)  # the experts' later blocks only
+    ref = tiny.all_target_params(want)
+    for name, (W, b) in tiny.all_target_params(got).items():
+        assert torch.equal(W, ref[name][0]), name
+        assert b is None or torch.equal(b, ref[name][1]), name
+    assert [m.residual_after for m in rep.modules] == [m.residual_after for m in rep_want.modules]
+
+
 def test_an_expert_trace_takes_dict_batches():
     """Dict batches (``model(**batch)``, as text zoos give) cannot be weakly referenced; the
     trace holds them and still reruns no expert block, with the same result."""

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from featcal import FeatCalConfig, calibrate, merge, merge_model
-from featcal.cli.calibrate import choose_preset, config_from_args, preset_for, preset_for_model
+from featcal.cli.calibrate import choose_preset, config_from_args
+from featcal.config import preset_for, preset_for_model
 from featcal.engine.report import RESIDUAL_ROSE
 from tiny import toy_data, toy_zoo
 
@@ -71,3 +72,13 @@ def test_a_rising_residual_is_a_warning_in_the_report():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert rep.check_residuals() == msg[0] and len(rep.warnings) == len(set(rep.warnings))
+
+
+def test_a_preset_by_name_is_the_presets_own_config():
+    assert FeatCalConfig.preset("clip", rho=1.5) == FeatCalConfig.clip(rho=1.5)
+    assert FeatCalConfig.preset("flan-t5") == FeatCalConfig.flan_t5()
+    assert FeatCalConfig.preset("llama-3b", lam=0.1) == FeatCalConfig.llama("3b", lam=0.1)
+    assert FeatCalConfig.preset("llama-8b") == FeatCalConfig.llama("8b")
+    assert FeatCalConfig.preset("none") == FeatCalConfig()
+    with pytest.raises(ValueError, match="unknown preset"):
+        FeatCalConfig.preset("gpt")

@@ -18,6 +18,13 @@ def test_big_models_get_the_cores_the_load_leaves_free():
     assert threads.choose_threads(None, cores=4, load=1.0) == 3  # size unknown: as a big model
 
 
+def test_a_process_does_not_count_its_own_work_as_load(monkeypatch):
+    assert threads.own_load(cpu_seconds=30.0, age=20.0) == 0.5  # younger than the window: over the window
+    assert threads.own_load(cpu_seconds=240.0, age=120.0) == 2.0  # older: over its life
+    monkeypatch.setattr(threads, "load_average", lambda: 0.2)
+    assert 0.0 <= threads.others_load() <= 0.2  # never below 0, never above the load
+
+
 def test_default_threads_reads_the_model_the_env_and_the_device(monkeypatch):
     monkeypatch.delenv(threads.ENV, raising=False)
     monkeypatch.setattr(threads, "usable_cores", lambda: 4)

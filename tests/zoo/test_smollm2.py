@@ -67,6 +67,23 @@ def test_loads_as_a_zoo_and_scores_replies(micro):
         assert micro.logits(micro.base, task, micro.split(task, "val")[0]).shape == (len(first), len(micro.tokenizer))
 
 
+def test_reply_start_logits_equal_those_of_the_whole_sequence(micro):
+    """zoo.logits runs the tokens up to the last reply start only: the logits are those of a
+    forward over the whole sequences (causal: no position reads a later one), up to rounding."""
+    from featcal.zoo.tokens import as_batch
+
+    model = micro.merged("task_arithmetic", scale=0.3).eval()
+    for task in micro.tasks:
+        x = micro.split(task, "test")[0]
+        batch = as_batch(x)
+        with torch.no_grad():
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        at = micro.reply_start(batch["input_ids"]) - 1
+        assert int(at.max()) + 1 < batch["input_ids"].shape[1]  # something was cut
+        want = out[torch.arange(len(at)), at]
+        torch.testing.assert_close(micro.logits(model, task, x), want, rtol=1e-4, atol=1e-4)
+
+
 def test_choice_fast_path_equals_one_forward_per_option(micro):
     from featcal.zoo import llm_tasks as lt
     from featcal.zoo.lm import choice_logliks, option_logliks
