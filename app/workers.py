@@ -11,8 +11,6 @@ the scores on the script's thread; what prepares the next preview runs in the ba
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Iterator
@@ -69,24 +67,15 @@ def submit(fn, *args) -> Future:
     return _pool().submit(fn, *args)
 
 
-def _lowest_priority() -> None:
-    """Give the calling thread (and the torch threads it starts) the lowest CPU priority, on
-    Linux, where a thread has a nice value of its own: the browser drawing a result and the
-    script's own work go first."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-
-
 @st.cache_resource(show_spinner=False)
 def _idle_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="featcal-prepare", initializer=_lowest_priority)
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="featcal-prepare")
 
 
 def in_background(fn, *args) -> Future:
-    """Run ``fn(*args)`` on a thread of its own at the lowest priority, for work nobody waits
-    for yet (what makes the next preview quick, the look-ahead of :mod:`app.ahead`), so that it
-    never holds up the worker's exact runs, the script or the browser."""
+    """Run ``fn(*args)`` on a thread of its own, for work nobody waits for yet (what makes the
+    next preview quick, the look-ahead of :mod:`app.ahead`), so that it never queues in front
+    of the worker's exact runs (the look-ahead may hold the model lock for one of its steps)."""
     return _idle_pool().submit(fn, *args)
 
 

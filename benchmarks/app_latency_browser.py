@@ -161,6 +161,9 @@ def _browser_move(
     done_before = page.evaluate(DONE_LINE)
     page.evaluate(PLOT_WATCH)
     thumb = page.locator('[data-testid="stSlider"]', has_text=label).locator('input[type="range"]')
+    lo, hi, step = (float(thumb.get_attribute(a)) for a in ("min", "max", "step"))
+    if not lo <= float(thumb.input_value()) + direction * steps * step <= hi:
+        raise SystemExit(f"the {label!r} slider would pass its end: ask for fewer --repeats or --steps")
     if how == "mouse":
         _drag_and_release(page, thumb, direction, steps)
     else:
