@@ -27,7 +27,7 @@ import logging
 import math
 import time
 import warnings
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
@@ -239,6 +239,7 @@ def _visit_blocks(run: RunState, source: BlockSource, model, blks, experts, cali
     desc = "FeatCal" if path == report.blocks_path else f"FeatCal {path}"
     show = progress and (run.dist is None or run.dist.rank == 0)  # one bar: rank 0's
     bar = progress_bar(range(source.first, len(blks)), desc=desc, unit="block", show=show)
+    run.blocks_done += source.first  # (a resumed run's earlier blocks are done)
     for block in bar:
         source.enter(block)  # block `block` of every model where it runs
         blk = blks[block]
@@ -263,6 +264,15 @@ def _visit_blocks(run: RunState, source: BlockSource, model, blks, experts, cali
         report.blocks.append(BlockRecord(run.offset + block, t1 - t0, t2 - t1, time.perf_counter() - t2))
         source.leave(block, streams, report)
         bar.set_postfix_str(f"block {block}: {len(targets)} modules")
+        run.blocks_done += 1
+        if run.on_block is not None:  # (raising stops the run here, between two blocks)
+            rec = report.blocks[-1]
+            info = {
+                "done": run.blocks_done,
+                "blocks": run.blocks_total,
+                "seconds": rec.stats_seconds + rec.solve_seconds + rec.advance_seconds,
+            }
+            run.on_block(rec.block, info)
 
 
 def _summarised(notes: list[str], first: int = 3, same: str = "re-solved the same way") -> list[str]:
@@ -334,6 +344,7 @@ def calibrate(
     fast: FastPaths | None = None,
     device: str | torch.device | None = None,
     block_source: BlockSource | None = None,
+    on_block: Callable[[int, dict], None] | None = None,
 ) -> tuple[nn.Module, CalibrationReport]:
     """Calibrate a merged model toward its experts with FeatCal.
 
@@ -364,6 +375,12 @@ def calibrate(
         block_source: where the blocks come from while they are visited
             (:class:`featcal.engine.blocksource.BlockSource`; :func:`featcal.calibrate_checkpoints`
             passes one that reads them from checkpoint shards, with ``device``).
+        on_block: called as ``on_block(block, {"done", "blocks", "seconds"})`` after each
+            block (its number in the report; blocks done and blocks in all, over every stack;
+            its seconds), e.g. for a progress bar of one's own. An exception it raises stops the run
+            between two blocks and propagates (``merged`` is untouched unless ``inplace``; an
+            ``expert_trace`` keeps the blocks done). Under a process group every rank calls it,
+            and all must stop alike.
 
     Returns:
         ``(model, report)``: the calibrated model (new unless ``inplace``) and a
@@ -393,7 +410,8 @@ def calibrate(
     report = CalibrationReport(cfg, path, tasks)
     trace = _bound_trace(expert_trace, experts, calib_data, tasks, path, cfg, device)
     ctx = Context(cfg, fast, 0, device, fixed_alpha=None if keep_stats else cfg.alpha)
-    run = RunState(ctx, report, [] if keep_stats else None, trace, dist=dist)
+    run = RunState(ctx, report, [] if keep_stats else None, trace, dist=dist, on_block=on_block)
+    run.blocks_total = sum(len(arch.resolve_blocks(model, s)[1]) for s in stacks)
     try:
         # 3. Each stack in forward order, block by block.
         for stack in stacks:

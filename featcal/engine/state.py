@@ -5,7 +5,7 @@ stack being visited) and each task's streams at the input of the current block (
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 from torch import nn
 
@@ -40,3 +40,6 @@ class RunState:
     streams: dict[str, Stream] | None = None
     offload: bool = False  # the streams go to the host between blocks
     dist: Dist | None = None  # the process group sharing the batches (featcal.engine.distributed)
+    on_block: Callable[[int, dict], None] | None = None  # after each block (calibrate's docstring)
+    blocks_done: int = 0  # over every stack
+    blocks_total: int = 0

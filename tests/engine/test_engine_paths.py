@@ -28,6 +28,15 @@ def _calibrate(merged, base, experts, data, cfg, fast, keep_stats=False):
     )
 
 
+def _assert_same_calibration(got, rep, want, rep_want) -> None:
+    """Bit-equal calibrated parameters and residuals."""
+    ref = tiny.all_target_params(want)
+    for name, (W, b) in tiny.all_target_params(got).items():
+        assert torch.equal(W, ref[name][0]), name
+        assert b is None or torch.equal(b, ref[name][1]), name
+    assert [m.residual_after for m in rep.modules] == [m.residual_after for m in rep_want.modules]
+
+
 def _one_batch_a_task(data):
     return {t: [torch.cat(bs)] for t, bs in data.items()}
 
@@ -282,11 +291,7 @@ def test_an_expert_trace_reruns_no_expert_block_and_changes_nothing(kind, per_ta
         for h in handles:
             h.remove()
     want, rep_want = calibrate(other, base=base, experts=experts, calib_data=data, config=cfg, progress=False)
-    ref = tiny.all_target_params(want)
-    for name, (W, b) in tiny.all_target_params(got).items():
-        assert torch.equal(W, ref[name][0]), name
-        assert b is None or torch.equal(b, ref[name][1]), name
-    assert [m.residual_after for m in rep.modules] == [m.residual_after for m in rep_want.modules]
+    _assert_same_calibration(got, rep, want, rep_want)
     copies = {t: copy.deepcopy(e) for t, e in experts.items()}
     cleared = trace.bind(copies, data, list(copies), trace._key[0])
     assert not cleared.captures and not cleared.streams and not cleared.stacked
@@ -323,11 +328,48 @@ def test_an_expert_trace_within_max_bytes_keeps_the_first_blocks_and_changes_not
         for h in handles:
             h.remove()
     assert 0 < traced < len(calls)  # the experts' later blocks only
-    ref = tiny.all_target_params(want)
-    for name, (W, b) in tiny.all_target_params(got).items():
-        assert torch.equal(W, ref[name][0]), name
-        assert b is None or torch.equal(b, ref[name][1]), name
-    assert [m.residual_after for m in rep.modules] == [m.residual_after for m in rep_want.modules]
+    _assert_same_calibration(got, rep, want, rep_want)
+
+
+@pytest.mark.parametrize("kind", ["toy", "hf_clip"])
+def test_on_block_reports_each_block_and_stops_a_run_cleanly(kind):
+    """``on_block`` hears every block in order with the count done; an exception from it stops
+    the run between two blocks, leaves ``merged`` as it was, and the expert trace it half
+    filled gives the next run the very same model as a run without a trace."""
+    from featcal import ExpertTrace
+    from featcal.model.arch import resolve_blocks
+
+    base, experts, merged, data = tiny.zoo(kind, n=4)
+    n_blocks = len(resolve_blocks(merged)[1])
+    cfg = FeatCalConfig.clip(lam=0.1, rho=1.5, alpha=0.4)
+    heard = []
+    calibrate(
+        merged, base=base, experts=experts, calib_data=data, config=cfg, progress=False,
+        on_block=lambda block, info: heard.append((block, info["done"], info["blocks"], info["seconds"] >= 0)),
+    )  # fmt: skip
+    assert heard == [(b, b + 1, n_blocks, True) for b in range(n_blocks)]
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_first(block, info):
+        if info["done"] == 1:
+            raise Stop
+
+    before = copy.deepcopy(merged.state_dict())
+    trace = ExpertTrace()
+    with pytest.raises(Stop):
+        calibrate(
+            merged, base=base, experts=experts, calib_data=data, config=cfg, progress=False,
+            expert_trace=trace, on_block=stop_after_first,
+        )  # fmt: skip
+    assert all(torch.equal(v, before[k]) for k, v in merged.state_dict().items())
+    assert 0 < trace.nbytes
+    got, rep = calibrate(
+        merged, base=base, experts=experts, calib_data=data, config=cfg, progress=False, expert_trace=trace
+    )
+    want, rep_want = calibrate(merged, base=base, experts=experts, calib_data=data, config=cfg, progress=False)
+    _assert_same_calibration(got, rep, want, rep_want)
 
 
 def test_an_expert_trace_takes_dict_batches():
