@@ -5,8 +5,9 @@ the next move. On a zoo whose exact run takes a moment (the demo zoo: a fraction
 second), the Calibrate page spends that look computing the exact results of the settings one
 step away on each slider, most likely first (the slider moved last, onward, then back; then
 the others), so that the next step's exact result is drawn at once, with no preview and no
-wait. Any new script run stops the work at its next step (one run, or one table); what was
-finished stays (at most ``runs.Ahead.keep`` runs). A jump of several steps, or a change made
+wait. Any new script run stops the work at its next step (the run's next block, or the next
+table), unless the page waits for that very run; what was finished stays (at most
+``runs.Ahead.keep`` runs). A jump of several steps, or a change made
 before the look-ahead reached it, goes the usual way: the preview, then the exact result.
 
 Off with ``FEATCAL_LOOK_AHEAD=0``; never where the last exact run took ``MAX_RUN_S`` or more,
@@ -73,6 +74,10 @@ def stop() -> None:
     state.ahead_store().stop()
 
 
+class Stale(Exception):
+    """The page has moved on: the run computed ahead stops (between two blocks)."""
+
+
 def _compute(generation: int, source: str, fp: str, merger: Merger, cals: list[AppCal], limit: int) -> None:
     store = state.ahead_store()
     for cal in cals:
@@ -81,9 +86,14 @@ def _compute(generation: int, source: str, fp: str, merger: Merger, cals: list[A
             return
         if state.was_run(source, fp, merger, cal) or (future := store.reserve(key)) is None:
             continue
+
+        def unless_stale(block, info, key=key) -> None:  # a jump waits one block for the cores, not a run
+            if not store.current(generation) and not store.is_wanted(key):
+                raise Stale
+
         try:
-            future.set_result(state.exact_run(source, fp, merger, cal))
-        except Exception as exc:  # whoever needs it computes it again, and sees the error
+            future.set_result(state.exact_run(source, fp, merger, cal, on_block=unless_stale))
+        except Exception as exc:  # (Stale included) whoever needs it computes it again, and sees any error
             future.set_exception(exc)
             store.drop(key)
             return

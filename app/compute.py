@@ -40,10 +40,10 @@ def keep_budget(share: float = KEEP_SHARE, cap: int = KEEP_CAP) -> int:
 # ----------------------------------------------------------------------------- featcal
 
 
-def calibrate(merged: nn.Module, zoo, data: dict, config: FeatCalConfig, trace=None):
+def calibrate(merged: nn.Module, zoo, data: dict, config: FeatCalConfig, trace=None, on_block=None):
     """The exact forward-order FeatCal of ``merged`` under ``config``, keeping the statistics
     a preview re-solves; ``trace``: :func:`expert_trace` of ``data`` (the experts' part kept
-    from run to run)."""
+    from run to run); ``on_block``: :func:`featcal.calibrate`'s."""
     from featcal import calibrate as featcal_calibrate
 
     return featcal_calibrate(
@@ -55,6 +55,7 @@ def calibrate(merged: nn.Module, zoo, data: dict, config: FeatCalConfig, trace=N
         keep_stats=True,
         progress=False,
         expert_trace=trace,
+        on_block=on_block,
     )
 
 

@@ -57,6 +57,7 @@ class Ahead:
         self.lock = threading.Lock()
         self.generation = 0
         self.runs: OrderedDict[tuple, Future] = OrderedDict()
+        self.wanted: set[tuple] = set()  # keys someone has asked for (:meth:`peek`): never stopped
 
     def stop(self) -> None:
         """A new setting is on the page: work started for an older one stops at its next step."""
@@ -77,17 +78,26 @@ class Ahead:
                 return None
             self.runs[key] = future = Future()
             while len(self.runs) > self.keep:
-                self.runs.popitem(last=False)
+                self.wanted.discard(self.runs.popitem(last=False)[0])
             return future
 
     def drop(self, key: tuple) -> None:
         with self.lock:
             self.runs.pop(key, None)
+            self.wanted.discard(key)
+
+    def is_wanted(self, key: tuple) -> bool:
+        """Whether someone waits for (or took) ``key``'s run: its computer should not stop it."""
+        with self.lock:
+            return key in self.wanted
 
     def peek(self, key: tuple):
-        """The run for ``key`` (waiting while it is computed), or None: none, or it failed."""
+        """The run for ``key`` (waiting while it is computed, which then goes on to the end
+        even if its work is told to stop), or None: none, or it failed or was stopped."""
         with self.lock:
             future = self.runs.get(key)
+            if future is not None:
+                self.wanted.add(key)
         if future is None or future.exception() is not None:
             return None
         return future.result()

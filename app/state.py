@@ -143,15 +143,16 @@ def _expert_trace(source: str, fp: str, n: int):
     return compute.expert_trace()
 
 
-def exact_run(source: str, fp: str, merger: Merger, cal: AppCal) -> Calibrated:
-    """The exact forward-order FeatCal run (kept statistics included), uncached."""
+def exact_run(source: str, fp: str, merger: Merger, cal: AppCal, on_block=None) -> Calibrated:
+    """The exact forward-order FeatCal run (kept statistics included), uncached (``on_block``:
+    :func:`featcal.calibrate`'s)."""
     zoo = _zoo(source, device())
     merged = merged_model(source, fp, merger)
     data = calib_data(source, fp, cal.n)
     trace = _expert_trace(source, fp, cal.n)
     with torch_lock(source, alone=True):  # nothing runs beside it until the preview's deadline
         t0 = time.perf_counter()
-        model, report = compute.calibrate(merged, zoo, data, cal.config, trace)
+        model, report = compute.calibrate(merged, zoo, data, cal.config, trace, on_block)
         return Calibrated(model, report, time.perf_counter() - t0)
 
 

@@ -92,17 +92,25 @@ def test_the_store_hands_out_each_run_once_and_keeps_the_newest():
     assert not store.current(generation) and store.current(store.generation)
 
 
-def test_the_look_ahead_stops_at_its_next_step(monkeypatch):
+def test_the_look_ahead_stops_at_its_next_block_unless_the_page_waits_for_it(monkeypatch):
     from app import ahead, state
     from app.settings import AppCal, Merger
 
     store = state.ahead_store()
-    runs, tables = [], []
+    runs, blocks, tables, seen = [], [], [], []
+    merger = Merger("task_arithmetic", (("scale", 0.3),))
 
-    def exact_run(source, fp, merger, cal):
+    def exact_run(source, fp, merger, cal, on_block=None, waiter=None):
         runs.append(cal)
-        store.stop()  # a change arrives while the first run is computed
-        return f"run {len(runs)}"
+        store.stop()  # a change arrives while the run is computed
+        if waiter is not None:  # ... and the page asks for this very run
+            waiter.start()
+            while not store.is_wanted((source, fp, merger, cal)):
+                waiter.join(0.01)
+        for block in range(3):
+            blocks.append(block)
+            on_block(block, {"done": block + 1, "blocks": 3, "seconds": 0.0})
+        return f"run of {cal.label}"
 
     monkeypatch.setattr(state, "exact_run", exact_run)
     monkeypatch.setattr(state, "was_run", lambda *a: False)
@@ -110,12 +118,21 @@ def test_the_look_ahead_stops_at_its_next_step(monkeypatch):
         monkeypatch.setattr(state, name, lambda *a, name=name: tables.append(name))
     cal = AppCal.from_widgets(-2.7, 0.65, 0.85, 8, True, True)  # a point no other test uses
     cals = [cal.moved(**p) for p in ahead.neighbours({"log_lam": -2.7, "rho": 0.65, "alpha": 0.85})]
-    merger = Merger("task_arithmetic", (("scale", 0.3),))
     ahead._compute(store.generation - 1, "src", "fp", merger, cals, 50)  # already stale: nothing
     assert runs == [] and tables == []
     ahead._compute(store.generation, "src", "fp", merger, cals, 50)
-    assert runs == cals[:1] and tables == []  # the run under way finished; nothing after it
-    assert store.take(("src", "fp", merger, cals[0])) == "run 1"
+    # Stopped after its first block, dropped, and nothing after it.
+    assert runs == cals[:1] and blocks == [0] and tables == []
+    assert not store.has(("src", "fp", merger, cals[0]))
+    # The same, with the page waiting for that run: it goes on to its end and is handed over.
+    runs.clear(), blocks.clear()
+    key = ("src", "fp", merger, cals[0])
+    waiter = threading.Thread(target=lambda: seen.append(store.peek(key)))
+    monkeypatch.setattr(state, "exact_run", lambda *a, **k: exact_run(*a, **k, waiter=waiter))
+    ahead._compute(store.generation, "src", "fp", merger, cals, 50)
+    waiter.join(10)
+    assert runs == cals[:1] and blocks == [0, 1, 2] and tables == []
+    assert seen == [f"run of {cals[0].label}"]
 
 
 # ----------------------------------------------------------------------------- the page
