@@ -30,7 +30,7 @@ def _sample_efficiency(
             seeds=seeds,
             mergers=mergers,
             calibrate_on=(merger.method,),
-            config=FeatCalConfig.clip(),
+            config=FeatCalConfig.preset(zoos.preset(z)),
             max_per_task=max_test,
             progress=True,  # the terminal's bars, and the page's through ui.progress_of
         )
@@ -56,7 +56,7 @@ def _robustness(
             seeds=seeds,
             merger=merger.method,
             merge_params=merger.kwargs,
-            config=FeatCalConfig.clip(),
+            config=FeatCalConfig.preset(zoos.preset(z)),
             max_per_task=max_test,
             progress=True,
         )
@@ -76,9 +76,12 @@ def _rows(kind: str, run, args: tuple) -> pd.DataFrame | None:
 
 
 merger = controls.current_merger()
+preset = zoos.preset(zoo)
+anchor = FeatCalConfig.preset(preset)
 st.title("Studies")
 st.caption(
-    f"FeatCal at the paper's CLIP setting (λ=0.05, ρ=2, α=0.3) on **{merger.label}** (change it on the "
+    f"FeatCal at the paper's {preset} setting (λ={anchor.lam:g}, ρ={anchor.rho:g}, α={anchor.alpha:g}) on "
+    f"**{merger.label}** (change it on the "
     "Zoo page); accuracies on the test split, task average, mean ± std over the seeds of the calibration draw."
 )
 n_calib = zoos.split_size(zoo, "calib")

@@ -18,19 +18,22 @@ from featcal.config import FeatCalConfig
 from featcal.sweep import figures as tune_figures
 from featcal.sweep.search import Grid, holdout_report, tune_zoo
 
+zoo, source = state.active_zoo(), state.active_source()
+fp = state.fingerprint(source)
+merger = controls.current_merger()
+preset = zoos.preset(zoo)  # the anchor: the setting the Calibrate page starts from on this zoo
+anchor = FeatCalConfig.preset(preset)
 GRIDS = {
     "quick · 3 × 3 × 3": Grid(lam=(0.01, 0.05, 0.3), rho=(1.0, 2.0, 2.5), alpha=(0.15, 0.3, 0.5)),
     "default · 5 × 5 × 5": Grid(),
 }
+if preset in zoos.LLM_PRESETS:  # around the LLM presets' λ (1e-5 to 3, float64 statistics)
+    GRIDS = {"LLM · 3 × 1 × 2": Grid(lam=(1e-5, 1e-2, 3.0), rho=(0.5,), alpha=(0.15, 0.5)), **GRIDS}
 WIDENED = "widened"  # the grid the edge warning's buttons grow (kept for the session)
 AXES = {"lam": "λ", "rho": "ρ", "alpha": "α"}
 ALPHA_BOUNDS = (0.0, 1.0)  # alpha interpolates between two targets: never widened past these
 if st.session_state.get("tune_widened") is not None:
     GRIDS[WIDENED] = st.session_state["tune_widened"]
-
-zoo, source = state.active_zoo(), state.active_source()
-fp = state.fingerprint(source)
-merger = controls.current_merger()
 
 
 def _sweep(
@@ -52,7 +55,7 @@ def _sweep(
             merge_params=merger.kwargs,
             n_calib=n,
             val_per_task=val_per_task,
-            config=FeatCalConfig.clip(),
+            config=FeatCalConfig.preset(zoos.preset(z)),
             grid=grid,
             search=search,
             n_confirm=n_confirm,
@@ -69,8 +72,9 @@ def _test(source: str, fp: str, key: tuple, _result) -> pd.DataFrame:
 # 1. Settings.
 st.title("Tune")
 st.caption(
-    f"Merged model: **{merger.label}** (change it on the Zoo page). One exact FeatCal run at the paper's "
-    "CLIP setting (λ=0.05, ρ=2, α=0.3) keeps its statistics; every grid point is scored as a *preview* "
+    f"Merged model: **{merger.label}** (change it on the Zoo page). One exact FeatCal run at the "
+    f"{preset} setting (λ={anchor.lam:g}, ρ={anchor.rho:g}, α={anchor.alpha:g}) keeps its statistics; "
+    "every grid point is scored as a *preview* "
     "on the **validation** split, the best previews are re-run exactly and the best exact run wins "
     "(ties keep the paper's setting). The test split is not read unless you ask below."
 )

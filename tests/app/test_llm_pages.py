@@ -12,7 +12,7 @@ pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest
 
 APP = str(Path(__file__).resolve().parents[2] / "app" / "streamlit_app.py")
-PAGES = ("drift", "calibrate", "export", "compare", "generate")
+PAGES = ("zoo", "drift", "calibrate", "weights", "tune", "studies", "export", "compare", "generate")
 
 
 def _ok(at: AppTest) -> AppTest:
@@ -37,6 +37,16 @@ def test_the_llm_zoo_is_in_the_picker(app):
 def test_every_page_runs_on_the_llm_zoo(app, page):
     at = _ok(app.switch_page(f"pages/{page}.py").run())
     assert at.title and at.title[0].value
+
+
+def test_tune_and_studies_start_from_the_llm_preset(app):
+    """Not CLIP's setting (its λ 0.05 on a Llama, and its class-token weights): the Llama one,
+    with a grid around its λ offered first."""
+    at = _ok(app.switch_page("pages/tune.py").run())
+    assert any("llama-3b setting (λ=1e-05, ρ=0.5, α=0.15)" in c.value for c in at.caption), at.caption
+    assert at.selectbox(key="tune_grid").options[0].startswith("LLM")
+    at = _ok(app.switch_page("pages/studies.py").run())
+    assert any("llama-3b setting (λ=1e-05, ρ=0.5, α=0.15)" in c.value for c in at.caption), at.caption
 
 
 def test_generate_answers_with_every_model_side_by_side(app):
