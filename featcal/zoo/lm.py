@@ -168,14 +168,14 @@ def _batch_logliks(model: nn.Module, prompts: list[list[int]], options: list[lis
     total = torch.stack([first[i // k, o[0]] for i, o in enumerate(flat)])
     longest = max(len(o) for o in flat)
     if longest > 1:  # the options' later tokens, each predicted from the one before it
-        cache = out.past_key_values
+        cache = out.cache
         cache.batch_repeat_interleave(k)
         oid, omask = _pad([o[:-1] or [pad] for o in flat], pad, left=False)
         omask = omask * torch.tensor([len(o) > 1 for o in flat]).unsqueeze(1)
         start = mask.sum(1).repeat_interleave(k).unsqueeze(1).cpu()
         full = torch.cat([mask.repeat_interleave(k, 0), omask.to(dev)], 1)
         pos = (start + torch.arange(oid.shape[1])).to(dev)
-        logp = model(input_ids=oid.to(dev), attention_mask=full, position_ids=pos, past_key_values=cache).logits
+        logp = model(input_ids=oid.to(dev), attention_mask=full, position_ids=pos, cache=cache).logits
         logp = logp.double().log_softmax(-1)
         for i, o in enumerate(flat):
             if len(o) > 1:
