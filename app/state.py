@@ -156,12 +156,28 @@ def exact_run(source: str, fp: str, merger: Merger, cal: AppCal, on_block=None) 
         return Calibrated(model, report, time.perf_counter() - t0)
 
 
+_BLOCKS: dict[tuple, tuple[int, int]] = {}  # (source, fp, merger, cal) -> (blocks done, blocks) while it runs
+
+
 @st.cache_resource(max_entries=4, show_spinner=False, hash_funcs=HASH_FUNCS)
 def calibrated(source: str, fp: str, merger: Merger, cal: AppCal) -> Calibrated:
     """:func:`exact_run`, cached; taken from the runs computed ahead when it is there."""
-    run = ahead_store().take((source, fp, merger, cal)) or exact_run(source, fp, merger, cal)
+    key = (source, fp, merger, cal)
+
+    def on_block(block, info) -> None:
+        _BLOCKS[key] = (info["done"], info["blocks"])
+
+    try:
+        run = ahead_store().take(key) or exact_run(source, fp, merger, cal, on_block=on_block)
+    finally:
+        _BLOCKS.pop(key, None)
     _runs().remember((source, fp, merger, cal.structure), cal, run)
     return run
+
+
+def blocks_done(source: str, fp: str, merger: Merger, cal: AppCal) -> tuple[int, int] | None:
+    """``(blocks done, blocks)`` of :func:`calibrated`'s run of ``cal`` while it runs, else None."""
+    return _BLOCKS.get((source, fp, merger, cal))
 
 
 # id(report) -> (a weak reference to the report, its preview's eigendecompositions under way or
@@ -201,6 +217,11 @@ def preview_from(source: str, fp: str, merger: Merger, cal: AppCal) -> AppCal | 
     if ahead_store().has((source, fp, merger, cal)):
         return None
     return _runs().preview_from((source, fp, merger, cal.structure), cal)
+
+
+def to_compute(source: str, fp: str, merger: Merger, cal: AppCal) -> bool:
+    """Whether the exact run of ``cal`` is neither run nor computed ahead (so far as is known)."""
+    return not was_run(source, fp, merger, cal) and not ahead_store().has((source, fp, merger, cal))
 
 
 def was_run(source: str, fp: str, merger: Merger, cal: AppCal) -> bool:

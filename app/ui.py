@@ -77,14 +77,23 @@ class Slots:
         return self.handles[name]
 
 
-def wait_with_progress(job: Future, line: StatusLine, label: str, expected: float | None, after: float = 1.0) -> None:
-    """Wait for ``job``; once it has run ``after`` seconds, ``line`` counts the seconds (and
-    the fraction of ``expected``, the last such run's time, when known) every quarter second."""
+def wait_with_progress(
+    job: Future, line: StatusLine, label: str, expected: float | None, after: float = 1.0, blocks=None
+) -> None:
+    """Wait for ``job``; once it has run ``after`` seconds, ``line`` counts the seconds every
+    quarter second, with the blocks done and the time left when ``blocks()`` gives ``(done,
+    blocks)``, else the fraction of ``expected`` (the last such run's time) when known."""
     t0 = time.perf_counter()
     wait([job], timeout=after)
     while not job.done():
         spent = time.perf_counter() - t0
-        if expected:
+        done, total = (blocks() if blocks is not None else None) or (0, 0)
+        if done:
+            left = spent * (total - done) / done
+            line.update(
+                label=f"{label} · {progress_text(done / total)} block {done} of {total}, about {left:.0f} s left"
+            )
+        elif expected:
             bar = progress_text(min(spent / expected, 0.99))
             line.update(label=f"{label} · {bar} {spent:.1f} s of about {expected:.1f} s")
         else:

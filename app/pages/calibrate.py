@@ -208,8 +208,16 @@ if not quick:
 # 3. The exact forward-order run, then its output scores (here) beside its cosines and drift
 #    (worker, in that order); drawn over the preview (or the out-of-date result) when all are in.
 with ui.status(f"Running exact forward-order FeatCal: {cal.label}…", status_slot) as s:
+    if exact_job is None and state.to_compute(source, fp, merger, cal):  # on the worker: its blocks are shown
+        exact_job = state.start_calibration(source, fp, merger, cal)
     if exact_job is not None and not exact_job.done():
-        ui.wait_with_progress(exact_job, s, f"Running exact forward-order FeatCal: {cal.label}", state.last_seconds())
+        ui.wait_with_progress(
+            exact_job,
+            s,
+            f"Running exact forward-order FeatCal: {cal.label}",
+            state.last_seconds(),
+            blocks=lambda: state.blocks_done(source, fp, merger, cal),
+        )
     run = exact_job.result() if exact_job is not None else state.calibrated(source, fp, merger, cal)
     ref = ModelRef.calibrated(merger, cal)
     heldout_job = state.start_heldout(source, fp, ref)

@@ -335,3 +335,27 @@ def test_the_live_note_says_how_many_test_examples_and_why_fewer_on_an_llm(tiny_
     assert f"first {n} test examples per task;" in note and "language model" not in note
     monkeypatch.setattr(compute, "live_test", lambda _zoo: 3)  # as on an LLM zoo
     assert "first 3 test examples per task (fewer on a language model" in state.live_note(zoo)
+
+
+def test_a_long_exact_run_shows_its_blocks_and_the_time_left():
+    """``ui.wait_with_progress`` writes the blocks done (from the run's ``on_block``) and an
+    estimate of the time left while the job runs; without them, the seconds spent."""
+    import threading
+    from concurrent.futures import Future
+
+    from app import ui
+
+    class Line:
+        def __init__(self):
+            self.labels = []
+
+        def update(self, label=None, state=None):
+            self.labels.append(label)
+
+    job, line, blocks = Future(), Line(), [None]
+    threading.Timer(0.6, lambda: blocks.__setitem__(0, (3, 12))).start()
+    threading.Timer(1.6, lambda: job.set_result("done")).start()
+    ui.wait_with_progress(job, line, "Running", expected=None, after=0.1, blocks=lambda: blocks[0])
+    assert any(lab.startswith("Running · ") and lab.endswith(" s") for lab in line.labels), line.labels
+    with_blocks = [lab for lab in line.labels if "block 3 of 12" in lab]
+    assert with_blocks and all("25%" in lab and "s left" in lab for lab in with_blocks), line.labels
