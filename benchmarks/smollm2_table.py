@@ -67,7 +67,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--split", default="test")
     ap.add_argument("--max-per-task", type=int, default=None, help="score only the first N examples of each task")
-    ap.add_argument("--autocast", default=None, choices=("bfloat16",), help="score under CPU autocast (2-3x faster on CPUs with native bfloat16, slower on others)")
+    ap.add_argument(
+        "--autocast",
+        default=None,
+        choices=("bfloat16",),
+        help="score under CPU autocast (2-3x faster on CPUs with native bfloat16, slower on others)",
+    )
     ap.add_argument(
         "--tuned",
         action="append",
