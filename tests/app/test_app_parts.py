@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
+import torch
 
 pytest.importorskip("streamlit")
 
@@ -37,7 +38,9 @@ def test_llm_zoos_take_their_architectures_preset_and_every_other_zoo_clips():
     llama = cal_defaults("llama-3b")
     assert llama == dict(log_lam=-5.0, rho=0.5, alpha=0.15, n_cal=16, bias=True, layernorm=False)
     cal = AppCal.from_widgets(**{k: v for k, v in llama.items() if k != "n_cal"}, n=16, preset="llama-3b")
-    assert cal.config == FeatCalConfig.llama("3b") and cal.config.token_weights is None
+    # in float64, as the table: at lam 1e-5 float32 statistics fall back to slower, inexact solves
+    assert cal.config == FeatCalConfig.llama("3b", stats_dtype=torch.float64) and cal.config.token_weights is None
+    assert AppCal.from_widgets(-1.3, 2.0, 0.3, 16, True, True).config.stats_dtype == torch.float32  # CLIP
 
 
 def test_the_zoos_preset_is_clip_unless_it_is_a_language_model(tiny_zoo_dir):
