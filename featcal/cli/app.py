@@ -1,7 +1,8 @@
 """``featcal app [--port N] [--host H]``: the Streamlit app, bound to the address given here.
 
-Streamlit reads ``.streamlit/config.toml`` from the current directory, so ``streamlit run``
-started elsewhere listens on every interface. This launcher passes ``--server.address``
+The app's settings live beside its script (``app/.streamlit/config.toml``, which Streamlit
+reads from any directory), but an option given on the command line wins over them, and a bare
+``streamlit run`` listens on every interface. This launcher passes ``--server.address``
 itself (127.0.0.1 unless ``--host`` says otherwise) and tells the app, through
 :data:`HOST_ENV`, which address the user asked for: served on any other non-loopback
 address, the app shows a refusal instead of loading anything (``app/binding.py``).

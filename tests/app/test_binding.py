@@ -2,6 +2,7 @@
 `featcal app` passes the address to Streamlit itself, and the app, served on a non-loopback
 address nobody asked for, shows a refusal and loads nothing."""
 
+import json
 import os
 import signal
 import socket
@@ -76,6 +77,24 @@ def test_featcal_app_listens_on_loopback_only_from_another_directory(tmp_path):
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+
+
+def test_the_apps_settings_apply_from_any_directory(tmp_path):
+    """The app's config file sits beside its script, so a server started elsewhere still gets
+    its settings (no per-run garbage collection, no file watcher, loopback)."""
+    probe = (
+        "import json, streamlit.config as c; c._main_script_path = %r; "
+        "c.get_config_options(force_reparse=True); "
+        "print(json.dumps({k: c.get_option(k) for k in "
+        "('runner.postScriptGC', 'server.fileWatcherType', 'server.address')}))"
+    ) % APP
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMLIT_")}
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    options = json.loads(out.stdout.strip().splitlines()[-1])
+    assert options == {"runner.postScriptGC": False, "server.fileWatcherType": "none", "server.address": "127.0.0.1"}
 
 
 def test_launcher_passes_the_address_and_tells_the_app():
