@@ -4,11 +4,12 @@ Tuning λ, ρ and α by eye, a person moves a slider a step and looks at the res
 the next move. On a zoo whose exact run takes a moment (the demo zoo: a fraction of a
 second), the Calibrate page spends that look computing the exact results of the settings one
 step away on each slider, most likely first (the slider moved last, onward, then back; then
-the others), so that the next step's exact result is drawn at once, with no preview and no
-wait. Any new script run stops the work at its next step (the run's next block, or the next
-table), unless the page waits for that very run; what was finished stays (at most
-``runs.Ahead.keep`` runs). A jump of several steps, or a change made
-before the look-ahead reached it, goes the usual way: the preview, then the exact result.
+the others), starting ``DELAY_S`` after the page is written (the browser draws it meanwhile),
+so that the next step's exact result is drawn at once, with no preview and no wait. Any new
+script run stops the work at its next step (the run's next block, or the next table), unless
+the page waits for that very run; what was finished stays (at most ``runs.Ahead.keep`` runs).
+A jump of several steps, or a change made before the look-ahead reached it, goes the usual
+way: the preview, then the exact result.
 
 Off with ``FEATCAL_LOOK_AHEAD=0``; never where the last exact run took ``MAX_RUN_S`` or more,
 where the model is over ``MAX_MODEL_BYTES``, or where the full test split is scored. What it
@@ -18,6 +19,7 @@ gives is measured in benchmarks/README.md, 'Look-ahead'.
 from __future__ import annotations
 
 import os
+import time
 
 from app import state, workers
 from app.controls import SLIDERS, on_slider
@@ -25,6 +27,9 @@ from app.settings import AppCal, Merger, ModelRef
 
 MAX_RUN_S = float(os.environ.get("FEATCAL_LOOK_AHEAD_MAX_S", "3.0"))  # seconds of the last exact run
 MAX_MODEL_BYTES = 64 << 20  # the runs kept ahead hold a model each
+# Seconds the look-ahead waits after the page is written, leaving the cores to the browser
+# while it draws the result (benchmarks/README.md, 'Look-ahead').
+DELAY_S = float(os.environ.get("FEATCAL_LOOK_AHEAD_DELAY_S", "0.3"))
 
 
 def neighbours(values: dict[str, float], last: tuple[str, int] | None = None) -> list[dict[str, float]]:
@@ -80,6 +85,7 @@ class Stale(Exception):
 
 def _compute(generation: int, source: str, fp: str, merger: Merger, cals: list[AppCal], limit: int) -> None:
     store = state.ahead_store()
+    time.sleep(DELAY_S)
     for cal in cals:
         key = (source, fp, merger, cal)
         if not store.current(generation):

@@ -225,13 +225,6 @@ with ui.status(f"Running exact forward-order FeatCal: {cal.label}…", status_sl
     cal_drift = heldout_job.result()
     show("exact", cal_scores, merged_summary, cal_drift, f"{cal.label} · {run.report.summary()}")
     st.session_state["_cal_shown"] = cal.label
-    state.prepare_preview(run)  # the next change previews from this run: its one-off work now
-    # The settings one slider step away, computed while the page is idle (app.ahead).
-    point = {key: float(st.session_state[key]) for key in controls.SLIDERS}
-    if ahead.worth_it(run.seconds, zoos.model_size(run.model)[1], limit):
-        moved = ahead.last_move(st.session_state.get("_cal_point"), point)
-        ahead.start(source, fp, merger, cal, ahead.neighbours(point, moved), limit)
-    st.session_state["_cal_point"] = point
     # Written after the charts: benchmarks/app_latency.py stops its clock on "Exact FeatCal done".
     s.update(
         label=f"Exact FeatCal done: {cal.label} · {len(run.report.modules)} modules in "
@@ -288,3 +281,13 @@ cos_tidy = pd.concat(
 )
 ui.downloads(cos_tidy, "cosines", "expert cosine per block and task-vector cosines (tidy: task, block, metric)")
 ui.downloads(tv, "expert_task_vectors", "the experts' task-vector cosine matrix, whole model and per block")
+
+# 5. Work for the next change, started once the whole page is written, so that it does not
+#    take the cores from the page's last elements and the browser drawing them: the next
+#    preview's one-off work, then the settings one slider step away (app.ahead).
+state.prepare_preview(run)
+point = {key: float(st.session_state[key]) for key in controls.SLIDERS}
+if ahead.worth_it(run.seconds, zoos.model_size(run.model)[1], limit):
+    moved = ahead.last_move(st.session_state.get("_cal_point"), point)
+    ahead.start(source, fp, merger, cal, ahead.neighbours(point, moved), limit)
+st.session_state["_cal_point"] = point
