@@ -18,10 +18,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from featcal import FeatCalConfig
 from featcal.baselines import registry
+from featcal.config import preset_config
 
 CAL_SIZES = (4, 8, 16, 32, 64, 128, 256, 512)
 DEFAULT_N = 16  # calibration examples per task: the largest meeting the 1 s target (benchmarks/README.md)
@@ -57,20 +56,6 @@ def demo_n_gains(path: Path = MEASURED_SIZES) -> dict[int, tuple[float, float]]:
 
 
 DEMO_N_GAINS = demo_n_gains()
-
-
-# Presets whose λ (llama-3b: 1e-5) leaves float32 factorisations within their rounding noise: the
-# app computes their statistics in float64, as the LLM zoo's table does. In float32 the solves fall
-# back to float64 eigendecompositions, which on the 30-block LLM zoo took longer than float64
-# statistics and gave weights up to 26% (of a tensor's largest entry) away (benchmarks/README.md).
-FLOAT64_PRESETS = ("llama-3b",)
-
-
-def preset_config(preset: str, **fields) -> FeatCalConfig:
-    """``FeatCalConfig.preset(preset, **fields)``, in float64 for :data:`FLOAT64_PRESETS`."""
-    if preset in FLOAT64_PRESETS:
-        fields.setdefault("stats_dtype", torch.float64)
-    return FeatCalConfig.preset(preset, **fields)
 
 
 def cal_defaults(preset: str = "clip") -> dict:

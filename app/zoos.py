@@ -78,18 +78,11 @@ def build_zoo(source: str, on_step) -> None:
         build_demo(demo_path(NAMES[source]), variant=NAMES[source], progress=True, on_step=on_step)
 
 
-LLM_PRESETS = ("flan-t5", "llama-3b", "llama-8b")  # language models: no class token to weight
-
-
 def preset(zoo) -> str:
-    """The FeatCal preset the app calibrates ``zoo`` with: the architecture's own
-    (:func:`featcal.config.preset_for_model`, as ``featcal calibrate`` picks it) for a language
-    model, whose first token is no class token for CLIP's token weights to single out; the
-    CLIP preset for every other zoo (the demo zoos, CLIP and text-encoder zoos)."""
-    from featcal.config import preset_for_model
+    """The FeatCal preset the app calibrates ``zoo`` with (:func:`featcal.config.preset_for_zoo`)."""
+    from featcal.config import preset_for_zoo
 
-    found = preset_for_model(zoo.base)[0]
-    return found if found in LLM_PRESETS else "clip"
+    return preset_for_zoo(zoo)
 
 
 SMALL_MODEL = 20_000_000  # parameters: below this, one CPU thread is fastest

@@ -30,7 +30,7 @@ from featcal.cli.common import (
     parse_params,
     zoo_from_args,
 )
-from featcal.config import FeatCalConfig
+from featcal.config import preset_config, preset_for_zoo
 from featcal.engine.run import calibrate
 from featcal.model.streams import device_of
 from featcal.zoo.io import atomic_dir, load_model
@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--model",
         default="merged",
-        help="'merged', 'calibrated' (merged, then FeatCal on the zoo's calibration split), "
+        help="'merged', 'calibrated' (merged, then FeatCal at the zoo's preset on its calibration split), "
         "or a directory holding a saved model",
     )
     parser.add_argument(
@@ -91,7 +91,7 @@ def build_model(zoo, which: str, merge: str, params: dict, n_per_task: int, seed
     merged = zoo.merged(merge, **params)
     if which == "merged":
         return merged
-    cfg = FeatCalConfig.clip() if zoo.fmt in ("hf", "open_clip") else FeatCalConfig()
+    cfg = preset_config(preset_for_zoo(zoo))  # as the app and `featcal compare` calibrate this zoo
     model, _ = calibrate(
         merged,
         base=zoo.base,

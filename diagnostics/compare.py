@@ -43,6 +43,7 @@ from diagnostics.output import output_drift
 from featcal import FeatCalConfig, calibrate
 from featcal.baselines import registry
 from featcal.baselines.svc import svc
+from featcal.config import preset_config, preset_for_zoo
 from featcal.util.progress import bar
 from featcal.zoo.core import evaluate
 from featcal.zoo.tokens import as_batch
@@ -186,11 +187,12 @@ def run_method(
     """Run one method (``merger[+calibrator...]``, see :func:`parse_method`) on ``zoo`` and score it.
 
     ``merger_params`` / ``calibrator_params``: ``{name: {param: value}}`` (checked against the
-    registry). ``featcal`` takes ``config`` (a :class:`featcal.FeatCalConfig`, default the CLIP
-    preset) and changes to it (``lam``, ``rho``, ``alpha``, ...); ``svc`` its ``alpha``; the trained
-    ones their own (``epochs``, ``steps``, ``rank``, ...). AdaMerging and Fisher merging read the
-    zoo's heads. ``repeats``: timed forward passes for a trained calibrator's overhead (0: not
-    measured, NaN). Cached in ``cache`` (default :data:`CACHE`) per setting.
+    registry). ``featcal`` takes ``config`` (a :class:`featcal.FeatCalConfig`, default the zoo's
+    preset, :func:`featcal.config.preset_for_zoo`, via :func:`featcal.config.preset_config`) and
+    changes to it (``lam``, ``rho``, ``alpha``, ...); ``svc`` its ``alpha``; the trained ones their
+    own (``epochs``, ``steps``, ``rank``, ...). AdaMerging and Fisher merging read the zoo's heads.
+    ``repeats``: timed forward passes for a trained calibrator's overhead (0: not measured, NaN).
+    Cached in ``cache`` (default :data:`CACHE`) per setting.
     """
     merger, cal = parse_method(spec)
     chain = cal.split("+") if cal else []
@@ -240,7 +242,7 @@ def _calibrated(zoo, name: str, merged: nn.Module, data, params: dict, progress:
         model = copy.deepcopy(merged)
         model.load_state_dict(sd)
         return model.eval()
-    config = params.pop("config", None) or FeatCalConfig.clip()
+    config = params.pop("config", None) or preset_config(preset_for_zoo(zoo))
     fields = {f.name for f in dataclasses.fields(FeatCalConfig)}
     config = config.with_(**{k: params.pop(k) for k in list(params) if k in fields})
     params.setdefault("progress", progress)

@@ -207,6 +207,32 @@ def preset_for(config: dict) -> tuple[str, str]:
     return "none", f"model_type {model_type!r} has no paper setting"
 
 
+# Presets whose λ (1e-5) leaves float32 factorisations within their rounding noise
+# (docs/architectures.md, 'Dtypes and precision'): :func:`preset_config` computes their statistics
+# in float64. On the 30-block LLM zoo, float32 ones made the solves fall back to float64
+# eigendecompositions, slower than float64 statistics, with weights up to 26% (of a tensor's
+# largest entry) away (docs/llm_zoo.md).
+FLOAT64_PRESETS = ("flan-t5", "llama-3b")
+LANGUAGE_PRESETS = ("flan-t5", "llama-3b", "llama-8b")  # no class token for CLIP's token weights
+
+
+def preset_config(name: str, **fields) -> FeatCalConfig:
+    """``FeatCalConfig.preset(name, **fields)``, with float64 statistics for
+    :data:`FLOAT64_PRESETS` unless ``fields`` set ``stats_dtype``."""
+    if name in FLOAT64_PRESETS:
+        fields.setdefault("stats_dtype", torch.float64)
+    return FeatCalConfig.preset(name, **fields)
+
+
+def preset_for_zoo(zoo) -> str:
+    """The preset a zoo is calibrated with when nobody chose one (the app, ``featcal compare``):
+    a language model's own (:func:`preset_for_model`), whose first token is no class token for
+    CLIP's token weights to single out; the CLIP preset for every other zoo (the demo zoos,
+    CLIP and text-encoder zoos)."""
+    found = preset_for_model(zoo.base)[0]
+    return found if found in LANGUAGE_PRESETS else "clip"
+
+
 def preset_for_model(model) -> tuple[str, str]:
     """:func:`preset_for` of an ``nn.Module``: its Hugging Face config when it has one, else
     its class name (an open_clip or plain torch model)."""

@@ -14,6 +14,7 @@ import pandas as pd
 import streamlit as st
 
 from app import controls, settings, state, ui, workers, zoos
+from featcal.config import LANGUAGE_PRESETS, preset_config
 from featcal.sweep import figures as tune_figures
 from featcal.sweep.search import Grid, holdout_report, tune_zoo
 
@@ -21,12 +22,12 @@ zoo, source = state.active_zoo(), state.active_source()
 fp = state.fingerprint(source)
 merger = controls.current_merger()
 preset = zoos.preset(zoo)  # the anchor: the setting the Calibrate page starts from on this zoo
-anchor = settings.preset_config(preset)
+anchor = preset_config(preset)
 GRIDS = {
     "quick · 3 × 3 × 3": Grid(lam=(0.01, 0.05, 0.3), rho=(1.0, 2.0, 2.5), alpha=(0.15, 0.3, 0.5)),
     "default · 5 × 5 × 5": Grid(),
 }
-if preset in zoos.LLM_PRESETS:  # around the LLM presets' λ (1e-5 to 3, float64 statistics)
+if preset in LANGUAGE_PRESETS:  # around the LLM presets' λ (1e-5 to 3, float64 statistics)
     GRIDS = {"LLM · 3 × 1 × 2": Grid(lam=(1e-5, 1e-2, 3.0), rho=(0.5,), alpha=(0.15, 0.5)), **GRIDS}
 WIDENED = "widened"  # the grid the edge warning's buttons grow (kept for the session)
 AXES = {"lam": "λ", "rho": "ρ", "alpha": "α"}
@@ -54,7 +55,7 @@ def _sweep(
             merge_params=merger.kwargs,
             n_calib=n,
             val_per_task=val_per_task,
-            config=settings.preset_config(zoos.preset(z)),
+            config=preset_config(zoos.preset(z)),
             grid=grid,
             search=search,
             n_confirm=n_confirm,

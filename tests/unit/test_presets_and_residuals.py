@@ -11,9 +11,9 @@ import torch
 
 from featcal import FeatCalConfig, calibrate, merge, merge_model
 from featcal.cli.calibrate import choose_preset, config_from_args
-from featcal.config import preset_for, preset_for_model
+from featcal.config import preset_config, preset_for, preset_for_model, preset_for_zoo
 from featcal.engine.report import RESIDUAL_ROSE
-from tiny import toy_data, toy_zoo
+from tiny import toy_data, toy_zoo, toy_zoo_object
 
 
 @pytest.mark.parametrize(
@@ -82,3 +82,39 @@ def test_a_preset_by_name_is_the_presets_own_config():
     assert FeatCalConfig.preset("none") == FeatCalConfig()
     with pytest.raises(ValueError, match="unknown preset"):
         FeatCalConfig.preset("gpt")
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=64)
+    return LlamaForCausalLM(cfg)
+
+
+def test_a_zoo_nobody_chose_a_preset_for_takes_its_own_with_float64_at_lam_1e_5():
+    """The app, ``featcal compare`` and ``featcal diagnose``: a language model's preset (float64
+    statistics where its lam is 1e-5), the CLIP preset on every other zoo; a given dtype is kept."""
+    assert preset_config("llama-3b") == FeatCalConfig.llama("3b", stats_dtype=torch.float64)
+    assert preset_config("flan-t5") == FeatCalConfig.flan_t5(stats_dtype=torch.float64)
+    assert preset_config("llama-3b", stats_dtype=torch.float32).stats_dtype == torch.float32
+    assert preset_config("clip", rho=1.5) == FeatCalConfig.clip(rho=1.5)
+    assert preset_config("llama-8b") == FeatCalConfig.llama("8b")  # lam 3: float32 is enough
+    assert preset_for_zoo(type("Zoo", (), {"base": _tiny_llama()})()) == "llama-3b"
+    assert preset_for_zoo(toy_zoo_object()) == "clip"
+
+
+def test_compare_calibrates_a_zoo_at_its_preset(monkeypatch):
+    from diagnostics import compare as cmp
+
+    seen = {}
+
+    def fake_calibrate(merged, **kw):
+        seen.update(kw)
+        return merged, None
+
+    monkeypatch.setattr(cmp, "calibrate", fake_calibrate)
+    model = _tiny_llama()
+    zoo = type("Zoo", (), {"base": model, "experts": {}})()
+    cmp._calibrated(zoo, "featcal", model, {}, {"lam": 0.1}, progress=False)
+    assert seen["config"] == FeatCalConfig.llama("3b", lam=0.1, stats_dtype=torch.float64)
+
