@@ -153,7 +153,7 @@ def child(mode: str, root: Path, n_experts: int, device: str) -> dict:
     out["block_seconds"] = sum(b.stats_seconds + b.solve_seconds + b.advance_seconds for b in blocks) / len(blocks)
     out["block_solve_seconds"] = sum(b.solve_seconds for b in blocks) / len(blocks)
     if per_block:
-        out["block_wall_seconds"] = sum(i["seconds"] for i in per_block) / len(per_block)
+        out["block_wall_seconds"] = sum(i["wall_seconds"] for i in per_block) / len(per_block)
     if torch.device(device).type == "cuda":
         out["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
     return out

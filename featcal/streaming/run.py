@@ -91,8 +91,10 @@ def calibrate_checkpoints(
         checkpoint_every: save the streams (for ``resume``) every this many blocks (each save
             writes every task's hidden states; the calibrated blocks are saved every block).
         max_shard_bytes: the largest output shard.
-        on_block: called as ``on_block(block, {"seconds", "peak_rss_mb"[, "peak_gpu_mb"]})``
-            after each block.
+        on_block: called after each block as :func:`featcal.calibrate` calls it (``"done"``,
+            ``"blocks"``, ``"seconds"``), with the block's ``"wall_seconds"`` (reading its
+            weights and saving included) and ``"peak_rss_mb"`` [``"peak_gpu_mb"``] added; an
+            exception from it stops the run there, resumable from the last saved block.
         common_rows: an expert (or the merged model) whose embeddings have more rows than the
             base's (tokens added) is calibrated on the rows the base has; without it, an error.
         lora_any_base: accept a LoRA adapter whose ``base_model_name_or_path`` names another
@@ -305,6 +307,11 @@ def _fingerprint(ckpts: dict, merge, cfg: FeatCalConfig, path: str, calib_data: 
     return json.loads(json.dumps(doc, default=str))
 
 
+def _with_memory(on_block: Callable[[int, dict], None], source) -> Callable[[int, dict], None]:
+    """The engine's ``on_block`` with the streamed block's wall time and peak memory added."""
+    return lambda block, info: on_block(block, {**info, **source.last})
+
+
 def _calibrate_blocks(ckpts, skels, path, calib_data, merge, cfg, state, work, run: dict, dist) -> CalibrationReport:
     """The engine over the blocks not done yet (the skeletons filled block by block by a
     :class:`CheckpointSource`), and the report of the whole run, a resumed run's earlier blocks
@@ -323,7 +330,6 @@ def _calibrate_blocks(ckpts, skels, path, calib_data, merge, cfg, state, work, r
             work=work,
             state=state,
             checkpoint_every=run["checkpoint_every"],
-            on_block=run["on_block"],
             progress=run["progress"] and (dist is None or dist.rank == 0),
             dist=dist,
             batches=None if dist is None else distributed.share(_counts(calib_data), dist.rank, dist.size),
@@ -340,6 +346,7 @@ def _calibrate_blocks(ckpts, skels, path, calib_data, merge, cfg, state, work, r
             fast=run["fast"],
             device=run["device"],
             block_source=source,
+            on_block=None if run["on_block"] is None else _with_memory(run["on_block"], source),
         )
     full = CalibrationReport(cfg, path, tasks)
     full.modules = [ModuleRecord(**m) for m in state["prior_modules"]] + ([] if report is None else report.modules)

@@ -47,7 +47,6 @@ class CheckpointSource(BlockSource):
         work: Path,
         state: dict,
         checkpoint_every: int,
-        on_block: Callable[[int, dict], None] | None,
         progress: bool,
         dist: distributed.Dist | None = None,
         batches: dict[str, list[int]] | None = None,  # this rank's batches of each task (global indices)
@@ -55,7 +54,8 @@ class CheckpointSource(BlockSource):
         self.dist, self.batches = dist, batches
         self.ckpts, self.skels, self.tasks, self.merge = ckpts, skels, tasks, merge
         self.path, self.device, self.work, self.state = path, device, work, state
-        self.every, self.on_block, self.progress = checkpoint_every, on_block, progress
+        self.every, self.progress = checkpoint_every, progress
+        self.last: dict[str, float] = {}  # the last block's wall seconds and peak memory (MB)
         self.blocks = {role: arch.resolve_blocks(m, path)[1] for role, m in skels.items()}
         self.first = state["done"] + 1
         self._fit = True
@@ -161,17 +161,16 @@ class CheckpointSource(BlockSource):
                 self.dist.barrier(f"block {block}: waiting for every rank's streams")
             if self.dist is None or self.dist.rank == 0:
                 commit(self.work, self.state, files)
-        info = {"seconds": time.perf_counter() - self._t0, "peak_rss_mb": peak_rss_mb()}
+        info = {"wall_seconds": time.perf_counter() - self._t0, "peak_rss_mb": peak_rss_mb()}
         if self.device.type == "cuda":
             info["peak_gpu_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+        self.last = info
         if self.progress:
             gpu = f", GPU peak {info['peak_gpu_mb']:.0f} MB" if "peak_gpu_mb" in info else ""
             note(
-                f"block {block + 1}/{len(self.blocks['base'])}: {info['seconds']:.1f} s, "
+                f"block {block + 1}/{len(self.blocks['base'])}: {info['wall_seconds']:.1f} s, "
                 f"peak RSS so far {info['peak_rss_mb']:.0f} MB{gpu}"
             )
-        if self.on_block is not None:
-            self.on_block(block, info)
 
     # ---- the streams on disk
 

@@ -118,8 +118,9 @@ def test_killed_run_resumes_to_same_model(zoo, tmp_path, every):
         checkpoint_every=every,
     )
 
-    def die_at_4(block, info):
-        assert info["peak_rss_mb"] > 0
+    def die_at_4(block, info):  # calibrate's keys, the streamed block's wall time and memory added
+        assert info["done"] == block + 1 and info["blocks"] == 8
+        assert 0 <= info["seconds"] <= info["wall_seconds"] and info["peak_rss_mb"] > 0
         if block == 4:
             raise KeyboardInterrupt("killed")
 
@@ -132,9 +133,9 @@ def test_killed_run_resumes_to_same_model(zoo, tmp_path, every):
         calibrate_checkpoints(zoo["root"] / "base", _experts(zoo), **common)
     visited = []
     report = calibrate_checkpoints(
-        zoo["root"] / "base", _experts(zoo), resume=True, on_block=lambda b, i: visited.append(b), **common
+        zoo["root"] / "base", _experts(zoo), resume=True, on_block=lambda b, i: visited.append((b, i["done"])), **common
     )
-    assert visited == list(range(saved + 1, 8))
+    assert visited == [(b, b + 1) for b in range(saved + 1, 8)]  # the earlier blocks count as done
     assert [b.block for b in report.blocks] == list(range(8))
     want, _ = _in_memory(zoo)
     _assert_same_weights(LlamaForCausalLM.from_pretrained(out).state_dict(), want.state_dict())
