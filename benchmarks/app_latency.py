@@ -24,7 +24,8 @@ every one runs the exact forward-order FeatCal (nothing served from the cache):
    browser holds ~0.24 s before sending it to the server), until the metric text has
    changed ("first new numbers") and until the page's status line reports the exact run
    done, which the page writes after its drift chart, plus two animation frames for the
-   browser to paint it ("exact result, plots drawn": what a user waits for).
+   browser to paint it ("exact result, plots drawn": what a user waits for), and until the
+   last change to any chart once none has changed for 0.4 s ("every chart settled").
 
     python benchmarks/app_latency.py                 # parts + apptest on the demo zoo
     python benchmarks/app_latency.py --browser       # + the real browser

@@ -78,13 +78,14 @@ def bench_browser(
                 ("target interpolation", "alpha"),
             ):
                 for how, what in (("mouse", "mouse release"), ("key", "arrow key")):
-                    xs, first, plots = [], [], []
+                    xs, first, plots, settled = [], [], [], []
                     for _ in range(repeats):  # one way: every value is new (no cache hit)
                         page.wait_for_timeout(1000 * pause)
-                        total, shown, plot = _browser_move(page, label, +1, how, steps)
+                        total, shown, plot, last = _browser_move(page, label, +1, how, steps)
                         xs.append(total)
                         first.append(shown)
                         plots += [] if plot is None else [plot]
+                        settled += [] if last is None else [last]
                     rows.append(
                         {
                             "measure": f"browser: {what} -> first new numbers ({key}{how_far})",
@@ -104,6 +105,13 @@ def bench_browser(
                             **_common.latency_stats(xs),
                         }
                     )
+                    if settled:
+                        rows.append(
+                            {
+                                "measure": f"browser: {what} -> every chart settled ({key}{how_far})",
+                                **_common.latency_stats(settled),
+                            }
+                        )
             browser.close()
         return rows
     finally:
@@ -120,11 +128,18 @@ def _browser_idle(page) -> None:
     page.wait_for_function("!document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=300_000)
 
 
-# Records when a chart is first redrawn after the change (the preview's, else the exact one's).
-PLOT_WATCH = """() => { window.firstPlot = null; if (window.plotWatch) window.plotWatch.disconnect();
-  window.plotWatch = new MutationObserver(ms => { if (window.firstPlot === null && ms.some(m =>
-      m.target.closest && m.target.closest('.js-plotly-plot'))) window.firstPlot = performance.now(); });
-  window.plotWatch.observe(document.body, {subtree: true, childList: true}); }"""
+# Records when a chart is first redrawn after the change (the preview's, else the exact one's:
+# nodes added or removed in a chart) and when any chart last changed (nodes or attributes).
+PLOT_WATCH = """() => { window.firstPlot = null; window.lastPlot = null; window.watchStart = performance.now();
+  if (window.plotWatch) window.plotWatch.disconnect();
+  window.plotWatch = new MutationObserver(ms => {
+    const inPlot = ms.filter(m => m.target.closest && m.target.closest('.js-plotly-plot'));
+    if (inPlot.length === 0) return;
+    const now = performance.now();
+    window.lastPlot = now;
+    if (window.firstPlot === null && inPlot.some(m => m.type === 'childList')) window.firstPlot = now; });
+  window.plotWatch.observe(document.body, {subtree: true, childList: true, attributes: true}); }"""
+SETTLED_MS = 400  # the charts count as drawn once none has changed for this long
 DONE_LINE = """() => [...document.querySelectorAll('[data-testid="stCaptionContainer"]')]
                         .map(e => e.innerText).filter(t => t.includes('Exact FeatCal done')).join('|')"""
 
@@ -148,13 +163,14 @@ def _drag_and_release(page, thumb, direction: int, steps: int = 1) -> None:
 
 def _browser_move(
     page, label: str, direction: int, how: str = "mouse", steps: int = 1
-) -> tuple[float, float, float | None]:
+) -> tuple[float, float, float | None, float | None]:
     """One slider change from an idle page, one step in ``direction``: dragged and released
     with the mouse (``how="mouse"``; the clock starts at the release, which the browser
     sends at once) or with an arrow key on the focused thumb (``"key"``; the browser sends
     that change to the server only ~0.24 s after the key press). Returns the seconds to the
-    exact result's plots, to the first new numbers, and to the first chart redrawn (the
-    preview's when one is drawn; None if none was seen)."""
+    exact result's plots, to the first new numbers, to the first chart redrawn (the
+    preview's when one is drawn; None if none was seen) and to the last change of any chart
+    once none has changed for ``SETTLED_MS`` (None if none changed)."""
     _browser_idle(page)
     sel = '[data-testid="stMetricValue"]'
     before = page.locator(sel).all_inner_texts()
@@ -187,6 +203,13 @@ def _browser_move(
         polling=10,
     )
     page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
-    first_plot = page.evaluate("() => window.firstPlot")
+    total = time.perf_counter() - t0
+    page.wait_for_function(
+        f"() => performance.now() - (window.lastPlot ?? window.watchStart) > {SETTLED_MS}",
+        timeout=60_000,
+        polling=50,
+    )
+    first_plot, last_plot = page.evaluate("() => [window.firstPlot, window.lastPlot]")
     plots = None if first_plot is None else max(0.0, (first_plot - t0_js) / 1000)
-    return time.perf_counter() - t0, shown, plots
+    settled = None if last_plot is None else max(0.0, (last_plot - t0_js) / 1000)
+    return total, shown, plots, settled

@@ -5,7 +5,8 @@
 1. writes ``--n-per-task`` calibration sequences per task (the zoo's ``calib`` split, seeded) as
    ``featcal calibrate --data`` tokens;
 2. runs ``featcal calibrate --base ZOO/base --expert T=ZOO/experts/T ... --merge task_arithmetic
-   --param scale=0.3 --preset llama-3b --data ...`` in a child process and reads its peak
+   --param scale=0.3 --preset llama-3b --stats-dtype float64 --data ...`` in a child process
+   (``--stats-dtype``: float64 by default, as the table and the app) and reads its peak
    resident memory (``getrusage`` of the child);
 3. calibrates the same merge in memory (``featcal.calibrate``, the same config and batches) and
    prints the largest relative difference per tensor (``max|a - b| / max|b|``);
@@ -37,6 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument(
+        "--stats-dtype", choices=("float32", "float64"), default="float64", help="as the table and the app (float64)"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -54,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
         cmd += ["--expert", f"{t}={root / 'experts' / t}"]
     cmd += ["--merge", "task_arithmetic", "--param", "scale=0.3", "--preset", "llama-3b", "--data", str(tokens)]
     cmd += ["--batch-size", str(args.batch_size), "--threads", str(args.threads), "--out", str(out / "calibrated")]
-    cmd += ["--force", "-q"]
+    cmd += ["--stats-dtype", args.stats_dtype, "--force", "-q"]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True)
     streamed_s = time.perf_counter() - t0
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         base=zoo.base,
         experts=zoo.experts,
         calib_data=load_token_data(tokens, batch_size=args.batch_size),
-        config=FeatCalConfig.llama("3b"),
+        config=FeatCalConfig.llama("3b", stats_dtype=getattr(torch, args.stats_dtype)),
         progress=True,
     )
     memory_s = time.perf_counter() - t0
