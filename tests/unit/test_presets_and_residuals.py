@@ -117,4 +117,3 @@ def test_compare_calibrates_a_zoo_at_its_preset(monkeypatch):
     zoo = type("Zoo", (), {"base": model, "experts": {}})()
     cmp._calibrated(zoo, "featcal", model, {}, {"lam": 0.1}, progress=False)
     assert seen["config"] == FeatCalConfig.llama("3b", lam=0.1, stats_dtype=torch.float64)
-
