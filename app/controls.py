@@ -139,12 +139,13 @@ def current_merger(given: bool | None = None) -> Merger:
 
 
 def zoo_preset(preset: str | None = None) -> str:
-    """``preset``, else the active zoo's (:func:`app.zoos.preset`)."""
+    """``preset``, else the active zoo's (:func:`featcal.config.preset_for_zoo`)."""
     if preset is not None:
         return preset
-    from app import state, zoos
+    from app import state
+    from featcal.config import preset_for_zoo
 
-    return zoos.preset(state.active_zoo())
+    return preset_for_zoo(state.active_zoo())
 
 
 def calibration_controls(max_n: int, preset: str | None = None) -> AppCal:

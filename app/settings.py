@@ -60,7 +60,7 @@ DEMO_N_GAINS = demo_n_gains()
 
 def cal_defaults(preset: str = "clip") -> dict:
     """The FeatCal widgets' defaults on a zoo whose architecture takes ``preset``
-    (:func:`app.zoos.preset`): the preset's λ (as log10, one decimal: the slider's step), ρ, α and
+    (:func:`featcal.config.preset_for_zoo`): the preset's λ (as log10, one decimal: the slider's step), ρ, α and
     switches, and the app's ``n``."""
     c = FeatCalConfig.preset(preset)
     log_lam = round(math.log10(c.lam), 1)
@@ -95,7 +95,7 @@ class AppCal:
     """One exact FeatCal run of the app: its :class:`featcal.FeatCalConfig` and the number of
     calibration examples per task it reads (the only setting the app adds)."""
 
-    config: FeatCalConfig  # the zoo's preset (app.zoos.preset) with the sliders' λ, ρ, α and switches
+    config: FeatCalConfig  # the zoo's preset (featcal.config.preset_for_zoo) with the sliders' λ, ρ, α and switches
     n: int  # calibration examples per task
 
     def __post_init__(self):
@@ -107,7 +107,7 @@ class AppCal:
         cls, log_lam: float, rho: float, alpha: float, n: int, bias: bool, layernorm: bool, preset: str = "clip"
     ) -> "AppCal":
         """The settings the widgets show, on ``preset`` (its token weights; the CLIP one but on
-        LLM zoos, :func:`app.zoos.preset`). λ moves on a log10 slider and becomes ``config.lam``
+        LLM zoos, :func:`featcal.config.preset_for_zoo`). λ moves on a log10 slider and becomes ``config.lam``
         here, once (:func:`lam_of`)."""
         lam = lam_of(log_lam)
         config = preset_config(

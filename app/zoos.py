@@ -78,13 +78,6 @@ def build_zoo(source: str, on_step) -> None:
         build_demo(demo_path(NAMES[source]), variant=NAMES[source], progress=True, on_step=on_step)
 
 
-def preset(zoo) -> str:
-    """The FeatCal preset the app calibrates ``zoo`` with (:func:`featcal.config.preset_for_zoo`)."""
-    from featcal.config import preset_for_zoo
-
-    return preset_for_zoo(zoo)
-
-
 SMALL_MODEL = 20_000_000  # parameters: below this, one CPU thread is fastest
 
 

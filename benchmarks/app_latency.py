@@ -65,11 +65,13 @@ def bench_parts(source: str, n: int, repeats: int, record: dict | None = None, p
 
     from app import compute, zoos
     from app.settings import AppCal, cal_defaults
+    from featcal.config import preset_for_zoo
 
     dev = zoos.device()
     zoo = zoos.load_zoo(source, dev)
     torch.set_num_threads(zoos.cpu_threads(zoo, dev))  # as the app does
-    preset, default = zoos.preset(zoo), cal_defaults(zoos.preset(zoo))
+    preset = preset_for_zoo(zoo)
+    default = cal_defaults(preset)
 
     def setting(rho: float = default["rho"]):
         """The app's default setting on this zoo with ``rho``, as the widgets make it."""

@@ -9,7 +9,7 @@ import pandas as pd
 import streamlit as st
 
 from app import controls, settings, state, ui, workers, zoos
-from featcal.config import preset_config
+from featcal.config import preset_config, preset_for_zoo
 from featcal.sweep import figures as tune_figures
 from featcal.sweep import studies
 
@@ -30,7 +30,7 @@ def _sample_efficiency(
             seeds=seeds,
             mergers=mergers,
             calibrate_on=(merger.method,),
-            config=preset_config(zoos.preset(z)),
+            config=preset_config(preset_for_zoo(z)),
             max_per_task=max_test,
             progress=True,  # the terminal's bars, and the page's through ui.progress_of
         )
@@ -56,7 +56,7 @@ def _robustness(
             seeds=seeds,
             merger=merger.method,
             merge_params=merger.kwargs,
-            config=preset_config(zoos.preset(z)),
+            config=preset_config(preset_for_zoo(z)),
             max_per_task=max_test,
             progress=True,
         )
@@ -76,7 +76,7 @@ def _rows(kind: str, run, args: tuple) -> pd.DataFrame | None:
 
 
 merger = controls.current_merger()
-preset = zoos.preset(zoo)
+preset = preset_for_zoo(zoo)
 anchor = preset_config(preset)
 st.title("Studies")
 st.caption(

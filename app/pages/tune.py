@@ -14,14 +14,14 @@ import pandas as pd
 import streamlit as st
 
 from app import controls, settings, state, ui, workers, zoos
-from featcal.config import LANGUAGE_PRESETS, preset_config
+from featcal.config import LANGUAGE_PRESETS, preset_config, preset_for_zoo
 from featcal.sweep import figures as tune_figures
 from featcal.sweep.search import Grid, holdout_report, tune_zoo
 
 zoo, source = state.active_zoo(), state.active_source()
 fp = state.fingerprint(source)
 merger = controls.current_merger()
-preset = zoos.preset(zoo)  # the anchor: the setting the Calibrate page starts from on this zoo
+preset = preset_for_zoo(zoo)  # the anchor: the setting the Calibrate page starts from on this zoo
 anchor = preset_config(preset)
 GRIDS = {
     "quick · 3 × 3 × 3": Grid(lam=(0.01, 0.05, 0.3), rho=(1.0, 2.0, 2.5), alpha=(0.15, 0.3, 0.5)),
@@ -55,7 +55,7 @@ def _sweep(
             merge_params=merger.kwargs,
             n_calib=n,
             val_per_task=val_per_task,
-            config=preset_config(zoos.preset(z)),
+            config=preset_config(preset_for_zoo(z)),
             grid=grid,
             search=search,
             n_confirm=n_confirm,

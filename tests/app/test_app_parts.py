@@ -47,10 +47,11 @@ def test_the_zoos_preset_is_clip_unless_it_is_a_language_model(tiny_zoo_dir):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from app import zoos
+    from featcal.config import preset_for_zoo
 
-    assert zoos.preset(zoos.load_zoo(tiny_zoo_dir, "cpu")) == "clip"
+    assert preset_for_zoo(zoos.load_zoo(tiny_zoo_dir, "cpu")) == "clip"
     cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=64)
-    assert zoos.preset(type("Zoo", (), {"base": LlamaForCausalLM(cfg)})()) == "llama-3b"
+    assert preset_for_zoo(type("Zoo", (), {"base": LlamaForCausalLM(cfg)})()) == "llama-3b"
 
 
 def _cal(log_lam=-1.3, rho=2.0, alpha=0.3, n=8, bias=True):
