@@ -9,7 +9,6 @@ script puts the repository root on ``sys.path`` itself (see :func:`setup_path`).
 from __future__ import annotations
 
 import copy
-import ctypes
 import datetime as _dt
 import gc
 import os
@@ -271,11 +270,10 @@ def _rss_bytes() -> int | None:
 def release_free_memory() -> None:
     """``gc.collect()`` and glibc's ``malloc_trim(0)`` (hand freed heap pages back to the OS), so
     that a later RSS rise measures new allocations rather than reused free heap."""
+    from featcal.util.memory import trim_heap
+
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    trim_heap()
 
 
 class MemProbe:

@@ -102,21 +102,15 @@ def write_lora_experts(base, root: Path, n_experts: int, rank: int, seed: int) -
         pm.save_pretrained(root / f"task{i}")
 
 
-def _vmhwm_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def child(mode: str, root: Path, n_experts: int, device: str) -> dict:
     """One run in this (fresh) process; the numbers as a dict."""
     from transformers import LlamaForCausalLM  # the baseline includes every import
 
     from featcal import FeatCalConfig, calibrate, calibrate_checkpoints, merge
     from featcal.model.checkpoints import load_token_data
+    from featcal.util.memory import vmhwm_mb
 
-    baseline = _vmhwm_mb()
+    baseline = vmhwm_mb()
     tasks = [f"task{i}" for i in range(n_experts)]
     data = load_token_data(root / "data.safetensors", batch_size=PER_TASK)
     cfg = FeatCalConfig.llama("8b")
@@ -148,7 +142,7 @@ def child(mode: str, root: Path, n_experts: int, device: str) -> dict:
             merged, base=base, experts=experts, calib_data=data, config=cfg, progress=False, device=device
         )
     seconds = time.perf_counter() - t0
-    out = {"mode": mode, "baseline_mb": baseline, "peak_mb": _vmhwm_mb(), "seconds": seconds}
+    out = {"mode": mode, "baseline_mb": baseline, "peak_mb": vmhwm_mb(), "seconds": seconds}
     blocks = report.blocks
     out["block_seconds"] = sum(b.stats_seconds + b.solve_seconds + b.advance_seconds for b in blocks) / len(blocks)
     out["block_solve_seconds"] = sum(b.solve_seconds for b in blocks) / len(blocks)

@@ -9,7 +9,6 @@ loaded, then released); the heads are never loaded.
 
 from __future__ import annotations
 
-import ctypes
 import time
 from pathlib import Path
 from typing import Callable
@@ -26,6 +25,7 @@ from featcal.model import arch, validate
 from featcal.model.checkpoints import Checkpoint
 from featcal.model.skeletons import fill, release
 from featcal.streaming.workdir import check_streams, commit, peak_rss_mb, save_atomic, save_streams, streams_files
+from featcal.util.memory import trim_heap
 from featcal.util.progress import note
 
 
@@ -111,7 +111,7 @@ class CheckpointSource(BlockSource):
         finally:
             for role in roles:
                 release(self.skels[role])
-            _trim_heap()
+            trim_heap()  # else every model's blocks, loaded and freed in turn, fragment the heap
         if any(c.hidden.is_meta for st in streams.values() for c in st.cal + st.exp):
             raise RuntimeError(
                 "a stem's output is on the meta device: its forward pass used the output embeddings, which "
@@ -148,7 +148,7 @@ class CheckpointSource(BlockSource):
             save_atomic(calibrated, self.work / "blocks" / f"{block:05d}.safetensors")
         for blocks in self.blocks.values():
             release(blocks[block])
-        _trim_heap()
+        trim_heap()
         last = block == len(self.blocks["base"]) - 1
         if (block + 1) % self.every == 0 or last:  # a checkpoint (workdir.commit): streams, then the state
             files = [] if last else streams_files(self.dist, block)
@@ -244,13 +244,3 @@ def _head_only(model: nn.Module) -> set[int]:
     get_in = getattr(model, "get_input_embeddings", None)
     shared = {id(p) for p in get_in().parameters()} if get_in is not None and get_in() is not None else set()
     return {id(p) for p in head.parameters()} - shared
-
-
-def _trim_heap() -> None:
-    """Hand freed heap pages back to the OS (glibc's ``malloc_trim``; nothing elsewhere). Without
-    it, blocks of every model allocated and freed one after another fragment the heap and the
-    resident memory creeps up by about two blocks' worth per block."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass

@@ -1,0 +1,47 @@
+"""The process's memory: handing freed heap back to the OS, and reading the peak.
+
+Why :func:`trim_heap` is needed: once glibc frees a block it had mapped on its own (over
+``M_MMAP_THRESHOLD``), it raises that threshold (up to 32 MB on 64-bit). From then on
+tensors of a few MB (an LLM's per-module statistics) come from the heap, and freeing them
+does not shrink the process unless they sat at the heap's top. ``malloc_trim(0)`` returns
+every free page of every arena. Elsewhere than glibc it does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+
+def trim_heap() -> bool:
+    """Hand freed heap pages back to the OS (glibc's ``malloc_trim(0)``). Returns whether
+    glibc was there to ask (not whether any memory was returned)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+def _status_kb(field: str, pid: int | str = "self") -> float | None:
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(field + ":"):
+            return float(line.split()[1])
+    return None
+
+
+def vmhwm_mb(pid: int | None = None) -> float | None:
+    """Peak resident memory (``VmHWM``) of process ``pid`` (default: this one) in MB, or
+    None where ``/proc`` does not tell (not Linux, or the process is gone)."""
+    kb = _status_kb("VmHWM", "self" if pid is None else pid)
+    return None if kb is None else kb / 1024
+
+
+def rss_mb(pid: int | None = None) -> float | None:
+    """Resident memory (``VmRSS``) of process ``pid`` (default: this one) in MB, or None."""
+    kb = _status_kb("VmRSS", "self" if pid is None else pid)
+    return None if kb is None else kb / 1024
