@@ -15,12 +15,14 @@ the hyper-parameters (a single calibrated block).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from featcal.config import Setting
+from featcal.engine.trace import storage_bytes
 from featcal.method import linalg, solve
 from featcal.model import arch
 
@@ -76,22 +78,45 @@ class Preview:
         self.eps = eps
         self.bias = bias
         self._eig: dict[int, _EigLinear] = {}
+        self._lock = threading.Lock()  # one decomposition at a time: prepare() may run beside a preview
+        # Linears that read one input (q/k/v) share one S, so one decomposition: each Linear's
+        # first sharer, found now, before prepare(compact=True) lets go of S.
+        first: dict[int, int] = {}
+        self._same_S = {
+            i: first.setdefault(id(e.system.S), i) for i, e in enumerate(entries) if e.target.kind == arch.LINEAR
+        }
 
     def _eig_of(self, i: int) -> _EigLinear:
-        if i not in self._eig:
-            kept = self.entries[i]
-            done = list(self._eig.items())  # a snapshot: prepare() may be filling it on another thread
-            shared = next((e for j, e in done if self.entries[j].system.S is kept.system.S), None)
-            eigh = None if shared is None else (shared.ev, shared.Q)  # q/k/v share one S
-            self._eig[i] = _eig_linear(kept.system, kept.ends.W_mer, kept.ends.W_0, eigh)
-        return self._eig[i]
+        with self._lock:
+            if i not in self._eig:
+                kept, shared = self.entries[i], self._eig.get(self._same_S[i])
+                eigh = None if shared is None else (shared.ev, shared.Q)
+                self._eig[i] = _eig_linear(kept.system, kept.ends.W_mer, kept.ends.W_0, eigh)
+            return self._eig[i]
 
-    def prepare(self) -> None:
+    def _compact(self, i: int) -> None:
+        """Let go of what Linear ``i``'s decomposition replaces: its ``S``, ``U``, ``V`` (``S``
+        freed with its last sharer), residual terms and merged-weight copy. What the bias
+        reads stays (:func:`featcal.method.solve.linear_bias`)."""
+        with self._lock:
+            kept = self.entries[i]
+            light = replace(kept.system, S=None, U=None, V=None, res=None)
+            self.entries[i] = replace(kept, system=light, ends=replace(kept.ends, W_mer=None, W_0=None))
+
+    def prepare(self, compact: bool = False) -> None:
         """Do the one-off eigendecompositions now (else on the first preview); safe to run on
-        another thread beside a preview (a module may then be decomposed twice, never wrongly)."""
-        for i, e in enumerate(self.entries):
-            if e.target.kind == arch.LINEAR:
-                self._eig_of(i)
+        another thread beside a preview. ``compact``: free each Linear's statistics as soon as
+        it is decomposed (the previews are the same; the statistics can no longer be read)."""
+        for i in self._same_S:
+            self._eig_of(i)
+            if compact:
+                self._compact(i)
+
+    def nbytes(self) -> int:
+        """Bytes of the tensors this preview holds, each storage once (its template model and
+        the pretrained weights it points at excluded)."""
+        own = [(e.system, e.ends.W_mer, e.ends.b_mer) for e in self.entries]
+        return storage_bytes([own, list(self._eig.values())])
 
     @torch.no_grad()
     def params(self, at: Setting) -> list[tuple[int, arch.Target, torch.Tensor, torch.Tensor | None]]:

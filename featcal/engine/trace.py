@@ -3,6 +3,7 @@ bound to the very expert modules and batches it was made with."""
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Mapping
 
@@ -70,8 +71,8 @@ class ExpertTrace:
 
 
 def storage_bytes(obj) -> int:
-    """Bytes of the tensor storages in ``obj`` (a tensor, a :class:`Captured`, a block call, or
-    lists, tuples and dicts of them), each storage counted once: captures that share one input
+    """Bytes of the tensor storages in ``obj`` (a tensor, a :class:`Captured`, a block call, a
+    dataclass, or lists, tuples and dicts of them), each storage counted once: captures that share one input
     tensor (q/k/v) or views of one output hold it once."""
     seen: dict[int, int] = {}
 
@@ -89,6 +90,9 @@ def storage_bytes(obj) -> int:
                 visit(v)
         elif hasattr(x, "hidden"):  # a BlockCall: its hidden state (its other arguments are shared)
             visit(x.hidden)
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):  # a solver's systems, a preview's parts
+            for f in dataclasses.fields(x):
+                visit(getattr(x, f.name))
 
     visit(obj)
     return sum(seen.values())

@@ -228,8 +228,9 @@ def _task_rhs(sys: LinearSystem, alpha: float) -> torch.Tensor:
 
 
 def linear_bias(sys: LinearSystem, W: torch.Tensor, ends: Endpoints, at: Setting) -> torch.Tensor:
-    """The bias for the new ``W``: ``[sum s_i (b_i + W_i mu_t - W mu_s) + lam b_anc] / (sum s_i + lam)``."""
-    dt = sys.S.dtype
+    """The bias for the new ``W``: ``[sum s_i (b_i + W_i mu_t - W mu_s) + lam b_anc] / (sum s_i + lam)``
+    (it reads only the bias sums, which a compacted preview keeps)."""
+    dt = sys.m_s.dtype
     b_anc = anchor(ends.b_mer.to(dt), ends.b_0.to(dt), at.rho)
     num = sys.sb + sys.ub + at.alpha * sys.vb - W.to(dt) @ sys.m_s + at.lam * b_anc
     return num / (sys.s_sum + at.lam)

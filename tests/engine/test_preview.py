@@ -94,3 +94,57 @@ def test_prepare_on_another_thread_beside_previews_changes_nothing():
         for (blk, t, W, b), (blk0, t0, W0, b0) in zip(params, want):
             assert (blk, t.name) == (blk0, t0.name) and torch.allclose(W, W0, atol=1e-10)
             assert (b is None) == (b0 is None) and (b is None or torch.allclose(b, b0, atol=1e-10))
+
+
+def _kept_run(kind: str):
+    """A run with kept statistics on a tiny model with biases (``hf_clip``: q/k/v with biases)
+    or a tiny Llama (q/k/v without, grouped-query attention)."""
+    from functools import partial
+
+    if kind == "llama":
+        base, experts, merged, data = tiny.text_zoo(tiny.tiny_llama, partial(tiny.text_batches, vocab=50))
+    else:
+        base, experts, merged, data = tiny.zoo(kind)
+    cfg = FeatCalConfig(lam=0.1, stats_dtype=torch.float64)
+    _, report = calibrate(
+        merged, base=base, experts=experts, calib_data=data, config=cfg, keep_stats=True, progress=False
+    )
+    return report, cfg
+
+
+def _qkv(preview):
+    return {e.target.name: i for i, e in enumerate(preview.entries) if e.block == 0 and e.target.kind == "linear"}
+
+
+def test_compacting_a_preview_frees_its_statistics_and_gives_the_same_previews():
+    """``prepare(compact=True)`` (the app's, on a language model's gigabytes of statistics):
+    bit-identical weights and biases, a smaller footprint, and no statistics left to read."""
+    for kind in ("hf_clip", "llama"):
+        report_a, cfg = _kept_run(kind)
+        report_b, _ = _kept_run(kind)
+        full, compact = report_a.preview_state, report_b.preview_state
+        full.prepare()
+        compact.prepare(compact=True)  # the decompositions alone: the statistics and both, before
+        assert compact.nbytes() < 0.8 * full.nbytes(), (kind, compact.nbytes(), full.nbytes())
+        linears = [e for e in compact.entries if e.target.kind == "linear"]
+        assert linears and all(e.system.S is None and e.ends.W_mer is None for e in linears)
+        assert any(e.ends.b_mer is not None for e in linears) == (kind == "hf_clip")
+        for lam, rho, alpha in [(0.1, 1.0, 0.5), (1e-3, 0.5, 0.15), (3.0, 1.5, 0.9)]:
+            at = cfg.with_(lam=lam, rho=rho, alpha=alpha).setting
+            for (blk, t, W, b), (blk0, t0, W0, b0) in zip(compact.params(at), full.params(at)):
+                assert (blk, t.name) == (blk0, t0.name) and torch.equal(W, W0), (kind, t.name)
+                assert (b is None) == (b0 is None) and (b is None or torch.equal(b, b0)), (kind, t.name)
+
+
+def test_linears_that_read_one_input_share_one_decomposition():
+    """q, k and v read one input, so share one S: it is decomposed once, found before any
+    compaction lets S go (a tiny Llama, whose k and v are narrower than q)."""
+    report, _ = _kept_run("llama")
+    preview = report.preview_state
+    qkv = _qkv(preview)
+    q, k, v, o = (qkv[n] for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"))
+    assert preview.entries[q].system.S is preview.entries[k].system.S is preview.entries[v].system.S
+    preview.prepare(compact=True)
+    assert preview._eig[q].Q is preview._eig[k].Q is preview._eig[v].Q
+    assert preview._eig[o].Q is not preview._eig[q].Q
+    assert preview._eig[k].QU.shape[1] < preview._eig[q].QU.shape[1]  # grouped-query attention
