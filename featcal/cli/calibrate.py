@@ -29,7 +29,7 @@ from featcal.cli.formats import (
     run_calibrate_mergekit,
     streamed_options,
 )
-from featcal.config import PRESETS, FeatCalConfig, preset_for, preset_for_model
+from featcal.config import PRESETS, preset_config, preset_for, preset_for_model
 from featcal.engine.run import calibrate
 from featcal.util.outdir import output_lock
 
@@ -71,7 +71,12 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     )
     c.add_argument("--resume", action="store_true", help="continue a run that was killed part-way")
     add_checkpoint_options(c)
-    p.add_argument("--stats-dtype", choices=("float32", "float64"), help="statistics and solve dtype (default float32)")
+    p.add_argument(
+        "--stats-dtype",
+        choices=("float32", "float64"),
+        help="statistics and solve dtype (default: float64 for the flan-t5 and llama-3b presets, whose lam 1e-5 "
+        "needs it; float32 otherwise)",
+    )
     add_common(p)
 
 
@@ -85,7 +90,7 @@ def config_from_args(args, preset: str | None = None):
         overrides["layernorm"] = False
     if getattr(args, "stats_dtype", None):
         overrides["stats_dtype"] = getattr(torch, args.stats_dtype)
-    return FeatCalConfig.preset(preset or args.preset or "clip", **overrides)
+    return preset_config(preset or args.preset or "clip", **overrides)
 
 
 def choose_preset(args, found: tuple[str, str]) -> None:

@@ -38,7 +38,7 @@ from featcal.cli.common import (
     parse_params,
     zoo_from_args,
 )
-from featcal.config import FeatCalConfig
+from featcal.config import FLOAT64_PRESETS, FeatCalConfig
 from featcal.sweep import studies
 from featcal.sweep.search import Grid, TuneConfig, holdout_report, tune_zoo
 from featcal.util import outdir
@@ -113,7 +113,10 @@ def _featcal_config(args):
     given = {k: getattr(args, k) for k in ("lam", "rho", "alpha") if getattr(args, k) is not None}
     if args.preset != "llama-3b":
         given = {"lam": 0.05, "rho": 2.0, "alpha": 0.3, **given}
-    if getattr(args, "stats_dtype", None) == "float64":
+    dtype = getattr(args, "stats_dtype", None)
+    if dtype is not None:
+        given["stats_dtype"] = getattr(torch, dtype)
+    elif args.preset in FLOAT64_PRESETS:  # lam 1e-5 needs float64 statistics (as featcal calibrate)
         given["stats_dtype"] = torch.float64
     return PRESETS[args.preset](**given)
 
@@ -146,7 +149,10 @@ def _anchor_args(p: argparse.ArgumentParser) -> None:
         "paper's Llama switches: RMSNorm scales kept merged)",
     )
     p.add_argument(
-        "--stats-dtype", choices=("float32", "float64"), default="float32", help="statistics dtype (lam 1e-5: float64)"
+        "--stats-dtype",
+        choices=("float32", "float64"),
+        default=None,
+        help="statistics dtype (default: float64 for llama-3b, whose lam 1e-5 needs it; float32 otherwise)",
     )
 
 

@@ -303,3 +303,7 @@ def test_tune_and_study_take_the_llama_preset_and_float64_statistics():
     clip = _featcal_config(p.parse_args(["--out", "x", "--rho", "1.5"]))
     assert (clip.lam, clip.rho, clip.alpha) == (0.05, 1.5, 0.3)  # the CLIP anchor, rho as given
     assert _featcal_config(p.parse_args(["--out", "x"])).stats_dtype == torch.float32  # the default
+    llama = p.parse_args(["--preset", "llama-3b", "--out", "x"])
+    assert _featcal_config(llama).stats_dtype == torch.float64  # the llama-3b preset's default
+    llama.stats_dtype = "float32"
+    assert _featcal_config(llama).stats_dtype == torch.float32  # a user's choice kept

@@ -10,7 +10,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
 import tiny
-from featcal import FeatCalConfig, calibrate, calibrate_checkpoints, merge
+from featcal import calibrate, calibrate_checkpoints, merge
+from featcal.config import preset_config
 from featcal.model.checkpoints import save_token_data
 from featcal.model.lora import LoraAdapter, LoraError, lora_scale, merge_lora
 
@@ -113,7 +114,7 @@ def test_lora_experts_streamed_equal_in_memory(tmp_path):
         dense[t] = _load(base, sd)
     save_token_data(tmp_path / "d.safetensors", _data(ads))
     data = load_token_data(tmp_path / "d.safetensors", batch_size=2)
-    cfg = FeatCalConfig.llama("3b", lam=1e-3)
+    cfg = preset_config("llama-3b", lam=1e-3)  # as the CLI below (float64 statistics)
     sd = merge("task_arithmetic", base.state_dict(), {t: m.state_dict() for t, m in dense.items()})
     merged = _load(base, sd)
     want, _ = calibrate(merged, base=base, experts=dense, calib_data=data, config=cfg, progress=False)

@@ -13,10 +13,11 @@ import yaml
 from transformers import LlamaForCausalLM
 
 import tiny
-from featcal import FeatCalConfig, calibrate_checkpoints
+from featcal import calibrate_checkpoints
 from featcal.baselines import registry
 from featcal.baselines.mergekit import MergekitError, read_recipe
 from featcal.cli.commands import main
+from featcal.config import preset_config
 from featcal.model.checkpoints import load_token_data, read_state_dict, save_token_data
 
 TASKS = ("math-7b", "code-7b")
@@ -137,7 +138,7 @@ def test_cli_mergekit_calibrates_to_a_loadable_model(root, tmp_path):
         calib_data=data,
         out=tmp_path / "ref",
         merged=merged_dir,
-        config=FeatCalConfig.llama("3b"),
+        config=preset_config("llama-3b"),  # as the CLI (float64 statistics)
         progress=False,
     )
     ref = LlamaForCausalLM.from_pretrained(tmp_path / "ref").state_dict()

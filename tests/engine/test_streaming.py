@@ -11,11 +11,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import tiny
 from featcal import FeatCalConfig, calibrate, calibrate_checkpoints, merge
+from featcal.config import preset_config
 from featcal.model.checkpoints import INDEX, load_token_data, save_token_data
 from featcal.streaming.run import partial_dir
 
 TASKS = ("math", "code", "chat")
-CFG = FeatCalConfig.llama("3b", lam=1e-3)
+CFG = preset_config("llama-3b", lam=1e-3)  # as `featcal calibrate --preset llama-3b` (float64)
 
 
 def _llama(seed: int = 0) -> LlamaForCausalLM:

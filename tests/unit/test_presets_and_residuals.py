@@ -36,7 +36,9 @@ def test_the_chosen_preset_is_printed_and_a_users_choice_kept(capsys):
     args = argparse.Namespace(preset=None, lam=None, rho=None, alpha=None, no_bias=False, no_layernorm=False)
     choose_preset(args, preset_for({"model_type": "t5"}))
     assert args.preset == "flan-t5" and "preset 'flan-t5'" in capsys.readouterr().err
-    assert config_from_args(args) == FeatCalConfig.flan_t5()
+    assert config_from_args(args) == FeatCalConfig.flan_t5(stats_dtype=torch.float64)  # lam 1e-5 needs float64
+    args.stats_dtype = "float32"
+    assert config_from_args(args) == FeatCalConfig.flan_t5()  # unless the user says otherwise
     args.preset = "llama-8b"
     choose_preset(args, preset_for({"model_type": "t5"}))
     assert args.preset == "llama-8b" and capsys.readouterr().err == ""

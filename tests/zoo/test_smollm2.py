@@ -122,8 +122,9 @@ def test_streamed_equals_in_memory_on_the_zoo_checkpoints(micro, micro_dir, tmp_
     per tensor <= 1e-5) and its output loads with ``from_pretrained``."""
     from transformers import LlamaForCausalLM
 
-    from featcal import FeatCalConfig, calibrate
+    from featcal import calibrate
     from featcal.cli.commands import main
+    from featcal.config import preset_config
     from featcal.model.checkpoints import load_token_data, save_token_data
 
     rows = {t: micro.split(t, "calib")[0][:4] for t in micro.tasks}
@@ -139,7 +140,7 @@ def test_streamed_equals_in_memory_on_the_zoo_checkpoints(micro, micro_dir, tmp_
         base=micro.base,
         experts=micro.experts,
         calib_data=load_token_data(data, batch_size=2),
-        config=FeatCalConfig.llama("3b"),
+        config=preset_config("llama-3b"),  # as the CLI (float64 statistics)
         progress=False,
     )
     got = LlamaForCausalLM.from_pretrained(tmp_path / "cal").state_dict()
