@@ -83,6 +83,16 @@ def _stream_size(zoo, data: dict) -> tuple[float, int, int]:
     return per_example, sum(batch_len(b) for batches in data.values() for b in batches), len(blocks)
 
 
+def prepare_preview(preview) -> None:
+    """A preview's one-off eigendecompositions, each Linear's statistics freed once decomposed
+    (both at once would nearly double what a run keeps: gigabytes on a language model), and
+    the freed heap handed back to the OS (:func:`featcal.util.memory.trim_heap`)."""
+    from featcal.util.memory import trim_heap
+
+    preview.prepare(compact=True)
+    trim_heap()
+
+
 @torch.no_grad()
 def load_preview(scratch: nn.Module, calibrated: nn.Module, report, config: FeatCalConfig) -> nn.Module:
     """Write the preview for ``config``'s (lam, rho, alpha) from ``report``'s kept statistics

@@ -5,40 +5,93 @@ driven by :mod:`app.ahead`). :mod:`app.state` keeps one of each per server."""
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 
 class Latest:
-    """The latest exact run per (zoo, merger, statistics structure), kept alive for the
-    instant preview even after the calibration cache evicts it; and every (key, settings)
-    ever run, so a setting already run is not previewed."""
+    """The latest exact run per (zoo, merger, statistics structure): the runs the instant
+    preview starts from, and the only ones that keep their statistics (gigabytes on a
+    language model); and every (key, settings) ever run, so a setting already run is not
+    previewed.
 
-    def __init__(self, keep: int = 2):
-        self.keep = keep
+    At most ``keep`` keys, and only as many as fit in ``budget()`` bytes (each run measured
+    by ``size``); the newest always stays. A run that leaves is handed to ``release`` (which
+    frees its statistics) as soon as no preview reads it (:meth:`previewing`)."""
+
+    def __init__(
+        self,
+        keep: int = 2,
+        budget: Callable[[], int] | None = None,
+        size: Callable[[object], int] = lambda run: 0,
+        release: Callable[[object], None] = lambda run: None,
+    ):
+        self.keep, self.budget, self.size, self.release = keep, budget, size, release
         self.lock = threading.Lock()
         self.latest: OrderedDict[tuple, tuple[object, object]] = OrderedDict()
         self.done: set[tuple] = set()
+        self.holders: Counter[int] = Counter()  # id(run) -> previews reading it now
+        self.leaving: dict[int, tuple[tuple, object, object]] = {}  # id(run) -> (key, cal, run): left, still read
 
     def remember(self, key: tuple, cal, run) -> None:
         with self.lock:
+            before = self.latest.get(key)
             self.latest[key] = (cal, run)
             self.latest.move_to_end(key)
-            while len(self.latest) > self.keep:
-                self.latest.popitem(last=False)
             self.done.add((key, cal))
+            gone = [] if before is None or before[1] is run else [(key, *before)]
+            while len(self.latest) > 1 and (len(self.latest) > self.keep or self._over_budget()):
+                old_key, (old_cal, old_run) = self.latest.popitem(last=False)
+                gone.append((old_key, old_cal, old_run))
+            free = []
+            for old_key, old_cal, old_run in gone:
+                if self.holders[id(old_run)] > 0:
+                    self.leaving[id(old_run)] = (old_key, old_cal, old_run)
+                else:
+                    free.append(old_run)
+        for old_run in free:
+            self.release(old_run)
 
-    def preview_from(self, key: tuple, cal):
-        """The settings of the run to preview ``cal`` from, or None (exact already done / no run)."""
+    def _over_budget(self) -> bool:
+        if self.budget is None:
+            return False
+        return sum(self.size(run) for _, run in self.latest.values()) > self.budget()
+
+    @contextmanager
+    def previewing(self, key: tuple, cal) -> Iterator[object | None]:
+        """The settings of the run to preview ``cal`` from, or None (exact already done / no
+        run); that run keeps its statistics until the block ends, even if a newer run
+        displaces it meanwhile."""
         with self.lock:
-            if (key, cal) in self.done or key not in self.latest:
-                return None
-            return self.latest[key][0]
+            run = None
+            if (key, cal) not in self.done and key in self.latest:
+                from_cal, run = self.latest[key]
+                self.holders[id(run)] += 1
+        try:
+            yield None if run is None else from_cal
+        finally:
+            if run is not None:
+                self._unhold(run)
+
+    def _unhold(self, run) -> None:
+        with self.lock:
+            self.holders[id(run)] -= 1
+            if self.holders[id(run)] > 0:
+                return
+            del self.holders[id(run)]
+            left = self.leaving.pop(id(run), None)
+        if left is not None:
+            self.release(left[2])
 
     def run(self, key: tuple, cal):
+        """The run of ``cal`` if it is the latest of ``key`` or still read after leaving, else None."""
         with self.lock:
             hit = self.latest.get(key)
-            return hit[1] if hit is not None and hit[0] == cal else None
+            if hit is not None and hit[0] == cal:
+                return hit[1]
+            return next((r for k, c, r in self.leaving.values() if k == key and c == cal), None)
 
     def seconds(self) -> float | None:
         """The wall seconds of the latest run (a progress estimate), or None."""

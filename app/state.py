@@ -32,6 +32,7 @@ import torch
 from app import compute, runs, st_patch, workers, zoos
 from app.settings import HASH_FUNCS, AppCal, Merger, ModelRef
 from app.workers import torch_lock
+from featcal.util.memory import trim_heap
 
 DIAG_N = compute.DIAG_N
 device = zoos.device
@@ -125,9 +126,22 @@ class Calibrated:
     seconds: float
 
 
+def _stats_bytes(run: Calibrated) -> int:
+    preview = run.report.preview_state
+    return 0 if preview is None else preview.nbytes()
+
+
+def _release_stats(run: Calibrated) -> None:
+    """Free the statistics of a run no preview will start from again (its model stays cached)."""
+    run.report.preview_state = None
+    trim_heap()
+
+
 @st.cache_resource(show_spinner=False)
 def _runs() -> runs.Latest:
-    return runs.Latest()
+    """The runs the preview starts from: the only ones that keep their statistics, the older
+    of two kept while both fit in :func:`app.compute.keep_budget`."""
+    return runs.Latest(budget=compute.keep_budget, size=_stats_bytes, release=_release_stats)
 
 
 @st.cache_resource(show_spinner=False)
@@ -152,7 +166,10 @@ def exact_run(source: str, fp: str, merger: Merger, cal: AppCal, on_block=None) 
     trace = _expert_trace(source, fp, cal.n)
     with torch_lock(source, alone=True):  # nothing runs beside it until the preview's deadline
         t0 = time.perf_counter()
-        model, report = compute.calibrate(merged, zoo, data, cal.config, trace, on_block)
+        try:
+            model, report = compute.calibrate(merged, zoo, data, cal.config, trace, on_block)
+        finally:
+            trim_heap()  # the run's freed work: gigabytes on a language model
         return Calibrated(model, report, time.perf_counter() - t0)
 
 
@@ -194,10 +211,11 @@ def prepare_preview(run: Calibrated) -> None:
     """Start the one-off eigendecompositions of ``run``'s preview in the background: the next
     slider change previews from this run, and so no longer waits for them (benchmarks/README.md,
     'Issue 28: a faster preview')."""
-    if run.report.preview_state is not None and _preparing(run.report) is None:
+    preview = run.report.preview_state
+    if preview is not None and _preparing(run.report) is None:
         while len(_PREPARING) >= 4:
             _PREPARING.pop(next(iter(_PREPARING)))
-        _PREPARING[id(run.report)] = (weakref.ref(run.report), workers.in_background(run.report.preview_state.prepare))
+        _PREPARING[id(run.report)] = (weakref.ref(run.report), workers.in_background(compute.prepare_preview, preview))
 
 
 def last_seconds() -> float | None:
@@ -211,12 +229,16 @@ def start_calibration(source: str, fp: str, merger: Merger, cal: AppCal) -> Futu
     return workers.submit(calibrated, source, fp, merger, cal)
 
 
-def preview_from(source: str, fp: str, merger: Merger, cal: AppCal) -> AppCal | None:
+@contextmanager
+def preview_from(source: str, fp: str, merger: Merger, cal: AppCal) -> Iterator[AppCal | None]:
     """The exact run whose kept statistics preview ``cal`` (None: exact is cached or computed
-    ahead, or no run yet)."""
+    ahead, or no run yet); its statistics are kept until the block ends, even if the exact
+    run of ``cal`` finishes meanwhile and displaces it."""
     if ahead_store().has((source, fp, merger, cal)):
-        return None
-    return _runs().preview_from((source, fp, merger, cal.structure), cal)
+        yield None
+        return
+    with _runs().previewing((source, fp, merger, cal.structure), cal) as from_run:
+        yield from_run
 
 
 def to_compute(source: str, fp: str, merger: Merger, cal: AppCal) -> bool:
@@ -275,6 +297,13 @@ def model_of(
                 preparing = _preparing(prev.report)
                 if preparing is not None:  # under way: wait for it rather than decompose twice
                     preparing.result()
+                elif prev.report.preview_state is None:
+                    raise RuntimeError(
+                        f"the exact run at {ref.from_run.point_label} no longer keeps its statistics "
+                        "(a newer run replaced it). Fix: move a slider again to preview from the latest run."
+                    )
+                else:  # never started (the page moved on before its end)
+                    compute.prepare_preview(prev.report.preview_state)
                 compute.load_preview(model, prev.model, prev.report, ref.cal.config)
                 _SCRATCH_HOLDS[(source, fp)] = holds
             yield model

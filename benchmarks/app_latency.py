@@ -87,6 +87,9 @@ def bench_parts(source: str, n: int, repeats: int, record: dict | None = None, p
     compute.scores(merged, zoo, diag, live, side)  # warm-up (allocator, first-call costs)
     trace = compute.expert_trace()  # once per zoo and size, as the app keeps it
     model0, rep0 = compute.calibrate(merged, zoo, data, setting(), trace)  # the app's default setting
+    kept_raw = rep0.preview_state.nbytes()
+    compute.prepare_preview(rep0.preview_state)
+    kept_stats = rep0.preview_state.nbytes()  # what the app keeps per run it previews from
     scratch = zoo.merged("task_arithmetic", scale=0.3)
     scratch = compute.load_preview(scratch, rep0.preview_state.template, rep0, setting())
     pieces = (
@@ -129,7 +132,7 @@ def bench_parts(source: str, n: int, repeats: int, record: dict | None = None, p
             b = clock()
             for name, v in calibration_split(rep).items():
                 split[name].append(v)
-            rep.preview_state.prepare()  # what the app does in the background once the result is drawn
+            compute.prepare_preview(rep.preview_state)  # what the app does in the background once drawn
             c = clock()
             prep.append((c[0] - b[0], c[1] - b[1]))
             return model, (b[0] - a[0], b[1] - a[1])
@@ -209,7 +212,8 @@ def bench_parts(source: str, n: int, repeats: int, record: dict | None = None, p
         f"live subset {live} test examples per task; preset {preset}; threads {threads} (exact run {solo}); "
         f"expert trace {trace.nbytes / 2**30:.2f} GiB of "
         f"{trace.max_bytes / 2**30:.2f} GiB allowed, {len(trace.captures) + len(trace.stacked)} block-batches; "
-        f"experts' held-out streams {kept}"
+        f"experts' held-out streams {kept}; kept statistics per run {kept_raw / 2**30:.2f} GiB, "
+        f"{kept_stats / 2**30:.2f} GiB once decomposed (freed as decomposed)"
     )
     rows.append({"measure": note, "median": "", "max": "", "CPU s (median)": ""})
     return rows

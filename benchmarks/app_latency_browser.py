@@ -33,6 +33,8 @@ def bench_browser(
         return [{"measure": "browser: skipped (no chromium; apt-get install chromium)"}]
     from playwright.sync_api import sync_playwright
 
+    from featcal.util.memory import rss_mb, vmhwm_mb
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -82,6 +84,12 @@ def bench_browser(
                     for _ in range(repeats):  # one way: every value is new (no cache hit)
                         page.wait_for_timeout(1000 * pause)
                         total, shown, plot, last = _browser_move(page, label, +1, how, steps)
+                        print(
+                            f"{key} {how}: exact result drawn after {total:.1f} s; server resident "
+                            f"{rss_mb(proc.pid) or float('nan'):.0f} MB",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                         xs.append(total)
                         first.append(shown)
                         plots += [] if plot is None else [plot]
@@ -113,6 +121,8 @@ def bench_browser(
                             }
                         )
             browser.close()
+        peak = vmhwm_mb(proc.pid)
+        rows.append({"measure": f"browser: the server's peak resident memory (VmHWM) {peak or float('nan'):.0f} MB"})
         return rows
     finally:
         proc.terminate()

@@ -13,7 +13,7 @@ import pandas as pd
 import streamlit as st
 
 from app import ahead, compute, controls, figures, settings, state, tables, ui, workers, zoos
-from app.settings import ModelRef
+from app.settings import AppCal, ModelRef
 
 zoo, source = state.active_zoo(), state.active_source()
 fp = state.fingerprint(source)
@@ -177,15 +177,10 @@ merged_summary = compute.task_summary(merged_scores)
 # 2. The instant preview, when an exact run with the same data and switches exists: the
 #    exact run starts first, on a worker thread; if it is not done within PREVIEW_AFTER_S,
 #    the preview (numbers and charts) is scored beside it and drawn meanwhile.
-from_run = state.preview_from(source, fp, merger, cal)
-exact_job, quick = None, True
-if from_run is not None:
-    exact_job = state.start_calibration(source, fp, merger, cal)
-    # No wait when the last exact run took longer than the deadline: the preview starts at once.
-    slow = (state.last_seconds() or 0.0) > 2 * settings.PREVIEW_AFTER_S
-    with ui.status(f"Running exact forward-order FeatCal: {cal.label}…", status_slot):
-        quick = workers.done_within(exact_job, 0.0 if slow else settings.PREVIEW_AFTER_S)
-if not quick:
+
+
+def draw_preview(from_run: AppCal) -> None:
+    """Score the preview of ``cal`` from ``from_run``'s kept statistics, and draw it."""
     ref = ModelRef.preview(merger, from_run, cal)
     with ui.status(
         f"Preview of {cal.label} from the exact run at {from_run.point_label}; the exact run follows…", status_slot
@@ -204,6 +199,18 @@ if not quick:
         f"later features. Scored on the first {n_pv} test examples per task (merged too; the exact result: "
         f"{'all' if limit is None else min(limit, zoos.split_size(zoo, 'test'))}). Exact run in progress…",
     )
+
+
+exact_job = None
+with state.preview_from(source, fp, merger, cal) as from_run:  # its statistics kept until the preview is drawn
+    if from_run is not None:
+        exact_job = state.start_calibration(source, fp, merger, cal)
+        # No wait when the last exact run took longer than the deadline: the preview starts at once.
+        slow = (state.last_seconds() or 0.0) > 2 * settings.PREVIEW_AFTER_S
+        with ui.status(f"Running exact forward-order FeatCal: {cal.label}…", status_slot):
+            quick = workers.done_within(exact_job, 0.0 if slow else settings.PREVIEW_AFTER_S)
+        if not quick:
+            draw_preview(from_run)
 
 # 3. The exact forward-order run, then its output scores (here) beside its cosines and drift
 #    (worker, in that order); drawn over the preview (or the out-of-date result) when all are in.

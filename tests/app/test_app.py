@@ -7,6 +7,7 @@ without AppTest (settings, figures, library calls): tests/app/test_app_parts.py.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -185,11 +186,13 @@ def test_the_preview_is_drawn_only_while_the_exact_run_is_slow(tiny_zoo_dir, mon
     previews = []
     monkeypatch.setattr(settings, "PREVIEW_AFTER_S", after)
     monkeypatch.setattr(compute, "calibrate", lambda *a, **k: time.sleep(0.3) or real_calibrate(*a, **k))
-    prepared = []  # at each preview: whether its run's eigendecompositions were all done before it
+    prepared = []  # at each preview: whether its run's eigendecompositions were all done before it, in the background
 
     def preview(scratch, model, report, config):
+        from app import state
+
         ps = report.preview_state
-        prepared.append(len(ps._eig) == sum(e.target.kind == "linear" for e in ps.entries))
+        prepared.append(state._preparing(report) is not None and len(ps._eig) == len(ps._same_S))
         previews.append(config)
         return real_preview(scratch, model, report, config)
 
@@ -202,6 +205,64 @@ def test_the_preview_is_drawn_only_while_the_exact_run_is_slow(tiny_zoo_dir, mon
     # from a run whose one-off eigendecompositions were done in the background after it was drawn.
     assert sum(config.alpha == value for config in previews) == int(previewed), previews
     assert all(prepared), prepared
+
+
+def test_only_the_run_a_preview_starts_from_keeps_its_statistics(tiny_zoo_dir, monkeypatch):
+    """Each exact run keeps statistics for the preview (gigabytes on a language model): once a
+    newer run of the same data and switches is done, the older one's are freed; the newest's
+    are decomposed in the background, each Linear's statistics freed once decomposed."""
+    from app import compute, state
+
+    real_calibrate, reports = compute.calibrate, []
+
+    def calibrate(*a, **k):
+        model, report = real_calibrate(*a, **k)
+        reports.append(report)
+        return model, report
+
+    monkeypatch.setattr(compute, "calibrate", calibrate)
+    at = _page(_app(tiny_zoo_dir, rho=1.15).run(), "calibrate")
+    for alpha in (0.35, 0.4, 0.55):
+        _ok(at.slider(key="alpha").set_value(alpha).run())
+    assert len(reports) == 4
+    state._preparing(reports[-1]).result(timeout=60)
+    kept = [r for r in reports if r.preview_state is not None]
+    assert kept == [reports[-1]], [r.config.alpha for r in kept]
+    linears = [e for e in kept[0].preview_state.entries if e.target.kind == "linear"]
+    assert linears and all(e.system.S is None for e in linears)  # compacted
+
+
+def test_a_preview_is_drawn_even_when_its_exact_run_finishes_first(tiny_zoo_dir, monkeypatch):
+    """The exact run can finish (and displace the run a preview starts from) between the
+    page's choice to preview and the preview's reading of the statistics: the page holds that
+    run until the preview is drawn, then lets it go."""
+    from app import compute, settings, state
+
+    real_calibrate, real_preview = compute.calibrate, compute.load_preview
+    monkeypatch.setattr(settings, "PREVIEW_AFTER_S", 0.0)
+    exact_done, raced, reports = threading.Event(), [], []
+
+    def calibrate(*a, **k):
+        model, report = real_calibrate(*a, **k)
+        reports.append(report)
+        return model, report
+
+    def remember(key, cal, run, real=state._runs().remember):
+        real(key, cal, run)
+        exact_done.set()
+
+    def preview(scratch, model, report, config):
+        raced.append(exact_done.wait(30))  # the exact run of this setting is done and remembered
+        return real_preview(scratch, model, report, config)
+
+    monkeypatch.setattr(compute, "calibrate", calibrate)
+    at = _page(_app(tiny_zoo_dir, rho=0.85).run(), "calibrate")
+    monkeypatch.setattr(compute, "load_preview", preview)
+    monkeypatch.setattr(state._runs(), "remember", remember)
+    _ok(at.slider(key="alpha").set_value(0.25).run())
+    assert raced and all(raced), raced
+    assert any("Exact FeatCal" in s.value for s in at.success)
+    assert len(reports) == 2 and reports[0].preview_state is None  # let go once the preview was drawn
 
 
 def test_the_calibration_gets_the_config_the_url_sets(tiny_zoo_dir, monkeypatch):
