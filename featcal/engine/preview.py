@@ -86,6 +86,13 @@ class Preview:
             i: first.setdefault(id(e.system.S), i) for i, e in enumerate(entries) if e.target.kind == arch.LINEAR
         }
 
+    def __getstate__(self) -> dict:  # pickled to other processes (featcal tune on Ray): no lock
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def _eig_of(self, i: int) -> _EigLinear:
         with self._lock:
             if i not in self._eig:

@@ -148,3 +148,19 @@ def test_linears_that_read_one_input_share_one_decomposition():
     assert preview._eig[q].Q is preview._eig[k].Q is preview._eig[v].Q
     assert preview._eig[o].Q is not preview._eig[q].Q
     assert preview._eig[k].QU.shape[1] < preview._eig[q].QU.shape[1]  # grouped-query attention
+
+
+def test_a_preview_pickles_and_copies_with_its_previews():
+    """``featcal tune`` on Ray sends the preview to other processes (pickle); the app copies
+    models beside it: its lock stays behind, its previews are the same."""
+    import copy
+    import pickle
+
+    report, cfg = _kept_run("hf_clip")
+    preview = report.preview_state
+    preview.prepare(compact=True)
+    at = cfg.with_(lam=0.3, alpha=0.6).setting
+    for other in (pickle.loads(pickle.dumps(preview)), copy.deepcopy(preview)):
+        assert other._lock is not preview._lock
+        for (_, _, W, b), (_, _, W0, b0) in zip(other.params(at), preview.params(at)):
+            assert torch.equal(W, W0) and (b is None or torch.equal(b, b0))
