@@ -51,6 +51,7 @@ from featcal.sweep.jobs import (
     runner,
     val_scores,
 )
+from featcal.util.memory import trim_heap
 
 __all__ = ["Grid", "TuneConfig", "TuneResult", "tune", "tune_zoo", "holdout_report", "HeadLogits", "preview_distance"]
 if TYPE_CHECKING:
@@ -307,7 +308,8 @@ def _anchor(merged, base, experts, calib_data, val_data, logits, kind, cfg, opts
         merged, base=base, experts=experts, calib_data=calib_data, config=cfg, keep_stats=True, progress=False
     )
     anchor_seconds = time.perf_counter() - t0
-    report.preview_state.prepare()
+    report.preview_state.prepare(compact=True)  # only previews read the statistics from now on
+    trim_heap()
     ref = (
         None
         if kind == "accuracy"
