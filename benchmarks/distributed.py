@@ -89,7 +89,7 @@ def _rank(rank: int, world: int, port: int, args, solve: str, queue) -> None:
         )
     from featcal import FastPaths, FeatCalConfig, calibrate
     from featcal.engine import distributed
-    from featcal.streaming.workdir import peak_rss_mb
+    from featcal.util.memory import peak_rss_mb
 
     zoo = build_zoo("vit-b32", args.experts, args.examples, args.batch, device=device, layers=args.layers)
     if cuda:

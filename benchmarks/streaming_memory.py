@@ -5,8 +5,8 @@ For each size, a Llama-architecture base and ``--experts`` experts (random weigh
 seeded perturbations of the base) are saved sharded to a temporary directory; then each run goes
 in a fresh process: the streamed one (merging Task Arithmetic on the fly, writing the calibrated
 model) and the in-memory one (``from_pretrained`` of every model, ``featcal.merge``,
-``featcal.calibrate``). Each child reports its peak resident memory (``/proc/self/status``
-VmHWM) at the end and the interpreter's baseline (VmHWM after its imports, before any work).
+``featcal.calibrate``). Each child reports its peak resident memory (``getrusage``'s, Linux's
+VmHWM) at the end and the interpreter's baseline (the peak after its imports, before any work).
 
     python benchmarks/streaming_memory.py                       # 50 and 200 MB per model
     python benchmarks/streaming_memory.py --sizes 50,200,800 --threads 2
@@ -108,9 +108,9 @@ def child(mode: str, root: Path, n_experts: int, device: str) -> dict:
 
     from featcal import FeatCalConfig, calibrate, calibrate_checkpoints, merge
     from featcal.model.checkpoints import load_token_data
-    from featcal.util.memory import vmhwm_mb
+    from featcal.util.memory import peak_rss_mb
 
-    baseline = vmhwm_mb()
+    baseline = peak_rss_mb()
     tasks = [f"task{i}" for i in range(n_experts)]
     data = load_token_data(root / "data.safetensors", batch_size=PER_TASK)
     cfg = FeatCalConfig.llama("8b")
@@ -142,7 +142,7 @@ def child(mode: str, root: Path, n_experts: int, device: str) -> dict:
             merged, base=base, experts=experts, calib_data=data, config=cfg, progress=False, device=device
         )
     seconds = time.perf_counter() - t0
-    out = {"mode": mode, "baseline_mb": baseline, "peak_mb": vmhwm_mb(), "seconds": seconds}
+    out = {"mode": mode, "baseline_mb": baseline, "peak_mb": peak_rss_mb(), "seconds": seconds}
     blocks = report.blocks
     out["block_seconds"] = sum(b.stats_seconds + b.solve_seconds + b.advance_seconds for b in blocks) / len(blocks)
     out["block_solve_seconds"] = sum(b.solve_seconds for b in blocks) / len(blocks)

@@ -38,8 +38,9 @@ from featcal.model.lora import LoraCheckpoint, is_adapter_dir
 from featcal.model.skeletons import skeleton
 from featcal.streaming.output import write_model
 from featcal.streaming.source import CheckpointSource, needed_names
-from featcal.streaming.workdir import data_digest, fingerprint_checkpoint, open_work, partial_dir, peak_rss_mb
+from featcal.streaming.workdir import data_digest, fingerprint_checkpoint, open_work, partial_dir
 from featcal.util import outdir
+from featcal.util.memory import peak_rss_mb
 
 __all__ = ["calibrate_checkpoints", "open_checkpoints", "partial_dir", "peak_rss_mb", "CheckpointSource"]
 

@@ -24,8 +24,8 @@ from featcal.engine.report import CalibrationReport
 from featcal.model import arch, validate
 from featcal.model.checkpoints import Checkpoint
 from featcal.model.skeletons import fill, release
-from featcal.streaming.workdir import check_streams, commit, peak_rss_mb, save_atomic, save_streams, streams_files
-from featcal.util.memory import trim_heap
+from featcal.streaming.workdir import check_streams, commit, save_atomic, save_streams, streams_files
+from featcal.util.memory import peak_rss_mb, trim_heap
 from featcal.util.progress import note
 
 

@@ -23,7 +23,6 @@ import hashlib
 import json
 import logging
 import os
-import resource
 import shutil
 from pathlib import Path
 
@@ -44,11 +43,6 @@ def partial_dir(out: str | os.PathLike) -> Path:
     """The work directory of a run writing ``out`` (beside it, hidden)."""
     out = Path(out).expanduser().absolute()
     return out.parent / f".{out.name}{PARTIAL}"
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident memory so far, in MB (Linux reports KB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # ------------------------------------------------------------------ the fingerprint

@@ -10,6 +10,8 @@ every free page of every arena. Elsewhere than glibc it does nothing.
 from __future__ import annotations
 
 import ctypes
+import resource
+import sys
 from pathlib import Path
 
 
@@ -34,9 +36,16 @@ def _status_kb(field: str, pid: int | str = "self") -> float | None:
     return None
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MB (any POSIX system)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KB on Linux, bytes on macOS
+    return peak / (2**20 if sys.platform == "darwin" else 1024)
+
+
 def vmhwm_mb(pid: int | None = None) -> float | None:
     """Peak resident memory (``VmHWM``) of process ``pid`` (default: this one) in MB, or
-    None where ``/proc`` does not tell (not Linux, or the process is gone)."""
+    None where ``/proc`` does not tell (not Linux, or the process is gone): another
+    process's peak, where :func:`peak_rss_mb` reads only this one's."""
     kb = _status_kb("VmHWM", "self" if pid is None else pid)
     return None if kb is None else kb / 1024
 

@@ -18,6 +18,7 @@ def test_this_processs_memory_is_read_and_a_gone_process_gives_none():
         pytest.skip("no /proc here")
     rss, peak = memory.rss_mb(), memory.vmhwm_mb()
     assert 10 < rss <= peak, (rss, peak)
+    assert abs(memory.peak_rss_mb() - memory.vmhwm_mb()) < 0.05 * peak  # getrusage's account of the same
     assert memory.vmhwm_mb(os.getpid()) >= peak
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
