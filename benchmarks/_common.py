@@ -260,11 +260,10 @@ def median_run(runs: list[CalRun]) -> CalRun:
 
 
 def _rss_bytes() -> int | None:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
+    from featcal.util.memory import rss_mb
+
+    mb = rss_mb()
+    return None if mb is None else round(mb * 2**20)
 
 
 def release_free_memory() -> None:

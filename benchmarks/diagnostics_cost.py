@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from diagnostics import diagnose, drift_table, expert_cosine, output_drift, task_vector_cosine
 from featcal.model.arch import resolve_blocks
+from featcal.util.memory import rss_mb
 from featcal.zoo.core import TaskData, Zoo
 
 SIZES = {  # name -> CLIPVisionConfig fields
@@ -43,8 +44,7 @@ SIZES = {  # name -> CLIPVisionConfig fields
 
 
 def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return round(rss_mb() * 2**20)
 
 
 @contextlib.contextmanager

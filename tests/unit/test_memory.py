@@ -16,13 +16,13 @@ GLIBC = sys.platform.startswith("linux") and (ctypes.util.find_library("c") or "
 def test_this_processs_memory_is_read_and_a_gone_process_gives_none():
     if not os.path.exists("/proc/self/status"):
         pytest.skip("no /proc here")
-    rss, peak = memory.rss_mb(), memory.vmhwm_mb()
+    rss, peak = memory.rss_mb(), memory.vmhwm_mb(os.getpid())
     assert 10 < rss <= peak, (rss, peak)
-    assert abs(memory.peak_rss_mb() - memory.vmhwm_mb()) < 0.05 * peak  # getrusage's account of the same
-    assert memory.vmhwm_mb(os.getpid()) >= peak
+    assert abs(memory.rss_mb(os.getpid()) - rss) < 0.05 * rss
+    assert abs(memory.peak_rss_mb() - memory.vmhwm_mb(os.getpid())) < 0.05 * peak  # getrusage's account of the same
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
-    assert memory.vmhwm_mb(child.pid) is None
+    assert memory.vmhwm_mb(child.pid) is None and memory.rss_mb(child.pid) is None
 
 
 @pytest.mark.skipif(not GLIBC, reason="malloc_trim is glibc's")
