@@ -16,7 +16,7 @@ the package's ``__init__``, named ``featcal``.
 
 Run it as a command to print what it finds:
 
-    python -m tests.unit.test_layers
+    python -m tests.repo.test_layers
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The trained post-merging calibrators (featcal.escal, surgery, surgery_v2) on tiny seeded models:
 their defining properties, their parameter counts, and that they leave the given models alone.
-Surgery's and SurgeryV2's own placement, loss and counts: tests/engine/test_surgery.py."""
+Surgery's and SurgeryV2's own placement, loss and counts: tests/baselines/test_surgery.py."""
 
 import copy
 
