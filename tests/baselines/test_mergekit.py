@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from transformers import LlamaForCausalLM
 import tiny
 from featcal import calibrate_checkpoints
 from featcal.baselines import registry
-from featcal.baselines.mergekit import MergekitError, read_recipe
+from featcal.baselines.mergekit import SUPPORTED, MergekitError, read_recipe
 from featcal.cli.commands import main
 from featcal.config import preset_config
 from featcal.model.checkpoints import load_token_data, read_state_dict, save_token_data
@@ -56,6 +57,10 @@ RECIPES = {
     "ties_sum": ({"normalize": False}, [{"weight": 0.8, "density": 0.5}, {"weight": 0.6, "density": 0.5}], False),
     "dare_linear": ({}, [{"weight": 0.5, "density": 1.0}, {"weight": 0.5, "density": 1.0}], False),
     "dare_ties": ({}, [{"weight": 0.5, "density": 1.0}, {"weight": 0.7, "density": 1.0}], False),
+    # keys mergekit reads without effect on these merges: int8_mask (the mask's dtype), a density in
+    # task_arithmetic (no sparsification), rescale in task_arithmetic
+    "ties_int8_mask": ({"int8_mask": True}, [{"weight": 1.0, "density": 0.5}, {"weight": 0.5, "density": 0.5}], False),
+    "task_arithmetic_density": ({"rescale": True}, [{"weight": 0.6, "density": 0.5}, {"weight": 0.4}], False),
 }
 
 
@@ -64,7 +69,7 @@ def _yaml(root, name, base_in_models=False) -> str:
     models = [{"model": f"models/{t}", "parameters": p} for t, p in zip(TASKS, per_model)]
     if with_base or base_in_models:
         models.append({"model": "models/base", "parameters": {"weight": 0.5}})
-    method = name.removesuffix("_normalized").removesuffix("_sum")
+    method = max((m for m in SUPPORTED if name.startswith(m)), key=len)
     doc = {"merge_method": method, "base_model": "models/base", "models": models, "dtype": "float32"}
     if params:
         doc["parameters"] = params
@@ -157,7 +162,7 @@ def test_bad_configs_are_named(root, tmp_path, capsys):
     cases = [
         (
             {"merge_method": "slerp", "base_model": "models/base", "models": [{"model": "models/math-7b"}]},
-            "merge_method 'slerp' has no featcal counterpart; featcal merges linear, task_arithmetic, ties, dare_ties",
+            "merge_method: 'slerp' has no featcal counterpart; featcal merges linear, task_arithmetic, ties, dare_ties",
         ),
         ({"merge_method": "ties", "models": [{"model": "models/math-7b"}]}, "FeatCal needs the base model"),
         (
@@ -203,3 +208,121 @@ def test_featcal_merge_equals_mergekits(root, tmp_path, name):
     assert want.keys() <= got.keys()
     for k, v in want.items():
         assert torch.allclose(got[k], v.to(got[k].dtype), rtol=1e-5, atol=1e-6), (name, k)
+
+
+def _doc(method="ties", params=None, per_model=({"weight": 0.6, "density": 0.5}, {"weight": 0.4}), **top):
+    models = [{"model": f"models/{t}", "parameters": dict(p)} for t, p in zip(TASKS, per_model)]
+    doc = {"merge_method": method, "base_model": "models/base", "models": models, **top}
+    if params is not None:
+        doc["parameters"] = params
+    return doc
+
+
+def _read(root, doc, merged=False, name="k.yml"):
+    path = root / name
+    path.write_text(yaml.safe_dump(doc) if isinstance(doc, dict) else doc)
+    return read_recipe(path, merged=merged)
+
+
+@pytest.mark.parametrize(
+    "doc, match",
+    [
+        # honoured by mergekit, not by featcal's TIES: refused, never dropped
+        (_doc(params={"rescale": True}), r"parameters\.rescale: true: featcal's TIES does not rescale"),
+        # a quoted 'false' is a string, which Python reads as true
+        (_doc(params={"normalize": "false"}), r"parameters\.normalize: 'false': expected true or false, unquoted"),
+        (_doc(per_model=({"weight": float("nan")}, {"weight": 0.4})), r"models\[0\]\.weight: nan is not a finite"),
+        (_doc(params={"lambda": float("inf")}), r"parameters\.lambda: inf is not a finite"),
+        (_doc(params={"t": 0.5}), r"parameters\.t: not a parameter of mergekit's ties \(it takes int8_mask"),
+        (_doc("linear", params={"lambda": 0.5}), r"parameters\.lambda: not a parameter of mergekit's linear"),
+        (_doc(merge_methd="ties"), r"merge_methd: not a mergekit key \(mergekit's are merge_method, base_model"),
+        (_doc(tokenizer_source="union"), r"tokenizer_source: 'union': featcal writes the base's tokenizer files"),
+        (_doc(chat_template="chatml"), r"chat_template: featcal writes the base's tokenizer files"),
+        (_doc(tokenizer={"source": "base"}), r"tokenizer: featcal writes the base's tokenizer files"),
+        (_doc(dtype="bfloat16"), r"dtype: 'bfloat16': featcal merges in float32"),
+        (
+            _doc(dtype="float32", out_dtype="float16"),
+            r"out_dtype: 'float16': featcal writes the base's dtype \(float32\)",
+        ),
+        (_doc("slerp", params={"t": 0.5}), r"merge_method: 'slerp' has no featcal counterpart.*--merged DIR"),
+    ],
+)
+def test_every_key_is_honoured_or_refused_by_name(root, doc, match):
+    with pytest.raises(MergekitError, match=match):
+        _read(root, doc)
+
+
+def test_keys_featcal_honours_are_read(root):
+    r = _read(root, _doc(params={"int8_mask": True, "normalize": False, "lambda": 0.5}, dtype="float32"))
+    assert r.params == {"int8_mask": True, "normalize": False, "lambda": 0.5}
+    assert r.featcal_merge()[1]["disjoint"] == "sum" and r.featcal_merge()[1]["scale"] == 0.5
+    assert _read(root, _doc(tokenizer_source="base", out_dtype="float32")).card()["mergekit"]["out_dtype"] == "float32"
+
+
+def test_with_merged_any_method_is_taken_and_its_parameters_recorded(root):
+    slerp = _doc("slerp", params={"t": [0, 0.5, 1]}, per_model=({}, {}))
+    r = _read(root, slerp, merged=True)
+    assert list(r.experts) == list(TASKS) and r.params == {}
+    assert r.card()["mergekit"]["parameters"] == {"t": [0, 0.5, 1]}
+    with pytest.raises(MergekitError, match="merge_methd: not a mergekit key"):  # a typo is still a typo
+        _read(root, {**slerp, "merge_methd": "x"}, merged=True)
+
+
+def test_a_multi_document_config_is_refused_without_a_traceback(root):
+    two = yaml.safe_dump(_doc()) + "---\n" + yaml.safe_dump(_doc("task_arithmetic"))
+    with pytest.raises(MergekitError, match="2 YAML documents \\(a mergekit-multi config\\)"):
+        _read(root, two)
+    with pytest.raises(MergekitError, match="not valid YAML"):
+        _read(root, "merge_method: [ties\n")
+
+
+def test_every_missing_model_is_named_at_once(root):
+    doc = {**_doc(), "base_model": "models/nobase"}
+    doc["models"] = [{"model": "models/nope1", "parameters": {"weight": 1}}, {"model": "models/nope2"}]
+    with pytest.raises(FileNotFoundError, match="3 model\\(s\\) not found") as e:
+        _read(root, doc)
+    assert all(name in str(e.value) for name in ("nobase", "nope1", "nope2"))
+
+
+def _hub_cache(cache, repo: str, revisions: dict) -> None:
+    """A Hugging Face cache holding ``repo`` at each ``{revision: model}`` (as huggingface_hub lays it out)."""
+    folder = cache / ("models--" + repo.replace("/", "--"))
+    for i, (rev, model) in enumerate(revisions.items()):
+        commit = f"{i + 1:040x}"
+        model.save_pretrained(folder / "snapshots" / commit)
+        (folder / "refs").mkdir(parents=True, exist_ok=True)
+        (folder / "refs" / rev).write_text(commit)
+
+
+def test_a_revision_is_read_from_the_cache_at_that_revision(root, tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    expert = LlamaForCausalLM.from_pretrained(root / "models" / TASKS[0])
+    _hub_cache(cache, "org/math-7b", {"main": LlamaForCausalLM.from_pretrained(root / "models" / "base"), "ft": expert})
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    doc = _doc()
+    doc["models"][0]["model"] = "org/math-7b@ft"
+    r = _read(root, doc)
+    got = read_state_dict(Path(r.experts["math-7b"]))
+    want = expert.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in got)  # the fine-tuned revision, not main's base weights
+    assert r.card()["mergekit"]["models"]["math-7b"]["model"] == "org/math-7b@ft"
+    doc["models"][0]["model"] = "org/math-7b@nope"
+    with pytest.raises(FileNotFoundError, match="at revision 'nope'"):
+        _read(root, doc)
+    doc["models"][0]["model"] = "models/math-7b@ft"
+    with pytest.raises(MergekitError, match="a local directory, which has no revisions"):
+        _read(root, doc)
+
+
+def test_cli_calibrates_a_slerp_merge_given_as_merged(root, tmp_path):
+    merged_dir = tmp_path / "merged"
+    m = LlamaForCausalLM.from_pretrained(root / "models" / "base")
+    m.load_state_dict(_featcal_merge(root, _yaml(root, "task_arithmetic")))
+    m.save_pretrained(merged_dir)
+    path = root / "slerp.yml"
+    path.write_text(yaml.safe_dump(_doc("slerp", params={"t": 0.5}, per_model=({}, {}))))
+    argv = ["calibrate", "--mergekit", str(path), "--data", str(root / "d.safetensors"), "--batch-size", "2"]
+    assert main([*argv, "--out", str(tmp_path / "no"), "-q"]) == 2  # featcal cannot make a SLERP merge
+    assert main([*argv, "--merged", str(merged_dir), "--out", str(tmp_path / "fc"), "-q"]) == 0
+    assert "merge_method: slerp" in (tmp_path / "fc" / "README.md").read_text()
