@@ -87,11 +87,16 @@ class Recipe:
     params: Mapping = field(default_factory=dict)  # the method-level parameters as given (checked: featcal merges)
     base_weight: float | None = None  # linear: the base's weight when it is one of the models
     card_doc: Mapping = field(default_factory=dict)  # the recipe as written, for the model card
+    merged: bool = False  # read for mergekit's own merge: its parameters only recorded, not read
 
     def featcal_merge(self) -> tuple[str, dict]:
         """The same merge as a featcal merger ``(method, params)`` (:data:`SUPPORTED` only)."""
         if self.method not in SUPPORTED:
             raise _unsupported(self.source, self.method)
+        if self.merged:
+            raise MergekitError(
+                f"{self.source}: read for mergekit's own merge (merged=): its parameters were not read."
+            )
         p = METHODS[self.method][0] | dict(self.params)
         normalize, rescale, lam = p["normalize"], p.get("rescale", False), float(p.get("lambda", 1.0))
         w = dict(self.weights)
@@ -373,11 +378,13 @@ def read_recipe(path: str | os.PathLike, task_names: Mapping[str, str] | None = 
         _check_dtypes(src, doc, base)
     card = {"merge_method": method, "base_model": base_ref, "parameters": params, "models": models.card}
     card |= {k: doc[k] for k in ("dtype", "out_dtype", "tokenizer_source") if doc.get(k) is not None}
-    return Recipe(src, method, base, models.experts, models.weights, models.densities, shared, models.base_weight, card)
+    return Recipe(
+        src, method, base, models.experts, models.weights, models.densities, shared, models.base_weight, card, merged
+    )
 
 
 def calibrate_mergekit(
-    path: str | os.PathLike,
+    path: str | os.PathLike | Recipe,
     *,
     calib_data: Mapping[str, list],
     out: str | os.PathLike,
@@ -385,12 +392,13 @@ def calibrate_mergekit(
     task_names: Mapping[str, str] | None = None,
     **kwargs,
 ):
-    """Calibrate the merge the mergekit YAML at ``path`` describes with FeatCal, streamed block by block
-    (:func:`featcal.calibrate_checkpoints`, whose keywords ``kwargs`` are): the merge mergekit
-    wrote to ``merged``, or, without it, featcal's merge of the supported methods."""
+    """Calibrate the merge the mergekit YAML at ``path`` (or its :class:`Recipe`, read with ``merged`` alike)
+    describes with FeatCal, streamed block by block (:func:`featcal.calibrate_checkpoints`, whose keywords
+    ``kwargs`` are): the merge mergekit wrote to ``merged``, or, without it, featcal's merge of the
+    supported methods."""
     from featcal.streaming.run import calibrate_checkpoints
 
-    recipe = read_recipe(path, task_names, merged=merged is not None)
+    recipe = path if isinstance(path, Recipe) else read_recipe(path, task_names, merged=merged is not None)
     missing = [t for t in recipe.experts if t not in calib_data]
     if missing:
         raise ValueError(

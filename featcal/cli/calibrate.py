@@ -26,6 +26,7 @@ from featcal.cli.common import (
 from featcal.cli.evaluate import write_output
 from featcal.cli.formats import (
     add_checkpoint_options,
+    read_mergekit,
     run_calibrate_mergekit,
     streamed_options,
 )
@@ -145,8 +146,9 @@ def _stream(args, experts: dict, merge, cfg, kw: dict):
 
 def run_calibrate(args) -> int:
     if args.mergekit:
-        args.preset = "llama-8b" if args.preset in (None, "auto") else args.preset
-        return run_calibrate_mergekit(args, config_from_args(args))
+        recipe = read_mergekit(args)  # every key checked and every model found before any work
+        choose_preset(args, preset_for(_read_config(recipe.base)))  # the architecture the recipe merges
+        return run_calibrate_mergekit(args, recipe, config_from_args(args))
     if args.base:
         return run_calibrate_checkpoints(args)
     if args.expert or args.merged or args.data or args.resume or args.trust_remote_code:

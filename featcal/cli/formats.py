@@ -74,9 +74,10 @@ def streamed_options(args) -> dict:
     )
 
 
-def run_calibrate_mergekit(args, config) -> int:
-    """``featcal calibrate --mergekit merge.yml ...`` (:func:`featcal.baselines.mergekit.calibrate_mergekit`)."""
-    from featcal.baselines.mergekit import calibrate_mergekit
+def read_mergekit(args):
+    """The ``--mergekit`` YAML, read and checked (:func:`featcal.baselines.mergekit.read_recipe`), with the
+    ``--task-name MODEL=NAME`` renames."""
+    from featcal.baselines.mergekit import read_recipe
 
     if args.base or args.expert:
         raise UserError("--mergekit takes the base and experts from its config; drop --base/--expert.")
@@ -86,10 +87,18 @@ def run_calibrate_mergekit(args, config) -> int:
         if not sep or not model or not name:
             raise UserError(f"--task-name {item!r}: expected MODEL=NAME (e.g. ./ckpt/math-7b=math).")
         names[model] = name
+    return read_recipe(args.mergekit, names, merged=args.merged is not None)
+
+
+def run_calibrate_mergekit(args, recipe, config) -> int:
+    """``featcal calibrate --mergekit merge.yml ...`` (:func:`featcal.baselines.mergekit.calibrate_mergekit`)
+    on the ``recipe`` :func:`read_mergekit` read."""
+    from featcal.baselines.mergekit import calibrate_mergekit
+
     kw = streamed_options(args)
     apply_threads(args)
     try:
-        report = calibrate_mergekit(args.mergekit, merged=args.merged, task_names=names, config=config, **kw)
+        report = calibrate_mergekit(recipe, merged=args.merged, config=config, **kw)
     except KeyboardInterrupt:
         print("featcal: the finished blocks are kept; add --resume to continue from them.", file=sys.stderr)
         raise

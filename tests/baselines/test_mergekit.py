@@ -326,3 +326,10 @@ def test_cli_calibrates_a_slerp_merge_given_as_merged(root, tmp_path):
     assert main([*argv, "--out", str(tmp_path / "no"), "-q"]) == 2  # featcal cannot make a SLERP merge
     assert main([*argv, "--merged", str(merged_dir), "--out", str(tmp_path / "fc"), "-q"]) == 0
     assert "merge_method: slerp" in (tmp_path / "fc" / "README.md").read_text()
+
+
+def test_cli_mergekit_picks_the_preset_of_the_architecture_it_merges(root, tmp_path, capsys):
+    argv = ["calibrate", "--mergekit", str(_yaml(root, "ties")), "--data", str(root / "d.safetensors")]
+    assert main([*argv, "--batch-size", "2", "--out", str(tmp_path / "fc"), "-q"]) == 0
+    # the tiny Llama is 16 wide: the 3B setting (as --base/--expert on it), said on the terminal
+    assert "featcal: preset 'llama-3b' (model_type 'llama' is Llama-family, hidden size 16" in capsys.readouterr().err
