@@ -9,6 +9,9 @@ from typing import Mapping
 # Keyword arguments a file (a zoo's meta.json) may pass to ``from_pretrained``: none of them
 # loads or runs anything (``trust_remote_code`` comes only from the user's own flag).
 MODEL_KWARGS = frozenset({"add_pooling_layer", "attn_implementation", "use_safetensors"})
+# transformers' own attention implementations: any other string names a kernel on the hub, which
+# transformers would download and import.
+ATTENTION = frozenset({"eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3"})
 
 
 def library_model_class(name: str, where: str):
@@ -35,4 +38,15 @@ def check_model_kwargs(kwargs: Mapping, where: str) -> dict:
             f"{where}: model keyword arguments {bad} are not allowed from a file (allowed: "
             f"{sorted(MODEL_KWARGS)}); trust_remote_code in particular is only taken from the user's own flag."
         )
+    attention = kwargs.get("attn_implementation")
+    if attention is not None and attention not in ATTENTION:
+        raise ValueError(
+            f"{where}: attn_implementation {attention!r} is not one of transformers' own ({sorted(ATTENTION)}); "
+            "another name is a hub kernel, which featcal never downloads or imports from a file's word."
+        )
+    wrong = sorted(
+        k for k in ("add_pooling_layer", "use_safetensors") if k in kwargs and not isinstance(kwargs[k], bool)
+    )
+    if wrong:
+        raise ValueError(f"{where}: {wrong} take true or false.")
     return dict(kwargs)

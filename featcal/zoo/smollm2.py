@@ -131,8 +131,10 @@ def _dequantised() -> tuple[dict, dict, object]:
 
     where = str(gguf_dir())
     with offline(), quiet_transformers():
-        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=GGUF_FILE)
-        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=GGUF_FILE, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=GGUF_FILE, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(
+            where, gguf_file=GGUF_FILE, dtype=torch.float32, trust_remote_code=False
+        )
     config = model.config.to_dict()
     config.pop("quantization_config", None)  # the copy is a plain float32 model
     return config, {k: v.detach().clone() for k, v in model.state_dict().items()}, tokenizer

@@ -266,7 +266,9 @@ def read_zoo_dir(path: str | os.PathLike, verify: bool = True) -> Zoo:
         from transformers import AutoTokenizer
 
         extra = {
-            "tokenizer": AutoTokenizer.from_pretrained(str(path / "tokenizer")),
+            "tokenizer": AutoTokenizer.from_pretrained(
+                str(path / "tokenizer"), local_files_only=True, trust_remote_code=False
+            ),
             "examples": read_examples(path / EXAMPLES),
         }
     else:
@@ -293,7 +295,7 @@ def _inputs(npz, key: str, meta: dict, pix: dict):
 
 def _load_model(cls, path: Path, meta: dict, kw: dict) -> nn.Module:
     """A stored model in eval mode, cast back to float32 if it was stored in float16."""
-    model = cls.from_pretrained(path, **kw)
+    model = cls.from_pretrained(path, **kw)  # (kw: trust_remote_code=False, local files only)
     if meta.get("storage_dtype", "float32") != "float32":
         model = model.float()
     return model.eval()

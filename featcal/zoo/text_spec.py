@@ -206,7 +206,9 @@ def load_parts(spec: ZooSpec, found: Found, device: str = "cpu") -> dict:
     roles = ["base"] + [f"expert:{t}" for t in spec.tasks] + (["merged"] if spec.merged else [])
     models = load_encoders({r: found.models[r] for r in roles}, _DTYPES[spec.dtype], device)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(found.models["base"]), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(found.models["base"]), local_files_only=True, trust_remote_code=False
+        )
     except (OSError, ValueError) as err:
         raise ValueError(f"{found.models['base']}: no usable tokenizer files next to the base: {err}") from None
     data = {t: task_data(t, found.data[t], spec, tokenizer) for t in spec.tasks}
