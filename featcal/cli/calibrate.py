@@ -105,6 +105,11 @@ def run_calibrate_checkpoints(args) -> int:
     """``featcal calibrate --base DIR --expert NAME=DIR ...``: the streamed run (featcal.streaming.run)."""
     if not args.expert:
         raise UserError("--base needs at least one --expert NAME=DIR.")
+    from featcal.model.checkpoints import model_dir_problem
+
+    problem = model_dir_problem(args.base, "--base")
+    if problem:
+        raise UserError(problem)
     experts = {}
     for item in args.expert:
         name, sep, path = item.partition("=")

@@ -62,6 +62,11 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_eval(args) -> int:
     for d in args.model or []:
+        if Path(d).is_file():
+            raise UserError(
+                f"--model {d!r} is a file; give the model's directory (the one featcal calibrate --out wrote, "
+                f"here probably {str(Path(d).parent)!r})."
+            )
         if not Path(d).is_dir():
             raise UserError(f"--model {d!r} does not exist.")
     merges = args.merge or ([] if args.model else ["task_arithmetic"])

@@ -111,17 +111,31 @@ def read_header(path: str | os.PathLike) -> dict[str, Spec]:
     return out
 
 
+def model_dir_problem(path: str | os.PathLike, role: str = "model") -> str | None:
+    """Why ``path`` is not a model directory (a file given for its directory, no config.json), or None."""
+    path = Path(path).expanduser()
+    if path.is_file():
+        return (
+            f"{role} {str(path)!r} is a file; give the model's directory (written by save_pretrained), "
+            f"here probably {str(path.parent)!r}."
+        )
+    if not (path / "config.json").is_file():
+        return (
+            f"{role} {str(path)!r} is not a model directory: no config.json there "
+            "(give a directory written by save_pretrained)."
+        )
+    return None
+
+
 class Checkpoint:
     """A model directory: its config, which shard holds each tensor, and each tensor's spec."""
 
     def __init__(self, path: str | os.PathLike, role: str = "model"):
         self.path = Path(path).expanduser()
         self.role = role
-        if not (self.path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"{role} {str(self.path)!r} is not a model directory: no config.json there "
-                "(give a directory written by save_pretrained)."
-            )
+        problem = model_dir_problem(self.path, role)
+        if problem:
+            raise FileNotFoundError(problem)
         if (self.path / INDEX).is_file():
             weight_map = json.loads((self.path / INDEX).read_text())["weight_map"]
         elif (self.path / SINGLE).is_file():

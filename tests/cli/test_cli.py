@@ -184,6 +184,26 @@ def test_clean_errors(tiny_zoo_dir, tmp_path, capsys):
 
     rc, _, err = _run(capsys, "eval", "--zoo", tiny_zoo_dir, "--model", str(tmp_path / "nomodel"))
     _assert_clean_error(rc, err, "nomodel")
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved" / "model.safetensors").write_bytes(b"")  # a file where the directory is meant
+    rc, _, err = _run(capsys, "eval", "--zoo", tiny_zoo_dir, "--model", str(tmp_path / "saved" / "model.safetensors"))
+    _assert_clean_error(rc, err, "is a file; give the model's directory", str(tmp_path / "saved"))
+    cfg = tmp_path / "saved" / "config.json"
+    cfg.write_text("{}")
+    data = str(tmp_path / "d.safetensors")
+    rc, _, err = _run(
+        capsys,
+        "calibrate",
+        "--base",
+        str(cfg),
+        "--expert",
+        f"t={tmp_path}",
+        "--data",
+        data,
+        "--out",
+        str(tmp_path / "c"),
+    )
+    _assert_clean_error(rc, err, "is a file; give the model's directory")
     assert not (tmp_path / "m").exists() and not (tmp_path / "c").exists()
 
 
