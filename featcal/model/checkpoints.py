@@ -87,17 +87,25 @@ def read_header(path: str | os.PathLike) -> dict[str, Spec]:
             header = json.loads(f.read(n).decode("utf-8"))
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
-        out, end = {}, 0
+        out, spans = {}, []
         for name, entry in header.items():
             if name == "__metadata__":
                 continue
             if entry["dtype"] not in _FROM_NAME:
                 raise ValueError(f"tensor {name!r} has dtype {entry['dtype']}, which featcal does not read")
-            spec = Spec(_FROM_NAME[entry["dtype"]], tuple(int(d) for d in entry["shape"]))
+            shape = tuple(int(d) for d in entry["shape"])
+            if any(d < 0 for d in shape):
+                raise ValueError(f"tensor {name!r} has a negative dimension in its shape {list(shape)}")
+            spec = Spec(_FROM_NAME[entry["dtype"]], shape)
             start, stop = (int(o) for o in entry["data_offsets"])
-            if stop - start != spec.nbytes:
-                raise ValueError(f"tensor {name!r} spans {stop - start} bytes, its shape and dtype need {spec.nbytes}")
-            out[name], end = spec, max(end, stop)
+            if start < 0 or stop - start != spec.nbytes:
+                raise ValueError(
+                    f"tensor {name!r} spans bytes {start} to {stop}, its shape and dtype need {spec.nbytes}"
+                )
+            out[name] = spec
+            spans.append((start, stop, name))
+        _check_spans(spans)
+        end = max((stop for _, stop, _ in spans), default=0)
     except (struct.error, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
         raise CorruptShardError(
             f"{str(path)!r} is not a readable safetensors file ({type(err).__name__}: {err}); the file is "
@@ -109,6 +117,15 @@ def read_header(path: str | os.PathLike) -> dict[str, Spec]:
             "copy or download it again."
         )
     return out
+
+
+def _check_spans(spans: list[tuple[int, int, str]]) -> None:
+    """Tensors' byte ranges ``(start, stop, name)`` must not overlap: two tensors reading the same bytes
+    are a forged or corrupted header (safetensors itself refuses them, with no file named)."""
+    spans = sorted(s for s in spans if s[1] > s[0])
+    for (_, stop, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < stop:
+            raise ValueError(f"tensors {a!r} and {b!r} overlap (bytes from {start} to {stop})")
 
 
 def model_dir_problem(path: str | os.PathLike, role: str = "model") -> str | None:
