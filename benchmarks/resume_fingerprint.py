@@ -1,4 +1,4 @@
-"""What the streamed run's resume fingerprint costs (featcal.streaming.workdir.fingerprint_checkpoint:
+"""What the streamed run's resume fingerprint costs (featcal.model.fingerprint.fingerprint_checkpoint:
 each file's size and modification time, each shard's header and 32 windows of 64 KiB of its bytes)
 against hashing every byte of the checkpoint, on a model directory of random float32 shards.
 
@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from featcal.model.checkpoints import Checkpoint
-from featcal.streaming.workdir import fingerprint_checkpoint
+from featcal.model.fingerprint import fingerprint_checkpoint
 
 
 def _write(root: Path, shards: int, mb: int) -> None:

@@ -28,6 +28,7 @@ from typing import Iterable, Mapping
 import torch
 
 from featcal.model.checkpoints import Checkpoint, Spec
+from featcal.model.fingerprint import content_fingerprint
 
 CONFIG = "adapter_config.json"
 WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -133,6 +134,34 @@ class LoraAdapter:
         """The base model the adapter was trained on (``base_model_name_or_path``)."""
         return self.config.get("base_model_name_or_path") or None
 
+    def trained_on(self) -> str | None:
+        """The directory of the base the adapter was trained on, where this machine has it: its
+        ``base_model_name_or_path`` as a local directory, or as a Hugging Face id in the local cache."""
+        name = str(self.base_name or "")
+        if name and Path(name).expanduser().is_dir():
+            return str(Path(name).expanduser().absolute())
+        if name.count("/") == 1 and not name.startswith((".", "/")):
+            from huggingface_hub import snapshot_download
+
+            try:
+                return snapshot_download(name, local_files_only=True)
+            except Exception:  # not in the cache
+                return None
+        return None
+
+    def same_weights(self, names: Iterable[str]) -> bool | None:
+        """Whether a base (known by ``names``: one of them its directory) holds the weights of the base the
+        adapter was trained on (:func:`featcal.model.fingerprint.content_fingerprint`, whatever either
+        directory is called); None when this cannot be told (either directory is not here)."""
+        trained = self.trained_on()
+        given = next((Path(n) for n in names if Path(n).is_dir()), None)
+        if trained is None or given is None:
+            return None
+        if Path(trained).resolve() == given.resolve():
+            return True
+        a, b = content_fingerprint(trained), content_fingerprint(given)
+        return None if a is None or b is None else a == b
+
     def _check_kind(self) -> None:
         kind = self.config.get("peft_type", "LORA")
         if str(kind).upper() != "LORA":
@@ -205,9 +234,11 @@ class LoraAdapter:
         the right shape, every module ``target_modules`` names has its factors, and (``strict_name``)
         its ``base_model_name_or_path`` is one of the base's ``names``."""
         names = [n for n in names if n]
-        if strict_name and self.base_name and names and not _same_model(self.base_name, names):
+        same = self.same_weights(names) if strict_name and self.base_name else True
+        if same is False or (same is None and names and not _same_model(self.base_name, names)):
+            found = "" if same is None else f", found at {self.trained_on()!r} with other weights"
             raise LoraError(
-                f"{self.what} was trained on {self.base_name!r} (base_model_name_or_path in {CONFIG}), but the "
+                f"{self.what} was trained on {self.base_name!r} (base_model_name_or_path in {CONFIG}){found}, but the "
                 f"base given is {names[0]!r}. Give that base; if it is the same model under another name, pass "
                 "lora_any_base=True (--lora-any-base)."
             )

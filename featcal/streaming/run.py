@@ -34,11 +34,12 @@ from featcal.engine.run import calibrate
 from featcal.model import arch, validate
 from featcal.model.checkpoints import Checkpoint, check_same_tensors
 from featcal.model.export import MAX_SHARD_BYTES, copy_base_files, drift_summary, model_name, write_hub_files
+from featcal.model.fingerprint import fingerprint_checkpoint
 from featcal.model.lora import LoraCheckpoint, is_adapter_dir
 from featcal.model.skeletons import skeleton
 from featcal.streaming.output import write_model
 from featcal.streaming.source import CheckpointSource, needed_names
-from featcal.streaming.workdir import data_digest, fingerprint_checkpoint, open_work, partial_dir
+from featcal.streaming.workdir import data_digest, open_work, partial_dir
 from featcal.util import outdir
 from featcal.util.memory import peak_rss_mb
 

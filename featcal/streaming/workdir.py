@@ -12,14 +12,13 @@ renamed into place (the commit), and only then are older streams files deleted. 
 the writes leaves the previous state and its streams intact; on load the generations must agree
 (:func:`check_streams`).
 
-The fingerprint (:func:`fingerprint_checkpoint`) covers the inputs' contents, not only their paths:
-each file's size and modification time, each shard's header and a sample of its bytes, so that
-experts overwritten in place are refused on resume.
+The fingerprint (:func:`featcal.model.fingerprint.fingerprint_checkpoint`) covers the inputs' contents,
+not only their paths: each file's size and modification time, each shard's header and a sample of its
+bytes, so that experts overwritten in place are refused on resume.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -36,49 +35,12 @@ log = logging.getLogger(__name__)
 
 PARTIAL = ".featcal-partial"
 STATE = "state.json"
-SAMPLE_WINDOWS, WINDOW_BYTES = 32, 1 << 16  # the bytes of each shard that the fingerprint hashes
 
 
 def partial_dir(out: str | os.PathLike) -> Path:
     """The work directory of a run writing ``out`` (beside it, hidden)."""
     out = Path(out).expanduser().absolute()
     return out.parent / f".{out.name}{PARTIAL}"
-
-
-# ------------------------------------------------------------------ the fingerprint
-
-
-def file_fingerprint(path: Path, data_start: int = 0) -> str:
-    """Size, modification time and a hash of ``path``'s bytes: all of them up to
-    ``SAMPLE_WINDOWS * WINDOW_BYTES`` past ``data_start``, else its first ``data_start`` bytes (a
-    shard's header) and that many windows spread evenly over the rest (2 MiB read per file)."""
-    st = path.stat()
-    h = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}".encode())
-    with open(path, "rb") as f:
-        if st.st_size - data_start <= SAMPLE_WINDOWS * WINDOW_BYTES:
-            h.update(f.read())
-        else:
-            h.update(f.read(data_start))
-            step = (st.st_size - data_start - WINDOW_BYTES) // (SAMPLE_WINDOWS - 1)
-            for k in range(SAMPLE_WINDOWS):
-                f.seek(data_start + k * step)
-                h.update(f.read(WINDOW_BYTES))
-    return h.hexdigest()
-
-
-def fingerprint_checkpoint(ckpt) -> dict:
-    """``{file: fingerprint}`` of every JSON and safetensors file of a model directory (config,
-    index, shards; a LoRA adapter's config and weights): what a resumed run must find unchanged."""
-    out = {}
-    for p in sorted(ckpt.path.iterdir()):
-        if not p.is_file() or p.suffix not in (".json", ".safetensors"):
-            continue
-        start = 0
-        if p.suffix == ".safetensors":
-            with open(p, "rb") as f:
-                start = 8 + int.from_bytes(f.read(8), "little")
-        out[p.name] = file_fingerprint(p, start)
-    return out
 
 
 # ------------------------------------------------------------------ writes and the commit

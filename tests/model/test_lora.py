@@ -12,7 +12,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 import tiny
 from featcal import calibrate, calibrate_checkpoints, merge
 from featcal.config import preset_config
-from featcal.model.checkpoints import save_token_data
+from featcal.model.checkpoints import Checkpoint, save_token_data
 from featcal.model.lora import LoraAdapter, LoraError, lora_scale, merge_lora
 
 
@@ -211,3 +211,26 @@ def test_adapter_with_added_tokens_needs_common_rows(tmp_path):
     got = expert.read_raw(["model.embed_tokens.weight"])["model.embed_tokens.weight"]
     assert torch.allclose(got, want["model.embed_tokens.weight"], atol=1e-6)
     assert LlamaForCausalLM.from_pretrained(tmp_path / "o2").model.embed_tokens.weight.shape == (64, 32)
+
+
+def test_the_adapters_base_is_recognised_by_its_weights_not_its_name(tmp_path):
+    """An adapter trained on ``other/base`` is refused on ``mine/base`` (same last name, other weights),
+    and taken on a copy of its base in a directory of any name (same weights)."""
+    import shutil
+
+    from featcal.model.lora import LoraCheckpoint
+
+    trained_on = tmp_path / "other"
+    ad, _ = _adapter(_llama(seed=0), trained_on, 1, **CASES["plain"])  # trained on other/base
+    cfg = json.loads((ad / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == str(trained_on / "base")
+    mine = tmp_path / "mine" / "base"
+    _llama(seed=5).save_pretrained(mine)  # same architecture and directory name, other weights
+    with pytest.raises(LoraError, match=r"found at '.*other/base' with other weights, but the base given is"):
+        LoraCheckpoint(ad, Checkpoint(mine, "base"))
+    with pytest.raises(LoraError, match="with other weights"):  # in memory: the model's own directory
+        LoraAdapter(ad).merged(_llama(seed=5).state_dict(), [str(mine)])
+    copy = tmp_path / "elsewhere" / "renamed"
+    shutil.copytree(trained_on / "base", copy)
+    LoraCheckpoint(ad, Checkpoint(copy, "base"))  # the same weights under another name: taken
+    LoraCheckpoint(ad, Checkpoint(mine, "base"), strict_name=False)  # --lora-any-base: shapes only
