@@ -192,9 +192,17 @@ def from_fusionbench(
     src = str(pool_path)
     roots = config_roots(pool_path, config_dir)
     pool = compose(pool_path, roots)
-    if POOL_TARGET not in str(pool.get("_target_", POOL_TARGET)):
-        raise FusionBenchError(f"{src}: _target_ {pool['_target_']!r}; featcal reads {POOL_TARGET} pools (CLIP).")
-    models = dict(pool.get("models") or {})
+    target = str(pool.get("_target_", POOL_TARGET)).rsplit(".", 1)[-1]
+    if target != POOL_TARGET:
+        raise FusionBenchError(
+            f"{src}: _target_ {pool['_target_']!r}; featcal reads {POOL_TARGET} pools (Hugging Face CLIP towers)"
+            + (
+                ": OpenCLIP pools (pickle_path checkpoints and heads) are not read yet."
+                if "OpenCLIP" in target
+                else "."
+            )
+        )
+    models = _mapping(src, pool, "models")
     if "_pretrained_" not in models:
         raise FusionBenchError(f"{src}: models: no _pretrained_ (the base model).")
     here = Path(root) if root else pool_path.absolute().parent
@@ -202,8 +210,8 @@ def from_fusionbench(
     if not models:
         raise FusionBenchError(f"{src}: models: only _pretrained_; a zoo needs experts.")
     tp = compose(Path(taskpool).expanduser(), config_roots(Path(taskpool), config_dir)) if taskpool else {}
-    train = dict(pool.get("train_datasets") or {})
-    test = {**dict(pool.get("test_datasets") or {}), **dict(tp.get("test_datasets") or {})}
+    train = _mapping(src, pool, "train_datasets")
+    test = {**_mapping(src, pool, "test_datasets"), **_mapping(str(taskpool), tp, "test_datasets")}
     experts, data, classes = {}, {}, {}
     for task, entry in models.items():
         ref, lora_base = _model_ref(src, task, entry)
@@ -221,12 +229,14 @@ def from_fusionbench(
                 )
             classes[task] = names
     heads: dict = {"type": "zero_shot", "logit_scale": True}
-    text = _interpolated((tp.get("clip_model") or {}).get("pretrained_model_name_or_path"), tp)
+    clip_model = _interpolated(tp.get("clip_model"), tp)  # a mapping, or a name (often ${.base_model})
+    text = clip_model if not isinstance(clip_model, Mapping) else clip_model.get("pretrained_model_name_or_path")
+    text = _interpolated(text, tp)
     if text and text != base_ref:
         heads["text_model"] = _model_entry(str(text), here)
     if classes:
         heads["classes"] = classes
-    return {
+    spec = {
         "name": pool_path.stem,
         "format": "hf",
         "base": _model_entry(base_ref, here),
@@ -235,6 +245,34 @@ def from_fusionbench(
         "data": data,
         "splits": dict(splits or {"calib": 256, "val": 256, "test": None, "seed": 42}),
     }
+    _check_resolved(src, spec)
+    return spec
+
+
+def _mapping(src: str, doc: Mapping, key: str) -> dict:
+    """``doc[key]`` as a dict (absent or null: empty); anything else, Hydra's ``???`` of a template among
+    them, is refused naming the key."""
+    value = doc.get(key) or {}
+    if not isinstance(value, Mapping):
+        raise FusionBenchError(f"{src}: {key}: {value!r} is not a mapping of task -> entry (a template to fill?).")
+    return dict(value)
+
+
+def _check_resolved(src: str, node, where: str = "") -> None:
+    """Refuse a spec that still holds a Hydra interpolation (``${...}``) or placeholder (``???``): featcal
+    resolves only references to keys of the same file, and never writes one into a spec as if it were a
+    path or a split."""
+    if isinstance(node, Mapping):
+        for key, value in node.items():
+            _check_resolved(src, value, f"{where}.{key}" if where else str(key))
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            _check_resolved(src, value, f"{where}[{i}]")
+    elif isinstance(node, str) and ("${" in node or node.strip() == "???"):
+        raise FusionBenchError(
+            f"{src}: {where} would be {node!r}, a Hydra value featcal does not resolve (it names another config "
+            "or an override). Write the value itself in the pool or task pool, or give the task pool that sets it."
+        )
 
 
 def _data_entry(src: str, task: str, train, test) -> dict:

@@ -201,3 +201,39 @@ def test_unsupported_pools_are_named(fake_fusionbench, tmp_path):
     pool.write_text(yaml.safe_dump(doc))
     with pytest.raises(FusionBenchError, match="featcal reads CLIPVisionModelPool pools"):
         from_fusionbench(pool)
+
+
+def _installed_configs() -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("fusion_bench_config")
+    return Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
+
+
+@pytest.mark.skipif(_installed_configs() is None, reason="fusion-bench's configs are not installed")
+def test_every_shipped_pool_is_translated_or_refused_never_crashes_or_keeps_hydra(offline_hf):
+    """FusionBench 0.2.33's own model pools (all of them) and task pools (each with the TA8 CLIP pool):
+    each one gives a spec with no Hydra value left in it, or a FusionBenchError; never a traceback,
+    never an OpenCLIP pool read as a Hugging Face one."""
+    root = _installed_configs()
+    outcome = {}
+    for pool in sorted(root.glob("modelpool/**/*.yaml")):
+        try:
+            spec = from_fusionbench(pool)
+        except FusionBenchError:
+            outcome[pool.name] = "refused"
+            continue
+        assert "${" not in json.dumps(spec) and "???" not in json.dumps(spec), pool
+        assert "OpenCLIP" not in pool.read_text(), pool
+        outcome[pool.name] = "translated"
+    assert outcome["clip-vit-base-patch32_TA8.yaml"] == "translated"
+    assert outcome["ViT-B-32_TA8.yaml"] == "refused"  # OpenCLIP: pickle_path checkpoints, not hub ids
+    assert outcome["clip-vit-base-patch32_robustness_corrupted.yaml"] == "refused"  # ${...corruption} unresolved
+    assert outcome["_template.yaml"] == "refused"  # models: ???
+    clip = root / "modelpool" / "CLIPVisionModelPool" / "clip-vit-base-patch32_TA8.yaml"
+    for taskpool in sorted(root.glob("taskpool/**/*.yaml")):
+        try:
+            spec = from_fusionbench(clip, taskpool)
+        except FusionBenchError:
+            continue
+        assert "${" not in json.dumps(spec), taskpool
