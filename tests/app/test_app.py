@@ -192,7 +192,8 @@ def test_the_preview_is_drawn_only_while_the_exact_run_is_slow(tiny_zoo_dir, mon
         from app import state
 
         ps = report.preview_state
-        prepared.append(state._preparing(report) is not None and len(ps._eig) == len(ps._same_S))
+        run = next(r for r in state.calibrations().latest.kept() if r.report is report)
+        prepared.append(run.prepared is not None and len(ps._eig) == len(ps._same_S))
         previews.append(config)
         return real_preview(scratch, model, report, config)
 
@@ -225,7 +226,7 @@ def test_only_the_run_a_preview_starts_from_keeps_its_statistics(tiny_zoo_dir, m
     for alpha in (0.35, 0.4, 0.55):
         _ok(at.slider(key="alpha").set_value(alpha).run())
     assert len(reports) == 4
-    state._preparing(reports[-1]).result(timeout=60)
+    next(r for r in state.calibrations().latest.kept() if r.report is reports[-1]).prepared.result(timeout=60)
     kept = [r for r in reports if r.preview_state is not None]
     assert kept == [reports[-1]], [r.config.alpha for r in kept]
     linears = [e for e in kept[0].preview_state.entries if e.target.kind == "linear"]
@@ -247,7 +248,7 @@ def test_a_preview_is_drawn_even_when_its_exact_run_finishes_first(tiny_zoo_dir,
         reports.append(report)
         return model, report
 
-    def remember(key, cal, run, real=state._runs().remember):
+    def remember(key, cal, run, real=state.calibrations().latest.remember):
         real(key, cal, run)
         exact_done.set()
 
@@ -258,7 +259,7 @@ def test_a_preview_is_drawn_even_when_its_exact_run_finishes_first(tiny_zoo_dir,
     monkeypatch.setattr(compute, "calibrate", calibrate)
     at = _page(_app(tiny_zoo_dir, rho=0.85).run(), "calibrate")
     monkeypatch.setattr(compute, "load_preview", preview)
-    monkeypatch.setattr(state._runs(), "remember", remember)
+    monkeypatch.setattr(state.calibrations().latest, "remember", remember)
     _ok(at.slider(key="alpha").set_value(0.25).run())
     assert raced and all(raced), raced
     assert any("Exact FeatCal" in s.value for s in at.success)
