@@ -45,7 +45,8 @@ full = full.toggle(
 note.caption(state.live_note(zoo) if not full else "Exact result scored on the full test split of every task.")
 limit = None if full else state.live_test(source)
 
-status_slot = st.caption(":material/hourglass_top: Starting…")  # replaced in place by every status
+# Replaced in place by every status (a caption, not an empty slot: the browser keeps the last run's meanwhile).
+status_slot = st.container(key="cal_status").caption(":material/hourglass_top: Starting…")
 slots = ui.Slots()  # every result element, drawn in place: the page never empties (see ui.Slots)
 
 
@@ -62,8 +63,15 @@ class Layout:
 
 
 layout = Layout()
-# The banner above the results keeps one height for all its texts (out of date, preview, exact).
-st.html("<style>.st-key-cal_banner { min-height: 6rem; }</style>")
+# The status and the banner above the results keep one height for all their texts, so that the
+# results never move: the status one line (cut short with an ellipsis), the banner three (out of
+# date, exact: two; preview: three at 1280 px; a longer one is cut at three).
+st.html(
+    "<style>.st-key-cal_status p { white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }"
+    ".st-key-cal_banner { min-height: 6.5rem; }"
+    ".st-key-cal_banner [data-testid='stMarkdownContainer'] p { display: -webkit-box; -webkit-line-clamp: 3;"
+    " -webkit-box-orient: vertical; overflow: hidden; }</style>"
+)
 
 
 def banner(kind: str, text: str, icon: str) -> None:

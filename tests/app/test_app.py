@@ -138,6 +138,19 @@ def test_your_models_form_takes_text_files_and_a_merged_model(tmp_path, monkeypa
     assert any(m.label == "mean accuracy" for m in at.metric)
 
 
+@pytest.mark.parametrize("page", ["zoo", "calibrate", "tune", "compare", "generate"])
+def test_the_library_warnings_badge_is_on_every_page(tiny_zoo_dir, page):
+    """Tune, Compare and Generate stop early (st.stop) until their button is pressed: the
+    sidebar's badge is drawn before the page too, so it is there whatever the page does."""
+    from app import state
+
+    state.calibrations().warnings.record("a warning the library gave", UserWarning, "x.py", 1)
+    at = _app(tiny_zoo_dir).switch_page(f"pages/{page}.py").run()  # the main script and the page (the sidebar)
+    assert not at.exception, [e.value for e in at.exception]
+    labels = [e.label for e in at.sidebar.expander]
+    assert any(label.startswith("Library warnings (") for label in labels), labels
+
+
 @pytest.mark.parametrize("key,value", [("log_lam", 0.5), ("rho", 0.5), ("alpha", 0.9)])
 def test_each_calibration_slider_changes_the_numbers(tiny_zoo_dir, key, value):
     at = _page(_app(tiny_zoo_dir).run(), "calibrate")
