@@ -99,6 +99,7 @@ class Calibrations:
         self._scratch: OrderedDict[tuple[str, str], Scratch] = OrderedDict()  # (source, fp) -> at most 2
         self._streams: OrderedDict[tuple, object] = OrderedDict()  # (source, fp, ref) -> the model's streams
         self._memo: OrderedDict[tuple, object] = OrderedDict()
+        self._ready: set[str] = set()  # built-in zoos found loadable without a build
 
     # ------------------------------------------------------------------ threads and locks
 
@@ -139,13 +140,17 @@ class Calibrations:
         front of the worker's exact runs."""
         return self._background.submit(fn, *args)
 
+    def needs_build(self, source: str) -> bool:
+        """Whether loading ``source`` builds a built-in zoo first (a "no" is remembered)."""
+        return zoos.zoo_needs_build(source, self._ready)
+
     def build_zoo(self, source: str, on_step, waiting: Callable[[], None]) -> None:
         """Build ``source``'s zoo (``on_step``: :func:`app.zoos.build_zoo`'s), one build at a
         time: ``waiting()`` first when another is under way, and no build when that one built it."""
         if self.building.locked():
             waiting()
         with self.building:
-            if zoos.zoo_needs_build(source):
+            if self.needs_build(source):
                 zoos.build_zoo(source, on_step)
 
     # ------------------------------------------------------------------ exact runs

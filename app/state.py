@@ -54,7 +54,7 @@ def zoo_or_error(source: str) -> tuple[object | None, str | None]:
     if not source:
         return None, "No zoo selected. Fix: enter the path of a zoo spec YAML (or pick the embedded demo)."
     try:
-        if zoos.zoo_needs_build(source):
+        if calibrations().needs_build(source):
             _build_with_progress(source)
         return _zoo(source, device()), None
     except Exception as exc:  # shown to the user, never as a traceback

@@ -436,7 +436,7 @@ def test_a_zoo_build_reports_its_progress_on_the_page(monkeypatch):
             on_step(Progress("pretrain the base", step, 2, step / 2, 1.0 + step, 10.0 - step))
         calls.append(source)
 
-    monkeypatch.setattr(zoos, "zoo_needs_build", lambda source: not calls)
+    monkeypatch.setattr(zoos, "zoo_needs_build", lambda source, ready: not calls)
     monkeypatch.setattr(zoos, "build_zoo", fake_build)
     at = _ok(_app().run())
     assert calls == ["demo"]  # built once, then loaded (from the shipped copy)
