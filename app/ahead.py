@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import time
 
-from app import state, workers
+from app import state
 from app.controls import SLIDERS, on_slider
 from app.settings import AppCal, Merger, ModelRef
 
@@ -71,7 +71,7 @@ def start(source: str, fp: str, merger: Merger, cal: AppCal, points: list[dict],
     ``points`` (:func:`neighbours`) and their tables, in order, until the next :func:`stop`."""
     store = state.ahead_store()
     cals = [cal.moved(**p) for p in points]
-    workers.in_background(_compute, store.generation, source, fp, merger, cals, limit)
+    state.calibrations().in_background(_compute, store.generation, source, fp, merger, cals, limit)
 
 
 def stop() -> None:

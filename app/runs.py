@@ -1,6 +1,9 @@
 """Bookkeeping of the app's exact runs, free of Streamlit: which run the instant preview
 starts from (:class:`Latest`), and the runs computed ahead of the sliders (:class:`Ahead`,
-driven by :mod:`app.ahead`). :mod:`app.state` keeps one of each per server."""
+driven by :mod:`app.ahead`). :class:`app.calibrations.Calibrations` owns one of each per server.
+
+Runs are kept and counted by identity (the app's :class:`~app.calibrations.Calibrated` compares
+as itself), never by ``id()``, which a collected run's successor may reuse."""
 
 from __future__ import annotations
 
@@ -32,8 +35,8 @@ class Latest:
         self.lock = threading.Lock()
         self.latest: OrderedDict[tuple, tuple[object, object]] = OrderedDict()
         self.done: set[tuple] = set()
-        self.holders: Counter[int] = Counter()  # id(run) -> previews reading it now
-        self.leaving: dict[int, tuple[tuple, object, object]] = {}  # id(run) -> (key, cal, run): left, still read
+        self.holders: Counter[object] = Counter()  # run -> previews reading it now
+        self.leaving: dict[object, tuple[tuple, object]] = {}  # run -> (key, cal): left, still read
 
     def remember(self, key: tuple, cal, run) -> None:
         with self.lock:
@@ -47,8 +50,8 @@ class Latest:
                 gone.append((old_key, old_cal, old_run))
             free = []
             for old_key, old_cal, old_run in gone:
-                if self.holders[id(old_run)] > 0:
-                    self.leaving[id(old_run)] = (old_key, old_cal, old_run)
+                if self.holders[old_run] > 0:
+                    self.leaving[old_run] = (old_key, old_cal)
                 else:
                     free.append(old_run)
         for old_run in free:
@@ -68,7 +71,7 @@ class Latest:
             run = None
             if (key, cal) not in self.done and key in self.latest:
                 from_cal, run = self.latest[key]
-                self.holders[id(run)] += 1
+                self.holders[run] += 1
         try:
             yield None if run is None else from_cal
         finally:
@@ -77,13 +80,13 @@ class Latest:
 
     def _unhold(self, run) -> None:
         with self.lock:
-            self.holders[id(run)] -= 1
-            if self.holders[id(run)] > 0:
+            self.holders[run] -= 1
+            if self.holders[run] > 0:
                 return
-            del self.holders[id(run)]
-            left = self.leaving.pop(id(run), None)
+            del self.holders[run]
+            left = self.leaving.pop(run, None)
         if left is not None:
-            self.release(left[2])
+            self.release(run)
 
     def run(self, key: tuple, cal):
         """The run of ``cal`` if it is the latest of ``key`` or still read after leaving, else None."""
@@ -91,7 +94,12 @@ class Latest:
             hit = self.latest.get(key)
             if hit is not None and hit[0] == cal:
                 return hit[1]
-            return next((r for k, c, r in self.leaving.values() if k == key and c == cal), None)
+            return next((r for r, (k, c) in self.leaving.items() if k == key and c == cal), None)
+
+    def kept(self) -> list:
+        """The runs kept now (the latest of each key, and those left but still read)."""
+        with self.lock:
+            return [run for _, run in self.latest.values()] + list(self.leaving)
 
     def seconds(self) -> float | None:
         """The wall seconds of the latest run (a progress estimate), or None."""

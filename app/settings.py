@@ -4,8 +4,10 @@ Three frozen dataclasses, hashable (``st.cache_*`` keys, with :data:`HASH_FUNCS`
 keys) and free of Streamlit (the widgets that build them are in :mod:`app.controls`):
 
 - :class:`Merger`: the merge method and its parameters (Zoo page);
-- :class:`AppCal`: a :class:`featcal.FeatCalConfig` (the maths: λ, ρ, α, switches, token
-  weights) plus what only the app chooses (``n``, calibration examples per task);
+- :class:`AppCal`: the one :class:`featcal.FeatCalConfig` the exact run takes (the maths: λ,
+  ρ, α, switches, token weights; the sliders' values land in it once, :meth:`AppCal.from_widgets`)
+  plus what only the app chooses (``n``, calibration examples per task); every cache key of a
+  run is read from it, never a repacked copy;
 - :class:`ModelRef`: which model a score or drift table is of, with every setting that made it.
 """
 
@@ -122,9 +124,12 @@ class AppCal:
 
     @property
     def structure(self) -> tuple:
-        """What the kept statistics depend on (everything but λ, ρ, α): runs sharing it can
-        preview each other."""
-        return (self.n, dataclasses.replace(self.config, lam=0.0, rho=0.0, alpha=0.0))
+        """What the kept statistics depend on: ``n`` and every field of the config but its
+        setting (λ, ρ, α), read from it as ``(name, value)`` pairs. Runs sharing it can preview
+        each other."""
+        point = {f.name for f in dataclasses.fields(self.config.setting)}
+        fields = dataclasses.fields(self.config)
+        return (self.n, *((f.name, getattr(self.config, f.name)) for f in fields if f.name not in point))
 
     @property
     def point_label(self) -> str:

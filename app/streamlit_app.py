@@ -28,9 +28,10 @@ if (refused := binding.check(st)) is not None:
     st.error(refused)
     st.stop()
 
-from app import ahead, controls, state, warnlog  # noqa: E402  (after the address check: nothing loaded before it)
+from app import ahead, controls, state, ui  # noqa: E402  (after the address check: nothing loaded before it)
 
-warnlog.install()  # library warnings go to the sidebar's list, not raw into the server's log
+caught = state.calibrations().warnings
+caught.install()  # library warnings go to the sidebar's badge, not raw into the server's log
 
 # (file, title, icon); tune and studies are other engineers' pages, listed when present.
 PAGES = [
@@ -73,10 +74,7 @@ st.sidebar.caption(
     "Post-merging feature calibration, arXiv 2605.13030."
 )
 ahead.stop()  # a new run: the look-ahead of the last one (app.ahead) gives way
+badge = st.sidebar.empty()
+ui.library_warnings(badge, caught.recent())  # drawn before the page, which may stop early (st.stop)
 page.run()
-
-caught = warnlog.recent()
-if caught:  # after the page: this run's warnings are listed too
-    with st.sidebar.expander(f"Library warnings ({len(caught)})", icon=":material/warning:"):
-        for text, times in reversed(caught):
-            st.caption(f"{text}" + (f" ({times} times)" if times > 1 else ""))
+ui.library_warnings(badge, caught.recent())  # and again after it: this run's warnings too

@@ -101,6 +101,12 @@ def wait_with_progress(
         wait([job], timeout=0.25)
 
 
+def done_within(job: Future, seconds: float) -> bool:
+    """Whether ``job`` finishes within ``seconds`` (waits at most that long)."""
+    wait([job], timeout=seconds)
+    return job.done()
+
+
 def progress_text(fraction: float, width: int = 12) -> str:
     """A text progress bar, ``▰▰▰▱▱▱ 50%``."""
     full = int(round(max(0.0, min(fraction, 1.0)) * width))
@@ -124,6 +130,18 @@ def progress_of(label: str) -> Iterator[None]:
     with listening(on_step):
         yield
     slot.caption(f":material/check_circle: {label}: done in {time.perf_counter() - t0:.1f} s")
+
+
+def library_warnings(slot, caught: list[tuple[str, int]]) -> None:
+    """The sidebar's "Library warnings (N)" badge, in ``slot`` (an ``st.empty()``), on every
+    page: the library's warnings ``[(text, times)]`` (:class:`app.warnlog.WarningLog`), the most
+    recent first; nothing when there are none."""
+    if not caught:
+        slot.empty()
+        return
+    with slot.container(), st.expander(f"Library warnings ({len(caught)})", icon=":material/warning:"):
+        for text, times in reversed(caught):
+            st.caption(f"{text}" + (f" ({times} times)" if times > 1 else ""))
 
 
 def table(df: pd.DataFrame, digits: int = 4, index: bool = True, where=None, **kwargs):

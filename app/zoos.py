@@ -38,26 +38,24 @@ def load_zoo(source: str, device: str):
     return load_any(source, progress=False, device=device)
 
 
-_READY: set[str] = set()  # demo zoos found loadable without a build (checked once per process)
-
-
-def zoo_needs_build(source: str) -> bool:
+def zoo_needs_build(source: str, ready: set[str]) -> bool:
     """Whether loading ``source`` would build a demo zoo first (no current shipped copy or cache).
-    A "no" is remembered: the check hashes the shipped files (about 0.1 s), too slow for every rerun."""
+    A "no" is remembered in ``ready`` (the server's, :class:`app.calibrations.Calibrations`): the
+    check hashes the shipped files (about 0.1 s), too slow for every rerun."""
     from featcal.zoo import NAMES, realtext
     from featcal.zoo.demo import needs_build
 
-    if source == "smollm2" and source not in _READY:  # the LLM zoo: tens of minutes on a CPU
+    if source == "smollm2" and source not in ready:  # the LLM zoo: tens of minutes on a CPU
         from featcal.zoo.smollm2 import needs_build as llm_needs_build
 
         if llm_needs_build():
             return True
-        _READY.add(source)
-    if source not in (*NAMES, "real-text") or source in _READY:
+        ready.add(source)
+    if source not in (*NAMES, "real-text") or source in ready:
         return False
     if needs_build(NAMES[source]) if source in NAMES else realtext.needs_build():
         return True
-    _READY.add(source)
+    ready.add(source)
     return False
 
 

@@ -125,7 +125,7 @@ def bench_parts(source: str, n: int, repeats: int, record: dict | None = None, p
     prep: list[tuple[float, float]] = []  # the next preview's eigendecompositions, per exact run
 
     def exact(rho: float):
-        torch.set_num_threads(solo)  # per thread, as app.workers.torch_lock does
+        torch.set_num_threads(solo)  # per thread, as app.calibrations.Calibrations does
         with torch.no_grad():
             a = clock()
             model, rep = compute.calibrate(merged, zoo, data, setting(rho), trace)

@@ -12,7 +12,7 @@ one-step change on a small zoo draws its exact result at once.
 import pandas as pd
 import streamlit as st
 
-from app import ahead, compute, controls, figures, settings, state, tables, ui, workers, zoos
+from app import ahead, compute, controls, figures, settings, state, tables, ui, zoos
 from app.settings import AppCal, ModelRef
 
 zoo, source = state.active_zoo(), state.active_source()
@@ -45,7 +45,8 @@ full = full.toggle(
 note.caption(state.live_note(zoo) if not full else "Exact result scored on the full test split of every task.")
 limit = None if full else state.live_test(source)
 
-status_slot = st.caption(":material/hourglass_top: Starting…")  # replaced in place by every status
+# Replaced in place by every status (a caption, not an empty slot: the browser keeps the last run's meanwhile).
+status_slot = st.container(key="cal_status").caption(":material/hourglass_top: Starting…")
 slots = ui.Slots()  # every result element, drawn in place: the page never empties (see ui.Slots)
 
 
@@ -62,8 +63,15 @@ class Layout:
 
 
 layout = Layout()
-# The banner above the results keeps one height for all its texts (out of date, preview, exact).
-st.html("<style>.st-key-cal_banner { min-height: 6rem; }</style>")
+# The status and the banner above the results keep one height for all their texts, so that the
+# results never move: the status one line (cut short with an ellipsis), the banner three (out of
+# date, exact: two; preview: three at 1280 px; a longer one is cut at three).
+st.html(
+    "<style>.st-key-cal_status p { white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }"
+    ".st-key-cal_banner { min-height: 6.5rem; }"
+    ".st-key-cal_banner [data-testid='stMarkdownContainer'] p { display: -webkit-box; -webkit-line-clamp: 3;"
+    " -webkit-box-orient: vertical; overflow: hidden; }</style>"
+)
 
 
 def banner(kind: str, text: str, icon: str) -> None:
@@ -82,9 +90,10 @@ def mark_out_of_date(label: str) -> None:
         banner("warning", text, ":material/history:")
 
 
-def show(kind: str, sc: dict, ref_summary: pd.DataFrame, drift: pd.DataFrame, note: str) -> None:
+def show(kind: str, sc: dict, ref_summary: pd.DataFrame, drift: pd.DataFrame, note: str, merged: tuple) -> None:
     """Draw one result (``kind`` = ``preview`` or ``exact``): banner, numbers, per-task
-    accuracies, drift and cosine charts, each over the element it replaces."""
+    accuracies, drift and cosine charts, each over the element it replaces; ``merged``: the
+    merged model's (scores, drift), drawn beside it."""
     after, before = compute.task_summary(sc), ref_summary
     if kind == "preview":
         banner("info", f"**Preview** · {note}", ":material/visibility:")
@@ -101,8 +110,8 @@ def show(kind: str, sc: dict, ref_summary: pd.DataFrame, drift: pd.DataFrame, no
     )
     if box.open:  # drawn only when open: the browser's rendering is part of the 1 s
         slots.draw("table", box, "dataframe", tables.styled(per_task_table(before, after, kind)), width="stretch")
-    show_drift(kind, drift)
-    show_cosines(kind, drift, sc)
+    show_drift(kind, drift, merged[1])
+    show_cosines(kind, drift, sc, merged)
 
 
 def per_task_table(before: pd.DataFrame, after: pd.DataFrame, kind: str) -> pd.DataFrame:
@@ -112,7 +121,7 @@ def per_task_table(before: pd.DataFrame, after: pd.DataFrame, kind: str) -> pd.D
     return table
 
 
-def show_drift(kind: str, drift: pd.DataFrame) -> None:
+def show_drift(kind: str, drift: pd.DataFrame, merged_drift: pd.DataFrame) -> None:
     """The ``kind`` model's drift per block, the merged model's drawn over it on one scale
     (one chart: a second, unchanged one would be redrawn by the browser on every change;
     the Drift page has both side by side)."""
@@ -128,9 +137,10 @@ def show_drift(kind: str, drift: pd.DataFrame) -> None:
     slots.draw("drift", st, "plotly_chart", fig)
 
 
-def show_cosines(kind: str, drift: pd.DataFrame, sc: dict) -> None:
+def show_cosines(kind: str, drift: pd.DataFrame, sc: dict, merged: tuple) -> None:
     """Expert cosine per block and task, merged vs calibrated, and each model's task-vector
     cosine with every expert, each with the sentence that says what it measures."""
+    merged_scores, merged_drift = merged
     left, right = layout.get("cosines", lambda: st.columns(2))
     name = "preview" if kind == "preview" else "calibrated"
     slots.draw(
@@ -198,6 +208,7 @@ def draw_preview(from_run: AppCal) -> None:
         f"({from_run.point_label}); it ignores how earlier blocks' changes move "
         f"later features. Scored on the first {n_pv} test examples per task (merged too; the exact result: "
         f"{'all' if limit is None else min(limit, zoos.split_size(zoo, 'test'))}). Exact run in progress…",
+        (merged_scores, merged_drift),
     )
 
 
@@ -208,7 +219,7 @@ with state.preview_from(source, fp, merger, cal) as from_run:  # its statistics 
         # No wait when the last exact run took longer than the deadline: the preview starts at once.
         slow = (state.last_seconds() or 0.0) > 2 * settings.PREVIEW_AFTER_S
         with ui.status(f"Running exact forward-order FeatCal: {cal.label}…", status_slot):
-            quick = workers.done_within(exact_job, 0.0 if slow else settings.PREVIEW_AFTER_S)
+            quick = ui.done_within(exact_job, 0.0 if slow else settings.PREVIEW_AFTER_S)
         if not quick:
             draw_preview(from_run)
 
@@ -230,7 +241,14 @@ with ui.status(f"Running exact forward-order FeatCal: {cal.label}…", status_sl
     heldout_job = state.start_heldout(source, fp, ref)
     cal_scores = state.scores(source, fp, ref, limit)
     cal_drift = heldout_job.result()
-    show("exact", cal_scores, merged_summary, cal_drift, f"{cal.label} · {run.report.summary()}")
+    show(
+        "exact",
+        cal_scores,
+        merged_summary,
+        cal_drift,
+        f"{cal.label} · {run.report.summary()}",
+        (merged_scores, merged_drift),
+    )
     st.session_state["_cal_shown"] = cal.label
     # Written after the charts: benchmarks/app_latency.py stops its clock on "Exact FeatCal done".
     s.update(

@@ -6,7 +6,7 @@ session's server, so adding a method runs only that one.
 
 import streamlit as st
 
-from app import figures, state, tables, ui, workers, zoos
+from app import figures, state, tables, ui, zoos
 from diagnostics import compare as cmp
 from diagnostics import compare_figures as figs
 from featcal.baselines import registry
@@ -40,16 +40,19 @@ def _run(methods: tuple, n: int, cal_params: dict, max_test: int | None) -> cmp.
         done = (now["i"] + p.fraction) / now["total"]
         bar.progress(min(done, 1.0), text=f"{now['name']} ({now['i'] + 1} of {now['total']}) · {p.describe()}")
 
-    with workers.torch_lock(source), listening(inner):
-        result = cmp.compare(
-            zoo,
-            list(methods),
-            n=n,
-            calibrator_params=cal_params,
-            max_test=max_test,
-            cache=_cache(source, fp),
-            progress=True,  # bars in the terminal, and on the page through `inner`
-            on_method=step,
+    with listening(inner):
+        result = state.on_shared_models(
+            source,
+            lambda: cmp.compare(
+                zoo,
+                list(methods),
+                n=n,
+                calibrator_params=cal_params,
+                max_test=max_test,
+                cache=_cache(source, fp),
+                progress=True,  # bars in the terminal, and on the page through `inner`
+                on_method=step,
+            ),
         )
     bar.empty()
     return result

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from app import compute, controls, figures, state, ui, workers, zoos
+from app import compute, controls, figures, state, ui, zoos
 from app.settings import ModelRef
 from featcal.util import outdir
 
@@ -66,24 +66,27 @@ if st.button(
     from featcal.zoo.io import OutputExistsError, save_model, zoo_card
 
     try:
-        with workers.torch_lock():
-            path = save_model(
+        card = zoo_card(
+            zoo,
+            report["merger"],
+            report,
+            calibration={"n_per_task": cal.n},
+            scores=report["scores"],
+            drift=report["drift"],
+        )
+        path = state.on_shared_models(
+            source,
+            lambda: save_model(
                 run.model,
                 target,
                 fmt=zoo.fmt,
                 force=replace,
                 extra_files={"report.json": report},
                 config=None if zoo.fmt == "hf" else {"zoo": zoo.name, "source": source},
-                hub=zoo_card(
-                    zoo,
-                    report["merger"],
-                    report,
-                    calibration={"n_per_task": cal.n},
-                    scores=report["scores"],
-                    drift=report["drift"],
-                ),
+                hub=card,
                 inputs=zoo.input_paths(),
-            )
+            ),
+        )
         st.success(f"Saved to `{path}`.")
     except OutputExistsError as exc:
         st.error(f"{exc} Tick the confirmation box to replace it.")

@@ -8,7 +8,7 @@ wrote. Both draw the same figures (:mod:`featcal.sweep.figures`) and summary tab
 import pandas as pd
 import streamlit as st
 
-from app import controls, settings, state, ui, workers, zoos
+from app import controls, settings, state, ui, zoos
 from featcal.config import preset_config, preset_for_zoo
 from featcal.sweep import figures as tune_figures
 from featcal.sweep import studies
@@ -23,8 +23,9 @@ def _sample_efficiency(
     z = state.active_zoo()
     # The plain mergers as baselines, the Zoo page's one (with its parameters) calibrated.
     mergers = {**{name: {} for name in studies.BASELINES}, merger.method: merger.kwargs}
-    with workers.torch_lock():
-        return studies.sample_efficiency(
+    return state.on_shared_models(
+        source,
+        lambda: studies.sample_efficiency(
             z,
             budgets=budgets,
             seeds=seeds,
@@ -33,7 +34,8 @@ def _sample_efficiency(
             config=preset_config(preset_for_zoo(z)),
             max_per_task=max_test,
             progress=True,  # the terminal's bars, and the page's through ui.progress_of
-        )
+        ),
+    )
 
 
 def _robustness(
@@ -47,8 +49,9 @@ def _robustness(
     max_test: int | None,
 ) -> pd.DataFrame:
     z = state.active_zoo()
-    with workers.torch_lock():
-        return studies.robustness(
+    return state.on_shared_models(
+        source,
+        lambda: studies.robustness(
             z,
             corruptions=corruptions,
             severities=severities,
@@ -59,7 +62,8 @@ def _robustness(
             config=preset_config(preset_for_zoo(z)),
             max_per_task=max_test,
             progress=True,
-        )
+        ),
+    )
 
 
 def _rows(kind: str, run, args: tuple) -> pd.DataFrame | None:

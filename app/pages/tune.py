@@ -13,7 +13,7 @@ import math
 import pandas as pd
 import streamlit as st
 
-from app import controls, settings, state, ui, workers, zoos
+from app import controls, settings, state, ui, zoos
 from featcal.config import LANGUAGE_PRESETS, preset_config, preset_for_zoo
 from featcal.sweep import figures as tune_figures
 from featcal.sweep.search import Grid, holdout_report, tune_zoo
@@ -47,8 +47,9 @@ def _sweep(
     val_per_task: int | None,
 ):
     z = state.active_zoo()
-    with workers.torch_lock():
-        return tune_zoo(
+    return state.on_shared_models(
+        source,
+        lambda: tune_zoo(
             z,
             progress=True,  # the terminal's bars, and the page's through ui.progress_of
             method=merger.method,
@@ -59,14 +60,14 @@ def _sweep(
             grid=grid,
             search=search,
             n_confirm=n_confirm,
-        )
+        ),
+    )
 
 
 @st.cache_data(max_entries=8, show_spinner=False)
 def _test(source: str, fp: str, key: tuple, _result) -> pd.DataFrame:
     z = state.active_zoo()
-    with workers.torch_lock():
-        return holdout_report(z, _result)
+    return state.on_shared_models(source, lambda: holdout_report(z, _result))
 
 
 # 1. Settings.

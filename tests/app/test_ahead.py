@@ -140,9 +140,9 @@ def test_the_look_ahead_stops_at_its_next_block_unless_the_page_waits_for_it(mon
 
 def _wait_for_look_ahead() -> None:
     """The background thread runs one job at a time: a job queued now runs after the look-ahead."""
-    from app import workers
+    from app import state
 
-    workers.in_background(lambda: None).result(timeout=600)
+    state.calibrations().in_background(lambda: None).result(timeout=600)
 
 
 def test_a_one_step_change_draws_the_exact_result_computed_ahead(tiny_zoo_dir, monkeypatch):

@@ -138,6 +138,19 @@ def test_your_models_form_takes_text_files_and_a_merged_model(tmp_path, monkeypa
     assert any(m.label == "mean accuracy" for m in at.metric)
 
 
+@pytest.mark.parametrize("page", ["zoo", "calibrate", "tune", "compare", "generate"])
+def test_the_library_warnings_badge_is_on_every_page(tiny_zoo_dir, page):
+    """Tune, Compare and Generate stop early (st.stop) until their button is pressed: the
+    sidebar's badge is drawn before the page too, so it is there whatever the page does."""
+    from app import state
+
+    state.calibrations().warnings.record("a warning the library gave", UserWarning, "x.py", 1)
+    at = _app(tiny_zoo_dir).switch_page(f"pages/{page}.py").run()  # the main script and the page (the sidebar)
+    assert not at.exception, [e.value for e in at.exception]
+    labels = [e.label for e in at.sidebar.expander]
+    assert any(label.startswith("Library warnings (") for label in labels), labels
+
+
 @pytest.mark.parametrize("key,value", [("log_lam", 0.5), ("rho", 0.5), ("alpha", 0.9)])
 def test_each_calibration_slider_changes_the_numbers(tiny_zoo_dir, key, value):
     at = _page(_app(tiny_zoo_dir).run(), "calibrate")
@@ -192,7 +205,8 @@ def test_the_preview_is_drawn_only_while_the_exact_run_is_slow(tiny_zoo_dir, mon
         from app import state
 
         ps = report.preview_state
-        prepared.append(state._preparing(report) is not None and len(ps._eig) == len(ps._same_S))
+        run = next(r for r in state.calibrations().latest.kept() if r.report is report)
+        prepared.append(run.prepared is not None and len(ps._eig) == len(ps._same_S))
         previews.append(config)
         return real_preview(scratch, model, report, config)
 
@@ -225,7 +239,7 @@ def test_only_the_run_a_preview_starts_from_keeps_its_statistics(tiny_zoo_dir, m
     for alpha in (0.35, 0.4, 0.55):
         _ok(at.slider(key="alpha").set_value(alpha).run())
     assert len(reports) == 4
-    state._preparing(reports[-1]).result(timeout=60)
+    next(r for r in state.calibrations().latest.kept() if r.report is reports[-1]).prepared.result(timeout=60)
     kept = [r for r in reports if r.preview_state is not None]
     assert kept == [reports[-1]], [r.config.alpha for r in kept]
     linears = [e for e in kept[0].preview_state.entries if e.target.kind == "linear"]
@@ -247,7 +261,7 @@ def test_a_preview_is_drawn_even_when_its_exact_run_finishes_first(tiny_zoo_dir,
         reports.append(report)
         return model, report
 
-    def remember(key, cal, run, real=state._runs().remember):
+    def remember(key, cal, run, real=state.calibrations().latest.remember):
         real(key, cal, run)
         exact_done.set()
 
@@ -258,7 +272,7 @@ def test_a_preview_is_drawn_even_when_its_exact_run_finishes_first(tiny_zoo_dir,
     monkeypatch.setattr(compute, "calibrate", calibrate)
     at = _page(_app(tiny_zoo_dir, rho=0.85).run(), "calibrate")
     monkeypatch.setattr(compute, "load_preview", preview)
-    monkeypatch.setattr(state._runs(), "remember", remember)
+    monkeypatch.setattr(state.calibrations().latest, "remember", remember)
     _ok(at.slider(key="alpha").set_value(0.25).run())
     assert raced and all(raced), raced
     assert any("Exact FeatCal" in s.value for s in at.success)
@@ -422,7 +436,7 @@ def test_a_zoo_build_reports_its_progress_on_the_page(monkeypatch):
             on_step(Progress("pretrain the base", step, 2, step / 2, 1.0 + step, 10.0 - step))
         calls.append(source)
 
-    monkeypatch.setattr(zoos, "zoo_needs_build", lambda source: not calls)
+    monkeypatch.setattr(zoos, "zoo_needs_build", lambda source, ready: not calls)
     monkeypatch.setattr(zoos, "build_zoo", fake_build)
     at = _ok(_app().run())
     assert calls == ["demo"]  # built once, then loaded (from the shipped copy)
