@@ -7,7 +7,6 @@ Usage::
     model, report = calibrate(merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig.clip())
 """
 
-from featcal import _moved  # noqa: F401  (installs the old flat layout's import names; see its docstring)
 from featcal.baselines.adamerging import adamerging
 from featcal.baselines.fisher import fisher_merging
 from featcal.baselines.registry import MERGERS, MERGERS_WITH_DATA, merge, merge_model, merge_with_data

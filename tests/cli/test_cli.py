@@ -221,7 +221,7 @@ def test_python_dash_m(tiny_zoo_dir, tmp_path):
     assert proc.stderr.strip().startswith("featcal: error: zoo") and "Traceback" not in proc.stderr
 
 
-def test_the_cli_checks_params_before_any_work_and_warns_on_old_spellings(tiny_zoo_dir, tmp_path, capsys):
+def test_the_cli_checks_params_before_any_work(tiny_zoo_dir, tmp_path, capsys):
     out = tmp_path / "m"
     rc, _, err = _run(
         capsys, "merge", "--zoo", tiny_zoo_dir, "--method", "ta", "--param", "scale=big", "--out", str(out)
@@ -231,34 +231,27 @@ def test_the_cli_checks_params_before_any_work_and_warns_on_old_spellings(tiny_z
         capsys, "calibrate", "--zoo", tiny_zoo_dir, "--merge", "ta", "--param", "density=0.1", "--out", str(out)
     )
     assert rc == 2 and "task_arithmetic takes no parameter 'density'" in err and not out.exists()
-    # the old spelling still runs, with a warning naming the new one
-    argv = [
-        "calibrate",
-        "--zoo",
-        tiny_zoo_dir,
-        "--merge-param",
-        "scale=0.4",
-        "--n-per-task",
-        "8",
-        "--out",
-        str(out),
-        "-q",
-    ]
+    # a good one reaches the merge
+    argv = ["calibrate", "--zoo", tiny_zoo_dir, "--param", "scale=0.4", "--n-per-task", "8", "--out", str(out), "-q"]
     rc, _, err = _run(capsys, *argv)
-    assert rc == 0 and "--merge-param scale=0.4 is deprecated" in err and "write --param scale=0.4" in err
+    assert rc == 0, err
     assert '"scale": 0.4' in (out / "report.json").read_text()
 
 
-def test_diagnose_takes_param_and_the_old_scale_with_a_warning(tiny_zoo_dir, tmp_path, capsys):
-    import argparse
-
-    from diagnostics.cli import merge_params
-
-    args = argparse.Namespace(param=None, scale=0.5, merge="task_arithmetic")
-    assert merge_params(args) == {"scale": 0.5}
-    assert "--scale 0.5 is deprecated" in capsys.readouterr().err
-    args = argparse.Namespace(param=["scale=0.2"], scale=None, merge="task_arithmetic")
-    assert merge_params(args) == {"scale": 0.2}
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["calibrate", "--merge-param", "scale=0.4"],
+        ["tune", "--merge-param", "scale=0.4"],
+        ["diagnose", "--scale", "0.4"],
+    ],
+)
+def test_the_old_spellings_of_param_are_gone(argv, tiny_zoo_dir, tmp_path, capsys):
+    """``--merge-param`` and ``diagnose --scale`` were kept for one release; write ``--param``."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([*argv, "--zoo", tiny_zoo_dir, "--out", str(tmp_path / "o")])
+    assert exit_.value.code == 2
+    assert f"unrecognized arguments: {argv[1]}" in capsys.readouterr().err
 
 
 def test_merge_runs_adamerging_and_fisher_through_the_zoos_heads(tiny_zoo_dir, tmp_path, capsys):
