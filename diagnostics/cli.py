@@ -36,7 +36,6 @@ from featcal.zoo.io import atomic_dir, load_model
 
 FORMATS = ("csv", "parquet")
 MODEL_CHOICES = ("merged", "calibrated")
-HELP = "feature-drift diagnostics of a merged, calibrated or saved model against the zoo's experts"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

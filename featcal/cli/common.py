@@ -1,8 +1,9 @@
 """What every subcommand of the ``featcal`` command line shares: options, checks, the zoo.
 
-The subcommands live in :mod:`featcal.cli.commands` (zoo, merge, calibrate, eval),
-:mod:`featcal.cli.sweep` (tune, study) and :mod:`diagnostics.cli` (diagnose); each
-imports this module, and :mod:`featcal.cli.commands` imports them all into one table.
+The subcommands live in :mod:`featcal.cli.zoo`, :mod:`featcal.cli.merge`, :mod:`featcal.cli.calibrate`,
+:mod:`featcal.cli.evaluate` (eval), :mod:`featcal.cli.sweep` (tune, study) and :mod:`diagnostics.cli`
+(diagnose); each imports this module, and :mod:`featcal.cli.commands` names them all in one table (each
+imported when it runs).
 
 Bad input raises :class:`UserError` (or ``ValueError`` / ``FileNotFoundError``), which
 ``featcal`` reports as one ``featcal: error: ...`` line.

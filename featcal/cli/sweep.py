@@ -45,8 +45,6 @@ from featcal.util import outdir
 from featcal.util.collect import collected_warnings
 
 STUDIES = ("sample-efficiency", "robustness")
-TUNE_HELP = "choose FeatCal's (lam, rho, alpha) on the validation split"
-STUDY_HELP = "the paper's studies: sample efficiency, robustness to corrupted calibration data"
 
 
 # ------------------------------------------------------------------ helpers

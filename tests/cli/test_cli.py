@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from featcal.cli import commands as cli
+from featcal.cli.calibrate import config_from_args
 from featcal.zoo import load_any
 from featcal.zoo.core import evaluate
 
@@ -39,15 +41,55 @@ ALL = ("zoo", "merge", "calibrate", "eval", "diagnose", "tune", "study", "compar
 
 def test_the_table_holds_every_subcommand_and_each_parses(capsys):
     assert tuple(cli.COMMANDS) == ALL
-    parser = cli.build_parser()
-    for name, (add_arguments, run, help_text) in cli.COMMANDS.items():
+    for name, (help_text, load) in cli.COMMANDS.items():
+        add_arguments, run = load()
         assert callable(add_arguments) and callable(run) and help_text, name
         with pytest.raises(SystemExit) as exc:
-            parser.parse_args([name, "--help"])
+            cli.build_parser(name).parse_args([name, "--help"])
         assert exc.value.code == 0, name
         assert help_text.split()[0] in capsys.readouterr().out, name
-    args = parser.parse_args(["merge", "--out", "x"])
-    assert args.func is cli.COMMANDS["merge"][1]  # the table's run is what main calls
+    args = cli.build_parser("merge").parse_args(["merge", "--out", "x"])
+    assert args.func is cli.COMMANDS["merge"][1]()[1]  # the table's run is what main calls
+
+
+def _imports(*argv: str, code: str | None = None) -> set[str]:
+    """The modules ``python -m featcal ARGV`` (or ``python -c CODE``) imports, read from ``-X importtime``."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-X", "importtime", *(["-c", code] if code else ["-m", "featcal", *argv])]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["app", "--help"]])
+def test_help_does_not_import_torch(argv):
+    """Only the subcommand that runs is loaded: ``featcal --help`` lists the table without it."""
+    imported = _imports(*argv)
+    assert "featcal.cli.commands" in imported and "torch" not in imported
+    assert "featcal.cli.calibrate" not in imported and "diagnostics" not in imported
+
+
+def test_the_app_launcher_starts_streamlit_without_torch():
+    """``featcal app`` waits on the Streamlit server for the app's life: it must not hold torch."""
+    code = (
+        "import subprocess, sys\n"
+        "subprocess.call = lambda cmd, env: print('ran', cmd[1:4]) or 0\n"
+        "from featcal.cli.commands import main\n"
+        "assert main(['app', '--port', '8599']) == 0\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    imported = _imports(code=code)
+    assert "featcal.cli.app" in imported and "torch" not in imported
+
+
+def test_zoo_says_built_in_when_it_built():
+    from featcal.cli.zoo import _built_since
+
+    started = datetime.datetime(2026, 12, 3, 18, 0, 0, tzinfo=datetime.timezone.utc)
+    assert _built_since({"built_at": "2026-12-03T18:11:30+00:00"}, started)  # built by this command
+    assert _built_since({"built_at": "2026-12-03T18:00:00+00:00"}, started)
+    assert not _built_since({"built_at": "2026-12-01T09:00:00+00:00"}, started)  # found in the cache
+    assert not _built_since({}, started)  # the shipped or a user's zoo: never built here
 
 
 def test_help_lists_commands(capsys):
@@ -159,8 +201,8 @@ def test_calibrate_writes_model_and_report(tiny_zoo_dir, tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     assert report["report"]["config"]["lam"] == 0.1 and report["n_per_task"] == 32
     assert report["report"]["tasks"] == load_any(tiny_zoo_dir).tasks
-    saved = cli.config_from_args(
-        cli.build_parser().parse_args(["calibrate", "--out", "x", "--preset", "clip", "--alpha", "0.25"])
+    saved = config_from_args(
+        cli.build_parser("calibrate").parse_args(["calibrate", "--out", "x", "--preset", "clip", "--alpha", "0.25"])
     )
     assert saved.alpha == 0.25 and saved.token_weights is not None  # the clip preset, overridden
 
