@@ -374,6 +374,7 @@ def test_the_app_opens_on_the_demo_zoo(demo_built):
     assert any(m.label == "merged, mean accuracy" for m in at.metric)
 
 
+@pytest.mark.slow
 @pytest.mark.demo_zoo
 def test_every_slider_moves_the_numbers_on_the_demo_zoo(demo_built):
     at = _page(_app().run(), "calibrate")

@@ -106,6 +106,7 @@ def test_batched_replies_equal_one_prompt_at_a_time(micro):
     assert generate(model, micro.tokenizer, prompts, 6, batch_size=3) == alone
 
 
+@pytest.mark.slow
 def test_adapters_rebuild_the_dense_experts(micro, micro_dir):
     from peft import PeftModel
 
@@ -116,6 +117,7 @@ def test_adapters_rebuild_the_dense_experts(micro, micro_dir):
             assert torch.allclose(dense[k], w, atol=1e-6), k
 
 
+@pytest.mark.slow
 def test_streamed_equals_in_memory_on_the_zoo_checkpoints(micro, micro_dir, tmp_path):
     """``featcal calibrate --base --expert --merge task_arithmetic --data`` on the zoo's own
     ``save_pretrained`` directories gives the in-memory calibration (max relative difference
@@ -152,6 +154,7 @@ def test_streamed_equals_in_memory_on_the_zoo_checkpoints(micro, micro_dir, tmp_
     assert any("mlp.down_proj" in k for k in changed)  # calibration did change the merged model
 
 
+@pytest.mark.slow
 def test_tune_runs_on_the_llm_zoo(micro):
     """``featcal tune`` scores an LLM zoo through its teacher-forced view on val (no heads)."""
     from featcal.sweep.search import Grid, tune_zoo
