@@ -25,7 +25,7 @@ def _ok(at: AppTest) -> AppTest:
 
 @pytest.fixture(scope="module")
 def app(smollm2_micro_dir):
-    at = AppTest.from_file(APP, default_timeout=900)
+    at = AppTest.from_file(APP, default_timeout=1800)
     at.query_params["zoo"] = "other (path)…"
     at.query_params["zoo_path"] = str(smollm2_micro_dir)
     return _ok(at.run())

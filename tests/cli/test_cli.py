@@ -247,7 +247,7 @@ def test_force_replaces_only_featcal_output(tiny_zoo_dir, tmp_path, capsys):
 def test_python_dash_m(tiny_zoo_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     shown = subprocess.run(
-        [sys.executable, "-m", "featcal", "--help"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
+        [sys.executable, "-m", "featcal", "--help"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1800
     )
     listed = [line.split()[0] for line in shown.stdout.splitlines() if re.match(r"    \S", line)]
     assert shown.returncode == 0 and tuple(listed) == ALL, shown.stdout
@@ -257,7 +257,7 @@ def test_python_dash_m(tiny_zoo_dir, tmp_path):
         text=True,
         env=env,
         cwd=tmp_path,
-        timeout=300,
+        timeout=1800,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("featcal: error: zoo") and "Traceback" not in proc.stderr

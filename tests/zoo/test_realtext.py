@@ -169,7 +169,7 @@ def test_the_app_opens_on_the_micro_zoo_and_draws_the_drift(micro_zoo):
     from streamlit.testing.v1 import AppTest
 
     app = str(Path(__file__).resolve().parents[2] / "app" / "streamlit_app.py")
-    at = AppTest.from_file(app, default_timeout=600)
+    at = AppTest.from_file(app, default_timeout=1800)
     at.query_params["zoo"] = "other (path)…"
     at.query_params["zoo_path"] = micro_zoo.meta["path"]
     at.run()
