@@ -162,6 +162,7 @@ def test_a_corrupted_cache_is_reported(micro_zoo, tmp_path):
         read_zoo_dir(copy)
 
 
+@pytest.mark.slow
 @needs_packages
 @pytest.mark.filterwarnings("ignore:.*fewer than its input width")
 def test_the_app_opens_on_the_micro_zoo_and_draws_the_drift(micro_zoo):
@@ -180,6 +181,7 @@ def test_the_app_opens_on_the_micro_zoo_and_draws_the_drift(micro_zoo):
         assert not at.exception and not at.error, (page, [e.value for e in [*at.exception, *at.error]])
 
 
+@pytest.mark.slow
 @needs_packages
 @pytest.mark.filterwarnings("ignore:.*fewer than its input width")
 def test_micro_zoo_compares_every_kind_of_method_with_token_batches(micro_zoo):

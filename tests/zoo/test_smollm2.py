@@ -13,9 +13,11 @@ import torch
 from featcal.zoo import smollm2
 
 MISSING = smollm2.missing_packages()
-pytestmark = pytest.mark.skipif(
-    bool(MISSING), reason="smollm2 zoo packages missing: " + "; ".join(cmd for _, cmd in MISSING)
-)
+# Slow: every test reads the session's micro build (10-40 s to build) or builds its own.
+pytestmark = [
+    pytest.mark.skipif(bool(MISSING), reason="smollm2 zoo packages missing: " + "; ".join(cmd for _, cmd in MISSING)),
+    pytest.mark.slow,
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,6 @@ def test_missing_model_names_the_install_command(monkeypatch):
         smollm2.require_packages()
 
 
-@pytest.mark.slow
 def test_micro_build_is_deterministic_for_a_seed(micro_dir, tmp_path):
     from featcal.zoo.store import read_meta
 
@@ -106,7 +107,6 @@ def test_batched_replies_equal_one_prompt_at_a_time(micro):
     assert generate(model, micro.tokenizer, prompts, 6, batch_size=3) == alone
 
 
-@pytest.mark.slow
 def test_adapters_rebuild_the_dense_experts(micro, micro_dir):
     from peft import PeftModel
 
@@ -117,7 +117,6 @@ def test_adapters_rebuild_the_dense_experts(micro, micro_dir):
             assert torch.allclose(dense[k], w, atol=1e-6), k
 
 
-@pytest.mark.slow
 def test_streamed_equals_in_memory_on_the_zoo_checkpoints(micro, micro_dir, tmp_path):
     """``featcal calibrate --base --expert --merge task_arithmetic --data`` on the zoo's own
     ``save_pretrained`` directories gives the in-memory calibration (max relative difference
@@ -154,7 +153,6 @@ def test_streamed_equals_in_memory_on_the_zoo_checkpoints(micro, micro_dir, tmp_
     assert any("mlp.down_proj" in k for k in changed)  # calibration did change the merged model
 
 
-@pytest.mark.slow
 def test_tune_runs_on_the_llm_zoo(micro):
     """``featcal tune`` scores an LLM zoo through its teacher-forced view on val (no heads)."""
     from featcal.sweep.search import Grid, tune_zoo
