@@ -1,5 +1,5 @@
 # The two set-up commands of the README:
-#   make app    the Streamlit app on the embedded demo zoo (built offline on first use)
+#   make app    the Streamlit app on the embedded demo zoo (shipped prebuilt in assets/zoos/demo/)
 #   make test   the whole test suite (browser tests included when Chromium is present)
 # Both create or reuse the virtual environment .venv and install what it needs.
 

@@ -26,7 +26,6 @@ from featcal.cli.common import (
     add_param,
     add_zoo,
     check_out,
-    deprecated_option,
     parse_params,
     zoo_from_args,
 )
@@ -37,7 +36,6 @@ from featcal.zoo.io import atomic_dir, load_model
 
 FORMATS = ("csv", "parquet")
 MODEL_CHOICES = ("merged", "calibrated")
-HELP = "feature-drift diagnostics of a merged, calibrated or saved model against the zoo's experts"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -53,7 +51,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--merge", default="task_arithmetic", choices=sorted(MERGERS), help="merge method for --model merged|calibrated"
     )
     add_param(parser)
-    parser.add_argument("--scale", type=float, default=None, help=argparse.SUPPRESS)  # deprecated: --param scale=
     parser.add_argument(
         "--n-per-task",
         type=int,
@@ -116,21 +113,11 @@ def write_tables(tables: dict, summary: str, out: str, fmt: str, force: bool) ->
     return Path(out).expanduser().absolute()
 
 
-def merge_params(args: argparse.Namespace) -> dict:
-    """``--param NAME=VALUE`` of ``--merge``, checked against the registry; the old ``--scale X``
-    still works for one release (a warning says to write ``--param scale=X``)."""
-    items = list(args.param or [])
-    if args.scale is not None:
-        deprecated_option(f"--scale {args.scale:g}", f"--param scale={args.scale:g}")
-        items.append(f"scale={args.scale!r}")
-    return parse_params(items, args.merge)
-
-
 def run(args: argparse.Namespace) -> int:
     """1. check the options; 2. load the zoo; 3. build the model; 4. diagnose; 5. write."""
     if args.n_per_task < 1:
         raise ValueError(f"--n-per-task must be at least 1, got {args.n_per_task}.")
-    params = merge_params(args)
+    params = parse_params(args.param, args.merge)  # checked against the registry before any work
     check_out(args.out, args.force)
     zoo = zoo_from_args(args)
     model = build_model(zoo, args.model, args.merge, params, args.n_per_task, args.seed, progress=not args.quiet)

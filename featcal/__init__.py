@@ -7,42 +7,47 @@ Usage::
     model, report = calibrate(merged, base=base, experts=experts, calib_data=data, config=FeatCalConfig.clip())
 """
 
-from featcal import _moved  # noqa: F401  (installs the old flat layout's import names; see its docstring)
-from featcal.baselines.adamerging import adamerging
-from featcal.baselines.fisher import fisher_merging
-from featcal.baselines.registry import MERGERS, MERGERS_WITH_DATA, merge, merge_model, merge_with_data
-from featcal.baselines.svc import svc
-from featcal.baselines.trained.calibrators import TaskCalibrated, escal
-from featcal.baselines.trained.surgery import surgery, surgery_v2
-from featcal.config import FastPaths, FeatCalConfig, Setting, TokenWeights
-from featcal.engine.report import CalibrationReport
-from featcal.engine.run import ExpertTrace, calibrate
-from featcal.streaming.run import calibrate_checkpoints
+import importlib
 
-__all__ = [
-    "FeatCalConfig",
-    "FastPaths",
-    "Setting",
-    "TokenWeights",
-    "calibrate",
-    "calibrate_checkpoints",
-    "ExpertTrace",
-    "merge",
-    "merge_model",
-    "MERGERS",
-    "merge_with_data",
-    "MERGERS_WITH_DATA",
-    "CalibrationReport",
-    "evaluate",
-    "escal",
-    "surgery",
-    "surgery_v2",
-    "TaskCalibrated",
-    "svc",
-    "adamerging",
-    "fisher_merging",
-]
 __version__ = "0.1.0"
+
+# Where each name of the package lives: imported on first use (PEP 562), so that `import featcal`, and
+# with it `featcal --help` and the launcher of `featcal app`, does not import torch.
+_LAZY = {
+    "FeatCalConfig": "featcal.config",
+    "FastPaths": "featcal.config",
+    "Setting": "featcal.config",
+    "TokenWeights": "featcal.config",
+    "calibrate": "featcal.engine.run",
+    "ExpertTrace": "featcal.engine.run",
+    "CalibrationReport": "featcal.engine.report",
+    "calibrate_checkpoints": "featcal.streaming.run",
+    "merge": "featcal.baselines.registry",
+    "merge_model": "featcal.baselines.registry",
+    "MERGERS": "featcal.baselines.registry",
+    "merge_with_data": "featcal.baselines.registry",
+    "MERGERS_WITH_DATA": "featcal.baselines.registry",
+    "escal": "featcal.baselines.trained.calibrators",
+    "TaskCalibrated": "featcal.baselines.trained.calibrators",
+    "surgery": "featcal.baselines.trained.surgery",
+    "surgery_v2": "featcal.baselines.trained.surgery",
+    "svc": "featcal.baselines.svc",
+    "adamerging": "featcal.baselines.adamerging",
+    "fisher_merging": "featcal.baselines.fisher",
+}
+__all__ = [*_LAZY, "evaluate"]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'featcal' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # looked up once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 def evaluate(model, zoo, split: str = "test", **kwargs) -> dict[str, float]:

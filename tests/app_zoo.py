@@ -59,7 +59,7 @@ def app_page_on_tiny_zoo(tmp_path: Path, page: str):
 
     zoo = write_tiny_zoo(Path(tmp_path) / "tiny")
     app = Path(__file__).resolve().parent.parent / "app" / "streamlit_app.py"
-    at = AppTest.from_file(str(app), default_timeout=600)
+    at = AppTest.from_file(str(app), default_timeout=1800)
     at.query_params["zoo"] = "other (path)…"
     at.query_params["zoo_path"] = str(zoo)
     at.run()

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-COLLECTIVE_TIMEOUT_S = 60
-RUN_TIMEOUT_S = 240
+COLLECTIVE_TIMEOUT_S = 1800  # stops a hang; a busy machine never waits this long
+RUN_TIMEOUT_S = 1800
 
 
 def free_port() -> int:

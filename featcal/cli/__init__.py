@@ -1,7 +1,3 @@
-"""The ``featcal`` command line: commands (the COMMANDS table, the one featcal module that imports
-diagnostics; zoo and merge), calibrate, evaluate (eval, and writing a model with its record), sweep (tune,
-study), app (the launcher), formats, ranks, common (shared options and checks)."""
-
-from featcal._moved import moved_attribute
-
-__getattr__ = moved_attribute(__name__, "featcal.cli.commands")  # the old flat module's names
+"""The ``featcal`` command line: commands (the COMMANDS table, each subcommand imported when it runs; the
+one featcal module that imports diagnostics), zoo, merge, calibrate, evaluate (eval, and writing a model with
+its record), sweep (tune, study), app (the launcher), formats, ranks, common (shared options and checks)."""

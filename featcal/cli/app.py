@@ -18,7 +18,6 @@ from pathlib import Path
 
 HOST_ENV = "FEATCAL_APP_HOST"  # the address the user asked for with --host
 APP = Path(__file__).resolve().parents[2] / "app" / "streamlit_app.py"
-HELP = "run the Streamlit app (on 127.0.0.1 unless --host is given)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

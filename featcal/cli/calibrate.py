@@ -38,7 +38,7 @@ from featcal.util.outdir import output_lock
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     add_zoo(p)
     p.add_argument("--merge", default="task_arithmetic", help="merge method (default: task_arithmetic)")
-    add_param(p, old=("--merge-param",))
+    add_param(p)
     p.add_argument(
         "--preset",
         choices=("auto", *PRESETS),

@@ -1,8 +1,9 @@
 """What every subcommand of the ``featcal`` command line shares: options, checks, the zoo.
 
-The subcommands live in :mod:`featcal.cli.commands` (zoo, merge, calibrate, eval),
-:mod:`featcal.cli.sweep` (tune, study) and :mod:`diagnostics.cli` (diagnose); each
-imports this module, and :mod:`featcal.cli.commands` imports them all into one table.
+The subcommands live in :mod:`featcal.cli.zoo`, :mod:`featcal.cli.merge`, :mod:`featcal.cli.calibrate`,
+:mod:`featcal.cli.evaluate` (eval), :mod:`featcal.cli.sweep` (tune, study) and :mod:`diagnostics.cli`
+(diagnose); each imports this module, and :mod:`featcal.cli.commands` names them all in one table (each
+imported when it runs).
 
 Bad input raises :class:`UserError` (or ``ValueError`` / ``FileNotFoundError``), which
 ``featcal`` reports as one ``featcal: error: ...`` line.
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Mapping
 
 import torch
@@ -87,31 +87,14 @@ def parse_params(items: list[str] | None, method: str, with_data: bool = False) 
         raise UserError(str(e)) from None
 
 
-def deprecated_option(old: str, new: str) -> None:
-    """Say on stderr that ``old`` is deprecated (kept for one release) and what to write instead."""
-    print(f"featcal: warning: {old} is deprecated and goes in the next release; write {new}.", file=sys.stderr)
-
-
-class _DeprecatedParam(argparse.Action):
-    """An old spelling of ``--param NAME=VALUE``: appends to ``--param``'s list, with a warning."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        deprecated_option(f"{option_string} {values}", f"--param {values}")
-        items = getattr(namespace, self.dest, None) or []
-        setattr(namespace, self.dest, [*items, values])
-
-
-def add_param(p: argparse.ArgumentParser, what: str = "the merge method", old: tuple[str, ...] = ()) -> None:
-    """``--param NAME=VALUE`` (repeatable) into ``args.param``; ``old`` spellings still work for
-    one release, with a deprecation warning."""
+def add_param(p: argparse.ArgumentParser, what: str = "the merge method") -> None:
+    """``--param NAME=VALUE`` (repeatable) into ``args.param``."""
     p.add_argument(
         "--param",
         action="append",
         metavar="NAME=VALUE",
         help=f"a parameter of {what}, e.g. scale=0.3 (repeatable; checked before any work)",
     )
-    for flag in old:
-        p.add_argument(flag, dest="param", action=_DeprecatedParam, metavar="NAME=VALUE", help=argparse.SUPPRESS)
 
 
 def check_out(out: str, force: bool, inputs: Mapping[str, str | os.PathLike | None] | None = None) -> None:

@@ -45,8 +45,6 @@ from featcal.util import outdir
 from featcal.util.collect import collected_warnings
 
 STUDIES = ("sample-efficiency", "robustness")
-TUNE_HELP = "choose FeatCal's (lam, rho, alpha) on the validation split"
-STUDY_HELP = "the paper's studies: sample efficiency, robustness to corrupted calibration data"
 
 
 # ------------------------------------------------------------------ helpers
@@ -165,7 +163,7 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--merge", default="task_arithmetic", choices=sorted(MERGERS), help="merge method (default: task_arithmetic)"
     )
-    add_param(p, old=("--merge-param",))
+    add_param(p)
     p.add_argument("--n-calib", type=int, default=256, help="calibration examples per task (calib split)")
     p.add_argument("--seed", type=int, default=42, help="seed drawing the calibration examples")
     p.add_argument("--val-per-task", type=int, default=None, help="val examples per task scored (default: all)")

@@ -3,7 +3,3 @@ one block's statistics and systems (blockstats), the experts' cache between call
 re-solve (preview), what a run did (report), where the blocks live while visited (blocksource).
 
 Imports method, model, util and config."""
-
-from featcal._moved import moved_attribute
-
-__getattr__ = moved_attribute(__name__, "featcal.engine.run")  # the old flat module's names

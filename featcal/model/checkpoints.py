@@ -28,11 +28,6 @@ from typing import Callable, Iterable, Mapping
 import torch
 from safetensors import safe_open
 
-from featcal._moved import moved_attribute
-
-# skeleton, params_on_meta, release and fill moved to featcal.model.skeletons (old names kept, with a warning)
-__getattr__ = moved_attribute(__name__, "featcal.model.skeletons")
-
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # The weight files a save_pretrained directory may hold (safetensors first).

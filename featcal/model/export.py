@@ -93,7 +93,7 @@ def _plain(obj):
 
 
 def drift_summary(report) -> dict:
-    """A :class:`~featcal.report.CalibrationReport` (or its ``to_dict()``) in a few numbers:
+    """A :class:`~featcal.engine.report.CalibrationReport` (or its ``to_dict()``) in a few numbers:
     modules, blocks and the mean relative residual (the calibrated modules' output drift from
     the experts' targets) before and after."""
     mods = report["modules"] if isinstance(report, Mapping) else [vars(m) for m in report.modules]

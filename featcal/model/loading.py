@@ -38,7 +38,7 @@ def _tied(own: dict[str, torch.Tensor], sd: Mapping[str, torch.Tensor], missing:
 def load_into(template: nn.Module, sd: Mapping[str, torch.Tensor], role: str, common_rows: bool = False) -> nn.Module:
     """A deep copy of ``template`` holding the state dict ``sd``; the error names the missing,
     unexpected and mis-shaped keys (an embedding with added rows: see
-    :func:`featcal.checkpoints.vocab_rows`, which ``common_rows`` passes to)."""
+    :func:`featcal.model.checkpoints.vocab_rows`, which ``common_rows`` passes to)."""
     model = copy.deepcopy(template)
     own = model.state_dict()
     cut = [

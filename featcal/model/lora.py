@@ -358,7 +358,7 @@ def base_names(path: str | os.PathLike | None = None, model=None) -> list[str]:
 
 
 class LoraCheckpoint(Checkpoint):
-    """The expert a LoRA adapter makes of a base :class:`~featcal.checkpoints.Checkpoint`, read
+    """The expert a LoRA adapter makes of a base :class:`~featcal.model.checkpoints.Checkpoint`, read
     tensor by tensor like a checkpoint: each tensor the base's, the adapter merged in on reading
     (so a streamed run merges one block at a time)."""
 

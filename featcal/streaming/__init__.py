@@ -2,7 +2,3 @@
 checkpoint shards through the engine and writes the result shard by shard.
 
 Imports the engine, baselines and below."""
-
-from featcal._moved import moved_attribute
-
-__getattr__ = moved_attribute(__name__, "featcal.streaming.run")  # the old flat module's names

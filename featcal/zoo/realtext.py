@@ -120,7 +120,7 @@ def build_realtext(
 
     ``threads``: torch CPU threads while building (as :func:`featcal.zoo.demo.build_demo`:
     every core on an idle machine, 1 on a busy one); ``on_step``: gets the build's
-    :class:`featcal.progress.Progress` (fine-tuning steps over every task)."""
+    :class:`featcal.util.progress.Progress` (fine-tuning steps over every task)."""
     threads = threads if threads is not None else _default_threads()
     recipe = recipe or TextRecipe()
     tracker = Tracker(len(recipe.tasks) * recipe.steps, on_step=on_step, show=progress)
@@ -275,7 +275,7 @@ def finetune(
 ) -> nn.Module:
     """A copy of ``base`` with every parameter fine-tuned on ``(x, y)`` through the frozen
     ``head`` (cross-entropy, AdamW, linear warm-up over the first tenth of the steps, seeded batches);
-    ``tracker``: the build's :class:`featcal.progress.Tracker` (or whether to show a bar)."""
+    ``tracker``: the build's :class:`featcal.util.progress.Tracker` (or whether to show a bar)."""
     if not isinstance(tracker, Tracker):
         tracker = Tracker(recipe.steps, show=bool(tracker))
     model = copy.deepcopy(base).train()

@@ -16,11 +16,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
 
-from featcal._moved import moved_attribute
-
-# expand, from_dict and parse moved to featcal.zoo.parsing (old names kept, with a warning)
-__getattr__ = moved_attribute(__name__, "featcal.zoo.parsing")
-
 FORMATS = ("hf", "open_clip")
 HEAD_TYPES = ("zero_shot", "file")
 DATA_FORMATS = ("auto", "image_folder", "arrow", "parquet", "tensors", "text", "tokens")

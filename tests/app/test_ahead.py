@@ -78,7 +78,7 @@ def test_the_store_hands_out_each_run_once_and_keeps_the_newest():
     seen: list = []
     waiter.start()  # waits for the result
     first.set_result("run a")
-    waiter.join(10)
+    waiter.join(1800)
     assert seen == ["run a"]
     assert store.take("a") == "run a" and not store.has("a") and store.take("a") is None
     failed = store.reserve("b")
@@ -130,7 +130,7 @@ def test_the_look_ahead_stops_at_its_next_block_unless_the_page_waits_for_it(mon
     waiter = threading.Thread(target=lambda: seen.append(store.peek(key)))
     monkeypatch.setattr(state, "exact_run", lambda *a, **k: exact_run(*a, **k, waiter=waiter))
     ahead._compute(store.generation, "src", "fp", merger, cals, 50)
-    waiter.join(10)
+    waiter.join(1800)
     assert runs == cals[:1] and blocks == [0, 1, 2] and tables == []
     assert seen == [f"run of {cals[0].label}"]
 
@@ -142,7 +142,7 @@ def _wait_for_look_ahead() -> None:
     """The background thread runs one job at a time: a job queued now runs after the look-ahead."""
     from app import state
 
-    state.calibrations().in_background(lambda: None).result(timeout=600)
+    state.calibrations().in_background(lambda: None).result(timeout=1800)
 
 
 def test_a_one_step_change_draws_the_exact_result_computed_ahead(tiny_zoo_dir, monkeypatch):

@@ -52,7 +52,7 @@ def test_a_zoo_build_shows_its_stage_step_and_time_left(tmp_path):
             browser.close()
     finally:
         proc.terminate()
-        proc.wait(15)
+        proc.wait(600)
     steps = [m for m in (STEP.match(t.strip()) for t in texts) if m]
     assert steps, f"no progress text of the form 'stage: step i/n (p% done, ...)' on the page: {set(texts)}"
     stages = {m["stage"] for m in steps}

@@ -15,7 +15,7 @@ APP = str(Path(__file__).resolve().parents[2] / "app" / "streamlit_app.py")
 
 
 def test_compare_page_runs_the_chosen_methods(tiny_zoo_dir):
-    at = AppTest.from_file(APP, default_timeout=600)
+    at = AppTest.from_file(APP, default_timeout=1800)
     at.query_params["zoo"] = "other (path)…"
     at.query_params["zoo_path"] = tiny_zoo_dir
     at.run()

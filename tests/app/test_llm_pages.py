@@ -12,6 +12,8 @@ pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest
 
 APP = str(Path(__file__).resolve().parents[2] / "app" / "streamlit_app.py")
+# The module opens the app on the LLM zoo once (its fixture: the micro build and a first run, 20-40 s).
+pytestmark = pytest.mark.slow
 PAGES = ("zoo", "drift", "calibrate", "weights", "tune", "studies", "export", "compare", "generate")
 
 
@@ -23,7 +25,7 @@ def _ok(at: AppTest) -> AppTest:
 
 @pytest.fixture(scope="module")
 def app(smollm2_micro_dir):
-    at = AppTest.from_file(APP, default_timeout=900)
+    at = AppTest.from_file(APP, default_timeout=1800)
     at.query_params["zoo"] = "other (path)…"
     at.query_params["zoo_path"] = str(smollm2_micro_dir)
     return _ok(at.run())

@@ -86,14 +86,14 @@ def test_two_previews_of_one_run_let_it_go_after_the_last():
     def other_tab():
         with latest.previewing("A", 3):
             started.set()
-            go.wait(10)
+            go.wait(1800)
 
     tab = threading.Thread(target=other_tab)
     tab.start()
-    assert started.wait(10)
+    assert started.wait(1800)
     with latest.previewing("A", 2):
         latest.remember("A", 2, Run("a2"))
     assert released == []  # the other tab still reads a1
     go.set()
-    tab.join(10)
+    tab.join(1800)
     assert released == ["a1"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from featcal.cli import commands as cli
+from featcal.cli.calibrate import config_from_args
 from featcal.zoo import load_any
 from featcal.zoo.core import evaluate
 
@@ -39,15 +41,55 @@ ALL = ("zoo", "merge", "calibrate", "eval", "diagnose", "tune", "study", "compar
 
 def test_the_table_holds_every_subcommand_and_each_parses(capsys):
     assert tuple(cli.COMMANDS) == ALL
-    parser = cli.build_parser()
-    for name, (add_arguments, run, help_text) in cli.COMMANDS.items():
+    for name, (help_text, load) in cli.COMMANDS.items():
+        add_arguments, run = load()
         assert callable(add_arguments) and callable(run) and help_text, name
         with pytest.raises(SystemExit) as exc:
-            parser.parse_args([name, "--help"])
+            cli.build_parser(name).parse_args([name, "--help"])
         assert exc.value.code == 0, name
         assert help_text.split()[0] in capsys.readouterr().out, name
-    args = parser.parse_args(["merge", "--out", "x"])
-    assert args.func is cli.COMMANDS["merge"][1]  # the table's run is what main calls
+    args = cli.build_parser("merge").parse_args(["merge", "--out", "x"])
+    assert args.func is cli.COMMANDS["merge"][1]()[1]  # the table's run is what main calls
+
+
+def _imports(*argv: str, code: str | None = None) -> set[str]:
+    """The modules ``python -m featcal ARGV`` (or ``python -c CODE``) imports, read from ``-X importtime``."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-X", "importtime", *(["-c", code] if code else ["-m", "featcal", *argv])]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["app", "--help"]])
+def test_help_does_not_import_torch(argv):
+    """Only the subcommand that runs is loaded: ``featcal --help`` lists the table without it."""
+    imported = _imports(*argv)
+    assert "featcal.cli.commands" in imported and "torch" not in imported
+    assert "featcal.cli.calibrate" not in imported and "diagnostics" not in imported
+
+
+def test_the_app_launcher_starts_streamlit_without_torch():
+    """``featcal app`` waits on the Streamlit server for the app's life: it must not hold torch."""
+    code = (
+        "import subprocess, sys\n"
+        "subprocess.call = lambda cmd, env: print('ran', cmd[1:4]) or 0\n"
+        "from featcal.cli.commands import main\n"
+        "assert main(['app', '--port', '8599']) == 0\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    imported = _imports(code=code)
+    assert "featcal.cli.app" in imported and "torch" not in imported
+
+
+def test_zoo_says_built_in_when_it_built():
+    from featcal.cli.zoo import _built_since
+
+    started = datetime.datetime(2026, 12, 3, 18, 0, 0, tzinfo=datetime.timezone.utc)
+    assert _built_since({"built_at": "2026-12-03T18:11:30+00:00"}, started)  # built by this command
+    assert _built_since({"built_at": "2026-12-03T18:00:00+00:00"}, started)
+    assert not _built_since({"built_at": "2026-12-01T09:00:00+00:00"}, started)  # found in the cache
+    assert not _built_since({}, started)  # the shipped or a user's zoo: never built here
 
 
 def test_help_lists_commands(capsys):
@@ -159,8 +201,8 @@ def test_calibrate_writes_model_and_report(tiny_zoo_dir, tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     assert report["report"]["config"]["lam"] == 0.1 and report["n_per_task"] == 32
     assert report["report"]["tasks"] == load_any(tiny_zoo_dir).tasks
-    saved = cli.config_from_args(
-        cli.build_parser().parse_args(["calibrate", "--out", "x", "--preset", "clip", "--alpha", "0.25"])
+    saved = config_from_args(
+        cli.build_parser("calibrate").parse_args(["calibrate", "--out", "x", "--preset", "clip", "--alpha", "0.25"])
     )
     assert saved.alpha == 0.25 and saved.token_weights is not None  # the clip preset, overridden
 
@@ -225,7 +267,7 @@ def test_force_replaces_only_featcal_output(tiny_zoo_dir, tmp_path, capsys):
 def test_python_dash_m(tiny_zoo_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     shown = subprocess.run(
-        [sys.executable, "-m", "featcal", "--help"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
+        [sys.executable, "-m", "featcal", "--help"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1800
     )
     listed = [line.split()[0] for line in shown.stdout.splitlines() if re.match(r"    \S", line)]
     assert shown.returncode == 0 and tuple(listed) == ALL, shown.stdout
@@ -235,13 +277,13 @@ def test_python_dash_m(tiny_zoo_dir, tmp_path):
         text=True,
         env=env,
         cwd=tmp_path,
-        timeout=300,
+        timeout=1800,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("featcal: error: zoo") and "Traceback" not in proc.stderr
 
 
-def test_the_cli_checks_params_before_any_work_and_warns_on_old_spellings(tiny_zoo_dir, tmp_path, capsys):
+def test_the_cli_checks_params_before_any_work(tiny_zoo_dir, tmp_path, capsys):
     out = tmp_path / "m"
     rc, _, err = _run(
         capsys, "merge", "--zoo", tiny_zoo_dir, "--method", "ta", "--param", "scale=big", "--out", str(out)
@@ -251,34 +293,27 @@ def test_the_cli_checks_params_before_any_work_and_warns_on_old_spellings(tiny_z
         capsys, "calibrate", "--zoo", tiny_zoo_dir, "--merge", "ta", "--param", "density=0.1", "--out", str(out)
     )
     assert rc == 2 and "task_arithmetic takes no parameter 'density'" in err and not out.exists()
-    # the old spelling still runs, with a warning naming the new one
-    argv = [
-        "calibrate",
-        "--zoo",
-        tiny_zoo_dir,
-        "--merge-param",
-        "scale=0.4",
-        "--n-per-task",
-        "8",
-        "--out",
-        str(out),
-        "-q",
-    ]
+    # a good one reaches the merge
+    argv = ["calibrate", "--zoo", tiny_zoo_dir, "--param", "scale=0.4", "--n-per-task", "8", "--out", str(out), "-q"]
     rc, _, err = _run(capsys, *argv)
-    assert rc == 0 and "--merge-param scale=0.4 is deprecated" in err and "write --param scale=0.4" in err
+    assert rc == 0, err
     assert '"scale": 0.4' in (out / "report.json").read_text()
 
 
-def test_diagnose_takes_param_and_the_old_scale_with_a_warning(tiny_zoo_dir, tmp_path, capsys):
-    import argparse
-
-    from diagnostics.cli import merge_params
-
-    args = argparse.Namespace(param=None, scale=0.5, merge="task_arithmetic")
-    assert merge_params(args) == {"scale": 0.5}
-    assert "--scale 0.5 is deprecated" in capsys.readouterr().err
-    args = argparse.Namespace(param=["scale=0.2"], scale=None, merge="task_arithmetic")
-    assert merge_params(args) == {"scale": 0.2}
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["calibrate", "--merge-param", "scale=0.4"],
+        ["tune", "--merge-param", "scale=0.4"],
+        ["diagnose", "--scale", "0.4"],
+    ],
+)
+def test_the_old_spellings_of_param_are_gone(argv, tiny_zoo_dir, tmp_path, capsys):
+    """``--merge-param`` and ``diagnose --scale`` were kept for one release; write ``--param``."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([*argv, "--zoo", tiny_zoo_dir, "--out", str(tmp_path / "o")])
+    assert exit_.value.code == 2
+    assert f"unrecognized arguments: {argv[1]}" in capsys.readouterr().err
 
 
 def test_merge_runs_adamerging_and_fisher_through_the_zoos_heads(tiny_zoo_dir, tmp_path, capsys):

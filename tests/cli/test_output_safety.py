@@ -92,7 +92,7 @@ def test_app_export_replace_refuses_a_folder_of_ordinary_files(tiny_zoo_dir, tmp
     folder = tmp_path / "papers"
     folder.mkdir()
     (folder / "draft.tex").write_text("mine")
-    at = AppTest.from_file(APP, default_timeout=300)
+    at = AppTest.from_file(APP, default_timeout=1800)
     at.query_params["zoo"] = "other (path)…"
     at.query_params["zoo_path"] = tiny_zoo_dir
     at.run()

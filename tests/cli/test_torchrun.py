@@ -20,13 +20,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _featcal(args: list[str], nproc: int | None = None) -> subprocess.CompletedProcess:
     """``python -m featcal ARGS``, under torchrun when ``nproc`` (one thread a process, free port)."""
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", FEATCAL_DIST_TIMEOUT="60")
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", FEATCAL_DIST_TIMEOUT="1800")
     launch = [sys.executable, "-m", "featcal"]
     if nproc:
         port = str(distrib.free_port())
         launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
         launch += ["--master-addr", "127.0.0.1", "--master-port", port, "-m", "featcal"]
-    return subprocess.run(launch + args, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return subprocess.run(launch + args, env=env, capture_output=True, text=True, timeout=1800, cwd=ROOT)
 
 
 def _max_rel(got: dict, want: dict) -> float:

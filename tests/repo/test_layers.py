@@ -36,7 +36,7 @@ CLI_TABLE = "featcal.cli.commands"  # the one featcal module allowed to import d
 OUTSIDE = "../" + "shared"  # spelled in two parts so this file does not match itself
 # featcal's folders, lowest first: a module may import its own layer and those before it.
 FOLDER_LAYERS = {
-    "base": ("featcal._moved", "featcal.config", "featcal.util"),
+    "base": ("featcal.config", "featcal.util"),
     "model": ("featcal.model",),
     "method": ("featcal.method",),
     "engine": ("featcal.engine",),

@@ -81,7 +81,7 @@ def test_a_concurrent_run_on_one_output_is_refused_naming_the_holder(ckpts):
             sys.executable,
             "-c",
             "import sys, time\nfrom featcal.util.outdir import output_lock\n"
-            f"with output_lock({str(out)!r}):\n    print('held', flush=True)\n    time.sleep(60)\n",
+            f"with output_lock({str(out)!r}):\n    print('held', flush=True)\n    time.sleep(1800)\n",
         ],
         env={**os.environ, "PYTHONPATH": str(REPO)},
         stdout=subprocess.PIPE,

@@ -43,6 +43,6 @@ def test_freed_tensors_stay_resident_until_the_heap_is_trimmed():
         print(before, memory.rss_mb())
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800, check=True)
     before, after = map(float, out.stdout.split())
     assert before - after > 200, (before, after)  # of the 396 MB freed

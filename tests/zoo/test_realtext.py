@@ -29,6 +29,7 @@ def micro_recipe(**kw):
 
 @pytest.fixture(scope="module")
 def micro_zoo(tmp_path_factory):
+    """The real-text zoo's micro build (5-10 s): the tests that read it are marked slow."""
     from featcal.zoo import load_any
     from featcal.zoo.realtext import build_realtext
 
@@ -115,6 +116,7 @@ def test_splits_are_balanced_disjoint_and_seeded():
     assert task_texts("pos", micro_recipe(seed=1))[1]["test"] != texts["test"]
 
 
+@pytest.mark.slow
 @needs_packages
 def test_micro_zoo_loads_with_token_inputs_and_zero_shot_heads(micro_zoo):
     from featcal.zoo import evaluate
@@ -134,6 +136,7 @@ def test_micro_zoo_loads_with_token_inputs_and_zero_shot_heads(micro_zoo):
     assert set(acc) == {"pos", "spam"} and all(0 <= a <= 100 for a in acc.values())
 
 
+@pytest.mark.slow
 @needs_packages
 @pytest.mark.filterwarnings("ignore:.*fewer than its input width")  # 8 examples per task: a tiny calibration
 def test_micro_zoo_calibrates_with_dict_batches(micro_zoo):
@@ -149,6 +152,7 @@ def test_micro_zoo_calibrates_with_dict_batches(micro_zoo):
     assert report.summary()
 
 
+@pytest.mark.slow
 @needs_packages
 def test_a_corrupted_cache_is_reported(micro_zoo, tmp_path):
     import shutil
@@ -162,6 +166,7 @@ def test_a_corrupted_cache_is_reported(micro_zoo, tmp_path):
         read_zoo_dir(copy)
 
 
+@pytest.mark.slow
 @needs_packages
 @pytest.mark.filterwarnings("ignore:.*fewer than its input width")
 def test_the_app_opens_on_the_micro_zoo_and_draws_the_drift(micro_zoo):
@@ -169,7 +174,7 @@ def test_the_app_opens_on_the_micro_zoo_and_draws_the_drift(micro_zoo):
     from streamlit.testing.v1 import AppTest
 
     app = str(Path(__file__).resolve().parents[2] / "app" / "streamlit_app.py")
-    at = AppTest.from_file(app, default_timeout=600)
+    at = AppTest.from_file(app, default_timeout=1800)
     at.query_params["zoo"] = "other (path)…"
     at.query_params["zoo_path"] = micro_zoo.meta["path"]
     at.run()
@@ -180,6 +185,7 @@ def test_the_app_opens_on_the_micro_zoo_and_draws_the_drift(micro_zoo):
         assert not at.exception and not at.error, (page, [e.value for e in [*at.exception, *at.error]])
 
 
+@pytest.mark.slow
 @needs_packages
 @pytest.mark.filterwarnings("ignore:.*fewer than its input width")
 def test_micro_zoo_compares_every_kind_of_method_with_token_batches(micro_zoo):

@@ -16,6 +16,7 @@ MISSING = smollm2.missing_packages()
 pytestmark = pytest.mark.skipif(
     bool(MISSING), reason="smollm2 zoo packages missing: " + "; ".join(cmd for _, cmd in MISSING)
 )
+# Slow: every test but the first reads the session's micro build (10-40 s to build) or builds its own.
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +47,7 @@ def test_micro_build_is_deterministic_for_a_seed(micro_dir, tmp_path):
     assert read_meta(other)["content_sha256"] != read_meta(micro_dir)["content_sha256"]
 
 
+@pytest.mark.slow
 def test_loads_as_a_zoo_and_scores_replies(micro):
     from featcal import evaluate
     from featcal.zoo.lm import LMZoo
@@ -67,6 +69,7 @@ def test_loads_as_a_zoo_and_scores_replies(micro):
         assert micro.logits(micro.base, task, micro.split(task, "val")[0]).shape == (len(first), len(micro.tokenizer))
 
 
+@pytest.mark.slow
 def test_reply_start_logits_equal_those_of_the_whole_sequence(micro):
     """zoo.logits runs the tokens up to the last reply start only: the logits are those of a
     forward over the whole sequences (causal: no position reads a later one), up to rounding."""
@@ -84,6 +87,7 @@ def test_reply_start_logits_equal_those_of_the_whole_sequence(micro):
         torch.testing.assert_close(micro.logits(model, task, x), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_choice_fast_path_equals_one_forward_per_option(micro):
     from featcal.zoo import llm_tasks as lt
     from featcal.zoo.lm import choice_logliks, option_logliks
@@ -96,6 +100,7 @@ def test_choice_fast_path_equals_one_forward_per_option(micro):
     assert any(len(micro.tokenizer(o, add_special_tokens=False)["input_ids"]) > 1 for ex in exs for o in ex.options)
 
 
+@pytest.mark.slow
 def test_batched_replies_equal_one_prompt_at_a_time(micro):
     """Batching by prompt length (left padding, the cache kept) changes no reply."""
     from featcal.zoo.lm import generate
@@ -106,6 +111,7 @@ def test_batched_replies_equal_one_prompt_at_a_time(micro):
     assert generate(model, micro.tokenizer, prompts, 6, batch_size=3) == alone
 
 
+@pytest.mark.slow
 def test_adapters_rebuild_the_dense_experts(micro, micro_dir):
     from peft import PeftModel
 
@@ -116,6 +122,7 @@ def test_adapters_rebuild_the_dense_experts(micro, micro_dir):
             assert torch.allclose(dense[k], w, atol=1e-6), k
 
 
+@pytest.mark.slow
 def test_streamed_equals_in_memory_on_the_zoo_checkpoints(micro, micro_dir, tmp_path):
     """``featcal calibrate --base --expert --merge task_arithmetic --data`` on the zoo's own
     ``save_pretrained`` directories gives the in-memory calibration (max relative difference
@@ -152,6 +159,7 @@ def test_streamed_equals_in_memory_on_the_zoo_checkpoints(micro, micro_dir, tmp_
     assert any("mlp.down_proj" in k for k in changed)  # calibration did change the merged model
 
 
+@pytest.mark.slow
 def test_tune_runs_on_the_llm_zoo(micro):
     """``featcal tune`` scores an LLM zoo through its teacher-forced view on val (no heads)."""
     from featcal.sweep.search import Grid, tune_zoo

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import string
 from pathlib import Path
@@ -160,6 +161,14 @@ def test_builtin_class_names_and_templates():
     assert len(classnames.classes_and_templates("resisc45")[1]) == 18
     with pytest.raises(KeyError, match="no built-in class names"):
         classnames.classes_and_templates("imagenet")
+
+
+def test_class_names_read_from_json_are_the_ones_the_code_listed():
+    """The names and templates moved from code to clip_classnames.json unchanged: the sha256 of
+    ``[[task, classes, templates], ...]`` as the old module listed them."""
+    listed = [[task, list(classes), list(templates)] for task, (classes, templates) in classnames.TASKS.items()]
+    digest = hashlib.sha256(json.dumps(listed, ensure_ascii=False).encode()).hexdigest()
+    assert digest == "c723b3f5322710894b31462961a96fa27173044c581a74dbe2136dcb2b58a67a"
 
 
 def test_open_clip_zero_shot_rows_are_normalised_encode_text(tmp_path):
