@@ -192,16 +192,7 @@ def from_fusionbench(
     src = str(pool_path)
     roots = config_roots(pool_path, config_dir)
     pool = compose(pool_path, roots)
-    target = str(pool.get("_target_", POOL_TARGET)).rsplit(".", 1)[-1]
-    if target != POOL_TARGET:
-        raise FusionBenchError(
-            f"{src}: _target_ {pool['_target_']!r}; featcal reads {POOL_TARGET} pools (Hugging Face CLIP towers)"
-            + (
-                ": OpenCLIP pools (pickle_path checkpoints and heads) are not read yet."
-                if "OpenCLIP" in target
-                else "."
-            )
-        )
+    _check_target(src, pool)
     models = _mapping(src, pool, "models")
     if "_pretrained_" not in models:
         raise FusionBenchError(f"{src}: models: no _pretrained_ (the base model).")
@@ -229,9 +220,7 @@ def from_fusionbench(
                 )
             classes[task] = names
     heads: dict = {"type": "zero_shot", "logit_scale": True}
-    clip_model = _interpolated(tp.get("clip_model"), tp)  # a mapping, or a name (often ${.base_model})
-    text = clip_model if not isinstance(clip_model, Mapping) else clip_model.get("pretrained_model_name_or_path")
-    text = _interpolated(text, tp)
+    text = _text_model(tp)
     if text and text != base_ref:
         heads["text_model"] = _model_entry(str(text), here)
     if classes:
@@ -247,6 +236,24 @@ def from_fusionbench(
     }
     _check_resolved(src, spec)
     return spec
+
+
+def _check_target(src: str, pool: Mapping) -> None:
+    """The pool's class must be :data:`POOL_TARGET` itself (``OpenCLIPVisionModelPool`` contains its name)."""
+    target = str(pool.get("_target_", POOL_TARGET)).rsplit(".", 1)[-1]
+    if target != POOL_TARGET:
+        why = ": OpenCLIP pools (pickle_path checkpoints and heads) are not read yet." if "OpenCLIP" in target else "."
+        raise FusionBenchError(
+            f"{src}: _target_ {pool['_target_']!r}; featcal reads {POOL_TARGET} pools (Hugging Face CLIP towers){why}"
+        )
+
+
+def _text_model(tp: Mapping):
+    """The task pool's CLIP model for the zero-shot heads: ``clip_model`` as a mapping or a name (often
+    ``${.base_model}``), interpolated; None without one."""
+    clip_model = _interpolated(tp.get("clip_model"), tp)
+    text = clip_model if not isinstance(clip_model, Mapping) else clip_model.get("pretrained_model_name_or_path")
+    return _interpolated(text, tp)
 
 
 def _mapping(src: str, doc: Mapping, key: str) -> dict:
