@@ -28,6 +28,7 @@ from featcal.cli.common import (
     check_out,
     parse_params,
     zoo_from_args,
+    zoo_inputs,
 )
 from featcal.config import preset_config, preset_for_zoo
 from featcal.engine.run import calibrate
@@ -118,8 +119,10 @@ def run(args: argparse.Namespace) -> int:
     if args.n_per_task < 1:
         raise ValueError(f"--n-per-task must be at least 1, got {args.n_per_task}.")
     params = parse_params(args.param, args.merge)  # checked against the registry before any work
-    check_out(args.out, args.force)
+    saved = {} if args.model in MODEL_CHOICES else {"--model": args.model}
+    check_out(args.out, args.force, zoo_inputs(args) | saved)
     zoo = zoo_from_args(args)
+    check_out(args.out, args.force, zoo_inputs(args, zoo) | saved)  # and the loaded zoo's own models and data
     model = build_model(zoo, args.model, args.merge, params, args.n_per_task, args.seed, progress=not args.quiet)
     name = args.model if args.model in MODEL_CHOICES else Path(args.model).name
     tables, summary = diagnose(

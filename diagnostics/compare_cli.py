@@ -12,7 +12,7 @@ from pathlib import Path
 
 from diagnostics import compare as cmp
 from featcal.baselines import registry
-from featcal.cli.common import UserError, add_common, add_zoo, check_out, zoo_from_args
+from featcal.cli.common import UserError, add_common, add_zoo, check_out, zoo_from_args, zoo_inputs
 from featcal.zoo.io import atomic_dir
 
 DEFAULT_METHODS = "ta,ties,iso_c,regmean_plusplus,ta+featcal,iso_c+featcal,ta+escal,ta+surgery,ta+surgery_v2"
@@ -76,7 +76,7 @@ def parse_params(items: list[str] | None, methods: list[str] | None = None) -> t
 
 def run(args: argparse.Namespace) -> int:
     if args.out:
-        check_out(args.out, args.force)
+        check_out(args.out, args.force, zoo_inputs(args))
     methods = [m for m in args.methods.split(",") if m.strip()]
     try:
         for m in methods:

@@ -101,8 +101,10 @@ def check_out(out: str, force: bool, inputs: Mapping[str, str | os.PathLike | No
     """Fail before any work if the output directory exists (unless ``force``, and then only
     featcal's own may be replaced) or overlaps one of ``inputs`` (``{what: path}``); every
     subcommand that writes calls it first (the writers check again when writing), see
-    :mod:`featcal.util.outdir`."""
-    outdir.check_output(out, force, inputs)
+    :mod:`featcal.util.outdir`). featcal's own shipped zoos (``assets/zoos``) are always an input."""
+    from featcal.zoo.demo import SHIPPED
+
+    outdir.check_output(out, force, {**(inputs or {}), "featcal's shipped zoos": SHIPPED.parent})
 
 
 def zoo_inputs(args: argparse.Namespace, zoo: Zoo | None = None) -> dict:

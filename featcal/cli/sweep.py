@@ -37,6 +37,7 @@ from featcal.cli.common import (
     check_out,
     parse_params,
     zoo_from_args,
+    zoo_inputs,
 )
 from featcal.config import FLOAT64_PRESETS, FeatCalConfig
 from featcal.sweep import studies
@@ -204,7 +205,7 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run_tune(args: argparse.Namespace) -> int:
     params = parse_params(args.param, args.merge)
     grid = Grid.parse(args.grid) if args.grid else None
-    check_out(args.out, args.force)
+    check_out(args.out, args.force, zoo_inputs(args))
     zoo = zoo_from_args(args)
     res = tune_zoo(
         zoo,
@@ -251,6 +252,7 @@ def run_tune(args: argparse.Namespace) -> int:
         print("\nTEST accuracy (%), measured after the choice:\n")
         print(to_markdown(rep))
     (out / "best.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
+    outdir.mark(out, "sweep")  # done: the marker now lists its files, so --force never deletes one added since
     print(f"\nwrote {out}/")
     return 0
 
@@ -291,7 +293,7 @@ def run_study(args: argparse.Namespace) -> int:
     cfg = _featcal_config(args)
     for m in (args.merge, *args.mergers):
         check_merge_method(m)
-    check_out(args.out, args.force)
+    check_out(args.out, args.force, zoo_inputs(args))
     zoo = zoo_from_args(args)
     figs = _figures()
     with collected_warnings() as caught:  # listed after the table, not printed between the bars
@@ -308,6 +310,7 @@ def run_study(args: argparse.Namespace) -> int:
     if caught:
         print(f"\n{len(caught)} distinct library warning(s), also in {out}/warnings.txt:")
         print("\n".join(f"  - {line}" for line in caught))
+    outdir.mark(out, "sweep")  # done: the marker now lists its files, so --force never deletes one added since
     print(f"\nwrote {out}/")
     return 0
 

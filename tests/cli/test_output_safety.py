@@ -121,3 +121,33 @@ def test_marker_lists_the_files_written(tmp_path):
         "featcal_model.json",
         "report.json",
     }
+
+
+def test_every_command_refuses_an_input_or_a_shipped_zoo_as_its_output(tiny_zoo_dir, tmp_path, capsys):
+    """diagnose, compare, tune and study with --out on the zoo they read (or the saved model they
+    diagnose) and --force replaced it with their tables, rc 0; featcal's shipped demo zoo (a legacy
+    meta.json, no marker) counted as replaceable. Each is refused before any work, the bytes kept."""
+    import shutil
+
+    from featcal.zoo.demo import SHIPPED
+
+    zoo = tmp_path / "zoo"
+    shutil.copytree(tiny_zoo_dir, zoo)
+    saved = tmp_path / "saved"
+    assert main(["merge", "--zoo", str(zoo), "--out", str(saved), "-q"]) == 0
+    before, before_saved, shipped = _snapshot(zoo), _snapshot(saved), _snapshot(SHIPPED)
+    commands = [
+        ["diagnose", "--zoo", str(zoo), "--n-per-task", "4"],
+        ["compare", "--zoo", str(zoo), "--methods", "ta"],
+        ["tune", "--zoo", str(zoo)],
+        ["study", "sample-efficiency", "--zoo", str(zoo)],
+    ]
+    for cmd in commands:
+        rc = main([*cmd, "--out", str(zoo), "--force", "-q"])
+        assert rc == 2 and "the zoo" in capsys.readouterr().err, cmd
+    rc = main(["diagnose", "--zoo", str(zoo), "--model", str(saved), "--out", str(saved), "--force", "-q"])
+    assert rc == 2 and "--model" in capsys.readouterr().err
+    for cmd in (["merge", "--zoo", str(zoo)], commands[0]):
+        rc = main([*cmd, "--out", str(SHIPPED), "--force", "-q"])
+        assert rc == 2 and "featcal's shipped zoos" in capsys.readouterr().err, cmd
+    assert _snapshot(zoo) == before and _snapshot(saved) == before_saved and _snapshot(SHIPPED) == shipped

@@ -263,6 +263,10 @@ def test_tune_and_study_command_lines_write_their_files(tmp_path, capsys):
     assert best["meta"]["n_calib"] == 8 and len(best["test_report"]) == 3
     assert "TEST accuracy" in capsys.readouterr().out
     assert main(["tune", "--zoo", zoo, "--out", str(out), "-q"]) == 2  # never overwrites silently
+    (out / "my_analysis.txt").write_text("mine")  # a file the user adds to a finished sweep's folder
+    assert main(["tune", "--zoo", zoo, "--out", str(out), "--force", "-q"]) == 2
+    assert "my_analysis.txt" in capsys.readouterr().err and (out / "my_analysis.txt").read_text() == "mine"
+    (out / "my_analysis.txt").unlink()
     se = tmp_path / "se"
     assert (
         main(
