@@ -6,13 +6,15 @@ reads from any directory), but an option given on the command line wins over the
 itself (127.0.0.1 unless ``--host`` says otherwise) and tells the app, through
 :data:`HOST_ENV`, which address the user asked for: served on any other non-loopback
 address, the app shows a refusal instead of loading anything (``app/binding.py``).
+
+The launcher becomes the server (``exec``): a SIGTERM or SIGINT sent to the pid ``featcal app`` started
+stops the server itself, and no second process holds memory for the app's life.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -73,8 +75,13 @@ def run(args: argparse.Namespace) -> int:
             "that address can load zoos and export files as you.",
             file=sys.stderr,
         )
-    env = {**os.environ, HOST_ENV: args.host}
-    try:
-        return subprocess.call(command(args.host, args.port), env=env)
-    except KeyboardInterrupt:
-        return 130
+    os.execve(sys.executable, command(args.host, args.port), server_env(args.host))  # never returns
+
+
+def server_env(host: str) -> dict:
+    """The server's environment: the address asked for (:data:`HOST_ENV`), and the repository on
+    ``PYTHONPATH``, so that a page's ``import app...`` works whichever page a first request opens and
+    whatever the working directory (Streamlit puts only the script's own folder on ``sys.path``)."""
+    repo = str(APP.parents[1])
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, HOST_ENV: host, "PYTHONPATH": os.pathsep.join([repo, *[p for p in path if p != repo]])}

@@ -50,8 +50,10 @@ def _listening(port: int) -> set[str]:
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").is_file(), reason="reads the listening sockets from /proc/net/tcp")
 def test_featcal_app_listens_on_loopback_only_from_another_directory(tmp_path):
+    """... and stops when the pid `featcal app` started gets SIGTERM (the launcher left the server running,
+    listening, with parent pid 1)."""
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # featcal as installed; the launcher adds the repository
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "featcal", "app", "--port", str(port)],
@@ -69,6 +71,9 @@ def test_featcal_app_listens_on_loopback_only_from_another_directory(tmp_path):
             time.sleep(0.3)
         time.sleep(0.5)  # every socket it opens is open by now
         assert _listening(port) == {"127.0.0.1"}
+        os.kill(proc.pid, signal.SIGTERM)  # the pid the user started, not its process group
+        assert proc.wait(timeout=1800) is not None
+        assert not _listening(port), "the server still listens after SIGTERM to featcal app"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)

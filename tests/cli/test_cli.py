@@ -70,13 +70,17 @@ def test_help_does_not_import_torch(argv):
 
 
 def test_the_app_launcher_starts_streamlit_without_torch():
-    """``featcal app`` waits on the Streamlit server for the app's life: it must not hold torch."""
+    """``featcal app`` becomes the Streamlit server (exec): it must not have loaded torch first, and it
+    hands the server the repository on PYTHONPATH (a first request to any page imports ``app``)."""
     code = (
-        "import subprocess, sys\n"
-        "subprocess.call = lambda cmd, env: print('ran', cmd[1:4]) or 0\n"
+        "import os, sys\n"
+        "def execve(exe, cmd, env):\n"
+        "    assert cmd[1:4] == ['-m', 'streamlit', 'run'] and 'torch' not in sys.modules\n"
+        "    assert os.path.isdir(os.path.join(env['PYTHONPATH'].split(os.pathsep)[0], 'app', 'pages'))\n"
+        "    raise SystemExit(0)\n"
+        "os.execve = execve\n"
         "from featcal.cli.commands import main\n"
-        "assert main(['app', '--port', '8599']) == 0\n"
-        "assert 'torch' not in sys.modules\n"
+        "main(['app', '--port', '8599'])\n"
     )
     imported = _imports(code=code)
     assert "featcal.cli.app" in imported and "torch" not in imported
