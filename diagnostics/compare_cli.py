@@ -89,9 +89,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UserError(f"--param: {e}") from None
     zoo = zoo_from_args(args)
-    result = cmp.compare(
-        zoo,
-        methods,
+    options = cmp.CompareOptions(
         n=args.n,
         seed=args.seed,
         merger_params=merger_params,
@@ -99,8 +97,8 @@ def run(args: argparse.Namespace) -> int:
         max_test=args.max_test,
         drift_n=args.drift_n,
         repeats=args.repeats,
-        progress=not args.quiet,
     )
+    result = cmp.compare(zoo, methods, options, progress=not args.quiet)
     print(cmp.markdown(result.summary))
     print(
         f"\nzoo {zoo.name}: {len(zoo.tasks)} tasks; {args.n} calibration examples per task (seed {args.seed}); "

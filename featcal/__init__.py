@@ -12,8 +12,8 @@ from featcal.baselines.adamerging import adamerging
 from featcal.baselines.fisher import fisher_merging
 from featcal.baselines.registry import MERGERS, MERGERS_WITH_DATA, merge, merge_model, merge_with_data
 from featcal.baselines.svc import svc
-from featcal.baselines.trained.calibrators import TaskCalibrated, escal
-from featcal.baselines.trained.surgery import surgery, surgery_v2
+from featcal.baselines.trained.calibrators import ESCalOptions, TaskCalibrated, escal
+from featcal.baselines.trained.surgery import SurgeryOptions, surgery, surgery_v2
 from featcal.config import FastPaths, FeatCalConfig, Setting, TokenWeights
 from featcal.engine.report import CalibrationReport
 from featcal.engine.run import ExpertTrace, calibrate
@@ -35,8 +35,10 @@ __all__ = [
     "CalibrationReport",
     "evaluate",
     "escal",
+    "ESCalOptions",
     "surgery",
     "surgery_v2",
+    "SurgeryOptions",
     "TaskCalibrated",
     "svc",
     "adamerging",

@@ -99,7 +99,7 @@ except ValueError as err:
 @pytest.mark.slow
 def test_tune_on_an_existing_cluster_gives_the_local_table(ray_head, tmp_path):
     address, env = ray_head
-    env = dict(env, PYTHONPATH=env["PYTHONPATH"] + os.pathsep + os.path.join(ROOT, "tests", "tune"))
+    env = dict(env, PYTHONPATH=env["PYTHONPATH"] + os.pathsep + os.path.join(ROOT, "tests", "sweep"))
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
     run = subprocess.run([sys.executable, str(script), address], env=env, capture_output=True, text=True, timeout=300)
