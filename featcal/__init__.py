@@ -17,6 +17,7 @@ from featcal.baselines.trained.surgery import SurgeryOptions, surgery, surgery_v
 from featcal.config import FastPaths, FeatCalConfig, Setting, TokenWeights
 from featcal.engine.report import CalibrationReport
 from featcal.engine.run import ExpertTrace, calibrate
+from featcal.streaming.options import StreamOptions
 from featcal.streaming.run import calibrate_checkpoints
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "TokenWeights",
     "calibrate",
     "calibrate_checkpoints",
+    "StreamOptions",
     "ExpertTrace",
     "merge",
     "merge_model",
