@@ -49,6 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write the tables (CSV) and figures (HTML) here (must not exist)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     add_common(p)
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    cals = registry.names("calibrator", "trained")
+    p.epilog = "the calibrators' parameters (--param METHOD.NAME=VALUE):\n\n" + "\n\n".join(
+        registry.describe(c) for c in cals
+    )
     return p
 
 

@@ -149,15 +149,16 @@ class Method:
         return self.aliases[0] if self.aliases else self.name
 
 
-def _params(fn: Callable, ranges: Mapping | None = None, choices: Mapping | None = None) -> tuple[Param, ...]:
-    """A merger's parameters: every keyword of ``fn`` with a default, minus :data:`FILLED`, with
-    the slider ``ranges`` ``{name: (min, max, step)}`` and ``choices`` given."""
+def _params(fn: Callable, ranges: Mapping | None = None, choices: Mapping | None = None, helps=None) -> tuple:
+    """A merger's (or SVC's) parameters: every keyword of ``fn`` with a default, minus :data:`FILLED`,
+    with the slider ``ranges`` ``{name: (min, max, step)}``, ``choices`` and ``helps`` given."""
     out = []
     for name, p in inspect.signature(fn).parameters.items():
         if name in FILLED or p.default is inspect.Parameter.empty or name.startswith("_"):
             continue
         span = (ranges or {}).get(name)
-        out.append(Param(name, p.default, Range(*span) if span else None, (choices or {}).get(name)))
+        span = Range(*span) if span else None
+        out.append(Param(name, p.default, span, (choices or {}).get(name), (helps or {}).get(name, "")))
     return tuple(out)
 
 
@@ -244,7 +245,13 @@ METHODS: tuple[Method, ...] = (
     _with_data("data_merger", ada.adamerging, "AdaMerging", choices={"granularity": ada.GRANULARITY}),
     _with_data("data_merger", fisher.fisher_merging, "Fisher merging", aliases=("fisher",)),
     Method("featcal", "calibrator", calibrate, "FeatCal", _featcal_params(), data_free=False),
-    Method("svc", "calibrator", svc, "SVC", _params(svc, {"alpha": (0.05, 2.0, 0.05)})),
+    Method(
+        "svc",
+        "calibrator",
+        svc,
+        "SVC",
+        _params(svc, {"alpha": (0.05, 2.0, 0.05)}, helps={"alpha": "floor of the projection coefficients (> 0)"}),
+    ),
     _trained(escal, "ESCal", ESCalOptions),
     _trained(surgery, "Surgery", SurgeryOptions),
     _trained(surgery_v2, "SurgeryV2", SurgeryOptions),
@@ -290,6 +297,21 @@ def check_params(name: str, params: Mapping[str, Any], *kinds: str) -> dict[str,
     if method.options is not None:
         method.options(**checked)
     return checked
+
+
+def describe(name: str) -> str:
+    """Method ``name``'s parameters, one line each: ``NAME=DEFAULT  help [range or choices]``
+    (what ``featcal compare --help`` lists)."""
+    method = get(name)
+    lines = [f"{method.name} ({method.label}):"]
+    for p in method.params:
+        span = ""
+        if p.choices is not None:
+            span = f" [{' | '.join(map(str, p.choices))}]"
+        elif p.range is not None and p.range.accept is not None:
+            span = f" [{p.range.accept[0]:g} .. {p.range.accept[1]:g}]"
+        lines.append(f"  {p.name}={p.default!r}  {p.help}{span}".rstrip())
+    return "\n".join(lines)
 
 
 MERGERS: dict[str, Callable[..., dict]] = {m.name: m.fn for m in METHODS if m.kind == "merger"}

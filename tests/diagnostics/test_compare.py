@@ -149,4 +149,8 @@ def test_parameters_reach_the_method_and_bad_ones_fail_first(zoo):
         cmp.compare(zoo, ["ta+surgery"], cmp.CompareOptions(calibrator_params={"surgery": {"step": 2}}), cache=cache)
     with pytest.raises(ValueError, match="task_arithmetic takes no parameter 'density'"):
         cmp.compare(zoo, ["ta"], cmp.CompareOptions(merger_params={"task_arithmetic": {"density": 0.2}}), cache=cache)
+    with pytest.raises(ValueError, match=r"featcal: parameter 'lam' takes a number in \[0, inf\]"):
+        cmp.compare(zoo, ["ta+featcal"], cmp.CompareOptions(calibrator_params={"featcal": {"lam": -1}}), cache=cache)
+    with pytest.raises(ValueError, match="ESCalOptions: rank, epochs and batch must be >= 1"):
+        cmp.compare(zoo, ["ta+escal"], cmp.CompareOptions(calibrator_params={"escal": {"epochs": 0}}), cache=cache)
     assert list(cache) == [next(iter(cache))]  # nothing ran for the bad calls
