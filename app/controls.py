@@ -22,13 +22,14 @@ from app.settings import (
     merge_default,
 )
 from app.zoos import REPO
+from featcal.config import RANGES
 
 BIND = dict(bind="query-params", persist_state="session")
 OTHER = "other (path)…"
 APPLIED = "_applied_notice"  # session key: what another page just set on the Calibrate page (shown once)
 OPEN_ZOO = "_open_zoo"  # session key: a zoo source for the picker to switch to on the next run
-# (min, max, step) of the Calibrate page's sliders.
-SLIDERS = {"log_lam": (-6.0, 2.0, 0.1), "rho": (-1.0, 3.0, 0.05), "alpha": (0.0, 1.0, 0.05)}
+# (min, max, step) of the Calibrate page's sliders: featcal.config.RANGES, lambda's on a log10 scale.
+SLIDERS = {"log_lam": RANGES["lam"].slider, "rho": RANGES["rho"].slider, "alpha": RANGES["alpha"].slider}
 
 
 def on_slider(key: str, value: float) -> float:

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from featcal import FeatCalConfig, calibrate, escal, surgery, surgery_v2  # noqa: E402
+from featcal import ESCalOptions, FeatCalConfig, SurgeryOptions, calibrate, escal, surgery, surgery_v2  # noqa: E402
 from featcal.zoo import load_any  # noqa: E402
 from featcal.zoo.core import evaluate  # noqa: E402
 from featcal.zoo.scores import average, expert_accuracies, normalized  # noqa: E402
@@ -67,10 +67,10 @@ def main(argv: list[str] | None = None) -> None:
         if method == "escal":
             rank = rank or args.escal_rank
             kw = dict(rank=rank, epochs=args.escal_epochs, tokens=args.tokens, **escal_lr, **common)
-            return escal(ta, zoo.experts, data, **kw)
+            return escal(ta, zoo.experts, data, ESCalOptions(**kw))
         if method == "surgery":
-            return surgery(ta, zoo.experts, data, steps=args.surgery_steps, **common)
-        return surgery_v2(ta, zoo.experts, data, steps=args.surgery_v2_steps, **common)
+            return surgery(ta, zoo.experts, data, SurgeryOptions(steps=args.surgery_steps, **common))
+        return surgery_v2(ta, zoo.experts, data, SurgeryOptions(steps=args.surgery_v2_steps, **common))
 
     names = {"escal": "TA + ESCal", "surgery": "TA + Surgery", "surgery_v2": "TA + SurgeryV2"}
     probe = zoo.split(zoo.tasks[0], "test")[0][: args.overhead_batch]

@@ -145,7 +145,7 @@ def _streamed_rows(args) -> list[dict]:
     from streaming_memory import PER_TASK, write_llama_zoo
     from transformers import LlamaForCausalLM
 
-    from featcal import calibrate, calibrate_checkpoints, merge
+    from featcal import StreamOptions, calibrate, calibrate_checkpoints, merge
     from featcal.model.checkpoints import load_token_data
 
     device = torch.device(args.device)
@@ -220,9 +220,7 @@ def _streamed_rows(args) -> list[dict]:
                 calib_data=data,
                 config=cfg,
                 out=out,
-                device=device,
-                force=True,
-                progress=False,
+                options=StreamOptions(device=device, force=True, progress=False),
             )
             return LlamaForCausalLM.from_pretrained(out).state_dict()
 

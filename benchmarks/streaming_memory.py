@@ -106,7 +106,7 @@ def child(mode: str, root: Path, n_experts: int, device: str) -> dict:
     """One run in this (fresh) process; the numbers as a dict."""
     from transformers import LlamaForCausalLM  # the baseline includes every import
 
-    from featcal import FeatCalConfig, calibrate, calibrate_checkpoints, merge
+    from featcal import FeatCalConfig, StreamOptions, calibrate, calibrate_checkpoints, merge
     from featcal.model.checkpoints import load_token_data
     from featcal.util.memory import peak_rss_mb
 
@@ -125,10 +125,7 @@ def child(mode: str, root: Path, n_experts: int, device: str) -> dict:
             calib_data=data,
             config=cfg,
             out=out,
-            device=device,
-            force=True,
-            progress=False,
-            on_block=lambda b, info: per_block.append(info),
+            options=StreamOptions(device=device, force=True, progress=False, on_block=lambda b, i: per_block.append(i)),
         )
         shutil.rmtree(out)
     else:

@@ -2,12 +2,13 @@
 
     python benchmarks/zoo_table.py                      # the embedded demo zoo
     python benchmarks/zoo_table.py --zoo demo-fashion --n-per-task 128
-    python benchmarks/zoo_table.py --zoo real-text --preset default
+    python benchmarks/zoo_table.py --zoo real-text --preset none
 
     python benchmarks/zoo_table.py --tuned 0.005,2.5,0.3   # plus a row at (lam, rho, alpha)
 
 Prints one markdown table (rows: base, experts, simple average, Task
-Arithmetic 0.3, TIES, TA + FeatCal with the ``--preset`` (default CLIP) and, with ``--tuned``,
+Arithmetic 0.3, TIES, TA + FeatCal with the ``--preset`` (one of featcal.config.PRESETS, default
+CLIP) and, with ``--tuned``,
 at the setting ``featcal tune --report`` chose) with the average and the
 expert-normalised average, the share of the Task-Arithmetic-to-experts gap that
 FeatCal closes, then the zoo's content hash, build time, size and the timings of
@@ -25,11 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 import torch
 
 from featcal import FeatCalConfig, calibrate
+from featcal.config import PRESETS
 from featcal.zoo import load_any
 from featcal.zoo.core import evaluate
 from featcal.zoo.scores import average, expert_accuracies, normalized
-
-PRESETS = {"clip": FeatCalConfig.clip, "default": FeatCalConfig}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -47,8 +47,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--preset",
         default="clip",
-        choices=sorted(PRESETS),
-        help="FeatCal preset: clip (FeatCalConfig.clip(), the default) or default (FeatCalConfig(): no token weights)",
+        choices=(*PRESETS, "default"),
+        help="FeatCal preset (featcal.config.PRESETS): clip (the default), none (FeatCalConfig(): no token weights; "
+        "'default' is its old name here), ...",
     )
     ap.add_argument(
         "--tuned",
@@ -73,12 +74,12 @@ def main(argv: list[str] | None = None) -> None:
     rows["average"] = evaluate(zoo.merged("average"), zoo, split=args.split)
     rows["TA (0.3)"] = evaluate(ta, zoo, split=args.split)
     rows["TIES (0.2, 0.3)"] = evaluate(zoo.merged("ties", density=0.2, scale=0.3), zoo, split=args.split)
-    preset = PRESETS[args.preset]
-    settings = [(f"TA + FeatCal ({args.preset} preset)", preset())]
+    preset = "none" if args.preset == "default" else args.preset
+    settings = [(f"TA + FeatCal ({preset} preset)", FeatCalConfig.preset(preset))]
     if args.tuned and args.tuned != "none":
         tuned = dict(zip(("lam", "rho", "alpha"), (float(v) for v in args.tuned.split(","))))
         name = "TA + FeatCal (tuned on val: " + ", ".join(f"{k}={v:g}" for k, v in tuned.items()) + ")"
-        settings.append((name, preset(**tuned)))
+        settings.append((name, FeatCalConfig.preset(preset, **tuned)))
     for name, cfg in settings:
         t0 = time.perf_counter()
         model, _ = calibrate(ta, base=zoo.base, experts=zoo.experts, calib_data=data, config=cfg, progress=False)

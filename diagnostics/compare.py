@@ -15,14 +15,15 @@ calibration seconds.
 
 Usage::
 
-    cmp = compare(zoo, ["ta", "ties", "ta+featcal", "ta+escal"], n=64,
-                  calibrator_params={"escal": {"epochs": 50}})
+    cmp = compare(zoo, ["ta", "ties", "ta+featcal", "ta+escal"],
+                  CompareOptions(n=64, calibrator_params={"escal": {"epochs": 50}}))
     cmp.summary      # one row per method (experts and base first)
     cmp.accuracy     # method, task, accuracy
     cmp.output       # method, task, metric (kl, agreement), value
     cmp.drift        # method, task, block, metric, value
 
-Results are cached per setting (method, its parameters, ``n``, seed, test sizes) in a dict
+:class:`CompareOptions` holds what every method runs and is scored with. Results are cached
+per setting (method, its parameters, ``n``, seed, test sizes) in a dict
 (:data:`CACHE` unless one is given), so adding a method to a comparison runs only that one.
 """
 
@@ -105,6 +106,44 @@ class Comparison:
     settings: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class CompareOptions:
+    """What every method of a comparison runs and is scored with (:func:`compare`,
+    :func:`run_method`): ``n`` calibration examples per task from the ``calib`` split drawn with
+    ``seed``; each method's parameters, ``{name: {param: value}}`` (names or aliases, checked
+    against the registry by :func:`compare`; ``featcal`` also takes ``config``, a
+    :class:`featcal.FeatCalConfig`); the first ``max_test`` test examples per task scored (None:
+    all) and ``drift_n`` of them for the drift; ``repeats`` timed forward passes of
+    ``overhead_batch`` examples for a trained calibrator's overhead (0: not measured, NaN)."""
+
+    n: int = 64
+    seed: int = 42
+    merger_params: Mapping[str, Mapping] = field(default_factory=dict)
+    calibrator_params: Mapping[str, Mapping] = field(default_factory=dict)
+    max_test: int | None = None
+    drift_n: int | None = 64
+    overhead_batch: int = 64
+    repeats: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "merger_params", _by_merger(self.merger_params))
+        object.__setattr__(self, "calibrator_params", dict(self.calibrator_params or {}))
+
+    def settings(self, methods: list[str]) -> dict[str, Any]:
+        """What a :class:`Comparison` records: these options (``featcal``'s ``config`` left out)
+        and the ``methods`` run."""
+        cal_params = {k: {p: v for p, v in d.items() if p != "config"} for k, d in self.calibrator_params.items()}
+        return dict(
+            n=self.n,
+            seed=self.seed,
+            max_test=self.max_test,
+            drift_n=self.drift_n,
+            methods=methods,
+            merger_params=dict(self.merger_params),
+            calibrator_params=cal_params,
+        )
+
+
 def parse_method(spec: str) -> tuple[str, str]:
     """``"ta+svc+featcal"`` -> ``("task_arithmetic", "svc+featcal")``; ``"ties"`` -> ``("ties", "")``.
 
@@ -170,40 +209,29 @@ def _frozen(params: Mapping | None) -> tuple:
 
 
 def run_method(
-    zoo,
-    spec: str,
-    *,
-    n: int = 64,
-    seed: int = 42,
-    merger_params: Mapping[str, Mapping] | None = None,
-    calibrator_params: Mapping[str, Mapping] | None = None,
-    max_test: int | None = None,
-    drift_n: int | None = 64,
-    overhead_batch: int = 64,
-    repeats: int = 0,
-    cache: dict | None = None,
-    progress: bool = False,
+    zoo, spec: str, options: CompareOptions = CompareOptions(), *, cache: dict | None = None, progress: bool = False
 ) -> MethodResult:
     """Run one method (``merger[+calibrator...]``, see :func:`parse_method`) on ``zoo`` and score it.
 
-    ``merger_params`` / ``calibrator_params``: ``{name: {param: value}}`` (checked against the
-    registry). ``featcal`` takes ``config`` (a :class:`featcal.FeatCalConfig`, default the zoo's
-    preset, :func:`featcal.config.preset_for_zoo`, via :func:`featcal.config.preset_config`) and
-    changes to it (``lam``, ``rho``, ``alpha``, ...); ``svc`` its ``alpha``; the trained ones their
-    own (``epochs``, ``steps``, ``rank``, ...). AdaMerging and Fisher merging read the zoo's heads.
-    ``repeats``: timed forward passes for a trained calibrator's overhead (0: not measured, NaN).
-    Cached in ``cache`` (default :data:`CACHE`) per setting.
+    ``options``: :class:`CompareOptions`. ``featcal`` takes ``config`` (a
+    :class:`featcal.FeatCalConfig`, default the zoo's preset, :func:`featcal.config.preset_for_zoo`,
+    via :func:`featcal.config.preset_config`) and changes to it (``lam``, ``rho``, ``alpha``, ...);
+    ``svc`` its ``alpha``; the trained ones the fields of their options (``epochs``, ``steps``,
+    ``rank``, ...). AdaMerging and Fisher merging read the zoo's heads. Cached in ``cache``
+    (default :data:`CACHE`) per setting.
     """
     merger, cal = parse_method(spec)
     chain = cal.split("+") if cal else []
-    mp = dict(_by_merger(merger_params).get(merger, {}))
-    cps = {c: dict((calibrator_params or {}).get(c, {})) for c in chain}
+    o = options
+    mp = dict(o.merger_params.get(merger, {}))
+    cps = {c: dict(o.calibrator_params.get(c, {})) for c in chain}
     cache = CACHE if cache is None else cache
     frozen_cps = tuple((c, _frozen(p)) for c, p in cps.items())
-    key = (_zoo_key(zoo), merger, _frozen(mp), cal, frozen_cps, n, seed, max_test, drift_n, overhead_batch, repeats)
+    key = (_zoo_key(zoo), merger, _frozen(mp), cal, frozen_cps, o.n, o.seed, o.max_test, o.drift_n)
+    key += (o.overhead_batch, o.repeats)
     if key in cache:
         return cache[key]
-    data = zoo.calib_data(n, seed=seed)
+    data = zoo.calib_data(o.n, seed=o.seed)
     t0 = time.perf_counter()
     if registry.get(merger).kind == "data_merger":
         merged = registry.merge_with_data(
@@ -224,12 +252,12 @@ def run_method(
     for c in chain:
         t0 = time.perf_counter()
         if c in TRAINED:
-            models = _trained(zoo, c, merged, data, cps[c], result, overhead_batch, repeats, progress)
+            models = _trained(zoo, c, merged, data, cps[c], result, o, progress)
         else:
             merged = _calibrated(zoo, c, merged, data, cps[c], progress)
             models = {t: merged for t in zoo.tasks}
             result.calib_seconds += time.perf_counter() - t0
-    result.accuracy, result.output, result.drift = _score(zoo, models, test_batches(zoo, drift_n), max_test)
+    result.accuracy, result.output, result.drift = _score(zoo, models, test_batches(zoo, o.drift_n), o.max_test)
     cache[key] = result
     return result
 
@@ -250,20 +278,20 @@ def _calibrated(zoo, name: str, merged: nn.Module, data, params: dict, progress:
     return model
 
 
-def _trained(zoo, name, merged, data, params, result, overhead_batch, repeats, progress) -> dict[str, nn.Module]:
-    """Each task's model with its own trained modules; fills the added numbers, the training
-    seconds and (``repeats`` > 0) the measured overhead into ``result``."""
-    params.setdefault("seed", 0)
-    params.setdefault("progress", progress)
+def _trained(zoo, name, merged, data, params, result, options: CompareOptions, progress) -> dict[str, nn.Module]:
+    """Each task's model with its own trained modules (``params``: fields of the method's options);
+    fills the added numbers, the training seconds and (``options.repeats`` > 0) the measured
+    overhead into ``result``."""
+    opts = registry.get(name).options(**{"progress": progress, **params})
     with torch.enable_grad():  # trained by gradient descent, even when called under no_grad (an app's lock)
-        trained = CALIBRATORS[name](merged, zoo.experts, data, **params)
+        trained = CALIBRATORS[name](merged, zoo.experts, data, opts)
     result.calib_seconds += trained.training_seconds
     added = trained.added_parameters
     first = added["per_task"][zoo.tasks[0]]
     result.added = {"trained": first["trained"], "stored": first["stored"], "fraction": added["stored_fraction"]}
-    if repeats > 0:
-        probe = zoo.split(zoo.tasks[0], "test")[0][:overhead_batch]
-        result.overhead = trained.measure_overhead(as_batch(probe), repeats=repeats)["overhead"]
+    if options.repeats > 0:
+        probe = zoo.split(zoo.tasks[0], "test")[0][: options.overhead_batch]
+        result.overhead = trained.measure_overhead(as_batch(probe), repeats=options.repeats)["overhead"]
     return {t: trained.for_task(t) for t in zoo.tasks}
 
 
@@ -297,59 +325,29 @@ def reference(zoo, which: str, max_test: int | None = None, drift_n: int | None 
 def compare(
     zoo,
     methods: Sequence[str],
+    options: CompareOptions = CompareOptions(),
     *,
-    n: int = 64,
-    seed: int = 42,
-    merger_params: Mapping[str, Mapping] | None = None,
-    calibrator_params: Mapping[str, Mapping] | None = None,
-    max_test: int | None = None,
-    drift_n: int | None = 64,
-    overhead_batch: int = 64,
-    repeats: int = 0,
     cache: dict | None = None,
     progress: bool = True,
     on_method: Callable[[int, int, str], None] | None = None,
 ) -> Comparison:
-    """Run ``methods`` (see :func:`run_method`) plus the experts and base rows; return the
-    tidy tables. The summary's ``gap_closed`` is measured from Task Arithmetic (with its
-    ``merger_params``, run for the purpose when not listed), ``gap_closed_vs_merger`` from the
-    method's own merger alone (NaN without a calibrator). ``on_method(i, total, name)`` is
-    called before each method (an app's progress bar)."""
+    """Run ``methods`` (see :func:`run_method`) with ``options`` (:class:`CompareOptions`) plus
+    the experts and base rows; return the tidy tables. The summary's ``gap_closed`` is measured
+    from Task Arithmetic (with its ``merger_params``, run for the purpose when not listed),
+    ``gap_closed_vs_merger`` from the method's own merger alone (NaN without a calibrator).
+    ``on_method(i, total, name)`` is called before each method (an app's progress bar)."""
     if not methods:
         raise ValueError("no methods to compare; give at least one, e.g. ['ta', 'ta+featcal'].")
     specs = list(dict.fromkeys(method_name(*parse_method(m)) for m in methods))
-    check_params(merger_params, calibrator_params)
-    merger_params = _by_merger(merger_params)
-    kw = dict(
-        n=n,
-        seed=seed,
-        merger_params=merger_params,
-        calibrator_params=calibrator_params,
-        max_test=max_test,
-        drift_n=drift_n,
-        overhead_batch=overhead_batch,
-        repeats=repeats,
-        cache=cache,
-    )
-    results = [reference(zoo, r, max_test, drift_n, cache) for r in REFERENCES]
+    check_params(options.merger_params, options.calibrator_params)
+    results = [reference(zoo, r, options.max_test, options.drift_n, cache) for r in REFERENCES]
     for i, spec in enumerate(bar(specs, desc="compare", unit="method", show=progress)):
         if on_method is not None:
             on_method(i, len(specs), spec)
-        results.append(run_method(zoo, spec, progress=progress, **kw))
-    merger_accs, ta = _gap_starts(zoo, results[len(REFERENCES) :], kw)
+        results.append(run_method(zoo, spec, options, cache=cache, progress=progress))
+    merger_accs, ta = _gap_starts(zoo, results[len(REFERENCES) :], options, cache)
     experts = _avg(results[0].accuracy)
     rows = [_summary_row(r, ta, merger_accs, experts) for r in results]
-    settings = dict(
-        n=n,
-        seed=seed,
-        max_test=max_test,
-        drift_n=drift_n,
-        methods=specs,
-        merger_params=dict(merger_params or {}),
-        calibrator_params={
-            k: {p: v for p, v in d.items() if p != "config"} for k, d in (calibrator_params or {}).items()
-        },
-    )
     return Comparison(
         summary=pd.DataFrame(rows, columns=SUMMARY_COLUMNS),
         accuracy=_tidy(
@@ -357,20 +355,20 @@ def compare(
         ),
         output=_tidy(results, lambda r: r.output),
         drift=_tidy(results, lambda r: r.drift),
-        settings=settings,
+        settings=options.settings(specs),
     )
 
 
-def _gap_starts(zoo, results: list[MethodResult], kw: dict) -> tuple[dict[str, float], float]:
+def _gap_starts(zoo, results: list[MethodResult], options: CompareOptions, cache) -> tuple[dict[str, float], float]:
     """Where the gaps to the experts are measured from: ``({merger: its mean accuracy alone}, Task
-    Arithmetic's)``, each merger of ``results`` run alone (``kw``: :func:`run_method`'s settings)."""
+    Arithmetic's)``, each merger of ``results`` run alone (with ``options``, into ``cache``)."""
     merger_accs = {}
     for r in results:
         if r.merger not in merger_accs:
-            merger_accs[r.merger] = _avg(run_method(zoo, method_name(r.merger), **kw).accuracy)
+            merger_accs[r.merger] = _avg(run_method(zoo, method_name(r.merger), options, cache=cache).accuracy)
     ta = merger_accs.get(GAP_REFERENCE)
     if ta is None:
-        ta = _avg(run_method(zoo, "ta", **kw).accuracy)
+        ta = _avg(run_method(zoo, "ta", options, cache=cache).accuracy)
     return merger_accs, ta
 
 

@@ -49,6 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write the tables (CSV) and figures (HTML) here (must not exist)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     add_common(p)
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    cals = registry.names("calibrator", "trained")
+    p.epilog = "the calibrators' parameters (--param METHOD.NAME=VALUE):\n\n" + "\n\n".join(
+        registry.describe(c) for c in cals
+    )
     return p
 
 
@@ -89,9 +94,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UserError(f"--param: {e}") from None
     zoo = zoo_from_args(args)
-    result = cmp.compare(
-        zoo,
-        methods,
+    options = cmp.CompareOptions(
         n=args.n,
         seed=args.seed,
         merger_params=merger_params,
@@ -99,8 +102,8 @@ def run(args: argparse.Namespace) -> int:
         max_test=args.max_test,
         drift_n=args.drift_n,
         repeats=args.repeats,
-        progress=not args.quiet,
     )
+    result = cmp.compare(zoo, methods, options, progress=not args.quiet)
     print(cmp.markdown(result.summary))
     print(
         f"\nzoo {zoo.name}: {len(zoo.tasks)} tasks; {args.n} calibration examples per task (seed {args.seed}); "

@@ -9,9 +9,11 @@ rejected at construction, so a config that exists is a config that runs.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
+
+from featcal.util.options import Range, option
 
 # Names whose modules the CLIP token-weight preset leaves at weight 1 (the key
 # and value projections): HF ``k_proj``/``v_proj``, open_clip's packed
@@ -42,25 +44,29 @@ class TokenWeights:
         return not module.endswith(self.exclude)
 
 
-# The ranges FeatCal's hyper-parameters are checked against: (low, high, what past them means).
-# Wider than any setting in use (the paper's lam 1e-5 to 3, rho 0.5 to 2, alpha 0.15 to 0.6); past
-# them the anchor or the target is extrapolated beyond anything meaningful, or eps swamps lam.
+# The one table of FeatCal's ranges. ``low``..``high`` (log scale for lambda) is what the app's
+# sliders span, ``featcal tune`` searches around and the registry shows; ``accept`` is what a run
+# takes, checked by every config and setting (so every solve and preview) and by ``--param`` before
+# any work: wider than any setting in use (the paper's lam 1e-5 to 3, rho 0.5 to 2, alpha 0.15 to
+# 0.6); past it the anchor or the target is extrapolated beyond anything meaningful, or eps swamps lam.
 RANGES = {
-    "lam": (0.0, math.inf, "lambda, the ridge strength toward the anchor"),
-    "rho": (-10.0, 10.0, "rho, the anchor blend rho*W_mer + (1-rho)*W_0"),
-    "alpha": (-1.0, 2.0, "alpha, the target interpolation alpha*x_e + (1-alpha)*x_s"),
-    "eps": (0.0, 1e-2, "eps, the tiny ridge and the clamp of the task scales (> 0)"),
+    "lam": Range(1e-6, 1e2, 0.1, log=True, accept=(0.0, math.inf), what="lambda, the ridge strength toward the anchor"),
+    "rho": Range(-1.0, 3.0, 0.05, accept=(-10.0, 10.0), what="rho, the anchor blend rho*W_mer + (1-rho)*W_0"),
+    "alpha": Range(
+        0.0, 1.0, 0.05, accept=(-1.0, 2.0), what="alpha, the target interpolation alpha*x_e + (1-alpha)*x_s"
+    ),
+    "eps": Range(0.0, 1e-2, accept=(0.0, 1e-2), what="eps, the tiny ridge and the clamp of the task scales (> 0)"),
 }
 
 
 def check_setting(lam, rho, alpha, eps=None) -> None:
-    """Every hyper-parameter a finite number in :data:`RANGES` (eps > 0), else ``ValueError``
+    """Every hyper-parameter a finite number :data:`RANGES` accepts (eps > 0), else ``ValueError``
     naming it, its value and its range: :class:`Setting` (so every solve and preview) and the
     config call it."""
     for name, v in (("lam", lam), ("rho", rho), ("alpha", alpha), ("eps", eps)):
         if v is None and name == "eps":
             continue
-        low, high, what = RANGES[name]
+        (low, high), what = RANGES[name].accept, RANGES[name].what
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
         ok = ok and (low < v if name == "eps" else low <= v) and v <= high
         if not ok:
@@ -88,6 +94,9 @@ class Setting:
         )
 
 
+STATS_DTYPES = (torch.float32, torch.float64)
+
+
 @dataclass(frozen=True)
 class FeatCalConfig:
     """Hyper-parameters and switches of FeatCal (docs/maths.md, 'Linear weight' and 'Switches').
@@ -106,21 +115,21 @@ class FeatCalConfig:
         modules: if given, only modules whose name (inside a block) ends with one of these.
     """
 
-    lam: float = 0.05
-    rho: float = 2.0
-    alpha: float = 0.3
-    eps: float = 1e-8
-    bias: bool = True
-    layernorm: bool = True
-    linear: bool = True
-    token_weights: TokenWeights | None = None
-    stats_dtype: torch.dtype = torch.float32
-    offload_streams: bool = False
-    modules: tuple[str, ...] | None = field(default=None)
+    lam: float = option(0.05, RANGES["lam"].what, range=RANGES["lam"])
+    rho: float = option(2.0, RANGES["rho"].what, range=RANGES["rho"])
+    alpha: float = option(0.3, RANGES["alpha"].what, range=RANGES["alpha"])
+    eps: float = option(1e-8, RANGES["eps"].what, range=RANGES["eps"])
+    bias: bool = option(True, "calibrate Linear biases (else keep the merged ones)")
+    layernorm: bool = option(True, "calibrate LayerNorm affine parameters (else keep the merged ones)")
+    linear: bool = option(True, "calibrate Linear weights (and packed attention input projections)")
+    token_weights: TokenWeights | None = option(None, "per-token weights of the statistics (None: all 1)")
+    stats_dtype: torch.dtype = option(torch.float32, "dtype of the statistics and the solve", choices=STATS_DTYPES)
+    offload_streams: bool = option(False, "keep the hidden-state streams on the CPU between blocks")
+    modules: tuple[str, ...] | None = option(None, "only modules whose name (inside a block) ends with one of these")
 
     def __post_init__(self):
         check_setting(self.lam, self.rho, self.alpha, self.eps)
-        if self.stats_dtype not in (torch.float32, torch.float64):
+        if self.stats_dtype not in STATS_DTYPES:
             raise ValueError(f"stats_dtype must be torch.float32 or torch.float64, got {self.stats_dtype}.")
         if not (self.linear or self.layernorm):
             raise ValueError("nothing to calibrate: linear and layernorm are both off.")
@@ -132,48 +141,35 @@ class FeatCalConfig:
         """This run's (lam, rho, alpha)."""
         return Setting(self.lam, self.rho, self.alpha)
 
-    # Presets -----------------------------------------------------------------
+    # Presets (the table: :data:`PRESETS`) ------------------------------------
     @classmethod
     def clip(cls, **overrides) -> "FeatCalConfig":
         """The paper's CLIP setting (lam 0.05, rho 2.0, alpha 0.3, bias, LayerNorm) with
         the reference run's token weights (last block: non-class tokens at 0.01, except
         key/value projections). Any field can be overridden by keyword."""
-        base = dict(lam=0.05, rho=2.0, alpha=0.3, bias=True, layernorm=True, token_weights=TokenWeights())
-        base.update(overrides)
-        return cls(**base)
+        return cls.preset("clip", **overrides)
 
     @classmethod
     def flan_t5(cls, **overrides) -> "FeatCalConfig":
         """The paper's FLAN-T5 setting (lam 1e-5, rho 2.0, alpha 0.6, bias, no LayerNorm)."""
-        base = dict(lam=1e-5, rho=2.0, alpha=0.6, bias=True, layernorm=False)
-        base.update(overrides)
-        return cls(**base)
+        return cls.preset("flan-t5", **overrides)
 
     @classmethod
     def llama(cls, size: str = "3b", **overrides) -> "FeatCalConfig":
         """The paper's Llama settings: 3B (lam 1e-5) or 8B (lam 3.0), rho 0.5, alpha 0.15, bias
         on; RMSNorm scales kept merged as in the paper (Llama has no LayerNorm), ``layernorm=True``
         calibrates them too."""
-        lam = {"3b": 1e-5, "8b": 3.0}.get(size.lower())
-        if lam is None:
+        if size.lower() not in ("3b", "8b"):
             raise ValueError(f"llama preset size must be '3b' or '8b', got {size!r}.")
-        base = dict(lam=lam, rho=0.5, alpha=0.15, layernorm=False)
-        base.update(overrides)
-        return cls(**base)
+        return cls.preset(f"llama-{size.lower()}", **overrides)
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "FeatCalConfig":
-        """The preset ``name`` (one of :data:`PRESETS`; ``none``: the plain config) with
+        """The preset ``name`` (a key of :data:`PRESETS`; ``none``: the plain config) with
         ``overrides``; :func:`preset_for_model` names the one for an architecture."""
-        if name == "clip":
-            return cls.clip(**overrides)
-        if name == "flan-t5":
-            return cls.flan_t5(**overrides)
-        if name.startswith("llama-"):
-            return cls.llama(name.removeprefix("llama-"), **overrides)
-        if name == "none":
-            return cls(**overrides)
-        raise ValueError(f"unknown preset {name!r}; one of {PRESETS}.")
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; one of {tuple(PRESETS)}.")
+        return cls(**{**PRESETS[name], **overrides})
 
     def with_(self, **changes) -> "FeatCalConfig":
         """A copy with some fields changed (validated again)."""
@@ -185,7 +181,19 @@ class FeatCalConfig:
         return d
 
 
-PRESETS = ("clip", "flan-t5", "llama-3b", "llama-8b", "none")
+# The one table of presets: the paper's settings by model family, the fields each sets (the
+# rest keep FeatCalConfig's defaults). ``featcal calibrate --preset``, ``featcal tune`` and
+# ``featcal study``, ``featcal compare`` and the app read it; :func:`preset_for` picks one for
+# an architecture, :func:`preset_config` adds float64 statistics where lam needs them.
+PRESETS: dict[str, dict] = {
+    # CLIP: the reference run's token weights (last block: non-class tokens at 0.01, key/value kept at 1).
+    "clip": dict(lam=0.05, rho=2.0, alpha=0.3, bias=True, layernorm=True, token_weights=TokenWeights()),
+    "flan-t5": dict(lam=1e-5, rho=2.0, alpha=0.6, bias=True, layernorm=False),
+    # Llama-family: RMSNorm scales kept merged as in the paper (Llama has no LayerNorm).
+    "llama-3b": dict(lam=1e-5, rho=0.5, alpha=0.15, layernorm=False),
+    "llama-8b": dict(lam=3.0, rho=0.5, alpha=0.15, layernorm=False),
+    "none": {},  # FeatCalConfig() as it is (lam 0.05, rho 2.0, alpha 0.3, no token weights)
+}
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "smollm")
 LLAMA_8B_WIDTH = 4096  # Llama-3.1-8B's hidden size; narrower Llama-family models take the 3B setting
 

@@ -46,9 +46,7 @@ def _run(methods: tuple, n: int, cal_params: dict, max_test: int | None) -> cmp.
             lambda: cmp.compare(
                 zoo,
                 list(methods),
-                n=n,
-                calibrator_params=cal_params,
-                max_test=max_test,
+                cmp.CompareOptions(n=n, calibrator_params=cal_params, max_test=max_test),
                 cache=_cache(source, fp),
                 progress=True,  # bars in the terminal, and on the page through `inner`
                 on_method=step,

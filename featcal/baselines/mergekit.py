@@ -28,6 +28,7 @@ model card). docs/formats.md has the table with every key and where the two diff
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -390,12 +391,14 @@ def calibrate_mergekit(
     out: str | os.PathLike,
     merged: str | os.PathLike | None = None,
     task_names: Mapping[str, str] | None = None,
-    **kwargs,
+    config=None,
+    options=None,
 ):
-    """Calibrate the merge the mergekit YAML at ``path`` (or its :class:`Recipe`, read with ``merged`` alike)
-    describes with FeatCal, streamed block by block (:func:`featcal.calibrate_checkpoints`, whose keywords
-    ``kwargs`` are): the merge mergekit wrote to ``merged``, or, without it, featcal's merge of the
-    supported methods."""
+    """Calibrate the merge the mergekit YAML at ``path`` (or its :class:`Recipe`, read with ``merged``
+    alike) describes with FeatCal, streamed block by block (:func:`featcal.calibrate_checkpoints`, with its
+    ``config`` and ``options``, a :class:`~featcal.streaming.options.StreamOptions`): the merge mergekit
+    wrote to ``merged``, or, without it, featcal's merge of the supported methods."""
+    from featcal.streaming.options import StreamOptions
     from featcal.streaming.run import calibrate_checkpoints
 
     recipe = path if isinstance(path, Recipe) else read_recipe(path, task_names, merged=merged is not None)
@@ -407,6 +410,7 @@ def calibrate_mergekit(
         )
     merge = None if merged is not None else recipe.featcal_merge()
     card = {"merge": recipe.card() | ({"featcal": {"method": merge[0]}} if merge else {"merged": Path(merged).name})}
+    opts = options or StreamOptions()
     return calibrate_checkpoints(
         recipe.base,
         dict(recipe.experts),
@@ -414,6 +418,6 @@ def calibrate_mergekit(
         out=out,
         merge=merge,
         merged=merged,
-        card=card | dict(kwargs.pop("card", None) or {}),
-        **kwargs,
+        config=config,
+        options=dataclasses.replace(opts, card=card | dict(opts.card or {})),
     )

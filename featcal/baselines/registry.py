@@ -1,10 +1,17 @@
 """Every merger and post-merging calibrator featcal knows, by name: the one registry.
 
 A :class:`Method` says what a method is (``kind``), which function runs it, its parameters
-(name, default read from the function, slider range and choices where it has them), its label
-and its aliases. The command line (``featcal merge``, ``featcal calibrate --merge``,
-``featcal compare``), :mod:`diagnostics.compare` and the app read it; :data:`MERGERS` and
-:data:`MERGERS_WITH_DATA` are derived from it.
+(name, default, help, range and choices where it has them), its label and its aliases. The
+command line (``featcal merge``, ``featcal calibrate --merge``, ``featcal compare``),
+:mod:`diagnostics.compare` and the app read it; :data:`MERGERS` and :data:`MERGERS_WITH_DATA`
+are derived from it.
+
+Parameters are data: a trained calibrator's are the fields of its options dataclass
+(:class:`~featcal.baselines.trained.calibrators.ESCalOptions`,
+:class:`~featcal.baselines.trained.surgery.SurgeryOptions`: help, default, range, choices);
+FeatCal's those of :class:`~featcal.config.FeatCalConfig` (its ranges: the one table,
+:data:`featcal.config.RANGES`) and :func:`featcal.calibrate`'s run options (:data:`FEATCAL_RUN`);
+a merger's are its function's keywords, with the slider ranges and choices given here.
 
 Kinds:
 
@@ -16,7 +23,8 @@ Kinds:
 Parameters on the command line: ``--param NAME=VALUE`` where one method runs (``featcal
 merge``, ``featcal calibrate --merge``), ``--param METHOD.NAME=VALUE`` where several do
 (``featcal compare``); :func:`parse_param_items` reads both and :func:`check_params` checks
-names and types against the registry before any work.
+names, types and ranges against the registry (and builds a trained calibrator's options, so they
+check themselves) before any work.
 """
 
 from __future__ import annotations
@@ -33,10 +41,11 @@ from featcal.baselines import adamerging as ada
 from featcal.baselines import fisher, merging
 from featcal.baselines.regmean import regmean, regmean_plusplus
 from featcal.baselines.svc import svc
-from featcal.baselines.trained.calibrators import escal
-from featcal.baselines.trained.surgery import surgery, surgery_v2
+from featcal.baselines.trained.calibrators import ESCalOptions, escal
+from featcal.baselines.trained.surgery import SurgeryOptions, surgery, surgery_v2
 from featcal.config import FeatCalConfig
 from featcal.engine.run import calibrate
+from featcal.util.options import Range
 
 KINDS = ("merger", "data_merger", "calibrator", "trained")
 # Arguments the runners fill themselves: never a user's --param.
@@ -65,13 +74,15 @@ class ParamError(TypeError, ValueError):
 
 @dataclass(frozen=True)
 class Param:
-    """One parameter: its ``default`` (from the function), the app's slider ``range``
-    ``(min, max, step)`` where it has one, the ``choices`` of a string parameter."""
+    """One parameter: its ``default``, its :class:`~featcal.util.options.Range` where it has one
+    (the app's slider; what a run accepts), the ``choices`` of a string parameter, one line of
+    ``help``."""
 
     name: str
     default: Any
-    range: tuple[float, float, float] | None = None
-    choices: tuple[str, ...] | None = None
+    range: Range | None = None
+    choices: tuple | None = None
+    help: str = ""
 
     def check(self, method: str, value: Any) -> Any:
         """``value`` as this parameter takes it (an int given for a float becomes a float), or a
@@ -95,7 +106,10 @@ class Param:
         else:
             ok = True
         if self.choices is not None and value not in self.choices:
-            want, ok = f"one of {', '.join(self.choices)}", False
+            want, ok = f"one of {', '.join(map(str, self.choices))}", False
+        if ok and self.range is not None and not self.range.admits(value):
+            low, high = self.range.accept
+            want, ok = f"a number in [{low:g}, {high:g}] ({self.range.what})", False
         if not ok:
             raise ParamError(f"{method}: parameter {self.name!r} takes {want}, got {value!r}.")
         return value
@@ -113,6 +127,7 @@ class Method:
     aliases: tuple[str, ...] = ()
     app: bool = False  # offered on the app's Zoo page (fast enough to re-run on a slider's change)
     data_free: bool = True
+    options: type | None = None  # a trained calibrator's options dataclass, built from its parameters
 
     def param(self, name: str) -> Param:
         for p in self.params:
@@ -134,33 +149,62 @@ class Method:
         return self.aliases[0] if self.aliases else self.name
 
 
-def _params(fn: Callable, ranges: Mapping | None = None, choices: Mapping | None = None) -> tuple[Param, ...]:
-    """The user parameters of ``fn`` (every keyword with a default, minus :data:`FILLED`)."""
+def _params(fn: Callable, ranges: Mapping | None = None, choices: Mapping | None = None, helps=None) -> tuple:
+    """A merger's (or SVC's) parameters: every keyword of ``fn`` with a default, minus :data:`FILLED`,
+    with the slider ``ranges`` ``{name: (min, max, step)}``, ``choices`` and ``helps`` given."""
     out = []
     for name, p in inspect.signature(fn).parameters.items():
         if name in FILLED or p.default is inspect.Parameter.empty or name.startswith("_"):
             continue
-        out.append(Param(name, p.default, (ranges or {}).get(name), (choices or {}).get(name)))
+        span = (ranges or {}).get(name)
+        span = Range(*span) if span else None
+        out.append(Param(name, p.default, span, (choices or {}).get(name), (helps or {}).get(name, "")))
     return tuple(out)
 
 
+def _option_params(options: type, defaults: Any = None) -> tuple[Param, ...]:
+    """The parameters an options dataclass declares (:func:`featcal.util.options.option`: help,
+    range, choices), minus :data:`FILLED`; defaults from ``defaults`` (an instance) when given."""
+    return tuple(
+        Param(
+            f.name,
+            getattr(defaults, f.name) if defaults is not None else f.default,
+            f.metadata.get("range"),
+            f.metadata.get("choices"),
+            f.metadata.get("help", ""),
+        )
+        for f in dataclasses.fields(options)
+        if f.name not in FILLED
+    )
+
+
+# FeatCal's run options (:func:`featcal.calibrate`'s keywords a comparison may set).
+FEATCAL_RUN = (
+    Param("blocks", None, help="dotted path of the blocks, for architectures featcal does not know"),
+    Param("fast", None, help="the engine's fast paths (featcal.FastPaths)"),
+    Param("device", None, help="where each block runs (default: the merged model's device)"),
+    Param("on_block", None, help="called after each block with its timings"),
+)
+
+
 def _featcal_params() -> tuple[Param, ...]:
-    """FeatCal's: the CLIP preset's fields (what ``featcal compare`` starts from) and
-    :func:`featcal.calibrate`'s own options."""
-    preset = FeatCalConfig.clip()
-    ranges = {"lam": (1e-4, 10.0, 0.0), "rho": (0.0, 3.0, 0.1), "alpha": (0.0, 1.0, 0.05)}
-    fields = [
-        Param(f.name, getattr(preset, f.name), ranges.get(f.name))
-        for f in dataclasses.fields(FeatCalConfig)
-        if isinstance(getattr(preset, f.name), (bool, int, float)) and f.name != "eps"
-    ]
-    return tuple(fields) + _params(calibrate)
+    """FeatCal's: the numbers and switches of :class:`FeatCalConfig` (defaults: the CLIP preset's,
+    what ``featcal compare`` starts from on a CLIP zoo; eps left out) and its run options."""
+    numbers = [p for p in _option_params(FeatCalConfig, FeatCalConfig.clip()) if p.name != "eps"]
+    numbers = [p for p in numbers if isinstance(p.default, (bool, int, float))]
+    return (*numbers, *FEATCAL_RUN)
 
 
 def _with_data(kind: str, fn: Callable, label: str, ranges=None, choices=None, aliases=()) -> Method:
-    """The entry of a method that reads calibration data (a data merger, a trained calibrator),
-    named as its function is, its parameters read from the function's signature."""
+    """The entry of a data merger, named as its function is, its parameters read from the
+    function's signature."""
     return Method(fn.__name__, kind, fn, label, _params(fn, ranges, choices), aliases=aliases, data_free=False)
+
+
+def _trained(fn: Callable, label: str, options: type) -> Method:
+    """The entry of a trained calibrator, named as its function is, its parameters the fields of
+    its ``options`` dataclass."""
+    return Method(fn.__name__, "trained", fn, label, _option_params(options), data_free=False, options=options)
 
 
 # RegMean and its forward-order variant: one data merger each, the same parameters.
@@ -201,11 +245,16 @@ METHODS: tuple[Method, ...] = (
     _with_data("data_merger", ada.adamerging, "AdaMerging", choices={"granularity": ada.GRANULARITY}),
     _with_data("data_merger", fisher.fisher_merging, "Fisher merging", aliases=("fisher",)),
     Method("featcal", "calibrator", calibrate, "FeatCal", _featcal_params(), data_free=False),
-    Method("svc", "calibrator", svc, "SVC", _params(svc, {"alpha": (0.05, 2.0, 0.05)})),
-    *(
-        _with_data("trained", fn, label)
-        for fn, label in ((escal, "ESCal"), (surgery, "Surgery"), (surgery_v2, "SurgeryV2"))
+    Method(
+        "svc",
+        "calibrator",
+        svc,
+        "SVC",
+        _params(svc, {"alpha": (0.05, 2.0, 0.05)}, helps={"alpha": "floor of the projection coefficients (> 0)"}),
     ),
+    _trained(escal, "ESCal", ESCalOptions),
+    _trained(surgery, "Surgery", SurgeryOptions),
+    _trained(surgery_v2, "SurgeryV2", SurgeryOptions),
 )
 REGISTRY: dict[str, Method] = {m.name: m for m in METHODS}
 ALIASES: dict[str, str] = {a: m.name for m in METHODS for a in m.aliases}
@@ -240,10 +289,29 @@ def get(name: str, *kinds: str) -> Method:
 
 
 def check_params(name: str, params: Mapping[str, Any], *kinds: str) -> dict[str, Any]:
-    """``params`` checked against method ``name``'s (names and types): returned with numbers
-    normalised, or a ``ValueError`` naming the first wrong one and what the method takes."""
+    """``params`` checked against method ``name``'s (names, types, ranges; a trained calibrator's
+    options built from them, which check themselves): returned with numbers normalised, or a
+    ``ValueError`` naming the first wrong one and what the method takes."""
     method = get(name, *kinds)
-    return {k: method.param(k).check(method.name, v) for k, v in params.items()}
+    checked = {k: method.param(k).check(method.name, v) for k, v in params.items()}
+    if method.options is not None:
+        method.options(**checked)
+    return checked
+
+
+def describe(name: str) -> str:
+    """Method ``name``'s parameters, one line each: ``NAME=DEFAULT  help [range or choices]``
+    (what ``featcal compare --help`` lists)."""
+    method = get(name)
+    lines = [f"{method.name} ({method.label}):"]
+    for p in method.params:
+        span = ""
+        if p.choices is not None:
+            span = f" [{' | '.join(map(str, p.choices))}]"
+        elif p.range is not None and p.range.accept is not None:
+            span = f" [{p.range.accept[0]:g} .. {p.range.accept[1]:g}]"
+        lines.append(f"  {p.name}={p.default!r}  {p.help}{span}".rstrip())
+    return "\n".join(lines)
 
 
 MERGERS: dict[str, Callable[..., dict]] = {m.name: m.fn for m in METHODS if m.kind == "merger"}

@@ -30,7 +30,7 @@ from featcal.cli.formats import (
     run_calibrate_mergekit,
     streamed_options,
 )
-from featcal.config import PRESETS, preset_config, preset_for, preset_for_model
+from featcal.config import PRESETS, RANGES, preset_config, preset_for, preset_for_model
 from featcal.engine.run import calibrate
 from featcal.util.outdir import output_lock
 
@@ -46,9 +46,8 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
         "llama-8b: the paper's FLAN-T5 and Llama settings; none: plain FeatCalConfig; auto (default): the "
         "preset of the architecture loaded (CLIP, T5, Llama-family by width, else none), printed",
     )
-    p.add_argument("--lam", type=float, help="lambda, ridge strength toward the anchor")
-    p.add_argument("--rho", type=float, help="rho, anchor blend rho*W_mer + (1-rho)*W_0")
-    p.add_argument("--alpha", type=float, help="alpha, target interpolation alpha*x_e + (1-alpha)*x_s")
+    for name in ("lam", "rho", "alpha"):  # their ranges: featcal.config.RANGES, checked by the config
+        p.add_argument(f"--{name}", type=float, help=RANGES[name].what)
     p.add_argument("--no-bias", action="store_true", help="keep the merged Linear biases")
     p.add_argument("--no-layernorm", action="store_true", help="keep the merged LayerNorm affines")
     p.add_argument("--n-per-task", type=int, default=256, help="calibration examples per task (default 256)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Mapping
 
 import torch
@@ -85,6 +86,11 @@ def parse_params(items: list[str] | None, method: str, with_data: bool = False) 
         return registry.parse_param_items(items, [name]).get(name, {})
     except ValueError as e:
         raise UserError(str(e)) from None
+
+
+def deprecated_option(old: str, new: str) -> None:
+    """Say on stderr that ``old`` is deprecated (kept for one release) and what to write instead."""
+    print(f"featcal: warning: {old} is deprecated and goes in the next release; write {new}.", file=sys.stderr)
 
 
 def add_param(p: argparse.ArgumentParser, what: str = "the merge method") -> None:

@@ -49,8 +49,10 @@ def add_checkpoint_options(c: argparse._ArgumentGroup) -> None:
 
 
 def streamed_options(args) -> dict:
-    """The keywords of :func:`featcal.calibrate_checkpoints` the options give (data aside)."""
+    """The keywords of :func:`featcal.calibrate_checkpoints` the options give: ``calib_data``,
+    ``out`` and its :class:`~featcal.streaming.options.StreamOptions`."""
     from featcal.model.checkpoints import load_token_data
+    from featcal.streaming.options import StreamOptions
 
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}.")
@@ -61,9 +63,7 @@ def streamed_options(args) -> dict:
             if args.data
             else "give --data FILE (a safetensors file of TASK.input_ids, see featcal.model.checkpoints)."
         )
-    return dict(
-        calib_data=load_token_data(args.data, args.batch_size),
-        out=args.out,
+    options = StreamOptions(
         device=args.device,
         resume=args.resume,
         force=args.force,
@@ -72,6 +72,7 @@ def streamed_options(args) -> dict:
         lora_any_base=args.lora_any_base,
         trust_remote_code=args.trust_remote_code,
     )
+    return dict(calib_data=load_token_data(args.data, args.batch_size), out=args.out, options=options)
 
 
 def read_mergekit(args):

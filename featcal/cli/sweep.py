@@ -35,11 +35,12 @@ from featcal.cli.common import (
     add_zoo,
     check_merge_method,
     check_out,
+    deprecated_option,
     parse_params,
     zoo_from_args,
     zoo_inputs,
 )
-from featcal.config import FLOAT64_PRESETS, FeatCalConfig
+from featcal.config import FLOAT64_PRESETS, PRESETS, RANGES, preset_config
 from featcal.sweep import studies
 from featcal.sweep.search import Grid, TuneConfig, holdout_report, tune_zoo
 from featcal.util import outdir
@@ -99,59 +100,48 @@ def _common(p: argparse.ArgumentParser) -> None:
     add_common(p)
 
 
-PRESETS = {
-    "clip": FeatCalConfig.clip,
-    "default": FeatCalConfig,
-    "llama-3b": lambda **kw: FeatCalConfig.llama("3b", **kw),
-}
-
-
 def _featcal_config(args):
-    """The anchor: the preset with the ``--lam/--rho/--alpha`` given (the preset's own where not;
-    for clip and default those are the paper's CLIP setting, lam 0.05, rho 2, alpha 0.3)."""
+    """The anchor: the preset (:data:`featcal.config.PRESETS`) with the ``--lam/--rho/--alpha``
+    and ``--stats-dtype`` given (float64 statistics for the presets whose lam needs them,
+    :func:`featcal.config.preset_config`)."""
     given = {k: getattr(args, k) for k in ("lam", "rho", "alpha") if getattr(args, k) is not None}
-    if args.preset != "llama-3b":
-        given = {"lam": 0.05, "rho": 2.0, "alpha": 0.3, **given}
-    dtype = getattr(args, "stats_dtype", None)
-    if dtype is not None:
-        given["stats_dtype"] = getattr(torch, dtype)
-    elif args.preset in FLOAT64_PRESETS:  # lam 1e-5 needs float64 statistics (as featcal calibrate)
-        given["stats_dtype"] = torch.float64
-    return PRESETS[args.preset](**given)
+    if getattr(args, "stats_dtype", None) is not None:
+        given["stats_dtype"] = getattr(torch, args.stats_dtype)
+    return preset_config(args.preset, **given)
+
+
+class _Preset(argparse.Action):
+    """``--preset``: a name of :data:`featcal.config.PRESETS`; ``default``, this command's old
+    name for ``none``, still works, with a warning."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values == "default":
+            deprecated_option("--preset default", "--preset none (FeatCalConfig's defaults, no token weights)")
+            values = "none"
+        setattr(namespace, self.dest, values)
 
 
 def _anchor_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--lam",
-        type=float,
-        default=None,
-        help="lam of the anchor / studied setting (default: the preset's, CLIP: 0.05)",
-    )
-    p.add_argument(
-        "--rho",
-        type=float,
-        default=None,
-        help="rho of the anchor / studied setting (default: the preset's, CLIP: 2.0)",
-    )
-    p.add_argument(
-        "--alpha",
-        type=float,
-        default=None,
-        help="alpha of the anchor / studied setting (default: the preset's, CLIP: 0.3)",
-    )
+    for name in ("lam", "rho", "alpha"):
+        what = RANGES[name].what.partition(",")[0]
+        help = f"{what} of the anchor / studied setting (default: the preset's)"
+        p.add_argument(f"--{name}", type=float, default=None, help=help)
     p.add_argument(
         "--preset",
-        choices=sorted(PRESETS),
+        choices=(*PRESETS, "default"),
         default="clip",
-        help="switches and token weights: clip (the CLIP preset's last-block token weights, default), "
-        "default (FeatCalConfig(): no token weights, e.g. for mean-pooled text models) or llama-3b (the "
-        "paper's Llama switches: RMSNorm scales kept merged)",
+        action=_Preset,
+        metavar="{" + ",".join(PRESETS) + "}",
+        help="the paper's setting to start from (featcal.config.PRESETS): clip (lam 0.05, rho 2, alpha 0.3 and the "
+        "CLIP preset's last-block token weights, default), flan-t5, llama-3b, llama-8b, or none (FeatCalConfig(): "
+        "the same numbers as clip without token weights, e.g. for mean-pooled text models)",
     )
     p.add_argument(
         "--stats-dtype",
         choices=("float32", "float64"),
         default=None,
-        help="statistics dtype (default: float64 for llama-3b, whose lam 1e-5 needs it; float32 otherwise)",
+        help=f"statistics dtype (default: float64 for {', '.join(FLOAT64_PRESETS)}, whose lam 1e-5 needs it; "
+        "float32 otherwise)",
     )
 
 

@@ -23,8 +23,6 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping
 
-import torch
-
 from featcal.baselines import registry
 from featcal.config import FastPaths, FeatCalConfig
 from featcal.engine import distributed
@@ -33,17 +31,25 @@ from featcal.engine.report import BlockRecord, CalibrationReport, ModuleRecord
 from featcal.engine.run import calibrate
 from featcal.model import arch, validate
 from featcal.model.checkpoints import Checkpoint, check_same_tensors
-from featcal.model.export import MAX_SHARD_BYTES, copy_base_files, drift_summary, model_name, write_hub_files
+from featcal.model.export import copy_base_files, drift_summary, model_name, write_hub_files
 from featcal.model.fingerprint import fingerprint_checkpoint
 from featcal.model.lora import LoraCheckpoint, is_adapter_dir
 from featcal.model.skeletons import skeleton
+from featcal.streaming.options import StreamOptions
 from featcal.streaming.output import write_model
 from featcal.streaming.source import CheckpointSource, needed_names
 from featcal.streaming.workdir import data_digest, open_work, partial_dir
 from featcal.util import outdir
 from featcal.util.memory import peak_rss_mb
 
-__all__ = ["calibrate_checkpoints", "open_checkpoints", "partial_dir", "peak_rss_mb", "CheckpointSource"]
+__all__ = [
+    "calibrate_checkpoints",
+    "StreamOptions",
+    "open_checkpoints",
+    "partial_dir",
+    "peak_rss_mb",
+    "CheckpointSource",
+]
 
 
 def calibrate_checkpoints(
@@ -55,19 +61,7 @@ def calibrate_checkpoints(
     merge: tuple[str, dict] | str | None = None,
     merged: str | os.PathLike | None = None,
     config: FeatCalConfig | None = None,
-    device: str | torch.device = "cpu",
-    resume: bool = False,
-    force: bool = False,
-    progress: bool = True,
-    blocks: str | None = None,
-    fast: FastPaths | None = None,
-    checkpoint_every: int = 1,
-    max_shard_bytes: int = MAX_SHARD_BYTES,
-    on_block: Callable[[int, dict], None] | None = None,
-    common_rows: bool = False,
-    lora_any_base: bool = False,
-    card: Mapping | None = None,
-    trust_remote_code: bool = False,
+    options: StreamOptions | None = None,
 ) -> CalibrationReport:
     """Calibrate a merge with FeatCal, streaming every model from its checkpoint one block at a
     time, and write the calibrated model to ``out`` (``save_pretrained`` layout).
@@ -78,33 +72,15 @@ def calibrate_checkpoints(
             directories on ``base`` (merged block by block as they are read, :mod:`featcal.model.lora`).
         calib_data: ``{task: [batch, ...]}`` as for :func:`featcal.calibrate` (token batches:
             dicts with ``input_ids`` and optionally ``attention_mask``).
-        out: the directory to write; must not exist unless ``force``.
+        out: the directory to write; must not exist unless ``options.force``.
         merge: ``(method, params)`` (or a method name) of :data:`featcal.MERGERS`, to merge the
             base and the experts block by block (the same merge as on whole state dicts, but for
             ``dare``, whose seeded masks are drawn block by block); or
         merged: the merged model's directory.
         config: FeatCal's hyper-parameters (:class:`FeatCalConfig`).
-        device: where each block runs (``"cuda"``: one block of every model on the GPU at a time).
-        resume: continue the run killed part-way that left its work directory beside ``out``.
-        force: replace an existing ``out`` (and a stale work directory).
-        progress: a progress bar and one line per block (time, peak memory).
-        blocks: dotted path of the blocks, for architectures featcal does not know.
-        fast: the engine's fast paths (:class:`FastPaths`).
-        checkpoint_every: save the streams (for ``resume``) every this many blocks (each save
-            writes every task's hidden states; the calibrated blocks are saved every block).
-        max_shard_bytes: the largest output shard.
-        on_block: called after each block as :func:`featcal.calibrate` calls it (``"done"``,
-            ``"blocks"``, ``"seconds"``), with the block's ``"wall_seconds"`` (reading its
-            weights and saving included) and ``"peak_rss_mb"`` [``"peak_gpu_mb"``] added; an
-            exception from it stops the run there, resumable from the last saved block.
-        common_rows: an expert (or the merged model) whose embeddings have more rows than the
-            base's (tokens added) is calibrated on the rows the base has; without it, an error.
-        lora_any_base: accept a LoRA adapter whose ``base_model_name_or_path`` names another
-            model than ``base`` (its shapes are still checked).
-        card: more facts for the model card (:func:`featcal.model.export.write_hub_files`:
-            ``merge``, ``scores``, ...) than this run knows itself.
-        trust_remote_code: build a model class from the checkpoint's own Python code (its
-            ``auto_map``); never taken from a file, only from this argument (``--trust-remote-code``).
+        options: how the checkpoints are read, the run goes and the output is written
+            (:class:`~featcal.streaming.options.StreamOptions`: ``device``, ``resume``, ``force``,
+            ``on_block``, ...; default: a plain CPU run with a progress bar).
 
     ``out`` may not be, contain or lie inside an input; ``force`` replaces only a directory featcal
     wrote (:mod:`featcal.util.outdir`), and one run per ``out`` holds its lock at a time.
@@ -114,38 +90,46 @@ def calibrate_checkpoints(
     """
     t_start = time.perf_counter()
     # 1. Check the arguments, before anything is read or written.
-    cfg, device, merge = config or FeatCalConfig(), check_device(device), _check_merge(merge, merged)
-    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
-        raise ValueError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}.")
+    opts = options or StreamOptions()
+    cfg, device, merge = config or FeatCalConfig(), check_device(opts.device), _check_merge(merge, merged)
     tasks = validate.check_tasks(experts, calib_data)
     inputs = {"the base": base, "the merged model": merged} | {f"expert {t!r}": experts[t] for t in tasks}
-    out = outdir.check_output(out, force, inputs)
+    out = outdir.check_output(out, opts.force, inputs)
     # 2. Open the checkpoints (headers and skeletons) of the tasks the data has.
     experts, calib_data = {t: experts[t] for t in tasks}, {t: calib_data[t] for t in tasks}
-    ckpts, skels, path = open_checkpoints(base, experts, merged, blocks, common_rows, lora_any_base, trust_remote_code)
+    reading = (opts.blocks, opts.common_rows, opts.lora_any_base, opts.trust_remote_code)
+    ckpts, skels, path = open_checkpoints(base, experts, merged, *reading)
     check_token_ids(skels["merged"], calib_data)
     work = partial_dir(out)
+    fast = opts.fast
     dist = distributed.current(device, (fast or FastPaths()).dist_solve)  # a process group: rank 0 writes
     writer = dist is None or dist.rank == 0
     with outdir.output_lock(out) if writer else contextlib.nullcontext():
         # 3. Open (or resume) the work directory, and 4. calibrate the blocks not done yet.
-        run = dict(device=device, fast=fast, progress=progress, checkpoint_every=checkpoint_every, on_block=on_block)
+        run = dict(
+            device=device,
+            fast=fast,
+            progress=opts.progress,
+            checkpoint_every=opts.checkpoint_every,
+            on_block=opts.on_block,
+        )
         report = _in_work_dir(
             work,
             _fingerprint(ckpts, merge, cfg, path, calib_data),
             lambda state: _calibrate_blocks(ckpts, skels, path, calib_data, merge, cfg, state, work, run, dist),
-            resume=resume,
-            force=force,
+            resume=opts.resume,
+            force=opts.force,
             dist=dist,
         )
         if not writer:  # rank 0 writes the model
             dist.barrier("waiting for rank 0 to write the model")
             return report
-        model_dir = write_model(work, ckpts, tasks, merge, path, max_shard_bytes)  # 5. write the model; 6. commit
+        model_dir = write_model(work, ckpts, tasks, merge, path, opts.max_shard_bytes)  # 5. write; 6. commit
         report.seconds = time.perf_counter() - t_start
         report.save_json(model_dir / "featcal_report.json")
-        _hub_files(model_dir, out.name, ckpts, _card(ckpts, merge, cfg, calib_data, report) | dict(card or {}))
-        _commit(model_dir, out, work, lambda: outdir.check_output(out, force, inputs))
+        card = _card(ckpts, merge, cfg, calib_data, report) | dict(opts.card or {})
+        _hub_files(model_dir, out.name, ckpts, card)
+        _commit(model_dir, out, work, lambda: outdir.check_output(out, opts.force, inputs))
     if dist is not None:
         dist.barrier("writing the model")
     return report

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Mapping
 
 from torch import nn
 
-from featcal.config import FeatCalConfig
+from featcal.config import RANGES, FeatCalConfig
 from featcal.engine.run import calibrate
 from featcal.sweep.jobs import (
     HeadLogits,
@@ -66,7 +66,9 @@ SCORES = ("auto", "accuracy", "kl")
 
 @dataclass(frozen=True)
 class Grid:
-    """The sweep's axes; points are their product, in ``lam``-major order."""
+    """The sweep's axes; points are their product, in ``lam``-major order. The defaults lie inside
+    the ranges the app's sliders span (:data:`featcal.config.RANGES`, lam on a log scale); every
+    value must be one a run accepts (the same table), lam > 0 (its axis is searched in decades)."""
 
     lam: tuple[float, ...] = (0.005, 0.02, 0.05, 0.2, 1.0)  # lambda, ridge strength (> 0)
     rho: tuple[float, ...] = (0.5, 1.0, 1.5, 2.0, 2.5)  # rho, anchor blend
@@ -77,6 +79,10 @@ class Grid:
             v = tuple(float(x) for x in getattr(self, name))
             if not v or not all(math.isfinite(x) for x in v):
                 raise ValueError(f"Grid.{name} needs at least one finite value, got {v}.")
+            bad = [x for x in v if not RANGES[name].admits(x)]
+            if bad:
+                (low, high), what = RANGES[name].accept, RANGES[name].what
+                raise ValueError(f"Grid.{name} values must lie in [{low:g}, {high:g}] ({what}), got {bad}.")
             object.__setattr__(self, name, v)
         if min(self.lam) <= 0:
             raise ValueError(f"Grid.lam values must be > 0, got {self.lam}.")
@@ -138,6 +144,11 @@ def _neighbours(p: Point, step: Point) -> list[Point]:
         (lam, rho, alpha + step[2]),
         (lam, rho, alpha - step[2]),
     ]
+
+
+def _searchable(p: Point) -> bool:
+    """Whether a refined point can run: lam > 0, every value one :data:`featcal.config.RANGES` accepts."""
+    return p[0] > 0 and all(RANGES[name].admits(v) for name, v in zip(("lam", "rho", "alpha"), p))
 
 
 def _initial_step(grid: Grid) -> Point:
@@ -344,7 +355,7 @@ def _preview_search(run, rows: list[dict], opts: TuneConfig) -> None:
     for _ in range(opts.rounds if opts.search == "adaptive" else 0):
         top = sorted(rows, key=_by_preview)[: opts.top_k]
         cand = [q for r in top for q in _neighbours((r["lam"], r["rho"], r["alpha"]), step)]
-        preview([q for q in cand if q[0] > 0], "refine")
+        preview([q for q in cand if _searchable(q)], "refine")
         step = tuple(s / 2 for s in step)
 
 

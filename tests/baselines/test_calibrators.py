@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diagnostics import drift_table
-from featcal import TaskCalibrated, escal, merge, surgery, surgery_v2
+from featcal import ESCalOptions, SurgeryOptions, TaskCalibrated, escal, merge, surgery, surgery_v2
 from featcal.baselines.trained.modules import Bridge, SurgeryAdapter, escal_weights
 from featcal.baselines.trained.surgery import final_embedding
 from featcal.model.arch import resolve_blocks
@@ -28,9 +28,9 @@ def run(method, kind, merged, experts, data, **kw):
         kw.setdefault("epochs", 3)
         if kind == "toy":
             kw = {**TOY_PROJ, **kw}
-        return escal(merged, experts, data, progress=False, **kw)
+        return escal(merged, experts, data, ESCalOptions(progress=False, **kw))
     fn = surgery if method == "surgery" else surgery_v2
-    return fn(merged, experts, data, steps=kw.pop("steps", 10), progress=False, **kw)
+    return fn(merged, experts, data, SurgeryOptions(steps=kw.pop("steps", 10), progress=False, **kw))
 
 
 def outputs(model, batches):
@@ -258,7 +258,7 @@ def test_escal_on_a_llama_with_padding():
     merged, experts, data = _tiny_llama()
     W_qkv, W_out = escal_weights(resolve_blocks(merged)[1][0])
     assert W_qkv.shape == (32 + 16 + 16, 32) and W_out.shape == (32, 48)  # q, then the shared k/v heads
-    cal = escal(merged, experts, data, rank=8, epochs=10, lr=1e-2, progress=False)
+    cal = escal(merged, experts, data, ESCalOptions(rank=8, epochs=10, lr=1e-2, progress=False))
     assert cal.runs["a"].losses[-1] < cal.runs["a"].losses[0]
     logits = call_model(cal.for_task("a"), data["a"][0]).logits
     assert logits.shape == (2, 10, 50) and torch.isfinite(logits).all()
@@ -269,15 +269,19 @@ def test_escal_on_a_llama_with_padding():
 def test_bad_input_is_named():
     _, experts, merged, data = zoo("toy")
     with pytest.raises(ValueError, match="qkv=.*mlp_out"):
-        escal(merged, experts, data, progress=False)
+        escal(merged, experts, data, ESCalOptions(progress=False))
     with pytest.raises(ValueError, match="last_read"):
-        escal(merged, experts, data, last_read="nope", progress=False, **TOY_PROJ)
+        ESCalOptions(last_read="nope", **TOY_PROJ)
+    with pytest.raises(ValueError, match="ESCalOptions: rank, epochs and batch must be >= 1 and lr > 0"):
+        ESCalOptions(epochs=0)
     with pytest.raises(ValueError, match="pool"):
-        surgery(merged, experts, data, pool="cls", progress=False)
+        SurgeryOptions(pool="cls")
+    with pytest.raises(ValueError, match="SurgeryOptions: rank, steps and batch must be >= 1 and lr > 0"):
+        SurgeryOptions(lr=0.0)
     with pytest.raises(ValueError, match="embedding='nope'"):
-        surgery_v2(merged, experts, data, embedding="nope", progress=False)
+        surgery_v2(merged, experts, data, SurgeryOptions(embedding="nope", progress=False))
     with pytest.raises(ValueError, match="tasks of experts"):
-        surgery(merged, experts, {"t0": data["t0"]}, progress=False)
+        surgery(merged, experts, {"t0": data["t0"]}, SurgeryOptions(progress=False))
     with pytest.raises(FloatingPointError, match="lower lr"):
         run("surgery_v2", "toy", merged, experts, data, steps=5, lr=1e30)
     cal = run("surgery", "toy", merged, experts, data, steps=1)
@@ -304,7 +308,7 @@ def test_evaluate_scores_each_task_with_its_own_modules(tiny_zoo_dir):
     tzoo = store.read_zoo_dir(tiny_zoo_dir)
     merged = tzoo.merged("task_arithmetic", scale=0.3)
     data = tzoo.calib_data(8, batch_size=4)
-    cal = surgery_v2(merged, tzoo.experts, data, steps=2, progress=False)
+    cal = surgery_v2(merged, tzoo.experts, data, SurgeryOptions(steps=2, progress=False))
     task = tzoo.tasks[0]
     x, _ = tzoo.split(task, "test")
     feats = tzoo.features(cal.for_task(task), x[:6])
@@ -336,9 +340,9 @@ def test_escal_epochs_count_passes_over_the_data_whatever_the_batching():
     pooled: one step per given batch. Either way ``epochs`` passes, per task."""
     _, experts, merged, data = zoo("hf_clip", n_tasks=1)
     one = {"t0": [torch.cat(data["t0"])]}  # 12 examples, one batch
-    cal = escal(merged, experts, one, rank=4, epochs=2, batch=4, progress=False)
+    cal = escal(merged, experts, one, ESCalOptions(rank=4, epochs=2, batch=4, progress=False))
     assert cal.runs["t0"].steps == 2 * 3 and cal.settings["steps"] == {"t0": 6}
     merged_l, experts_l, data_l = _tiny_llama()
     padded = {t: [{k: torch.cat([b[k] for b in bs]) for k in bs[0]}] for t, bs in data_l.items()}  # one padded batch
-    cal = escal(merged_l, experts_l, padded, rank=4, epochs=2, batch=2, progress=False)
+    cal = escal(merged_l, experts_l, padded, ESCalOptions(rank=4, epochs=2, batch=2, progress=False))
     assert {t: r.steps for t, r in cal.runs.items()} == {"a": 2, "b": 2}  # 2 passes, not 2 x (4 / 2) passes

@@ -14,7 +14,7 @@ import yaml
 from transformers import LlamaForCausalLM
 
 import tiny
-from featcal import calibrate_checkpoints
+from featcal import StreamOptions, calibrate_checkpoints
 from featcal.baselines import registry
 from featcal.baselines.mergekit import SUPPORTED, MergekitError, read_recipe
 from featcal.cli.commands import main
@@ -144,7 +144,7 @@ def test_cli_mergekit_calibrates_to_a_loadable_model(root, tmp_path):
         out=tmp_path / "ref",
         merged=merged_dir,
         config=preset_config("llama-3b"),  # as the CLI (float64 statistics)
-        progress=False,
+        options=StreamOptions(progress=False),
     )
     ref = LlamaForCausalLM.from_pretrained(tmp_path / "ref").state_dict()
     for k, v in model.state_dict().items():

@@ -2,6 +2,7 @@
 what the public names, the comparison and the app read from it, and the one --param dialect
 (the command line's use of it: tests/cli/test_cli.py)."""
 
+import dataclasses
 import inspect
 
 import pytest
@@ -10,6 +11,7 @@ import featcal
 from app import settings
 from diagnostics import compare as cmp
 from featcal.baselines import registry
+from featcal.config import RANGES
 
 
 def test_every_method_is_registered_once_with_its_kind_label_and_parameters():
@@ -30,14 +32,58 @@ def test_every_method_is_registered_once_with_its_kind_label_and_parameters():
     assert registry.names("trained") == ["escal", "surgery", "surgery_v2"]
     for m in registry.METHODS:
         assert m.kind in registry.KINDS and m.label
-        sig = inspect.signature(m.fn).parameters
+        declared = _declared(m)
         for p in m.params:
-            if m.name != "featcal" or p.name in sig:  # FeatCal's preset fields live on FeatCalConfig
-                assert sig[p.name].default == p.default, (m.name, p.name)
+            if p.name in declared:  # FeatCal's run options are calibrate's keywords
+                assert declared[p.name] == p.default, (m.name, p.name)
             if p.range is not None:
-                lo, hi, _ = p.range
-                assert lo <= p.default <= hi or m.name == "featcal", (m.name, p.name)
+                assert p.range.low <= p.default <= p.range.high, (m.name, p.name)
     assert registry.get("featcal").defaults["lam"] == featcal.FeatCalConfig.clip().lam
+
+
+def _declared(m) -> dict:
+    """Where a method's parameters are declared: a trained calibrator's options dataclass, FeatCal's
+    CLIP preset (what a comparison starts from), a merger's function."""
+    if m.options is not None:
+        return {f.name: f.default for f in dataclasses.fields(m.options)}
+    if m.name == "featcal":
+        return dataclasses.asdict(featcal.FeatCalConfig.clip())
+    return {k: p.default for k, p in inspect.signature(m.fn).parameters.items()}
+
+
+def test_trained_calibrators_read_their_options_with_help_and_choices():
+    escal = registry.get("escal")
+    assert escal.options is featcal.ESCalOptions and registry.get("surgery_v2").options is featcal.SurgeryOptions
+    assert escal.defaults == {
+        "rank": 128,
+        "lr": 3e-3,
+        "batch": 16,
+        "seed": 0,
+        "blocks": None,
+        "device": None,
+        "epochs": 200,
+        "block_weights": None,
+        "last_read": "write",
+        "qkv": None,
+        "mlp_out": None,
+        "tokens": "all",
+    }  # ESCal's defaults, exactly as before they were options; progress is the runner's
+    assert all(p.help for m in ("escal", "surgery", "featcal") for p in registry.get(m).params)
+    assert escal.param("last_read").choices == ("write", "own_qkv")
+    with pytest.raises(ValueError, match="'tokens' takes one of all, cls, got 'mean'"):
+        registry.check_params("escal", {"tokens": "mean"})
+    with pytest.raises(ValueError, match="SurgeryOptions: rank, steps and batch must be >= 1"):
+        registry.check_params("surgery", {"steps": 0})  # the options check themselves, before any work
+
+
+def test_featcal_reads_the_one_table_of_ranges():
+    lam = registry.get("featcal").param("lam")
+    assert lam.range is RANGES["lam"] and tuple(lam.range) == (-6.0, 2.0, 0.1)  # the app's log10 slider
+    assert registry.check_params("featcal", {"lam": 1e3, "rho": -5}) == {"lam": 1e3, "rho": -5.0}  # accepted
+    with pytest.raises(ValueError, match=r"featcal: parameter 'lam' takes a number in \[0, inf\] \(lambda"):
+        registry.check_params("featcal", {"lam": -1.0})
+    with pytest.raises(ValueError, match=r"'alpha' takes a number in \[-1, 2\]"):
+        registry.check_params("featcal", {"alpha": 3})
 
 
 def test_the_public_names_are_derived_from_it():
@@ -51,7 +97,8 @@ def test_the_public_names_are_derived_from_it():
 def test_the_apps_labels_and_ranges_come_from_it():
     assert settings.MERGE_METHODS["task_arithmetic"] == registry.get("task_arithmetic").label
     assert set(settings.MERGE_METHODS) == {m.name for m in registry.METHODS if m.app}
-    assert settings.MERGE_PARAMS["ties"] == {"density": (0.05, 1.0, 0.05), "scale": (0.05, 2.0, 0.05)}
+    ties = {k: tuple(v) for k, v in settings.MERGE_PARAMS["ties"].items()}  # a Range unpacks as (min, max, step)
+    assert ties == {"density": (0.05, 1.0, 0.05), "scale": (0.05, 2.0, 0.05)}
     assert settings.merge_default("ties", "density") == 0.2
 
 

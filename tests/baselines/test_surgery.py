@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
 
-from featcal import surgery, surgery_v2
+from featcal import SurgeryOptions, surgery, surgery_v2
+from featcal.baselines import registry
 from featcal.baselines.trained.surgery import _loss, final_embedding, token_mean
 from featcal.model.arch import resolve_blocks
 from featcal.model.streams import call_model
@@ -54,7 +55,7 @@ def test_surgery_acts_on_the_final_embedding_only():
     experts = {"t0": perturbed(base, 0.05, 10)}
     merged = perturbed(base, 0.02, 3)
     data = {"t0": [torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]}
-    cal = surgery(merged, experts, data, steps=20, lr=1e-2, progress=False)
+    cal = surgery(merged, experts, data, SurgeryOptions(steps=20, lr=1e-2, progress=False))
     assert cal.embedding == "visual_projection" and list(cal.modules["t0"]) == ["embedding"]
     model = cal.for_task("t0")
     x = data["t0"][0]
@@ -67,7 +68,7 @@ def test_surgery_acts_on_the_final_embedding_only():
 
 def test_surgerys_first_loss_is_the_l1_of_the_final_embeddings():
     _, experts, merged, data = zoo("hf_clip", n_tasks=1)
-    cal = surgery(merged, experts, data, steps=1, batch=12, progress=False)  # one minibatch: all 12
+    cal = surgery(merged, experts, data, SurgeryOptions(steps=1, batch=12, progress=False))  # one minibatch: all 12
     site = "post_layernorm"
     l1 = torch.nn.functional.l1_loss(
         _site_outputs(merged, site, data["t0"]), _site_outputs(experts["t0"], site, data["t0"])
@@ -77,7 +78,7 @@ def test_surgerys_first_loss_is_the_l1_of_the_final_embeddings():
 
 def test_surgery_v2s_first_loss_is_the_token_mean_l1_at_every_block_plus_the_embeddings():
     _, experts, merged, data = zoo("hf_clip", n_tasks=1)
-    cal = surgery_v2(merged, experts, data, steps=1, batch=12, progress=False)
+    cal = surgery_v2(merged, experts, data, SurgeryOptions(steps=1, batch=12, progress=False))
     path, blks = resolve_blocks(merged)
     want = 0.0
     for l in range(len(blks)):
@@ -139,17 +140,18 @@ def test_parameter_counts_are_the_papers_on_a_vit_b32_sized_model(open_clip):
     data = {"t": [torch.randn(2, 3, 32, 32)]}
     counts = {}
     for fn in (surgery, surgery_v2):
-        cal = fn(model, {"t": model}, data, steps=1, batch=2, progress=False)
+        cal = fn(model, {"t": model}, data, SurgeryOptions(steps=1, batch=2, progress=False))
         counts[cal.method] = cal.added_parameters["per_task"]["t"]["trained"]
     assert counts == {"surgery": 2 * 512 * 16, "surgery_v2": 311_296}  # 2 x 512 x 16; 2 L d r + 2 d_out r
 
 
 def test_the_authors_schedule_is_the_default():
-    import inspect
-
-    for fn in (surgery, surgery_v2):
-        p = inspect.signature(fn).parameters
-        assert (p["rank"].default, p["steps"].default, p["lr"].default, p["batch"].default) == (16, 1000, 1e-3, 16)
+    o = SurgeryOptions()
+    assert (o.rank, o.steps, o.lr, o.batch) == (16, 1000, 1e-3, 16)
+    for name in ("surgery", "surgery_v2"):  # what --param and the app read
+        assert {k: registry.get(name).defaults[k] for k in ("rank", "steps", "lr", "batch")} == dict(
+            rank=16, steps=1000, lr=1e-3, batch=16
+        )
 
 
 def _per_step_reference(method, merged, expert, batches, steps, batch, lr, seed=0, rank=16):
@@ -204,7 +206,7 @@ def test_features_computed_once_train_as_the_per_step_loop_does(method, kind):
         batches = [_tokens([w, w - 2, 3, w - 1], w, 40, i) for i, w in enumerate(widths)]
     expert, merged = perturbed(base, 0.05, 10), perturbed(base, 0.02, 3)
     fn = surgery if method == "surgery" else surgery_v2
-    cal = fn(merged, {"t": expert}, {"t": batches}, steps=9, batch=5, lr=1e-2, progress=False)
+    cal = fn(merged, {"t": expert}, {"t": batches}, SurgeryOptions(steps=9, batch=5, lr=1e-2, progress=False))
     mods, losses = _per_step_reference(method, merged, expert, batches, steps=9, batch=5, lr=1e-2)
     assert cal.runs["t"].losses == pytest.approx(losses, rel=1e-4, abs=1e-6)
     assert all(m.W_up.abs().max() > 1e-3 for m in mods.values())  # the modules moved off zero

@@ -366,3 +366,22 @@ def test_tune_and_study_take_the_llama_preset_and_float64_statistics():
     assert _featcal_config(llama).stats_dtype == torch.float64  # the llama-3b preset's default
     llama.stats_dtype = "float32"
     assert _featcal_config(llama).stats_dtype == torch.float32  # a user's choice kept
+
+
+def test_tune_and_study_read_the_one_table_of_presets(capsys):
+    """``featcal tune --preset`` offers featcal.config.PRESETS, each the config ``featcal calibrate
+    --preset`` makes; ``default`` (tune's old name for ``none``) still works, with a warning."""
+    import argparse
+
+    from featcal.cli.sweep import _featcal_config, add_tune_arguments
+    from featcal.config import PRESETS, preset_config
+
+    p = add_tune_arguments(argparse.ArgumentParser())
+    for name in PRESETS:
+        assert _featcal_config(p.parse_args(["--preset", name, "--out", "x"])) == preset_config(name)
+    old = p.parse_args(["--preset", "default", "--out", "x"])
+    assert old.preset == "none" and _featcal_config(old) == preset_config("none")
+    err = capsys.readouterr().err
+    assert "--preset default is deprecated" in err and "write --preset none" in err
+    with pytest.raises(SystemExit):
+        p.parse_args(["--preset", "gpt", "--out", "x"])

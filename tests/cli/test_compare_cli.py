@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 
 from featcal.cli import commands as cli
 from featcal.zoo import load_any
@@ -63,3 +64,14 @@ def test_compare_composes_svc_adamerging_and_fisher(tiny_zoo_dir, tmp_path, caps
     assert summary["method"].tolist() == ["experts", "base", "ta+svc", "ta+svc+featcal", "adamerging", "fisher"]
     assert summary.set_index("method").loc["ta+svc+featcal", "calibrator"] == "svc+featcal"
     assert '"alpha": 0.1' in (out / "settings.json").read_text()
+
+
+def test_help_lists_each_calibrators_parameters_from_the_registry(capsys):
+    """``featcal compare --help`` lists every calibrator's parameters with their defaults, help,
+    ranges and choices: the fields of their options (featcal.baselines.registry.describe)."""
+    with pytest.raises(SystemExit):
+        cli.main(["compare", "--help"])
+    out = capsys.readouterr().out
+    assert "escal (ESCal):" in out and "epochs=200  passes over each task's examples" in out
+    assert "pool='auto'  how the final embedding is compared [auto | example | mean | tokens]" in out
+    assert "lam=0.05  lambda, the ridge strength toward the anchor [0 .. inf]" in out

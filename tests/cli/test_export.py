@@ -13,7 +13,7 @@ from huggingface_hub import ModelCard
 from transformers import LlamaForCausalLM
 
 import tiny
-from featcal import FeatCalConfig, calibrate_checkpoints
+from featcal import FeatCalConfig, StreamOptions, calibrate_checkpoints
 from featcal.cli.commands import main
 from featcal.model.checkpoints import INDEX, load_token_data, save_token_data
 from featcal.model.export import hub_id, model_card
@@ -70,8 +70,7 @@ def test_streamed_output_is_hub_shaped(ckpts):
         out=out,
         merge=("task_arithmetic", {"scale": 0.4}),
         config=FeatCalConfig.llama("3b"),
-        progress=False,
-        max_shard_bytes=40_000,
+        options=StreamOptions(progress=False, max_shard_bytes=40_000),
     )
     assert (out / INDEX).is_file() and len(list(out.glob("model-*.safetensors"))) > 1
     for name in ("config.json", "generation_config.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -92,15 +91,16 @@ def test_vocabulary_mismatch_is_named_and_common_rows_calibrates(ckpts):
             big.state_dict()[k][: v.shape[0]].copy_(v)
     big.save_pretrained(ckpts / "a")
     data = load_token_data(ckpts / "d.safetensors", batch_size=2)
-    kw = dict(calib_data=data, merge="task_arithmetic", progress=False)
+    kw = dict(calib_data=data, merge="task_arithmetic")
+    quiet, common_rows = StreamOptions(progress=False), StreamOptions(progress=False, common_rows=True)
     with pytest.raises(ValueError, match=r"(embed_tokens|lm_head).weight' has 70 rows .*base has 64.*common_rows=True"):
-        calibrate_checkpoints(ckpts / "base", {t: ckpts / t for t in "ab"}, out=ckpts / "o1", **kw)
-    calibrate_checkpoints(ckpts / "base", {t: ckpts / t for t in "ab"}, out=ckpts / "o2", common_rows=True, **kw)
+        calibrate_checkpoints(ckpts / "base", {t: ckpts / t for t in "ab"}, out=ckpts / "o1", options=quiet, **kw)
+    calibrate_checkpoints(ckpts / "base", {t: ckpts / t for t in "ab"}, out=ckpts / "o2", options=common_rows, **kw)
     assert LlamaForCausalLM.from_pretrained(ckpts / "o2").model.embed_tokens.weight.shape == (64, 32)
     # a merged model with the grown vocabulary (mergekit's tokenizer union, say): cut, with the base's config
     kw.pop("merge")
     experts = {"a": ckpts / "b", "b": ckpts / "b"}
-    calibrate_checkpoints(ckpts / "base", experts, out=ckpts / "o3", merged=ckpts / "a", common_rows=True, **kw)
+    calibrate_checkpoints(ckpts / "base", experts, out=ckpts / "o3", merged=ckpts / "a", options=common_rows, **kw)
     assert LlamaForCausalLM.from_pretrained(ckpts / "o3").lm_head.weight.shape == (64, 32)
 
 

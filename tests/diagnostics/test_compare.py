@@ -7,7 +7,7 @@ import math
 import pytest
 
 from diagnostics import compare as cmp
-from featcal import FeatCalConfig, calibrate, escal
+from featcal import ESCalOptions, FeatCalConfig, calibrate, escal
 from featcal.zoo import load_any
 from featcal.zoo.core import evaluate
 from featcal.zoo.scores import expert_accuracies
@@ -23,7 +23,10 @@ def zoo(tiny_zoo_dir):
 @pytest.fixture(scope="module")
 def result(zoo):
     return cmp.compare(
-        zoo, ["ta", "ties", "ta+featcal", "ta+escal", "ta+surgery_v2"], n=16, calibrator_params=FAST, progress=False
+        zoo,
+        ["ta", "ties", "ta+featcal", "ta+escal", "ta+surgery_v2"],
+        cmp.CompareOptions(n=16, calibrator_params=FAST),
+        progress=False,
     )
 
 
@@ -62,7 +65,8 @@ def test_added_parameters(zoo, result):
 
 
 def test_trained_rows_score_each_task_with_its_own_modules(zoo, result):
-    cal = escal(zoo.merged("task_arithmetic"), zoo.experts, zoo.calib_data(16), progress=False, **FAST["escal"])
+    opts = ESCalOptions(progress=False, **FAST["escal"])
+    cal = escal(zoo.merged("task_arithmetic"), zoo.experts, zoo.calib_data(16), opts)
     direct = {t: evaluate(cal.for_task(t), zoo, tasks=[t])[t] for t in zoo.tasks}
     got = result.accuracy[result.accuracy["method"] == "ta+escal"].set_index("task")["accuracy"].to_dict()
     assert got == pytest.approx(direct)
@@ -88,12 +92,13 @@ def test_gap_closed(result):
 
 def test_cached_per_setting(zoo, result):
     cache = {}
-    a = cmp.run_method(zoo, "ta", n=16, cache=cache)
-    assert cmp.run_method(zoo, "ta", n=16, cache=cache) is a
-    assert cmp.run_method(zoo, "ta", n=8, cache=cache) is not a
-    b = cmp.run_method(zoo, "ta", n=16, merger_params={"task_arithmetic": {"scale": 0.5}}, cache=cache)
+    Options = cmp.CompareOptions
+    a = cmp.run_method(zoo, "ta", Options(n=16), cache=cache)
+    assert cmp.run_method(zoo, "ta", Options(n=16), cache=cache) is a
+    assert cmp.run_method(zoo, "ta", Options(n=8), cache=cache) is not a
+    b = cmp.run_method(zoo, "ta", Options(n=16, merger_params={"task_arithmetic": {"scale": 0.5}}), cache=cache)
     assert b is not a
-    assert cmp.run_method(zoo, "ta", n=16, merger_params={"ta": {"scale": 0.5}}, cache=cache) is b  # alias
+    assert cmp.run_method(zoo, "ta", Options(n=16, merger_params={"ta": {"scale": 0.5}}), cache=cache) is b  # alias
 
 
 def test_bad_methods_are_named():
@@ -133,14 +138,19 @@ def test_figures_draw_every_method_and_the_reference_lines(zoo, result):
 
 def test_parameters_reach_the_method_and_bad_ones_fail_first(zoo):
     cache = {}
-    tuned = cmp.run_method(zoo, "ta+featcal", n=16, calibrator_params={"featcal": {"lam": 0.5}}, cache=cache)
+    tuned_options = cmp.CompareOptions(n=16, calibrator_params={"featcal": {"lam": 0.5}})
+    tuned = cmp.run_method(zoo, "ta+featcal", tuned_options, cache=cache)
     config = FeatCalConfig.clip().with_(lam=0.5)
     model, _ = calibrate(
         zoo.merged("task_arithmetic"), base=zoo.base, experts=zoo.experts, calib_data=zoo.calib_data(16), config=config
     )
     assert tuned.accuracy == pytest.approx(evaluate(model, zoo))
     with pytest.raises(ValueError, match="surgery takes no parameter 'step'"):
-        cmp.compare(zoo, ["ta+surgery"], calibrator_params={"surgery": {"step": 2}}, cache=cache)
+        cmp.compare(zoo, ["ta+surgery"], cmp.CompareOptions(calibrator_params={"surgery": {"step": 2}}), cache=cache)
     with pytest.raises(ValueError, match="task_arithmetic takes no parameter 'density'"):
-        cmp.compare(zoo, ["ta"], merger_params={"task_arithmetic": {"density": 0.2}}, cache=cache)
+        cmp.compare(zoo, ["ta"], cmp.CompareOptions(merger_params={"task_arithmetic": {"density": 0.2}}), cache=cache)
+    with pytest.raises(ValueError, match=r"featcal: parameter 'lam' takes a number in \[0, inf\]"):
+        cmp.compare(zoo, ["ta+featcal"], cmp.CompareOptions(calibrator_params={"featcal": {"lam": -1}}), cache=cache)
+    with pytest.raises(ValueError, match="ESCalOptions: rank, epochs and batch must be >= 1"):
+        cmp.compare(zoo, ["ta+escal"], cmp.CompareOptions(calibrator_params={"escal": {"epochs": 0}}), cache=cache)
     assert list(cache) == [next(iter(cache))]  # nothing ran for the bad calls

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import tiny
-from featcal import FastPaths, FeatCalConfig, calibrate, calibrate_checkpoints
+from featcal import FastPaths, FeatCalConfig, StreamOptions, calibrate, calibrate_checkpoints
 from featcal.engine import distributed
 from featcal.model.checkpoints import load_token_data, save_token_data
 
@@ -171,10 +171,7 @@ def _stream_worker(rank: int, root: str, out: str, stop_at: int | None) -> list:
             experts,
             merge="task_arithmetic",
             out=out,
-            resume=True,
-            on_block=stop,
-            progress=False,
-            fast=POOL_OFF,
+            options=StreamOptions(resume=True, on_block=stop, progress=False, fast=POOL_OFF),
             **kw,
         )
     except KeyboardInterrupt:

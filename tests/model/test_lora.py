@@ -10,10 +10,12 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
 import tiny
-from featcal import calibrate, calibrate_checkpoints, merge
+from featcal import StreamOptions, calibrate, calibrate_checkpoints, merge
 from featcal.config import preset_config
 from featcal.model.checkpoints import Checkpoint, save_token_data
 from featcal.model.lora import LoraAdapter, LoraError, lora_scale, merge_lora
+
+QUIET = StreamOptions(progress=False)
 
 
 def _llama(seed=0, layers=2, vocab=64):
@@ -122,7 +124,7 @@ def test_lora_experts_streamed_equal_in_memory(tmp_path):
     _same(got.state_dict(), want.state_dict())
     out = tmp_path / "streamed"
     calibrate_checkpoints(
-        tmp_path / "base", ads, calib_data=data, out=out, merge="task_arithmetic", config=cfg, progress=False
+        tmp_path / "base", ads, calib_data=data, out=out, merge="task_arithmetic", config=cfg, options=QUIET
     )
     _same(LlamaForCausalLM.from_pretrained(out).state_dict(), want.state_dict())
     argv = ["calibrate", "--base", str(tmp_path / "base"), "--expert", f"a={ads['a']}", "--expert", f"b={ads['b']}"]
@@ -200,10 +202,11 @@ def test_adapter_with_added_tokens_needs_common_rows(tmp_path):
     assert want["model.embed_tokens.weight"].shape == (70, 32)
     save_token_data(tmp_path / "d.safetensors", _data(["x", "y"]))
     data = load_token_data(tmp_path / "d.safetensors", batch_size=2)
-    kw = dict(calib_data=data, merge="task_arithmetic", progress=False)
+    kw = dict(calib_data=data, merge="task_arithmetic")
     with pytest.raises(ValueError, match=r"has 70 rows .*base has 64.*common_rows=True"):
-        calibrate_checkpoints(tmp_path / "base", {"x": ad, "y": ad}, out=tmp_path / "o1", **kw)
-    calibrate_checkpoints(tmp_path / "base", {"x": ad, "y": ad}, out=tmp_path / "o2", common_rows=True, **kw)
+        calibrate_checkpoints(tmp_path / "base", {"x": ad, "y": ad}, out=tmp_path / "o1", options=QUIET, **kw)
+    common_rows = StreamOptions(progress=False, common_rows=True)
+    calibrate_checkpoints(tmp_path / "base", {"x": ad, "y": ad}, out=tmp_path / "o2", options=common_rows, **kw)
     from featcal.model.checkpoints import Checkpoint
     from featcal.model.lora import LoraCheckpoint
 

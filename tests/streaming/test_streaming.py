@@ -4,19 +4,21 @@ directory; a killed run leaves no complete-looking output and resumes to the sam
 
 import copy
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import tiny
-from featcal import FeatCalConfig, calibrate, calibrate_checkpoints, merge
+from featcal import FeatCalConfig, StreamOptions, calibrate, calibrate_checkpoints, merge
 from featcal.config import preset_config
 from featcal.model.checkpoints import INDEX, load_token_data, save_token_data
 from featcal.streaming.run import partial_dir
 
 TASKS = ("math", "code", "chat")
 CFG = preset_config("llama-3b", lam=1e-3)  # as `featcal calibrate --preset llama-3b` (float64)
+QUIET = StreamOptions(progress=False)
 
 
 def _llama(seed: int = 0) -> LlamaForCausalLM:
@@ -91,7 +93,7 @@ def test_streamed_equals_in_memory(zoo, tmp_path, how):
     kw = {"merge": ("task_arithmetic", {"scale": 0.3})} if how == "merge" else {"merged": zoo["root"] / "merged"}
     out = tmp_path / "cal"
     report = calibrate_checkpoints(
-        zoo["root"] / "base", _experts(zoo), calib_data=_batches(zoo), config=CFG, out=out, progress=False, **kw
+        zoo["root"] / "base", _experts(zoo), calib_data=_batches(zoo), config=CFG, out=out, options=QUIET, **kw
     )
     assert (out / INDEX).is_file() or (out / "model.safetensors").is_file()
     assert (out / "config.json").is_file() and (out / "featcal_report.json").is_file()
@@ -110,14 +112,8 @@ def test_killed_run_resumes_to_same_model(zoo, tmp_path, every):
     """Killed after block 4; the streams were last saved after block 4 (every block) or 2 (every
     third), so the resumed run visits the blocks after that one and ends with the same model."""
     out = tmp_path / "cal"
-    common = dict(
-        merge=("task_arithmetic", {"scale": 0.3}),
-        calib_data=_batches(zoo),
-        config=CFG,
-        out=out,
-        progress=False,
-        checkpoint_every=every,
-    )
+    common = dict(merge=("task_arithmetic", {"scale": 0.3}), calib_data=_batches(zoo), config=CFG, out=out)
+    quiet = StreamOptions(progress=False, checkpoint_every=every)
 
     def die_at_4(block, info):  # calibrate's keys, the streamed block's wall time and memory added
         assert info["done"] == block + 1 and info["blocks"] == 8
@@ -126,41 +122,45 @@ def test_killed_run_resumes_to_same_model(zoo, tmp_path, every):
             raise KeyboardInterrupt("killed")
 
     with pytest.raises(KeyboardInterrupt):
-        calibrate_checkpoints(zoo["root"] / "base", _experts(zoo), on_block=die_at_4, **common)
+        calibrate_checkpoints(zoo["root"] / "base", _experts(zoo), options=replace(quiet, on_block=die_at_4), **common)
     assert not out.exists()  # nothing that looks complete
     saved = 4 if every == 1 else 2
     assert json.loads((partial_dir(out) / "state.json").read_text())["done"] == saved
     with pytest.raises(FileExistsError, match="resume"):  # neither resumed nor forced
-        calibrate_checkpoints(zoo["root"] / "base", _experts(zoo), **common)
+        calibrate_checkpoints(zoo["root"] / "base", _experts(zoo), options=quiet, **common)
     visited = []
-    report = calibrate_checkpoints(
-        zoo["root"] / "base", _experts(zoo), resume=True, on_block=lambda b, i: visited.append((b, i["done"])), **common
-    )
+    resume = replace(quiet, resume=True, on_block=lambda b, i: visited.append((b, i["done"])))
+    report = calibrate_checkpoints(zoo["root"] / "base", _experts(zoo), options=resume, **common)
     assert visited == [(b, b + 1) for b in range(saved + 1, 8)]  # the earlier blocks count as done
     assert [b.block for b in report.blocks] == list(range(8))
     want, _ = _in_memory(zoo)
     _assert_same_weights(LlamaForCausalLM.from_pretrained(out).state_dict(), want.state_dict())
     with pytest.raises(FileExistsError, match="force"):  # an existing output is never overwritten
-        calibrate_checkpoints(zoo["root"] / "base", _experts(zoo), **common)
+        calibrate_checkpoints(zoo["root"] / "base", _experts(zoo), options=quiet, **common)
 
 
 def test_resume_refuses_other_settings(zoo, tmp_path):
     out = tmp_path / "cal"
-    common = dict(merge=("task_arithmetic", {"scale": 0.3}), calib_data=_batches(zoo), out=out, progress=False)
+    common = dict(merge=("task_arithmetic", {"scale": 0.3}), calib_data=_batches(zoo), out=out)
 
     def die(block, info):
         raise RuntimeError("killed")
 
     with pytest.raises(RuntimeError):
-        calibrate_checkpoints(zoo["root"] / "base", _experts(zoo), config=CFG, on_block=die, **common)
+        calibrate_checkpoints(
+            zoo["root"] / "base", _experts(zoo), config=CFG, options=replace(QUIET, on_block=die), **common
+        )
     with pytest.raises(ValueError, match="config"):
-        calibrate_checkpoints(zoo["root"] / "base", _experts(zoo), config=CFG.with_(lam=1.0), resume=True, **common)
+        resume = replace(QUIET, resume=True)
+        calibrate_checkpoints(zoo["root"] / "base", _experts(zoo), config=CFG.with_(lam=1.0), options=resume, **common)
 
 
 def test_bad_inputs_name_the_problem(zoo, tmp_path):
     base, exps, data = zoo["root"] / "base", _experts(zoo), _batches(zoo)
     with pytest.raises(ValueError, match="exactly one"):
         calibrate_checkpoints(base, exps, calib_data=data, out=tmp_path / "o")
+    with pytest.raises(ValueError, match="checkpoint_every must be an integer >= 1, got 0"):
+        StreamOptions(checkpoint_every=0)  # the options check themselves, before anything is read
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="config.json"):
         calibrate_checkpoints(
@@ -168,7 +168,8 @@ def test_bad_inputs_name_the_problem(zoo, tmp_path):
         )
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="cuda"):
-            calibrate_checkpoints(base, exps, calib_data=data, out=tmp_path / "o", merge="average", device="cuda")
+            on_gpu = StreamOptions(device="cuda")
+            calibrate_checkpoints(base, exps, calib_data=data, out=tmp_path / "o", merge="average", options=on_gpu)
         with pytest.raises(ValueError, match="cuda"):
             calibrate(zoo["merged"], base=zoo["base"], experts=zoo["experts"], calib_data=data, device="cuda")
 
@@ -252,7 +253,7 @@ def test_bf16_tied_single_file_checkpoints(tmp_path):
         calib_data=data,
         config=config,
         out=out,
-        progress=False,
+        options=QUIET,
     )
     got = LlamaForCausalLM.from_pretrained(out)
     assert got.dtype == torch.bfloat16 and got.lm_head.weight.data_ptr() == got.model.embed_tokens.weight.data_ptr()

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import tiny
-from featcal import FeatCalConfig, calibrate, merge
+from featcal import FeatCalConfig, StreamOptions, calibrate, merge
 from featcal.model.checkpoints import INDEX
 from featcal.streaming import workdir
 from featcal.streaming.run import calibrate_checkpoints, partial_dir
@@ -44,15 +44,17 @@ def ckpts(tmp_path):
     return {"root": tmp_path, "base": base, "experts": experts}
 
 
-def _run(c, out=None, **kw):
-    args = dict(
-        calib_data=_data(),
+def _run(c, out=None, calib_data=None, merge=("task_arithmetic", {"scale": 0.3}), **options):
+    """The streamed run on the checkpoints ``c``, quiet, with ``options`` (StreamOptions' fields)."""
+    return calibrate_checkpoints(
+        c["root"] / "base",
+        {t: c["root"] / t for t in TASKS},
+        calib_data=calib_data or _data(),
         config=CFG,
         out=out or c["root"] / "out",
-        merge=("task_arithmetic", {"scale": 0.3}),
-        progress=False,
+        merge=merge,
+        options=StreamOptions(progress=False, **options),
     )
-    return calibrate_checkpoints(c["root"] / "base", {t: c["root"] / t for t in TASKS}, **(args | kw))
 
 
 def _weights(out: Path) -> dict:
@@ -257,7 +259,7 @@ def test_t5_encoder_streams_like_in_memory(tmp_path):
         out=tmp_path / "out",
         merge="task_arithmetic",
         config=cfg,
-        progress=False,
+        options=StreamOptions(progress=False),
     )
     merged = copy.deepcopy(base)
     merged.load_state_dict(merge("task_arithmetic", base.state_dict(), {t: m.state_dict() for t, m in experts.items()}))

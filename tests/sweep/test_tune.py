@@ -64,6 +64,8 @@ def test_grid_and_options_are_validated():
     assert Grid.parse("lam=0.1,1;alpha=0.2").points() == [(lam, rho, 0.2) for lam in (0.1, 1.0) for rho in Grid().rho]
     with pytest.raises(ValueError):
         Grid(lam=(0.0,))
+    with pytest.raises(ValueError, match=r"Grid.rho values must lie in \[-10, 10\] \(rho, the anchor blend"):
+        Grid(rho=(2.0, 11.0))  # what a run accepts: featcal.config.RANGES, checked before any work
     with pytest.raises(ValueError):
         Grid.parse("beta=1")
     with pytest.raises(ValueError):
@@ -307,3 +309,16 @@ def test_tune_options_are_one_object_with_keyword_overrides():
     assert tune_options() == TuneConfig()
     with pytest.raises(TypeError, match=r"unknown tune option\(s\) \['n_confrim'\]"):
         tune_options(n_confrim=2)
+
+
+def test_the_default_grid_lies_in_the_one_table_of_ranges():
+    """featcal tune's default axes lie inside the ranges the app's sliders span
+    (featcal.config.RANGES); a refined point a run would refuse is not previewed."""
+    from featcal.config import RANGES
+    from featcal.sweep.search import _searchable
+
+    for name in ("lam", "rho", "alpha"):
+        r = RANGES[name]
+        assert all(r.low <= v <= r.high for v in getattr(Grid(), name)), name
+    assert _searchable((0.05, 2.0, 0.3)) and _searchable((0.05, 2.0, -0.075))  # alpha < 0 is still a run
+    assert not _searchable((0.05, 10.5, 0.3)) and not _searchable((0.0, 2.0, 0.3))

@@ -197,7 +197,10 @@ def test_micro_zoo_compares_every_kind_of_method_with_token_batches(micro_zoo):
     methods = ["ta+svc+featcal", "fisher", "adamerging", "ta+surgery_v2"]
     params = {"adamerging": {"steps": 2}}
     result = cmp.compare(
-        micro_zoo, methods, n=8, merger_params=params, calibrator_params={"surgery_v2": {"steps": 2}}, progress=False
+        micro_zoo,
+        methods,
+        cmp.CompareOptions(n=8, merger_params=params, calibrator_params={"surgery_v2": {"steps": 2}}),
+        progress=False,
     )
     assert result.summary["method"].tolist() == ["experts", "base", *methods]
     assert result.summary["accuracy"].between(0, 100).all()

@@ -15,7 +15,7 @@ models given are never changed.
 
 Usage::
 
-    cal = featcal.escal(merged, experts, zoo.calib_data(64), rank=64, epochs=200, device="cpu")
+    cal = featcal.escal(merged, experts, zoo.calib_data(64), featcal.ESCalOptions(rank=64, epochs=200, device="cpu"))
     featcal.evaluate(cal.for_task("digits"), zoo, tasks=["digits"])
     cal.added_parameters, cal.training_seconds, cal.measure_overhead(batch)
 """
@@ -23,6 +23,7 @@ Usage::
 from __future__ import annotations
 
 import copy
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -32,18 +33,12 @@ import torch
 from torch import nn
 
 from featcal.baselines.trained.modules import Bridge, error_bases, escal_weights, frozen, insert
-from featcal.baselines.trained.training import (
-    Schedule,
-    TaskRun,
-    TrainOptions,
-    block_weights,
-    check_schedule,
-    train_task,
-)
+from featcal.baselines.trained.training import TOKENS, Schedule, TaskRun, TrainOptions, block_weights, train_task
 from featcal.model.arch import resolve_blocks
 from featcal.model.modes import eval_mode
 from featcal.model.streams import call_model, device_of, to_device
 from featcal.model.validate import check_same_params, check_tasks
+from featcal.util.options import option
 
 LAST_READ = ("write", "own_qkv")
 
@@ -150,34 +145,11 @@ def _timed(model: nn.Module, batch: Any) -> float:
 # ----------------------------------------------------------------------------- ESCal
 
 
-def escal(
-    merged: nn.Module,
-    experts: Mapping[str, nn.Module],
-    calib_data: Mapping[str, list],
-    *,
-    rank: int = 128,
-    epochs: int = 200,
-    lr: float = 3e-3,
-    batch: int = 16,
-    seed: int = 0,
-    block_weights: Sequence[float] | None = None,
-    last_read: str = "write",
-    qkv: tuple[str, ...] | None = None,
-    mlp_out: str | None = None,
-    tokens: str = "all",
-    blocks: str | None = None,
-    device: str | torch.device | None = None,
-    progress: bool = True,
-) -> TaskCalibrated:
-    """ESCal: per task and block l, a bridge ``h <- h + U_w A U_r^T h`` on the block's output.
-
-    ``U_r``: top-r right singular vectors of block l+1's stacked q/k/v merging error (expert i
-    minus merged); ``U_w``: top-r left singular vectors of block l's MLP output projection
-    error; both fixed. Only ``A`` (``r x r``, zero at the start) is trained, with Adam, to match
-    expert i's block outputs (MSE) on ``calib_data``. Adds ``L r^2`` trained and
-    ``L r^2 + 2 L d r`` stored numbers per task.
-
-    Where the paper is silent, featcal chooses (each a parameter):
+@dataclass(frozen=True)
+class ESCalOptions(TrainOptions):
+    """ESCal's options (:func:`escal`): the training's (:class:`TrainOptions`) with ESCal's
+    defaults (rank 128, lr 3e-3), its length in ``epochs`` and where the paper is silent,
+    featcal's choices (each an option):
 
     - ``last_read``: the last block has no block l+1; ``"write"`` (default) reads it through
       its own write basis (the bridge maps the error subspace into itself), ``"own_qkv"``
@@ -195,12 +167,45 @@ def escal(
     architecture is not in :data:`featcal.baselines.trained.modules.ESCAL_TABLE` (HF CLIP,
     open_clip, Llama, BERT).
     """
-    if last_read not in LAST_READ:
-        raise ValueError(f"last_read={last_read!r}; choose one of {LAST_READ}.")
-    if rank < 1 or epochs < 1:
-        raise ValueError(f"rank and epochs must be at least 1, got rank={rank}, epochs={epochs}.")
-    path, blks = checked_models(merged, experts, calib_data, blocks)
-    r = min([rank] + [min(w.shape) for b in blks for w in escal_weights(b, qkv, mlp_out)])
+
+    LENGTH = "epochs"
+
+    rank: int = option(128, "rank r of each bridge (capped by the model's width)")
+    lr: float = option(3e-3, "Adam's learning rate")
+    epochs: int = option(200, "passes over each task's examples")
+    block_weights: Sequence[float] | None = option(None, "loss weight of each block (default: equal)")
+    last_read: str = option("write", "how the last block's bridge reads", choices=LAST_READ)
+    qkv: tuple[str, ...] | None = option(None, "the q/k/v projections' names, for architectures featcal does not know")
+    mlp_out: str | None = option(None, "the MLP output projection's name, for architectures featcal does not know")
+    tokens: str = option("all", "the tokens the loss reads: every non-padding one, or the first", choices=TOKENS)
+
+    def __post_init__(self):
+        if self.last_read not in LAST_READ:
+            raise ValueError(f"last_read={self.last_read!r}; choose one of {LAST_READ}.")
+        if self.tokens not in TOKENS:
+            raise ValueError(f"tokens={self.tokens!r}; choose one of {TOKENS}.")
+        self.check("ESCalOptions")
+
+
+def escal(
+    merged: nn.Module,
+    experts: Mapping[str, nn.Module],
+    calib_data: Mapping[str, list],
+    options: ESCalOptions = ESCalOptions(),
+) -> TaskCalibrated:
+    """ESCal: per task and block l, a bridge ``h <- h + U_w A U_r^T h`` on the block's output.
+
+    ``U_r``: top-r right singular vectors of block l+1's stacked q/k/v merging error (expert i
+    minus merged); ``U_w``: top-r left singular vectors of block l's MLP output projection
+    error; both fixed. Only ``A`` (``r x r``, zero at the start) is trained, with Adam, to match
+    expert i's block outputs (MSE) on ``calib_data``. Adds ``L r^2`` trained and
+    ``L r^2 + 2 L d r`` stored numbers per task. ``options``: :class:`ESCalOptions` (the
+    rank, the epochs, featcal's choices where the paper is silent).
+    """
+    opts = options
+    qkv, mlp_out = opts.qkv, opts.mlp_out
+    path, blks = checked_models(merged, experts, calib_data, opts.blocks)
+    r = min([opts.rank] + [min(w.shape) for b in blks for w in escal_weights(b, qkv, mlp_out)])
 
     def make(task: str, model: nn.Module) -> dict[int, nn.Module]:
         dev = device_of(model)
@@ -211,14 +216,12 @@ def escal(
         for l in range(len(blks)):
             read = l + 1 if l + 1 < len(blks) else l
             U_r, U_w = error_bases(expert_w[read][0], merged_w[read][0], expert_w[l][1], merged_w[l][1], r)
-            if l + 1 == len(blks) and last_read == "write":
+            if l + 1 == len(blks) and opts.last_read == "write":
                 U_r = U_w
             mods[l] = Bridge(U_r.float(), U_w.float())
         return mods
 
-    opts = TrainOptions(r, epochs, lr, batch, seed, device, progress)
-    extra = {"last_read": last_read}
-    return _run("escal", merged, experts, calib_data, path, make, opts, "mse", tokens, block_weights, extra)
+    return _run("escal", merged, experts, calib_data, path, make, dataclasses.replace(opts, rank=r))
 
 
 # ----------------------------------------------------------------------------- shared plumbing
@@ -232,19 +235,19 @@ def checked_models(merged, experts, calib_data, blocks) -> tuple[str, nn.ModuleL
     return resolve_blocks(merged, blocks)
 
 
-def _run(method, merged, experts, calib_data, path, make, opts: TrainOptions, loss, tokens, weights, extra):
+def _run(method, merged, experts, calib_data, path, make, opts: ESCalOptions):
     """Train each task's modules (``make(task, model)``) on a private copy of the merged model
-    (frozen), for ``opts.length`` epochs; ``extra``: the method's own settings to record."""
-    check_schedule(opts.length, opts.lr, opts.batch, tokens)
+    (frozen), for ``opts.epochs`` epochs (MSE on ``opts.tokens``)."""
     model = opts.training_copy(merged)
     modules, runs = {}, {}
     for task in experts:
         mods = make(task, model)
-        weighted = block_weights(weights, sorted(mods))
-        sched = Schedule(opts.length, opts.lr, opts.batch, opts.seed, loss, tokens, weighted)
+        weighted = block_weights(opts.block_weights, sorted(mods))
+        sched = Schedule(opts.epochs, opts.lr, opts.batch, opts.seed, "mse", opts.tokens, weighted)
         desc = f"{method} {task}"
         runs[task] = train_task(model, path, experts[task], calib_data[task], mods, sched, desc, opts.progress)
         modules[task] = mods
     steps = {t: r.steps for t, r in runs.items()}
-    settings = dict(opts.settings("epochs"), **extra, steps=steps, tokens=tokens, device=str(device_of(model)))
+    settings = dict(opts.settings(), last_read=opts.last_read, steps=steps, tokens=opts.tokens)
+    settings["device"] = str(device_of(model))
     return TaskCalibrated(method, model, path, modules, runs, settings)

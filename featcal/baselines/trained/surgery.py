@@ -51,6 +51,7 @@ from featcal.baselines.trained.training import TaskRun, TrainOptions
 from featcal.model.arch import resolve_blocks
 from featcal.model.modes import eval_mode
 from featcal.model.streams import call_model, device_of
+from featcal.util.options import option
 from featcal.util.progress import bar
 
 POOLS = ("auto", "example", "mean", "tokens")
@@ -293,49 +294,44 @@ def _widths(model: nn.Module, path: str, emb: Embedding, batch) -> tuple[int, in
 # ----------------------------------------------------------------------------- the two methods
 
 
+@dataclass(frozen=True)
+class SurgeryOptions(TrainOptions):
+    """Surgery's and SurgeryV2's options (:func:`surgery`, :func:`surgery_v2`): the training's
+    (:class:`TrainOptions`) with the authors' defaults (rank 16, Adam at lr 1e-3, minibatches of
+    16, 1000 ``steps`` per task), and where the final embedding is (``embedding``: a submodule
+    instead of the module docstring's rule; ``pool``: how its output is compared)."""
+
+    steps: int = option(1000, "Adam steps per task")
+    embedding: str | None = option(None, "the submodule whose output is the final embedding (default: the rule)")
+    pool: str = option("auto", "how the final embedding is compared", choices=POOLS)
+
+    def __post_init__(self):
+        if self.pool not in POOLS:
+            raise ValueError(f"pool={self.pool!r}; choose one of {POOLS}.")
+        self.check("SurgeryOptions")
+
+
 def surgery(
     merged: nn.Module,
     experts: Mapping[str, nn.Module],
     calib_data: Mapping[str, list],
-    *,
-    rank: int = 16,
-    steps: int = 1000,
-    lr: float = 1e-3,
-    batch: int = 16,
-    seed: int = 0,
-    embedding: str | None = None,
-    pool: str = "auto",
-    blocks: str | None = None,
-    device: str | torch.device | None = None,
-    progress: bool = True,
+    options: SurgeryOptions = SurgeryOptions(),
 ) -> TaskCalibrated:
     """Representation Surgery: per task, one module on the final embedding, L1 to expert i's
     (module docstring). Adds ``2 d_out r`` numbers per task."""
-    opts = TrainOptions(rank, steps, lr, batch, seed, device, progress)
-    return _run("surgery", merged, experts, calib_data, opts, False, embedding, pool, blocks)
+    return _run("surgery", merged, experts, calib_data, options, False)
 
 
 def surgery_v2(
     merged: nn.Module,
     experts: Mapping[str, nn.Module],
     calib_data: Mapping[str, list],
-    *,
-    rank: int = 16,
-    steps: int = 1000,
-    lr: float = 1e-3,
-    batch: int = 16,
-    seed: int = 0,
-    embedding: str | None = None,
-    pool: str = "auto",
-    blocks: str | None = None,
-    device: str | torch.device | None = None,
-    progress: bool = True,
+    options: SurgeryOptions = SurgeryOptions(),
 ) -> TaskCalibrated:
     """SurgeryV2: per task, a module after every block (every token) and one on the final
     embedding; loss: the L1 of the token means at every block plus the final embedding's
     (module docstring). Adds ``2 L d r + 2 d_out r`` numbers per task."""
-    opts = TrainOptions(rank, steps, lr, batch, seed, device, progress)
-    return _run("surgery_v2", merged, experts, calib_data, opts, True, embedding, pool, blocks)
+    return _run("surgery_v2", merged, experts, calib_data, options, True)
 
 
 def surgery_modules(
@@ -349,18 +345,13 @@ def surgery_modules(
     return mods
 
 
-def _run(method, merged, experts, calib_data, opts: TrainOptions, per_block: bool, embedding, pool, blocks):
+def _run(method, merged, experts, calib_data, opts: SurgeryOptions, per_block: bool):
     """Train each task's fresh modules (:func:`surgery_modules`) on a private copy of the merged
-    model (frozen), for ``opts.length`` steps."""
-    if opts.rank < 1 or opts.length < 1 or opts.batch < 1 or not opts.lr > 0:
-        raise ValueError(
-            f"{method}: rank, steps and batch must be >= 1 and lr > 0; "
-            f"got {opts.rank}, {opts.length}, {opts.batch}, {opts.lr}."
-        )
-    path, _ = checked_models(merged, experts, calib_data, blocks)
+    model (frozen), for ``opts.steps`` steps."""
+    path, _ = checked_models(merged, experts, calib_data, opts.blocks)
     model = opts.training_copy(merged)
     n_blocks = len(resolve_blocks(model, path)[1])
-    emb = final_embedding(model, path, embedding, pool)
+    emb = final_embedding(model, path, opts.embedding, opts.pool)
     d, d_out = _widths(model, path, emb, calib_data[next(iter(experts))][0])
     gen = torch.Generator().manual_seed(opts.seed)
     modules, runs = {}, {}
@@ -370,6 +361,6 @@ def _run(method, merged, experts, calib_data, opts: TrainOptions, per_block: boo
         mods = surgery_modules(d, d_out, n_blocks, per_block, emb, opts.rank, gen, device_of(model))
         runs[task] = _train(model, path, emb, expert, calib_data[task], mods, opts, f"{method} {task}")
         modules[task] = mods
-    settings = dict(opts.settings("steps"), embedding=emb.path, pool=emb.pool)
+    settings = dict(opts.settings(), embedding=emb.path, pool=emb.pool)
     settings["device"] = str(device_of(model))
     return TaskCalibrated(method, model, path, modules, runs, settings, embedding=emb.path)

@@ -33,6 +33,7 @@ from torch import nn
 from featcal.model.arch import resolve_blocks
 from featcal.model.modes import eval_mode
 from featcal.model.streams import BlockCall, catch_block_inputs, device_of, pool_spans, pooled, run_block
+from featcal.util.options import option
 from featcal.util.progress import bar
 
 TOKENS = ("all", "cls")
@@ -41,25 +42,41 @@ LOSSES = {"mse": F.mse_loss, "l1": F.l1_loss}
 
 @dataclass(frozen=True)
 class TrainOptions:
-    """What ESCal, Surgery and SurgeryV2 train with: modules of ``rank``, Adam at ``lr`` for
-    ``length`` (ESCal: epochs over each task's examples; Surgery, SurgeryV2: steps), minibatches of
-    ``batch`` examples drawn with ``seed``, on ``device`` (default: the merged model's), with a
-    ``progress`` bar. The public functions take these as keywords, which the registry, the CLI's
-    ``--param escal.rank=...`` and :func:`diagnostics.compare` read from their signatures, and
-    hand them on as this one object."""
+    """What every trained calibrator (ESCal, Surgery, SurgeryV2) trains with, declared once:
+    modules of ``rank``, Adam at ``lr``, minibatches of ``batch`` examples drawn with ``seed``, on
+    ``device``, with a ``progress`` bar. Each method's options (:class:`~featcal.baselines.trained.
+    calibrators.ESCalOptions`, :class:`~featcal.baselines.trained.surgery.SurgeryOptions`) add its
+    own fields, its training length among them (:attr:`length`), and set its authors' defaults.
+    The registry reads these fields (help, default, range, choices) for ``--param``, help and the app."""
 
-    rank: int
-    length: int
-    lr: float
-    batch: int
-    seed: int
-    device: str | torch.device | None = None
-    progress: bool = True
+    LENGTH = "steps"  # the name of the method's field holding the training length (a subclass's)
 
-    def settings(self, length_name: str) -> dict:
+    rank: int = option(16, "rank r of each module")
+    lr: float = option(1e-3, "Adam's learning rate")
+    batch: int = option(16, "examples per minibatch")
+    seed: int = option(0, "seed of the modules' start and of the minibatch order")
+    blocks: str | None = option(None, "dotted path of the blocks, for architectures featcal does not know")
+    device: str | torch.device | None = option(None, "where the modules train (default: the merged model's device)")
+    progress: bool = option(True, "a progress bar per task")
+
+    @property
+    def length(self) -> int:
+        """How long each task trains (ESCal: epochs over its examples; Surgery, SurgeryV2: steps)."""
+        return getattr(self, self.LENGTH)
+
+    def check(self, owner: str) -> None:
+        """``ValueError`` (naming ``owner``) unless rank, the length and batch are >= 1 and lr > 0:
+        what each method's options check when made."""
+        if self.rank < 1 or self.length < 1 or self.batch < 1 or not self.lr > 0:
+            raise ValueError(
+                f"{owner}: rank, {self.LENGTH} and batch must be >= 1 and lr > 0; "
+                f"got {self.rank}, {self.length}, {self.batch}, {self.lr}."
+            )
+
+    def settings(self) -> dict:
         """The training's part of a :class:`~featcal.baselines.trained.calibrators.TaskCalibrated`'s
-        ``settings``, ``length`` under its method's name for it (``epochs`` or ``steps``)."""
-        return {"rank": self.rank, length_name: self.length, "lr": self.lr, "batch": self.batch, "seed": self.seed}
+        ``settings``, the length under its method's name for it (``epochs`` or ``steps``)."""
+        return {"rank": self.rank, self.LENGTH: self.length, "lr": self.lr, "batch": self.batch, "seed": self.seed}
 
     def training_copy(self, merged: nn.Module) -> nn.Module:
         """The model the modules train in: a copy of ``merged`` on :attr:`device`, frozen, in eval
@@ -96,17 +113,6 @@ class TaskRun:
     @property
     def steps(self) -> int:
         return len(self.losses)
-
-
-def check_schedule(epochs: int, lr: float, batch: int, tokens: str) -> None:
-    if epochs < 1:
-        raise ValueError(f"epochs must be at least 1, got {epochs}.")
-    if not lr > 0:
-        raise ValueError(f"lr must be positive, got {lr}.")
-    if batch < 1:
-        raise ValueError(f"batch must be at least 1, got {batch}.")
-    if tokens not in TOKENS:
-        raise ValueError(f"tokens={tokens!r}; choose one of {TOKENS}.")
 
 
 def block_weights(weights, blocks: list[int]) -> dict[int, float]:
