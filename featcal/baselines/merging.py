@@ -18,6 +18,7 @@ The registry (:mod:`featcal.baselines.registry`) names them; ``featcal.merge`` d
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from typing import Callable, Mapping
 
@@ -103,8 +104,13 @@ def per_task(value, experts: Mapping, what: str) -> list[float]:
         missing, extra = [t for t in experts if t not in value], [t for t in value if t not in experts]
         if missing or extra:
             raise ValueError(f"{what}: give one value per task; missing {missing}, unknown tasks {extra}.")
-        return [float(value[t]) for t in experts]
-    return [float(value)] * len(experts)
+        values = {t: float(value[t]) for t in experts}
+    else:
+        values = {t: float(value) for t in experts}
+    bad = {t: v for t, v in values.items() if not math.isfinite(v)}
+    if bad:  # a NaN or Inf weight makes every merged entry NaN or Inf
+        raise ValueError(f"{what}: {bad} is not a finite number; give one per task.")
+    return list(values.values())
 
 
 def _column(values: list[float], taus: torch.Tensor) -> torch.Tensor:

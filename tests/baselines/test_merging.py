@@ -269,3 +269,13 @@ def test_tsv_warns_when_a_matrix_has_fewer_singular_values_than_tasks():
     with pytest.warns(UserWarning, match="fewer singular values than there are tasks"):
         out = merge("tsv", base, experts)
     assert torch.equal(out["w"], base["w"])
+
+
+@pytest.mark.parametrize("method", ["task_arithmetic", "ties", "dare"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_weight_is_refused_not_merged(method, bad):
+    """``weights={t: nan | inf}`` returned an all-NaN / Inf state dict."""
+    base = {"w": torch.zeros(4, 4)}
+    experts = {"a": {"w": torch.ones(4, 4)}, "b": {"w": -torch.ones(4, 4)}}
+    with pytest.raises(ValueError, match=r"weights: \{'a': (nan|inf)\} is not a finite number"):
+        merge(method, base, experts, weights={"a": bad, "b": 1.0})
