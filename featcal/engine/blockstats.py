@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from featcal.config import FastPaths, FeatCalConfig
+from featcal.engine.notes import Notes
 from featcal.method import solve, stats
 from featcal.model import arch
 from featcal.model.capture import Captured, target_site
@@ -60,9 +61,6 @@ class Context:
     device: torch.device
     fixed_alpha: float | None  # set: sums and systems for this alpha only (no preview); None: for any alpha
     scratch: Scratch = field(default_factory=Scratch)  # where the big buffers come from and go back to
-    warn_rows: list[str] = field(default_factory=list)  # the first "fewer rows than width" warning
-    fallbacks: list[str] = field(default_factory=list)  # solves re-done in float64 (featcal.method.linalg.EigenSolve)
-    precision: list[str] = field(default_factory=list)  # float32 solves with a large estimated error
 
 
 def token_weights(
@@ -272,8 +270,8 @@ class BlockSystems:
 
     direct_ok = True  # one-batch tasks may keep their rows instead of a Gram matrix (direct sums)
 
-    def __init__(self, ctx: Context, block: int, targets):
-        self.ctx, self.block, self.targets = ctx, block, targets
+    def __init__(self, ctx: Context, block: int, targets, notes: Notes):
+        self.ctx, self.block, self.targets, self.notes = ctx, block, targets, notes
         self.systems: dict[str, Any] = {}
         self.norm_parts: dict[str, list] = {t.name: [] for t in targets if t.kind == arch.LAYERNORM}
         self.shared_S: dict[tuple, str] = {}  # group -> the target whose system owns its S
@@ -294,11 +292,8 @@ class BlockSystems:
             if t.kind == arch.LINEAR:
                 mom = acc.linear_moments(t)
                 d = mom.s.shape[-1]
-                if mom.rows < d and not ctx.warn_rows:
-                    ctx.warn_rows.append(
-                        f"task {task!r} gives {mom.rows} token rows for {t.name!r} (block {self.block}), fewer than "
-                        f"its input width {d}; the ridge (lam + eps) keeps the solve defined."
-                    )
+                if mom.rows < d:
+                    self.notes.thin_task(task, mom.rows, t.name, self.block, d)
                 if t.name not in self.systems:
                     owner = self.shared_S.setdefault(acc.key_of[t.name], t.name)
                     S = self.systems[owner].S if owner != t.name else None

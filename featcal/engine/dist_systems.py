@@ -115,8 +115,8 @@ class DistBlockSystems(BlockSystems):
 
     direct_ok = False  # one-batch direct sums keep rows, which cannot be added across ranks
 
-    def __init__(self, ctx: Context, block: int, targets, dist: Dist, local_rows: dict[str, int]):
-        super().__init__(ctx, block, targets)
+    def __init__(self, ctx: Context, block: int, targets, notes, dist: Dist, local_rows: dict[str, int]):
+        super().__init__(ctx, block, targets, notes)
         self.dist, self.all_targets = dist, list(targets)
         self.pending: list[tuple[BlockStats, dict, str]] = []
         counts = torch.tensor(list(local_rows.values()), dtype=torch.float64)

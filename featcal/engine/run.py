@@ -37,6 +37,7 @@ from featcal.engine import distributed, snapshot
 from featcal.engine.blocksource import BlockSource, DeviceBlocks, check_device, to_host
 from featcal.engine.blockstats import Context
 from featcal.engine.dist_systems import share_solutions
+from featcal.engine.notes import Notes
 from featcal.engine.preview import Kept, Preview
 from featcal.engine.report import BlockRecord, CalibrationReport, ModuleRecord
 from featcal.engine.state import RunState, Stream
@@ -143,8 +144,8 @@ def _solve_block(run: RunState, block: int, blk: nn.Module, targets, systems: di
             keep.append(Kept(run.offset + block, t, sysm, ends))
     for t, W, b in new_params:
         arch.set_params(blk, t, W, b)
-    run.ctx.fallbacks.extend(factors.notes)
-    run.ctx.precision.extend(factors.precision)
+    run.notes.fallbacks.extend(factors.notes)
+    run.notes.precision.extend(factors.precision)
     scratch.give(factors.close())
     if keep is None:
         scratch.give([s.S for s in systems.values() if isinstance(s, solve.LinearSystem) and s.owns_S])
@@ -213,9 +214,7 @@ def _calibrate_stack(
     untouched = arch.untouched_norms(blks[0]) if cfg.layernorm else []
     if untouched:  # say so: their affine stays the merged one
         msg = f"{path}: norms featcal does not calibrate keep their merged values: {', '.join(untouched)}."
-        if distributed.is_main():  # one process of a group says it
-            warnings.warn(msg, stacklevel=4)
-        report.warnings.append(msg)
+        run.notes.said.append(msg)
     source = block_source
     if source is None and ctx.device != device_of(model):  # one block of each model on the device at a time
         source = DeviceBlocks(ctx.device, blks, [run.base_blocks, *run.expert_blocks.values()])
@@ -275,13 +274,6 @@ def _visit_blocks(run: RunState, source: BlockSource, model, blks, experts, cali
             run.on_block(rec.block, info)
 
 
-def _summarised(notes: list[str], first: int = 3, same: str = "re-solved the same way") -> list[str]:
-    """The first ``first`` of ``notes`` and one line counting the rest (one per module could be hundreds)."""
-    if len(notes) <= first:
-        return list(notes)
-    return notes[:first] + [f"... and {len(notes) - first} more modules {same}."]
-
-
 def _checked_models(merged, base, experts, calib_data, blocks, block_source):
     """``(tasks, base, experts, path)``: the tasks checked against the data, base and experts as
     models (a state dict or a model directory loaded into a copy of ``merged``, a LoRA adapter
@@ -308,21 +300,13 @@ def _bound_trace(expert_trace, experts, calib_data, tasks, path, cfg, device) ->
     return expert_trace.bind(experts, calib_data, tasks, what)
 
 
-def _report_warnings(ctx: Context, report: CalibrationReport, dist) -> None:
-    """The solves' warnings (under a process group: every rank's, gathered), the per-module ones
-    summarised, each said once (by rank 0) and kept in ``report.warnings``; then a warning when
-    calibration raised a residual (:meth:`CalibrationReport.check_residuals`). ``stacklevel``
-    points at :func:`calibrate`'s caller."""
-    if dist is not None:  # the warnings of the modules other ranks solved
-        parts = dist.gather_objects((ctx.warn_rows, ctx.fallbacks, ctx.precision), "gathering the warnings")
-        ctx.warn_rows = [m for w, _, _ in parts for m in w][:1]
-        ctx.fallbacks = [m for _, f, _ in parts for m in f]
-        ctx.precision = [m for _, _, p in parts for m in p]
-    precision = _summarised(ctx.precision, same="with the same float32 precision warning")
-    for msg in ctx.warn_rows + _summarised(ctx.fallbacks) + precision:
-        if dist is None or dist.rank == 0:  # one process of a group says it
-            warnings.warn(msg, stacklevel=4)
-        report.warnings.append(msg)
+def _report_notes(notes: Notes, report: CalibrationReport, dist) -> None:
+    """The run's warnings and notes (under a process group: every rank's, gathered) into the
+    report, each kind said once (by rank 0); then a warning when calibration raised a residual
+    (:meth:`CalibrationReport.check_residuals`). ``stacklevel`` points at :func:`calibrate`'s caller."""
+    if dist is not None:  # the notes of the modules other ranks solved
+        notes.gather(dist)
+    notes.publish(report, say=dist is None or dist.rank == 0, stacklevel=4)
     rose = report.check_residuals()
     if rose is not None:
         warnings.warn(rose, stacklevel=4)
@@ -410,7 +394,7 @@ def calibrate(
     report = CalibrationReport(cfg, path, tasks)
     trace = _bound_trace(expert_trace, experts, calib_data, tasks, path, cfg, device)
     ctx = Context(cfg, fast, 0, device, fixed_alpha=None if keep_stats else cfg.alpha)
-    run = RunState(ctx, report, [] if keep_stats else None, trace, dist=dist, on_block=on_block)
+    run = RunState(ctx, Notes(), report, [] if keep_stats else None, trace, dist=dist, on_block=on_block)
     run.blocks_total = sum(len(arch.resolve_blocks(model, s)[1]) for s in stacks)
     try:
         # 3. Each stack in forward order, block by block.
@@ -419,7 +403,7 @@ def calibrate(
                 run, model, stack, base, experts, {t: calib_data[t] for t in tasks}, progress, block_source
             )
         # 4. What the solves warned of, said once, and a check of the residuals.
-        _report_warnings(ctx, report, dist)
+        _report_notes(run.notes, report, dist)
     except BaseException:
         if inplace:
             log.error("calibration failed part-way with inplace=True: the model is partly calibrated.")

@@ -156,10 +156,10 @@ def block_systems(run: RunState, block: int, blk: nn.Module, targets, pool) -> d
     statistics' buffers in any case: kept from task to task and block to block)."""
     merged_params = {t.name: arch.get_params(blk, t) for t in targets}
     if run.dist is None:
-        into = BlockSystems(run.ctx, block, targets)
+        into = BlockSystems(run.ctx, block, targets, run.notes)
     else:  # each task's sums added across the ranks before its systems are built
         rows = {task: sum(c.hidden.shape[:-1].numel() for c in st.cal) for task, st in run.streams.items()}
-        into = DistBlockSystems(run.ctx, block, targets, run.dist, rows)
+        into = DistBlockSystems(run.ctx, block, targets, run.notes, run.dist, rows)
     merged_cap = _pooled_capture(blk, targets, pool, run.ctx.device)
     widths = [p[0].shape[-1] for t, p in zip(targets, merged_params.values()) if t.kind == arch.LINEAR]
     if run.dist is None and _batchable(run.streams, pool, widths, run.ctx.fast.stack_max):

@@ -11,6 +11,7 @@ from torch import nn
 
 from featcal.engine.blockstats import Context
 from featcal.engine.distributed import Dist
+from featcal.engine.notes import Notes
 from featcal.engine.report import CalibrationReport
 from featcal.engine.trace import ExpertTrace
 from featcal.model.streams import BlockCall
@@ -28,7 +29,8 @@ class Stream:
 class RunState:
     """What the steps of every block of one :func:`calibrate` call share."""
 
-    ctx: Context  # config, fast paths, scratch, warnings (featcal.engine.blockstats)
+    ctx: Context  # config, fast paths, scratch (featcal.engine.blockstats)
+    notes: Notes  # what the run will say when it ends
     report: CalibrationReport
     keep: list | None  # each solved module's system and parameters, for a preview
     trace: ExpertTrace | None

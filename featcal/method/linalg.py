@@ -302,8 +302,9 @@ def float32_error(floor: float, pivot2: float) -> float:
 
 
 def note(msg: str, notes: list | None) -> None:
-    """Log ``msg`` and keep it in ``notes`` (for ``report.warnings``)."""
-    log.warning(msg)
+    """Keep ``msg`` in ``notes`` (the engine says them once per run, in ``report.warnings``) and log
+    it at INFO: at WARNING, Python's last-resort handler would print every module's to the terminal."""
+    log.info(msg)
     if notes is not None:
         notes.append(msg)
 
