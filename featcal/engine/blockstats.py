@@ -8,8 +8,7 @@ target's system (:mod:`featcal.method.solve`) and checks them.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,38 +16,9 @@ import torch
 from featcal.config import FastPaths, FeatCalConfig
 from featcal.engine.notes import Notes
 from featcal.method import solve, stats
+from featcal.method.kernels import Kernels
 from featcal.model import arch
 from featcal.model.capture import Captured, target_site
-
-
-class Scratch:
-    """Big buffers handed from one use to the next instead of freed: a fresh CPU tensor of
-    tens of MB costs its page faults on first touch, a kept one does not, so the engine
-    keeps the Gram matrices, systems and factors of one block for the next one of the same
-    widths. :meth:`take` a buffer, :meth:`give` it back when done; what was given is held
-    until the scratch is dropped or :meth:`trim` lets go of it (the engine trims to
-    :attr:`FastPaths.scratch_keep` elements)."""
-
-    def __init__(self) -> None:
-        self._free: dict[tuple, list[torch.Tensor]] = {}
-
-    def take(self, shape, dtype: torch.dtype, device, zero: bool = True) -> torch.Tensor:
-        key = (tuple(shape), dtype, torch.device(device))
-        free = self._free.get(key)
-        if not free:
-            return (torch.zeros if zero else torch.empty)(tuple(shape), dtype=dtype, device=device)
-        x = free.pop()
-        return x.zero_() if zero else x
-
-    def give(self, tensors) -> None:
-        for x in tensors:
-            self._free.setdefault((tuple(x.shape), x.dtype, x.device), []).append(x)
-
-    def trim(self, max_numel: int) -> None:
-        """Let go of the free buffers of more than ``max_numel`` elements (kept from one block
-        to the next they would add to the peak memory, while their page faults are small next
-        to a factorisation of their size)."""
-        self._free = {k: v for k, v in self._free.items() if math.prod(k[0]) <= max_numel}
 
 
 @dataclass
@@ -60,7 +30,7 @@ class Context:
     n_blocks: int
     device: torch.device
     fixed_alpha: float | None  # set: sums and systems for this alpha only (no preview); None: for any alpha
-    scratch: Scratch = field(default_factory=Scratch)  # where the big buffers come from and go back to
+    kernels: Kernels  # scratch buffers, LAPACK choice, the block's factorisations (featcal.method.kernels)
 
 
 def token_weights(
@@ -133,7 +103,7 @@ class BlockStats:
     own :class:`~featcal.method.stats.ModuleSums`. A task of one batch (``one_batch``) with few rows
     for an input's width (``ctx.fast.direct_rows``) keeps that input's rows instead of their
     Gram matrix (direct sums, :mod:`featcal.method.stats`). The big buffers come from
-    ``ctx.scratch`` (:meth:`release` hands them back).
+    ``ctx.kernels`` (:meth:`release` hands them back).
     """
 
     def __init__(
@@ -184,14 +154,7 @@ class BlockStats:
         self.form[key] = fast.form or stats.cheapest_form(d, outs, self.rows, unseen, fixed_alpha=alpha is not None)
         direct = self.one_batch and not self.lead and self.rows <= fast.direct_rows * d
         self.groups[key] = stats.LinearSums.zeros(
-            d,
-            self.ctx.cfg.stats_dtype,
-            device,
-            cross=self.form[key] == "P",
-            lead=lead,
-            direct=direct,
-            take=self.ctx.scratch.take,
-            block=fast.gram_block,
+            d, self.ctx.cfg.stats_dtype, device, self.form[key] == "P", lead, direct, self.ctx.kernels
         )
 
     def add(self, cs: Captured, ce: Captured, mask) -> None:
@@ -239,7 +202,7 @@ class BlockStats:
         """Hand the big buffers back to the scratch (the sums are done with)."""
         for g in self.groups.values():
             if isinstance(g, stats.LinearSums):
-                self.ctx.scratch.give(g.buffers())
+                self.ctx.kernels.give(g.buffers())
         self.groups = {}
 
     def group(self, t: arch.Target):
@@ -286,7 +249,7 @@ class BlockSystems:
         ctx = self.ctx
         dt, device = ctx.cfg.stats_dtype, ctx.device
         lead = acc.lead
-        take = None if ctx.fixed_alpha is None else ctx.scratch.take  # systems kept for a preview: new S
+        kernels = None if ctx.fixed_alpha is None else ctx.kernels  # systems kept for a preview: new S
         for t in self.targets:
             W_i, b_i = expert_params[t.name]
             if t.kind == arch.LINEAR:
@@ -298,7 +261,7 @@ class BlockSystems:
                     owner = self.shared_S.setdefault(acc.key_of[t.name], t.name)
                     S = self.systems[owner].S if owner != t.name else None
                     self.systems[t.name] = solve.LinearSystem.zeros(
-                        d, W_i.shape[-2], dt, device, S=S, alpha=ctx.fixed_alpha, take=take
+                        d, W_i.shape[-2], dt, device, S=S, alpha=ctx.fixed_alpha, kernels=kernels
                     )
                 solve.add_task(
                     self.systems[t.name], mom, W_i.to(device), None if b_i is None else b_i.to(device), ctx.cfg.eps

@@ -55,9 +55,7 @@ def fill_empty(acc: BlockStats, desc: list[tuple], ctx: Context) -> None:
         if key[2] == arch.LAYERNORM:
             acc.groups[key] = stats.NormSums.zeros(d, dt, device)
         else:
-            acc.groups[key] = stats.LinearSums.zeros(
-                d, dt, device, cross=has_p, take=ctx.scratch.take, block=ctx.fast.gram_block
-            )
+            acc.groups[key] = stats.LinearSums.zeros(d, dt, device, cross=has_p, kernels=ctx.kernels)
         for name in names:
             acc.key_of[name] = key
         for name, shapes in mods.items():

@@ -40,6 +40,11 @@ class Notes:
                 f"width {width}; the ridge (lam + eps) keeps the solve defined."
             )
 
+    def solved(self, what: str, fallbacks: list[str], precision: list[str]) -> None:
+        """What the solve of the module ``what`` (e.g. ``"block 3 mlp.fc1"``) had to say."""
+        self.fallbacks += [f"{what}: {m}" for m in fallbacks]
+        self.precision += [f"{what}: {m}" for m in precision]
+
     def gather(self, dist) -> None:
         """Under a process group: every rank's notes of the modules it solved, in rank order."""
         parts = dist.gather_objects((self.rows, self.fallbacks, self.precision), "gathering the warnings")

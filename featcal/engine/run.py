@@ -42,7 +42,8 @@ from featcal.engine.preview import Kept, Preview
 from featcal.engine.report import BlockRecord, CalibrationReport, ModuleRecord
 from featcal.engine.state import RunState, Stream
 from featcal.engine.trace import ExpertTrace
-from featcal.method import linalg, solve
+from featcal.method import solve
+from featcal.method.kernels import Kernels
 from featcal.model import arch, validate
 from featcal.model import loading as sources
 from featcal.model.capture import sequence_first
@@ -95,12 +96,11 @@ def _prepare_streams(
 def _solve_block(run: RunState, block: int, blk: nn.Module, targets, systems: dict) -> None:
     """Solve every target of ``block`` from the snapshot, then load them all (the merged
     parameters are read as views until then; copied only when ``run.keep`` holds on to
-    them). The factorisations' buffers come from the scratch and go back to it, and so do
-    the systems' ``S`` unless ``run.keep`` holds on to them."""
-    cfg, scratch, keep = run.ctx.cfg, run.ctx.scratch, run.keep
+    them). The factorisations' buffers come from the kernels' scratch and go back to it, and so
+    do the systems' ``S`` unless ``run.keep`` holds on to them."""
+    cfg, kernels, keep = run.ctx.cfg, run.ctx.kernels, run.keep
     setting = cfg.setting
     new_params = []
-    factors = linalg.Factors(run.ctx.fast.lapack_min_d, take=scratch.take)  # one per shared S (q/k/v)
     for t in targets:
         t0 = time.perf_counter()
         W_mer, b_mer = arch.get_params(blk, t)
@@ -110,28 +110,18 @@ def _solve_block(run: RunState, block: int, blk: nn.Module, targets, systems: di
         ends = solve.Endpoints(W_mer, b_mer, W_0.to(W_mer.device), None if b_0 is None else b_0.to(W_mer.device))
         sysm = systems[t.name]
         if t.kind == arch.LINEAR:
-            W, b, SWt = solve.solve_linear(
-                sysm,
-                ends,
-                setting,
-                eps=cfg.eps,
-                bias=cfg.bias,
-                what=f"block {block} {t.name}",
-                with_swt=True,
-                factors=factors,
-            )
+            W, b, SWt = solve.solve_linear(sysm, ends, setting, eps=cfg.eps, bias=cfg.bias, kernels=kernels)
             before, after = solve.linear_residuals(
                 sysm, cfg.alpha, (W_mer, b_mer, None, sysm.res.k_mm), (W, b, SWt, None)
             )
             d_in, d_out, rows = W.shape[1], W.shape[0], sysm.min_rows
         else:
-            W, b = solve.solve_norm(
-                sysm, ends, setting, eps=cfg.eps, what=f"block {block} {t.name}", notes=factors.notes
-            )
+            W, b = solve.solve_norm(sysm, ends, setting, eps=cfg.eps, kernels=kernels)
             before = solve.norm_residual(sysm, W_mer, b_mer)
             after = solve.norm_residual(sysm, W, b)
             d_in = d_out = W.shape[0]
             rows = 0
+        run.notes.solved(f"block {block} {t.name}", *kernels.said())
         # The residual after is a sum of products with every entry of W and b: any NaN/Inf there
         # makes it NaN or Inf (inf * 0 is NaN), so it checks them without another pass.
         if not math.isfinite(after):
@@ -144,11 +134,9 @@ def _solve_block(run: RunState, block: int, blk: nn.Module, targets, systems: di
             keep.append(Kept(run.offset + block, t, sysm, ends))
     for t, W, b in new_params:
         arch.set_params(blk, t, W, b)
-    run.notes.fallbacks.extend(factors.notes)
-    run.notes.precision.extend(factors.precision)
-    scratch.give(factors.close())
+    kernels.end_block()
     if keep is None:
-        scratch.give([s.S for s in systems.values() if isinstance(s, solve.LinearSystem) and s.owns_S])
+        kernels.give([s.S for s in systems.values() if isinstance(s, solve.LinearSystem) and s.owns_S])
 
 
 def _advance(run: RunState, block: int, blk: nn.Module, pool) -> None:
@@ -249,14 +237,14 @@ def _visit_blocks(run: RunState, source: BlockSource, model, blks, experts, cali
         # they would be joined along their token axis)
         pool = None if sequence_first(blk) else snapshot.pool(streams, fast.pool_rows)
         systems = snapshot.block_systems(run, block, blk, targets, pool)
-        ctx.scratch.trim(fast.scratch_keep)  # big Gram buffers go before the solve (kept, they add to its peak)
+        ctx.kernels.trim()  # big Gram buffers go before the solve (kept, they add to its peak)
         t1 = time.perf_counter()
         # 2. Solve all modules of the block, then load them together.
         first_record = len(report.modules)  # (this rank's share of the modules, under a process group)
         _solve_block(run, block, blk, [t for t in targets if t.name in systems], systems)
         if run.dist is not None:  # every rank gets every module's new parameters
             share_solutions(run.dist, report, blk, targets, first_record)
-        ctx.scratch.trim(fast.scratch_keep)  # and big systems and factors before the advance
+        ctx.kernels.trim()  # and big systems and factors before the advance
         t2 = time.perf_counter()
         # 3. Advance the calibrating streams through the calibrated block.
         _advance(run, block, blk, pool)
@@ -393,7 +381,7 @@ def calibrate(
     restore_modes = to_eval(model, base, *experts.values())  # each submodule's flag comes back exactly
     report = CalibrationReport(cfg, path, tasks)
     trace = _bound_trace(expert_trace, experts, calib_data, tasks, path, cfg, device)
-    ctx = Context(cfg, fast, 0, device, fixed_alpha=None if keep_stats else cfg.alpha)
+    ctx = Context(cfg, fast, 0, device, None if keep_stats else cfg.alpha, Kernels.of(fast))
     run = RunState(ctx, Notes(), report, [] if keep_stats else None, trace, dist=dist, on_block=on_block)
     run.blocks_total = sum(len(arch.resolve_blocks(model, s)[1]) for s in stacks)
     try:
