@@ -66,7 +66,7 @@ def measure(size: str, args) -> dict:
     st = report.preview_state
     prep = []
     for _ in range(3):
-        fresh = Preview(st.template, st.blocks_path, st.entries, st.eps, st.bias)
+        fresh = Preview(st.template, st.blocks_path, st.entries, st.config)
         t0 = time.perf_counter()
         fresh.prepare()
         prep.append(time.perf_counter() - t0)

@@ -252,7 +252,7 @@ def preset_for_model(model) -> tuple[str, str]:
     return preset_for({"model_type": "", "architectures": [type(model).__name__]})
 
 
-FORMS = ("P", "Q", "QQ")  # the exact forms of the cross-moment statistics (featcal.method.stats)
+FORMS = ("P", "PW", "PW+CW")  # the exact forms of the cross-moment statistics, by what they keep (featcal.method.stats)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from featcal.baselines.merging import average
+from featcal.config import FastPaths
 from featcal.engine.blockstats import token_weights
 from featcal.method.linalg import add_rows_gram, gram_blocks, spd_factor, symmetric
 from featcal.method.stats import as_rows
@@ -72,7 +73,7 @@ def regmean_solver(
     reduced = [reduce_off_diagonal(G, ratio) for G in grams]
     A = sum(reduced)  # (d, d)
     eps = ridge * float(A.diagonal().mean().clamp(min=torch.finfo(A.dtype).tiny))
-    return spd_factor(A, eps, what), reduced
+    return spd_factor(A, eps, what, lapack_min_d=FastPaths.lapack_min_d), reduced
 
 
 def regmean_weight(
@@ -123,7 +124,7 @@ def _block_grams(blk: nn.Module, targets, calls: list[BlockCall], device, advanc
             if site not in sums:
                 sums[site] = torch.zeros(d, d, dtype=torch.float64, device=rows.device)
                 counts[site] = 0.0
-            add_rows_gram(sums[site], Z.contiguous(), 1.0, gram_blocks(d))
+            add_rows_gram(sums[site], Z.contiguous(), 1.0, gram_blocks(d, FastPaths.gram_block))
             counts[site] += float(rows.shape[0] if w is None else w.sum())
     for site, n in counts.items():
         if n <= 0:

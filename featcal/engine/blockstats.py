@@ -8,61 +8,14 @@ target's system (:mod:`featcal.method.solve`) and checks them.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from featcal.config import FastPaths, FeatCalConfig
+from featcal.engine.state import Run, Stack
 from featcal.method import solve, stats
 from featcal.model import arch
 from featcal.model.capture import Captured, target_site
-
-
-class Scratch:
-    """Big buffers handed from one use to the next instead of freed: a fresh CPU tensor of
-    tens of MB costs its page faults on first touch, a kept one does not, so the engine
-    keeps the Gram matrices, systems and factors of one block for the next one of the same
-    widths. :meth:`take` a buffer, :meth:`give` it back when done; what was given is held
-    until the scratch is dropped or :meth:`trim` lets go of it (the engine trims to
-    :attr:`FastPaths.scratch_keep` elements)."""
-
-    def __init__(self) -> None:
-        self._free: dict[tuple, list[torch.Tensor]] = {}
-
-    def take(self, shape, dtype: torch.dtype, device, zero: bool = True) -> torch.Tensor:
-        key = (tuple(shape), dtype, torch.device(device))
-        free = self._free.get(key)
-        if not free:
-            return (torch.zeros if zero else torch.empty)(tuple(shape), dtype=dtype, device=device)
-        x = free.pop()
-        return x.zero_() if zero else x
-
-    def give(self, tensors) -> None:
-        for x in tensors:
-            self._free.setdefault((tuple(x.shape), x.dtype, x.device), []).append(x)
-
-    def trim(self, max_numel: int) -> None:
-        """Let go of the free buffers of more than ``max_numel`` elements (kept from one block
-        to the next they would add to the peak memory, while their page faults are small next
-        to a factorisation of their size)."""
-        self._free = {k: v for k, v in self._free.items() if math.prod(k[0]) <= max_numel}
-
-
-@dataclass
-class Context:
-    """What the statistics and systems of every block of one run share."""
-
-    cfg: FeatCalConfig
-    fast: FastPaths
-    n_blocks: int
-    device: torch.device
-    fixed_alpha: float | None  # set: sums and systems for this alpha only (no preview); None: for any alpha
-    scratch: Scratch = field(default_factory=Scratch)  # where the big buffers come from and go back to
-    warn_rows: list[str] = field(default_factory=list)  # the first "fewer rows than width" warning
-    fallbacks: list[str] = field(default_factory=list)  # solves re-done in float64 (featcal.method.linalg.EigenSolve)
-    precision: list[str] = field(default_factory=list)  # float32 solves with a large estimated error
 
 
 def token_weights(
@@ -130,17 +83,18 @@ class BlockStats:
 
     Targets that read the very same input tensors (q/k/v projections) and share a
     token weighting share one :class:`~featcal.method.stats.LinearSums`; each group keeps
-    its cross moment in one exact form (``ctx.fast.form``, by default the cheapest for its
+    its cross moment in one exact form (``run.fast.form``, by default the cheapest for its
     widths and the task's row count, :func:`featcal.method.stats.cheapest_form`), each module its
     own :class:`~featcal.method.stats.ModuleSums`. A task of one batch (``one_batch``) with few rows
-    for an input's width (``ctx.fast.direct_rows``) keeps that input's rows instead of their
+    for an input's width (``run.fast.direct_rows``) keeps that input's rows instead of their
     Gram matrix (direct sums, :mod:`featcal.method.stats`). The big buffers come from
-    ``ctx.scratch`` (:meth:`release` hands them back).
+    ``run.kernels`` (:meth:`release` hands them back).
     """
 
     def __init__(
         self,
-        ctx: Context,
+        run: Run,
+        stack: Stack,
         block: int,
         targets: list[arch.Target],
         expert_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
@@ -149,15 +103,15 @@ class BlockStats:
         lead: int = 0,
         one_batch: bool = False,
     ):
-        self.ctx = ctx
+        self.run = run
         self.lead = lead
         self.one_batch = one_batch  # the task is one batch: direct sums where they pay
         self.targets = targets
         self.expert_params = expert_params
         self.merged_params = merged_params
         self.rows = rows
-        tw = ctx.cfg.token_weights
-        self.weighted = {t.name: tw is not None and tw.applies(block, ctx.n_blocks, t.name) for t in targets}
+        tw = run.cfg.token_weights  # "the last block": of the stack
+        self.weighted = {t.name: tw is not None and tw.applies(block, stack.n_blocks, t.name) for t in targets}
         self.other = tw.other if tw is not None else 1.0
         self.groups: dict[tuple, stats.LinearSums | stats.NormSums] = {}
         self.form: dict[tuple, str] = {}
@@ -179,27 +133,20 @@ class BlockStats:
 
     def _start(self, key: tuple, ts: list[arch.Target], d: int, lead: tuple[int, ...], device) -> None:
         """The empty sums of a group of Linear targets, in the form they will be kept."""
-        fast, alpha = self.ctx.fast, self.ctx.fixed_alpha
+        fast, alpha = self.run.fast, self.run.alpha_only
         outs = [self.expert_params[t.name][0].shape[-2] for t in ts]
         low = not output_usable(self.expert_params[ts[0].name][0].dtype)  # outputs not used: W_i xe computed
         unseen = len(ts) if low else sum(t.rows is not None for t in ts)
         self.form[key] = fast.form or stats.cheapest_form(d, outs, self.rows, unseen, fixed_alpha=alpha is not None)
         direct = self.one_batch and not self.lead and self.rows <= fast.direct_rows * d
         self.groups[key] = stats.LinearSums.zeros(
-            d,
-            self.ctx.cfg.stats_dtype,
-            device,
-            cross=self.form[key] == "P",
-            lead=lead,
-            direct=direct,
-            take=self.ctx.scratch.take,
-            block=fast.gram_block,
+            d, self.run.cfg.stats_dtype, device, self.form[key] == "P", lead, direct, self.run.kernels
         )
 
     def add(self, cs: Captured, ce: Captured, mask) -> None:
         """Reduce one call's captures; ``mask``: None, the padding mask of every input, or
         a function of an input site giving that input's mask (:meth:`BlockCall.mask_for`)."""
-        dt = self.ctx.cfg.stats_dtype
+        dt = self.run.cfg.stats_dtype
         canon = canonical_sites(self.targets, cs, ce)
         members: dict[tuple, list[arch.Target]] = {}
         for t in self.targets:
@@ -234,14 +181,14 @@ class BlockStats:
                 ym = self._output(t, cs, self.merged_params[t.name], xs, keep)
                 ms = self.module.get(t.name) or stats.ModuleSums(torch.zeros((), dtype=dt, device=xs.device))
                 self.module[t.name] = stats.accumulate_module(
-                    ms, self.form[key], xs, ye, w, W_i, ym, self.ctx.fixed_alpha
+                    ms, self.form[key], xs, ye, w, W_i, ym, self.run.alpha_only
                 )
 
     def release(self) -> None:
         """Hand the big buffers back to the scratch (the sums are done with)."""
         for g in self.groups.values():
             if isinstance(g, stats.LinearSums):
-                self.ctx.scratch.give(g.buffers())
+                self.run.kernels.give(g.buffers())
         self.groups = {}
 
     def group(self, t: arch.Target):
@@ -272,8 +219,8 @@ class BlockSystems:
 
     direct_ok = True  # one-batch tasks may keep their rows instead of a Gram matrix (direct sums)
 
-    def __init__(self, ctx: Context, block: int, targets):
-        self.ctx, self.block, self.targets = ctx, block, targets
+    def __init__(self, run: Run, block: int, targets):
+        self.run, self.block, self.targets = run, block, targets
         self.systems: dict[str, Any] = {}
         self.norm_parts: dict[str, list] = {t.name: [] for t in targets if t.kind == arch.LAYERNORM}
         self.shared_S: dict[tuple, str] = {}  # group -> the target whose system owns its S
@@ -285,28 +232,25 @@ class BlockSystems:
     def add(self, acc: BlockStats, expert_params: dict, task: str) -> None:
         """Add one task's terms (every task's, with a leading task axis) into every target's
         system, and hand the statistics' buffers back to the scratch."""
-        ctx = self.ctx
-        dt, device = ctx.cfg.stats_dtype, ctx.device
+        run = self.run
+        dt, device = run.cfg.stats_dtype, run.device
         lead = acc.lead
-        take = None if ctx.fixed_alpha is None else ctx.scratch.take  # systems kept for a preview: new S
+        kernels = None if run.keep is not None else run.kernels  # systems kept for a preview: new S
         for t in self.targets:
             W_i, b_i = expert_params[t.name]
             if t.kind == arch.LINEAR:
                 mom = acc.linear_moments(t)
                 d = mom.s.shape[-1]
-                if mom.rows < d and not ctx.warn_rows:
-                    ctx.warn_rows.append(
-                        f"task {task!r} gives {mom.rows} token rows for {t.name!r} (block {self.block}), fewer than "
-                        f"its input width {d}; the ridge (lam + eps) keeps the solve defined."
-                    )
+                if mom.rows < d:
+                    run.notes.thin_task(task, mom.rows, t.name, self.block, d)
                 if t.name not in self.systems:
                     owner = self.shared_S.setdefault(acc.key_of[t.name], t.name)
                     S = self.systems[owner].S if owner != t.name else None
                     self.systems[t.name] = solve.LinearSystem.zeros(
-                        d, W_i.shape[-2], dt, device, S=S, alpha=ctx.fixed_alpha, take=take
+                        d, W_i.shape[-2], dt, device, S=S, alpha=run.alpha_only, kernels=kernels
                     )
                 solve.add_task(
-                    self.systems[t.name], mom, W_i.to(device), None if b_i is None else b_i.to(device), ctx.cfg.eps
+                    self.systems[t.name], mom, W_i.to(device), None if b_i is None else b_i.to(device), run.cfg.eps
                 )
             else:
                 e, m = stats.norm_moments(acc.group(t))

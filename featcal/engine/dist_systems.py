@@ -1,8 +1,8 @@
 """One block's systems when the ranks of a process group share the batches (:mod:`featcal.engine.distributed`).
 
-:class:`DistBlockSystems` is the engine's :class:`~featcal.blockstats.BlockSystems` with the
+:class:`DistBlockSystems` is the engine's :class:`~featcal.engine.blockstats.BlockSystems` with the
 tasks' sums added across the ranks first: each rank keeps the running sums of every task of the
-block (:class:`~featcal.blockstats.BlockStats`, from its own batches; empty ones for a task it
+block (:class:`~featcal.engine.blockstats.BlockStats`, from its own batches; empty ones for a task it
 holds no batch of), and once all are done, every task's sums of each input group are added onto
 the group's owner. The owner alone then builds the group's systems, exactly as one process
 would from all the tokens: ``s_i``, the means and the token weights' normalisation are computed
@@ -12,7 +12,7 @@ the owners' solved parameters and report lines to every rank.
 What is added (per task and input group, in the stats dtype; scalars in float64): the row
 weights' sum and count, ``sum xs``, ``sum xe``, the Gram matrix ``C`` (its upper block triangle,
 as accumulated), the cross moment ``P`` where the group keeps one, and each module's sums
-(``Q``, ``CW``, ``T`` of size ``d x o`` and the scalars of its residual), or a norm's two sums.
+(``PW``, ``CW``, ``T`` of size ``d x o`` and the scalars of its residual), or a norm's two sums.
 A task's one-batch "direct" sums (its rows, not their Gram matrix) are not used: rows cannot be
 added across ranks.
 """
@@ -23,9 +23,10 @@ from dataclasses import fields
 
 import torch
 
-from featcal.engine.blockstats import BlockStats, BlockSystems, Context
+from featcal.engine.blockstats import BlockStats, BlockSystems
 from featcal.engine.distributed import Dist, traffic
 from featcal.engine.report import ModuleRecord
+from featcal.engine.state import Run
 from featcal.method import stats
 from featcal.model import arch
 
@@ -48,16 +49,14 @@ def describe(acc: BlockStats) -> list[tuple]:
     return out
 
 
-def fill_empty(acc: BlockStats, desc: list[tuple], ctx: Context) -> None:
+def fill_empty(acc: BlockStats, desc: list[tuple], run: Run) -> None:
     """Give ``acc`` (a task this rank holds no batch of) zero sums of the shapes in ``desc``."""
-    dt, device = ctx.cfg.stats_dtype, ctx.device
+    dt, device = run.cfg.stats_dtype, run.device
     for key, names, d, has_p, mods in desc:
         if key[2] == arch.LAYERNORM:
             acc.groups[key] = stats.NormSums.zeros(d, dt, device)
         else:
-            acc.groups[key] = stats.LinearSums.zeros(
-                d, dt, device, cross=has_p, take=ctx.scratch.take, block=ctx.fast.gram_block
-            )
+            acc.groups[key] = stats.LinearSums.zeros(d, dt, device, cross=has_p, kernels=run.kernels)
         for name in names:
             acc.key_of[name] = key
         for name, shapes in mods.items():
@@ -115,8 +114,9 @@ class DistBlockSystems(BlockSystems):
 
     direct_ok = False  # one-batch direct sums keep rows, which cannot be added across ranks
 
-    def __init__(self, ctx: Context, block: int, targets, dist: Dist, local_rows: dict[str, int]):
-        super().__init__(ctx, block, targets)
+    def __init__(self, run: Run, block: int, targets, local_rows: dict[str, int]):
+        super().__init__(run, block, targets)
+        dist = run.dist
         self.dist, self.all_targets = dist, list(targets)
         self.pending: list[tuple[BlockStats, dict, str]] = []
         counts = torch.tensor(list(local_rows.values()), dtype=torch.float64)
@@ -144,7 +144,7 @@ class DistBlockSystems(BlockSystems):
         return {task: seen[task][0] for task in tasks}
 
     def finish(self) -> dict:
-        dist, ctx = self.dist, self.ctx
+        dist = self.dist
         descs = self._structure()
         desc = next(iter(descs.values()))  # the input groups: the same for every task
         everywhere = dist.solve == "everywhere"
@@ -155,7 +155,7 @@ class DistBlockSystems(BlockSystems):
         self.norm_parts = {t.name: [] for t in self.targets if t.kind == arch.LAYERNORM}
         for acc, expert_params, task in self.pending:
             if not acc.groups:
-                fill_empty(acc, descs[task], ctx)
+                fill_empty(acc, descs[task], self.run)
             for key, *_ in descs[task]:
                 tensors, rows = group_tensors(acc, key)
                 what = f"block {self.block}: adding task {task!r}'s statistics"

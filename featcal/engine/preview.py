@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from featcal.config import Setting
+from featcal.config import FeatCalConfig, Setting
 from featcal.engine.trace import storage_bytes
 from featcal.method import linalg, solve
 from featcal.model import arch
@@ -71,12 +71,11 @@ def _eig_linear(
 class Preview:
     """Kept statistics of one run; :meth:`params` and :meth:`model` solve any setting."""
 
-    def __init__(self, template: nn.Module, blocks_path: str, entries: list[Kept], eps: float, bias: bool):
+    def __init__(self, template: nn.Module, blocks_path: str, entries: list[Kept], config: FeatCalConfig):
         self.template = template
         self.blocks_path = blocks_path
         self.entries = entries
-        self.eps = eps
-        self.bias = bias
+        self.config = config  # the run's: its eps and bias switch hold for every previewed setting
         self._eig: dict[int, _EigLinear] = {}
         self._lock = threading.Lock()  # one decomposition at a time: prepare() may run beside a preview
         # Linears that read one input (q/k/v) share one S, so one decomposition: each Linear's
@@ -132,15 +131,15 @@ class Preview:
         for i, kept in enumerate(self.entries):
             ends = kept.ends
             if kept.target.kind == arch.LINEAR:
-                W = self._eig_of(i).solve(at, self.eps)
+                W = self._eig_of(i).solve(at, self.config.eps)
                 if ends.b_mer is None:
                     b = None
-                elif not self.bias:
+                elif not self.config.bias:
                     b = ends.b_mer
                 else:
                     b = solve.linear_bias(kept.system, W, ends, at)
             else:
-                W, b = solve.solve_norm(kept.system, ends, at, eps=self.eps)
+                W, b = solve.solve_norm(kept.system, ends, at, eps=self.config.eps)
             out.append((kept.block, kept.target, W, b))
         return out
 

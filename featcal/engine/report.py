@@ -47,7 +47,8 @@ class CalibrationReport:
     modules: list[ModuleRecord] = field(default_factory=list)
     blocks: list[BlockRecord] = field(default_factory=list)
     seconds: float = 0.0
-    warnings: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # what the user may act on (featcal.engine.notes)
+    notes: list[str] = field(default_factory=list)  # facts about the run that ask for nothing
     preview_state: "Preview | None" = field(default=None, repr=False)
 
     def to_frame(self) -> "pd.DataFrame":
@@ -62,6 +63,7 @@ class CalibrationReport:
             "tasks": list(self.tasks),
             "seconds": self.seconds,
             "warnings": list(self.warnings),
+            "notes": list(self.notes),
             "blocks": [asdict(b) for b in self.blocks],
             "modules": [asdict(m) for m in self.modules],
         }
@@ -96,9 +98,10 @@ class CalibrationReport:
         if not self.modules:
             return "nothing calibrated"
         before, after = self.mean_residuals()
+        notes = f" ({len(self.notes)} note{'s' * (len(self.notes) != 1)}: report.notes)" if self.notes else ""
         return (
             f"{len(self.modules)} modules in {len(self.blocks)} blocks, {len(self.tasks)} tasks, "
-            f"{self.seconds:.2f} s; mean relative residual {before:.4f} -> {after:.4f}"
+            f"{self.seconds:.2f} s; mean relative residual {before:.4f} -> {after:.4f}{notes}"
         )
 
     def preview(self, lam: float | None = None, rho: float | None = None, alpha: float | None = None) -> "nn.Module":

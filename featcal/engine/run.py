@@ -1,23 +1,28 @@
-"""The FeatCal engine: visit the blocks in forward order and replace each
-calibrated module by its closed-form solution (docs/maths.md, 'Forward order').
+"""The FeatCal engine: visit the blocks in forward order and replace each calibrated module by its
+closed-form solution (docs/maths.md, 'Forward order'). Read :func:`calibrate` first: its numbered
+steps are the whole run.
 
-Per task i two streams are kept at the input of the current block l: the
-calibrating model's ``h_cal[i]`` and expert i's ``h_exp[i]``. For each block:
+Per task i two streams are kept at the input of the current block l: the calibrating model's
+``h_cal[i]`` and expert i's ``h_exp[i]``. For each block (:func:`_visit_blocks`):
 
-1. run the still-merged block on ``h_cal[i]`` and the expert's block on
-   ``h_exp[i]``, reducing every module's inputs into running statistics as the
-   batches pass (the expert's outputs are its next stream);
-2. solve every module of the block from that one snapshot, then load them all;
-3. advance ``h_cal[i]`` through the calibrated block.
+1. run the still-merged block on ``h_cal[i]`` and the expert's block on ``h_exp[i]``, reducing
+   every module's inputs into running statistics as the batches pass (the expert's outputs are
+   its next stream): :func:`featcal.engine.snapshot.block_systems`, the statistics in
+   :mod:`featcal.engine.blockstats`, the experts' side (and the :class:`~featcal.ExpertTrace`) in
+   :mod:`featcal.engine.experts`;
+2. solve every module of the block from that one snapshot, then load them all
+   (:func:`_solve_block`, the maths in :mod:`featcal.method.solve`);
+3. advance ``h_cal[i]`` through the calibrated block (:func:`_advance`).
 
-No block before l is ever re-run, and the base and the experts are touched one
-block at a time. When the calibrating batches of every task can run as one call
-(:func:`featcal.model.streams.pool_spans`: few rows, no padding mask, no tensor argument),
-the still-merged block of step 1 and the calibrated block of step 3 see them in one
-call, and step 1's captures are cut back into each task's batches; when, moreover, each
-task is one batch of one shape, every task's statistics are reduced as one stack
-(:mod:`featcal.engine.snapshot`; the statistics themselves: :mod:`featcal.engine.blockstats`). These and the
-other fast paths are switched by the :class:`~featcal.config.FastPaths` passed in.
+No block before l is ever re-run, and the base and the experts are touched one block at a time.
+What one call carries is frozen (:class:`featcal.engine.state.Run`, and per stack of blocks a
+:class:`~featcal.engine.state.Stack`); the streams are the block loop's own; what the run has to
+say is collected in :class:`featcal.engine.notes.Notes` and said once at the end. When the
+calibrating batches of every task can run as one call (:func:`featcal.model.streams.pool_spans`:
+few rows, no padding mask, no tensor argument), steps 1 and 3 run them in one call; when, moreover,
+each task is one batch of one shape, every task's statistics are reduced as one stack. These and
+the kernels' choices (:class:`featcal.method.kernels.Kernels`) are switched by the
+:class:`~featcal.config.FastPaths` passed in.
 """
 
 from __future__ import annotations
@@ -35,137 +40,103 @@ from torch import nn
 from featcal.config import FastPaths, FeatCalConfig
 from featcal.engine import distributed, snapshot
 from featcal.engine.blocksource import BlockSource, DeviceBlocks, check_device, to_host
-from featcal.engine.blockstats import Context
 from featcal.engine.dist_systems import share_solutions
+from featcal.engine.experts import ExpertCache
+from featcal.engine.notes import Notes
 from featcal.engine.preview import Kept, Preview
 from featcal.engine.report import BlockRecord, CalibrationReport, ModuleRecord
-from featcal.engine.state import RunState, Stream
+from featcal.engine.state import Run, Stack, Stream
 from featcal.engine.trace import ExpertTrace
-from featcal.method import linalg, solve
+from featcal.method import solve
+from featcal.method.kernels import Kernels
 from featcal.model import arch, validate
 from featcal.model import loading as sources
 from featcal.model.capture import sequence_first
 from featcal.model.modes import to_eval
-from featcal.model.streams import (
-    BlockCall,
-    block_output,
-    catch_block_inputs,
-    device_of,
-    pooled,
-    run_block,
-)
+from featcal.model.streams import BlockCall, block_output, catch_block_inputs, device_of, pooled, run_block
 from featcal.util.progress import bar as progress_bar
 
 log = logging.getLogger(__name__)
 
 
-def _prepare_streams(
-    model: nn.Module,
-    blocks: nn.ModuleList,
-    experts: Mapping[str, nn.Module],
-    expert_blocks: Mapping[str, nn.ModuleList],
-    calib_data: Mapping[str, list],
-    offload: bool,
-    trace: ExpertTrace | None = None,
-    path: str = "",
-) -> dict[str, Stream]:
-    """Run every stem once per batch: the calibrating model's and expert i's on D_i (the
-    latter from ``trace`` when it has them, kept under the stack's ``path``). The stem of a
-    later stack is the model's forward up to it: a decoder's streams read the calibrating
-    model's (calibrated) encoder output and each expert's own."""
+def _first_streams(run: Run, model: nn.Module, stack: Stack, experts, calib_data, offload: bool) -> dict[str, Stream]:
+    """Run every stem once per batch: the calibrating model's and expert i's on D_i (the latter
+    through the run's expert cache). The stem of a later stack is the model's forward up to it: a
+    decoder's streams read the calibrating model's (calibrated) encoder output and each expert's own."""
     streams = {}
     for task, batches in calib_data.items():
-        cal = [catch_block_inputs(model, blocks[0], b) for b in batches]
-        kept = None if trace is None else trace.stream(path)
-        exp = None if kept is None else [kept.get(task, 0, b) for b in range(len(batches))]
-        if exp is None or any(c is None for c in exp):
-            exp = [catch_block_inputs(experts[task], expert_blocks[task][0], b) for b in batches]
-            if offload:
-                exp = [c.with_hidden(to_host(c.hidden)) for c in exp]
-            for b, call in enumerate(exp if kept is not None else []):
-                if trace.room_for(call):
-                    kept.put(task, 0, b, call)
+        cal = [catch_block_inputs(model, stack.blocks[0], b) for b in batches]
+
+        def run_stem(task=task, batches=batches) -> list[BlockCall]:
+            eblk = stack.expert_blocks[task][0]
+            exp = [catch_block_inputs(experts[task], eblk, b) for b in batches]
+            return [c.with_hidden(to_host(c.hidden)) for c in exp] if offload else exp
+
+        exp = run.experts.stem(stack.path, task, len(batches), run_stem)
         if offload:
             cal = [c.with_hidden(to_host(c.hidden)) for c in cal]
-        streams[task] = Stream(cal, list(exp))
+        streams[task] = Stream(cal, exp)
     return streams
 
 
-def _solve_block(run: RunState, block: int, blk: nn.Module, targets, systems: dict) -> None:
-    """Solve every target of ``block`` from the snapshot, then load them all (the merged
-    parameters are read as views until then; copied only when ``run.keep`` holds on to
-    them). The factorisations' buffers come from the scratch and go back to it, and so do
-    the systems' ``S`` unless ``run.keep`` holds on to them."""
-    cfg, scratch, keep = run.ctx.cfg, run.ctx.scratch, run.keep
-    setting = cfg.setting
+def _solve_block(run: Run, stack: Stack, block: int, targets, systems: dict) -> None:
+    """Step 2: solve every target of ``block`` from the snapshot, then load them all (the merged
+    parameters are read as views until then; copied only when ``run.keep`` holds on to them).
+    The factorisations' buffers come from the kernels' scratch and go back to it, and so do the
+    systems' ``S`` unless ``run.keep`` holds on to them."""
+    cfg, kernels, keep, blk = run.cfg, run.kernels, run.keep, stack.blocks[block]
     new_params = []
-    factors = linalg.Factors(run.ctx.fast.lapack_min_d, take=scratch.take)  # one per shared S (q/k/v)
     for t in targets:
         t0 = time.perf_counter()
         W_mer, b_mer = arch.get_params(blk, t)
         if keep is not None:
             W_mer, b_mer = W_mer.clone(), None if b_mer is None else b_mer.clone()
-        W_0, b_0 = arch.get_params(run.base_blocks[block], t)
+        W_0, b_0 = arch.get_params(stack.base_blocks[block], t)
         ends = solve.Endpoints(W_mer, b_mer, W_0.to(W_mer.device), None if b_0 is None else b_0.to(W_mer.device))
         sysm = systems[t.name]
         if t.kind == arch.LINEAR:
-            W, b, SWt = solve.solve_linear(
-                sysm,
-                ends,
-                setting,
-                eps=cfg.eps,
-                bias=cfg.bias,
-                what=f"block {block} {t.name}",
-                with_swt=True,
-                factors=factors,
-            )
-            before, after = solve.linear_residuals(
-                sysm, cfg.alpha, (W_mer, b_mer, None, sysm.res.k_mm), (W, b, SWt, None)
-            )
+            W, b, SWt = solve.solve_linear(sysm, ends, cfg.setting, eps=cfg.eps, bias=cfg.bias, kernels=kernels)
+            merged, solved = (W_mer, b_mer, None, sysm.res.k_mm), (W, b, SWt, None)
+            before, after = solve.linear_residuals(sysm, cfg.alpha, merged, solved)
             d_in, d_out, rows = W.shape[1], W.shape[0], sysm.min_rows
         else:
-            W, b = solve.solve_norm(
-                sysm, ends, setting, eps=cfg.eps, what=f"block {block} {t.name}", notes=factors.notes
-            )
-            before = solve.norm_residual(sysm, W_mer, b_mer)
-            after = solve.norm_residual(sysm, W, b)
-            d_in = d_out = W.shape[0]
-            rows = 0
+            W, b = solve.solve_norm(sysm, ends, cfg.setting, eps=cfg.eps, kernels=kernels)
+            before, after = solve.norm_residual(sysm, W_mer, b_mer), solve.norm_residual(sysm, W, b)
+            d_in, d_out, rows = W.shape[0], W.shape[0], 0
+        run.notes.solved(f"block {block} {t.name}", *kernels.said())
         # The residual after is a sum of products with every entry of W and b: any NaN/Inf there
         # makes it NaN or Inf (inf * 0 is NaN), so it checks them without another pass.
         if not math.isfinite(after):
             raise FloatingPointError(f"block {block}, module {t.name!r}: the solve gave NaN/Inf; raise lam or eps.")
         new_params.append((t, W, b))
-        run.report.modules.append(
-            ModuleRecord(run.offset + block, t.name, t.kind, d_in, d_out, rows, before, after, time.perf_counter() - t0)
-        )
+        seconds = time.perf_counter() - t0
+        n = stack.offset + block
+        run.report.modules.append(ModuleRecord(n, t.name, t.kind, d_in, d_out, rows, before, after, seconds))
         if keep is not None:
-            keep.append(Kept(run.offset + block, t, sysm, ends))
+            keep.append(Kept(n, t, sysm, ends))
     for t, W, b in new_params:
         arch.set_params(blk, t, W, b)
-    run.ctx.fallbacks.extend(factors.notes)
-    run.ctx.precision.extend(factors.precision)
-    scratch.give(factors.close())
+    kernels.end_block()
     if keep is None:
-        scratch.give([s.S for s in systems.values() if isinstance(s, solve.LinearSystem) and s.owns_S])
+        kernels.give([s.S for s in systems.values() if isinstance(s, solve.LinearSystem) and s.owns_S])
 
 
-def _advance(run: RunState, block: int, blk: nn.Module, pool) -> None:
+def _advance(run: Run, block: int, blk: nn.Module, streams: dict[str, Stream], pool, offload: bool) -> None:
     """Step 3: move the calibrating streams through the calibrated block (in one call when
-    ``pool``, from :func:`featcal.engine.snapshot.pool` before step 1: the calibrating streams have not moved since)."""
-    device, offload = run.ctx.device, run.offload
+    ``pool``, from :func:`featcal.engine.snapshot.pool` before step 1: the calibrating streams
+    have not moved since; ``offload``: to the host)."""
     outs: dict[tuple[str, int], BlockCall] = {}
     if pool is not None:
         keys, calls, spans = pool
-        h = run_block(blk, pooled(calls), device)
+        h = run_block(blk, pooled(calls), run.device)
         h = to_host(h) if offload else h
         outs = {key: c.with_hidden(h[lo:hi]) for key, c, (lo, hi) in zip(keys, calls, spans)}
     else:
-        for task, st in run.streams.items():
+        for task, st in streams.items():
             for b, cc in enumerate(st.cal):
-                nxt = cc.after(block_output(blk, cc, device))  # carried outputs handed on
+                nxt = cc.after(block_output(blk, cc, run.device))  # carried outputs handed on
                 outs[task, b] = nxt.with_hidden(to_host(nxt.hidden)) if offload else nxt
-    for task, st in run.streams.items():
+    for task, st in streams.items():
         calls = [outs[task, b] for b in range(len(st.cal))]
         if not calls:  # a rank may hold no batch of a task
             continue
@@ -190,96 +161,70 @@ def _finite_unpadded(h: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor
     return (torch.isfinite(h).all(-1) | (mask.to(h.device) == 0)).all()
 
 
+def _stack(run: Run, model: nn.Module, base: nn.Module, experts: Mapping[str, nn.Module], path: str) -> Stack:
+    """The stack of blocks at ``path`` of every model, numbered in the report after the blocks so far."""
+    expert_blocks = {t: arch.resolve_blocks(experts[t], path)[1] for t in experts}
+    base_blocks = arch.resolve_blocks(base, path)[1]
+    return Stack(path, len(run.report.blocks), arch.resolve_blocks(model, path)[1], base_blocks, expert_blocks)
+
+
 def _calibrate_stack(
-    run: RunState,
-    model: nn.Module,
-    path: str,
-    base: nn.Module,
-    experts: Mapping[str, nn.Module],
-    calib_data: Mapping[str, list],
-    progress: bool,
-    block_source: BlockSource | None = None,
+    run: Run, model: nn.Module, stack: Stack, experts, calib_data, progress: bool, block_source: BlockSource | None
 ) -> None:
-    """Steps 1-3 of the module docstring for every block of the stack at ``path``, its block
-    numbers in the report following those of the stacks calibrated before it. The blocks are
-    visited where ``block_source`` puts them (default: where they are, or one block of each model
-    at a time on the run's device when the models are elsewhere)."""
-    ctx, cfg, report = run.ctx, run.ctx.cfg, run.report
-    blks = arch.resolve_blocks(model, path)[1]
-    run.path, run.offset = path, len(report.blocks)
-    run.base_blocks = arch.resolve_blocks(base, path)[1]
-    run.expert_blocks = {t: arch.resolve_blocks(experts[t], path)[1] for t in calib_data}
-    ctx.n_blocks = len(blks)  # token weights name blocks within the stack ("the last block")
-    untouched = arch.untouched_norms(blks[0]) if cfg.layernorm else []
+    """Steps 1-3 of the module docstring for every block of ``stack``. The blocks are visited where
+    ``block_source`` puts them (default: where they are, or one block of each model at a time on
+    the run's device when the models are elsewhere)."""
+    untouched = arch.untouched_norms(stack.blocks[0]) if run.cfg.layernorm else []
     if untouched:  # say so: their affine stays the merged one
-        msg = f"{path}: norms featcal does not calibrate keep their merged values: {', '.join(untouched)}."
-        if distributed.is_main():  # one process of a group says it
-            warnings.warn(msg, stacklevel=4)
-        report.warnings.append(msg)
+        msg = f"{stack.path}: norms featcal does not calibrate keep their merged values: {', '.join(untouched)}."
+        run.notes.said.append(msg)
     source = block_source
-    if source is None and ctx.device != device_of(model):  # one block of each model on the device at a time
-        source = DeviceBlocks(ctx.device, blks, [run.base_blocks, *run.expert_blocks.values()])
+    if source is None and run.device != device_of(model):  # one block of each model on the device at a time
+        source = DeviceBlocks(run.device, stack.blocks, [stack.base_blocks, *stack.expert_blocks.values()])
     source = source or BlockSource()
     try:
-        _visit_blocks(run, source, model, blks, experts, calib_data, progress)
+        _visit_blocks(run, stack, source, model, experts, calib_data, progress)
     finally:
         source.close()
 
 
-def _visit_blocks(run: RunState, source: BlockSource, model, blks, experts, calib_data, progress: bool) -> None:
-    """The forward-order loop over one stack's blocks, each where ``source`` puts it."""
-    ctx, fast, cfg, report, path = run.ctx, run.ctx.fast, run.ctx.cfg, run.report, run.path
-    # The streams at the input of the source's first block (block 0 unless a run resumes).
-    streams = source.streams(
-        lambda: _prepare_streams(
-            model, blks, experts, run.expert_blocks, calib_data, cfg.offload_streams, run.trace, path
-        )
-    )
-    run.streams, run.offload = streams, cfg.offload_streams or source.offload(streams)
-    desc = "FeatCal" if path == report.blocks_path else f"FeatCal {path}"
+def _visit_blocks(run: Run, stack: Stack, source: BlockSource, model, experts, calib_data, progress: bool) -> None:
+    """The forward-order loop over one stack's blocks, each where ``source`` puts it; the streams
+    (at the input of the source's first block: block 0 unless a run resumes) are the loop's."""
+    cfg, fast, report = run.cfg, run.fast, run.report
+    streams = source.streams(lambda: _first_streams(run, model, stack, experts, calib_data, cfg.offload_streams))
+    offload = cfg.offload_streams or source.offload(streams)  # the streams go to the host between blocks
+    desc = "FeatCal" if stack.path == report.blocks_path else f"FeatCal {stack.path}"
     show = progress and (run.dist is None or run.dist.rank == 0)  # one bar: rank 0's
-    bar = progress_bar(range(source.first, len(blks)), desc=desc, unit="block", show=show)
-    run.blocks_done += source.first  # (a resumed run's earlier blocks are done)
+    bar = progress_bar(range(source.first, stack.n_blocks), desc=desc, unit="block", show=show)
     for block in bar:
         source.enter(block)  # block `block` of every model where it runs
-        blk = blks[block]
+        blk = stack.blocks[block]
         targets = arch.block_targets(blk, linear=cfg.linear, layernorm=cfg.layernorm, only=cfg.modules)
         # 1. Snapshot statistics of the still-merged block (and advance the experts).
         t0 = time.perf_counter()
         # the calibrating batches as one call, for steps 1 and 3 (not for sequence-first streams:
         # they would be joined along their token axis)
         pool = None if sequence_first(blk) else snapshot.pool(streams, fast.pool_rows)
-        systems = snapshot.block_systems(run, block, blk, targets, pool)
-        ctx.scratch.trim(fast.scratch_keep)  # big Gram buffers go before the solve (kept, they add to its peak)
+        systems = snapshot.block_systems(run, stack, block, targets, streams, pool, offload)
+        run.kernels.trim()  # big Gram buffers go before the solve (kept, they add to its peak)
         t1 = time.perf_counter()
         # 2. Solve all modules of the block, then load them together.
         first_record = len(report.modules)  # (this rank's share of the modules, under a process group)
-        _solve_block(run, block, blk, [t for t in targets if t.name in systems], systems)
+        _solve_block(run, stack, block, [t for t in targets if t.name in systems], systems)
         if run.dist is not None:  # every rank gets every module's new parameters
             share_solutions(run.dist, report, blk, targets, first_record)
-        ctx.scratch.trim(fast.scratch_keep)  # and big systems and factors before the advance
+        run.kernels.trim()  # and big systems and factors before the advance
         t2 = time.perf_counter()
         # 3. Advance the calibrating streams through the calibrated block.
-        _advance(run, block, blk, pool)
-        report.blocks.append(BlockRecord(run.offset + block, t1 - t0, t2 - t1, time.perf_counter() - t2))
+        _advance(run, block, blk, streams, pool, offload)
+        report.blocks.append(BlockRecord(stack.offset + block, t1 - t0, t2 - t1, time.perf_counter() - t2))
         source.leave(block, streams, report)
         bar.set_postfix_str(f"block {block}: {len(targets)} modules")
-        run.blocks_done += 1
         if run.on_block is not None:  # (raising stops the run here, between two blocks)
             rec = report.blocks[-1]
-            info = {
-                "done": run.blocks_done,
-                "blocks": run.blocks_total,
-                "seconds": rec.stats_seconds + rec.solve_seconds + rec.advance_seconds,
-            }
-            run.on_block(rec.block, info)
-
-
-def _summarised(notes: list[str], first: int = 3, same: str = "re-solved the same way") -> list[str]:
-    """The first ``first`` of ``notes`` and one line counting the rest (one per module could be hundreds)."""
-    if len(notes) <= first:
-        return list(notes)
-    return notes[:first] + [f"... and {len(notes) - first} more modules {same}."]
+            seconds = rec.stats_seconds + rec.solve_seconds + rec.advance_seconds
+            run.on_block(rec.block, {"done": rec.block + 1, "blocks": run.blocks_total, "seconds": seconds})
 
 
 def _checked_models(merged, base, experts, calib_data, blocks, block_source):
@@ -299,6 +244,24 @@ def _checked_models(merged, base, experts, calib_data, blocks, block_source):
     return tasks, base, experts, stacks_of(merged)  # skeletons: the source checks each block as it loads it
 
 
+def _fast_paths(fast: FastPaths | None) -> FastPaths:
+    """``fast``, checked (None: the defaults)."""
+    if fast is not None and not isinstance(fast, FastPaths):
+        raise TypeError(f"fast must be a featcal.FastPaths (or None for the defaults), got {type(fast).__name__}.")
+    return FastPaths() if fast is None else fast
+
+
+def _checked_stacks(merged: nn.Module, path: str, cfg: FeatCalConfig, block_source) -> list[str]:
+    """The stacks' paths in ``path``, after checking that ``cfg.modules`` names modules in them
+    (a typo would calibrate nothing) and that a ``block_source`` gets one stack."""
+    stacks = path.split(arch.STACK_SEP)
+    if block_source is not None and len(stacks) > 1:
+        raise ValueError(f"block_source works on one stack of blocks; {path!r} has {len(stacks)}.")
+    firsts = [arch.resolve_blocks(merged, s)[1][0] for s in stacks]
+    validate.check_modules(firsts, cfg.modules, cfg.linear, cfg.layernorm)
+    return stacks
+
+
 def _bound_trace(expert_trace, experts, calib_data, tasks, path, cfg, device) -> ExpertTrace | None:
     """``expert_trace`` bound to this run's experts, batches and the settings its captures depend
     on (what it holds from another run is dropped when any of them differ); None without one."""
@@ -308,22 +271,14 @@ def _bound_trace(expert_trace, experts, calib_data, tasks, path, cfg, device) ->
     return expert_trace.bind(experts, calib_data, tasks, what)
 
 
-def _report_warnings(ctx: Context, report: CalibrationReport, dist) -> None:
-    """The solves' warnings (under a process group: every rank's, gathered), the per-module ones
-    summarised, each said once (by rank 0) and kept in ``report.warnings``; then a warning when
-    calibration raised a residual (:meth:`CalibrationReport.check_residuals`). ``stacklevel``
-    points at :func:`calibrate`'s caller."""
-    if dist is not None:  # the warnings of the modules other ranks solved
-        parts = dist.gather_objects((ctx.warn_rows, ctx.fallbacks, ctx.precision), "gathering the warnings")
-        ctx.warn_rows = [m for w, _, _ in parts for m in w][:1]
-        ctx.fallbacks = [m for _, f, _ in parts for m in f]
-        ctx.precision = [m for _, _, p in parts for m in p]
-    precision = _summarised(ctx.precision, same="with the same float32 precision warning")
-    for msg in ctx.warn_rows + _summarised(ctx.fallbacks) + precision:
-        if dist is None or dist.rank == 0:  # one process of a group says it
-            warnings.warn(msg, stacklevel=4)
-        report.warnings.append(msg)
-    rose = report.check_residuals()
+def _report_notes(run: Run) -> None:
+    """What the run has to say (under a process group: every rank's, gathered) into the report,
+    each kind said once (by rank 0); then a warning when calibration raised a residual
+    (:meth:`CalibrationReport.check_residuals`). ``stacklevel`` points at :func:`calibrate`'s caller."""
+    if run.dist is not None:  # the notes of the modules other ranks solved
+        run.notes.gather(run.dist)
+    run.notes.publish(run.report, say=run.dist is None or run.dist.rank == 0, stacklevel=4)
+    rose = run.report.check_residuals()
     if rose is not None:
         warnings.warn(rose, stacklevel=4)
 
@@ -386,47 +341,43 @@ def calibrate(
         ``(model, report)``: the calibrated model (new unless ``inplace``) and a
         :class:`CalibrationReport`.
     """
-    cfg = config or FeatCalConfig()
-    fast = FastPaths() if fast is None else fast
-    if not isinstance(fast, FastPaths):
-        raise TypeError(f"fast must be a featcal.FastPaths (or None for the defaults), got {type(fast).__name__}.")
+    cfg, fast = config or FeatCalConfig(), _fast_paths(fast)
     t_start = time.perf_counter()
     # 1. Validate before touching anything.
     tasks, base, experts, path = _checked_models(merged, base, experts, calib_data, blocks, block_source)
-    firsts = [arch.resolve_blocks(merged, s)[1][0] for s in path.split(arch.STACK_SEP)]
-    validate.check_modules(firsts, cfg.modules, cfg.linear, cfg.layernorm)  # a typo would calibrate nothing
+    stacks = _checked_stacks(merged, path, cfg, block_source)  # an encoder-decoder's two, in forward order
 
-    # 2. The model to calibrate, and its stacks of blocks (an encoder-decoder's two, in forward order).
+    # 2. Where it runs (and with which processes, each then given its share of the batches).
     device = device_of(merged) if device is None else check_device(device)
     dist = distributed.current(device, "everywhere" if keep_stats else fast.dist_solve)
+    calib_data = {t: calib_data[t] for t in tasks}
     if dist is not None:  # the same inputs on every rank, then this rank's share of the batches
-        dist.check_same(distributed.input_digests(merged, base, experts, {t: calib_data[t] for t in tasks}, cfg, path))
-        calib_data = dist.my_share({t: calib_data[t] for t in tasks})
+        dist.check_same(distributed.input_digests(merged, base, experts, calib_data, cfg, path))
+        calib_data = dist.my_share(calib_data)
+
+    # 3. The model to calibrate, and the run's frozen state.
     model = merged if inplace else copy.deepcopy(merged)
-    stacks = path.split(arch.STACK_SEP)
-    if block_source is not None and len(stacks) > 1:
-        raise ValueError(f"block_source works on one stack of blocks; {path!r} has {len(stacks)}.")
     restore_modes = to_eval(model, base, *experts.values())  # each submodule's flag comes back exactly
     report = CalibrationReport(cfg, path, tasks)
     trace = _bound_trace(expert_trace, experts, calib_data, tasks, path, cfg, device)
-    ctx = Context(cfg, fast, 0, device, fixed_alpha=None if keep_stats else cfg.alpha)
-    run = RunState(ctx, report, [] if keep_stats else None, trace, dist=dist, on_block=on_block)
-    run.blocks_total = sum(len(arch.resolve_blocks(model, s)[1]) for s in stacks)
+    keep = [] if keep_stats else None
+    n_blocks = sum(len(arch.resolve_blocks(model, s)[1]) for s in stacks)
+    kernels, cache = Kernels.of(fast), ExpertCache(trace, device)
+    run = Run(cfg, fast, device, dist, kernels, cache, report, Notes(), keep, on_block, n_blocks)
     try:
-        # 3. Each stack in forward order, block by block.
-        for stack in stacks:
-            _calibrate_stack(
-                run, model, stack, base, experts, {t: calib_data[t] for t in tasks}, progress, block_source
-            )
-        # 4. What the solves warned of, said once, and a check of the residuals.
-        _report_warnings(ctx, report, dist)
+        # 4. Each stack in forward order, block by block (steps 1-3 of the module docstring).
+        for s in stacks:
+            stack = _stack(run, model, base, experts, s)
+            _calibrate_stack(run, model, stack, experts, calib_data, progress, block_source)
+        # 5. What the run has to say, said once, and a check of the residuals.
+        _report_notes(run)
     except BaseException:
         if inplace:
             log.error("calibration failed part-way with inplace=True: the model is partly calibrated.")
         raise
     finally:
         restore_modes()
-    if keep_stats:
-        report.preview_state = Preview(model, path, run.keep, cfg.eps, cfg.bias)
+    if keep_stats:  # 6. The kept systems, to re-solve any setting (report.preview)
+        report.preview_state = Preview(model, path, keep, cfg)
     report.seconds = time.perf_counter() - t_start
     return model, report

@@ -1,30 +1,32 @@
 """Step 1 of every block (docs/maths.md, 'Forward order'): the snapshot statistics of the still-merged
 block and of each expert's block on their streams, reduced into every target module's system.
 
-One path in three shapes, chosen by what the streams allow (each switched by :class:`FastPaths`):
+One loop over the block's task batches (:func:`block_systems`), in one of two shapes:
 
-- task by task, batch by batch (:func:`_add_each_task`): the general case;
-- the calibrating batches of every task run through the still-merged block as one pooled call
-  (:func:`pool`), its captures cut back into each task's batches;
-- every task reduced as one stack on a leading task axis (:func:`_add_stacked`, when
-  :func:`_batchable`): pooled, one batch per task, one shape.
+- task by task, batch by batch: the general case;
+- every task as one stack on a leading task axis, when :func:`_batchable` (the calibrating
+  batches pooled, one batch per task, one shape): one call per operation instead of one per
+  task, which is what small models are dominated by.
 
-The experts' side goes through :func:`_expert_step`, the one place that reads and fills the
-:class:`~featcal.engine.trace.ExpertTrace` (what is kept of the experts between calls).
+The still-merged block runs every task's calibrating batches as one pooled call when they
+allow it (:func:`pool`), its captures cut back into each task's batches (or seen whole, with a
+leading task axis, in the stacked shape). The experts' side, and what the run's
+:class:`~featcal.ExpertTrace` keeps of it, is :class:`featcal.engine.experts.ExpertCache`'s.
+Each shape and path is switched by :class:`~featcal.config.FastPaths`.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import Iterator
+
 from torch import nn
 
-from featcal.engine.blocksource import to_host
 from featcal.engine.blockstats import BlockStats, BlockSystems
 from featcal.engine.dist_systems import DistBlockSystems
-from featcal.engine.state import RunState, Stream
+from featcal.engine.state import Run, Stack, Stream
 from featcal.model import arch
-from featcal.model.capture import Captured, capture, per_task, sliced, stacked
-from featcal.model.streams import block_output, pool_spans, pooled, run_block
+from featcal.model.capture import Captured, capture, per_task, sliced
+from featcal.model.streams import pool_spans, pooled, run_block
 
 
 def pool(streams: dict[str, Stream], max_rows: int) -> tuple[list[tuple[str, int]], list, list] | None:
@@ -35,16 +37,6 @@ def pool(streams: dict[str, Stream], max_rows: int) -> tuple[list[tuple[str, int
     calls = [streams[task].cal[b] for task, b in keys]
     spans = pool_spans(calls, max_rows) if calls else None  # (a rank may hold no batch)
     return None if spans is None else (keys, calls, spans)
-
-
-def _pooled_capture(blk, targets, pool, device) -> Captured | None:
-    """The still-merged block's captures of every (task, batch) from one pooled call (``pool``
-    from :func:`pool`, whose spans cut them back; None: nothing pooled here)."""
-    if pool is None:
-        return None
-    with capture(blk, targets, outputs=True) as cs:
-        run_block(blk, pooled(pool[1]), device)
-    return cs
 
 
 def _batchable(streams: dict[str, Stream], pool, widths: list[int], max_elems: int) -> bool:
@@ -61,109 +53,57 @@ def _batchable(streams: dict[str, Stream], pool, widths: list[int], max_elems: i
     return len(sts) * max(widths) ** 2 <= max_elems
 
 
-def _stack_params(params: list[tuple[torch.Tensor, torch.Tensor | None]]):
-    """Every task's ``(W_i, b_i)`` of one target, stacked: ``((T, o, d), (T, o) or None)``."""
-    W, b = zip(*params)
-    return torch.stack(W), None if b[0] is None else torch.stack(b)
-
-
-def _expert_step(run: RunState, eblk: nn.Module, targets, st: Stream, b: int, key: tuple | None) -> Captured:
-    """Run expert i's block on its batch ``b`` with the targets' inputs captured, and move
-    that batch of its stream on to the block's output (both from the trace at ``key`` when
-    it has them; ``key`` None: the trace is not used)."""
-    ec = st.exp[b]
-    trace = None if key is None else run.trace
-    ce = nxt = None
-    if trace is not None:
-        path, block, task, _ = key
-        ce, nxt = trace.captures.get(key), trace.stream(path).get(task, block + 1, b)
-    if ce is None or nxt is None:
-        with capture(eblk, targets, outputs=True) as ce:
-            nxt = ec.after(block_output(eblk, ec, run.ctx.device))
-        nxt = nxt.with_hidden(to_host(nxt.hidden)) if run.offload else nxt
-        if trace is not None and trace.room_for(ce, nxt):  # both or neither (ExpertTrace.max_bytes)
-            trace.captures[key] = ce
-            trace.stream(path).put(task, block + 1, b, nxt)
-    st.exp[b] = nxt
-    return ce
-
-
-def _add_stacked(
-    run: RunState, block: int, targets, merged_params: dict, merged_cap: Captured, into: BlockSystems
-) -> None:
-    """Step 1 with every task reduced as one stack (:func:`_batchable`): the expert blocks'
-    captures and parameters stacked on a leading task axis (or from the trace), the pooled
-    merged captures seen with one."""
-    streams, trace = run.streams, run.trace
-    tasks = list(streams)
-    kept = None if trace is None else trace.stream(run.path)
-    hit = None if trace is None else trace.stacked.get((run.path, block))
-    outs = None if kept is None else [kept.get(task, block + 1, 0) for task in tasks]
-    if hit is None or any(o is None for o in outs):
-        eblks = [run.expert_blocks[task][block] for task in tasks]
-        ces = [_expert_step(run, eblk, targets, streams[task], 0, None) for task, eblk in zip(tasks, eblks)]
-        params = {t.name: _stack_params([arch.get_params(eblk, t) for eblk in eblks]) for t in targets}
-        hit, outs = (stacked(ces), params), [streams[task].exp[0] for task in tasks]
-        if trace is not None and trace.room_for(hit, outs):
-            trace.stacked[run.path, block] = hit
-            for task, out in zip(tasks, outs):
-                kept.put(task, block + 1, 0, out)
-    ce_stack, expert_params = hit
-    for task, out in zip(tasks, outs):
-        streams[task].exp[0] = out
-    rows = streams[tasks[0]].cal[0].hidden.shape[:-1].numel()
-    acc = BlockStats(run.ctx, block, targets, expert_params, merged_params, rows, lead=1)
-    acc.add(per_task(merged_cap, len(tasks)), ce_stack, None)
-    into.add(acc, expert_params, tasks[0])  # (which hands the sums' buffers back)
-
-
-def _add_each_task(
-    run: RunState,
-    block: int,
-    blk: nn.Module,
-    targets,
-    merged_params: dict,
-    merged_cap: Captured | None,
-    pool,
-    into: BlockSystems,
-) -> None:
-    """Step 1 task by task, batch by batch: the still-merged block's captures cut from the
-    pooled call (``merged_cap``) or from a call of their own, the expert's from its block."""
-    device = run.ctx.device
-    caps = None if merged_cap is None else {key: sliced(merged_cap, lo, hi) for key, (lo, hi) in zip(pool[0], pool[2])}
-    for task, st in run.streams.items():
-        eblk = run.expert_blocks[task][block]
-        expert_params = {t.name: arch.get_params(eblk, t) for t in targets}
-        rows = into.task_rows(task, sum(c.hidden.shape[:-1].numel() for c in st.cal))  # all ranks' rows
-        one_batch = len(st.cal) == 1 and into.direct_ok
-        acc = BlockStats(run.ctx, block, targets, expert_params, merged_params, rows, one_batch=one_batch)
-        for b, cc in enumerate(st.cal):
-            if caps is not None:
-                cs = caps.pop((task, b))
+def _merged_captures(run: Run, blk: nn.Module, targets, streams, tasks, pooled_caps, lead: int) -> Iterator:
+    """The still-merged block's ``(captures, mask)`` of each batch of ``tasks``: cut from the pooled
+    call's captures (``pooled_caps``; with ``lead``: seen whole, every task on a leading axis), or
+    from a call of its own."""
+    if lead:
+        yield per_task(pooled_caps[0], len(tasks)), None
+        return
+    for task in tasks:
+        for b, cc in enumerate(streams[task].cal):
+            if pooled_caps is not None:
+                cs = pooled_caps[1].pop((task, b))
             else:
                 with capture(blk, targets, outputs=True) as cs:
-                    run_block(blk, cc, device)
-            ce = _expert_step(run, eblk, targets, st, b, (run.path, block, task, b))
-            acc.add(cs, ce, cc.mask_for)  # each input's padding mask: the decoder's or the encoder's tokens
-        into.add(acc, expert_params, task)  # (which hands the sums' buffers back)
+                    run_block(blk, cc, run.device)
+            yield cs, cc.mask_for  # each input's padding mask: the decoder's or the encoder's tokens
 
 
-def block_systems(run: RunState, block: int, blk: nn.Module, targets, pool) -> dict:
-    """Step 1 for ``block``: the snapshot statistics of every task, reduced task by task
-    (or all tasks at once, :func:`_batchable`) into each target's system. Advances the expert
-    streams as a side effect. With ``run.ctx.alpha`` set, systems for that alpha only
-    (cheaper; no preview from them; their ``S`` then come from the scratch, as do the
-    statistics' buffers in any case: kept from task to task and block to block)."""
+def _pooled_captures(run: Run, blk: nn.Module, targets, pool) -> tuple[Captured, dict] | None:
+    """The still-merged block's captures from one pooled call (``pool`` from :func:`pool`): whole,
+    and cut back into each ``(task, batch)``'s by the pool's spans (None: nothing pooled here)."""
+    if pool is None:
+        return None
+    with capture(blk, targets, outputs=True) as cs:
+        run_block(blk, pooled(pool[1]), run.device)
+    return cs, {key: sliced(cs, lo, hi) for key, (lo, hi) in zip(pool[0], pool[2])}
+
+
+def block_systems(run: Run, stack: Stack, block: int, targets, streams: dict[str, Stream], pool, offload: bool) -> dict:
+    """Step 1 for ``block`` of ``stack``: the snapshot statistics of every task, reduced task by
+    task (or all tasks at once, :func:`_batchable`) into each target's system, the experts'
+    streams moved past the block as they go (``offload``: to the host). With
+    ``run.alpha_only``, systems for that alpha only (cheaper; no preview from them; their ``S``
+    then come from the kernels' scratch, as do the statistics' buffers in any case: kept from
+    task to task and block to block)."""
+    blk = stack.blocks[block]
     merged_params = {t.name: arch.get_params(blk, t) for t in targets}
+    rows = {task: sum(c.hidden.shape[:-1].numel() for c in st.cal) for task, st in streams.items()}
     if run.dist is None:
-        into = BlockSystems(run.ctx, block, targets)
+        into = BlockSystems(run, block, targets)
     else:  # each task's sums added across the ranks before its systems are built
-        rows = {task: sum(c.hidden.shape[:-1].numel() for c in st.cal) for task, st in run.streams.items()}
-        into = DistBlockSystems(run.ctx, block, targets, run.dist, rows)
-    merged_cap = _pooled_capture(blk, targets, pool, run.ctx.device)
+        into = DistBlockSystems(run, block, targets, rows)
+    pooled_caps = _pooled_captures(run, blk, targets, pool)
     widths = [p[0].shape[-1] for t, p in zip(targets, merged_params.values()) if t.kind == arch.LINEAR]
-    if run.dist is None and _batchable(run.streams, pool, widths, run.ctx.fast.stack_max):
-        _add_stacked(run, block, targets, merged_params, merged_cap, into)
-    else:
-        _add_each_task(run, block, blk, targets, merged_params, merged_cap, pool, into)
+    lead = int(run.dist is None and _batchable(streams, pool, widths, run.fast.stack_max))
+    for tasks in [list(streams)] if lead else [[task] for task in streams]:  # reduced together
+        eblks = {task: stack.expert_blocks[task][block] for task in tasks}
+        expert_params, expert_caps = run.experts.block(stack.path, block, eblks, targets, streams, offload, lead)
+        one_batch = len(streams[tasks[0]].cal) == 1 and into.direct_ok
+        task_rows = into.task_rows(tasks[0], rows[tasks[0]])  # (under a process group: all ranks')
+        acc = BlockStats(run, stack, block, targets, expert_params, merged_params, task_rows, lead, one_batch)
+        for (cs, mask), ce in zip(_merged_captures(run, blk, targets, streams, tasks, pooled_caps, lead), expert_caps):
+            acc.add(cs, ce, mask)
+        into.add(acc, expert_params, tasks[0])  # (which hands the sums' buffers back)
     return into.finish()

@@ -1,19 +1,62 @@
-"""What one :func:`featcal.calibrate` call carries from block to block: the run's shared state
-(:class:`RunState`: config and scratch, the report, the kept systems, the expert trace, and the
-stack being visited) and each task's streams at the input of the current block (:class:`Stream`)."""
+"""What one :func:`featcal.calibrate` call carries from block to block, frozen: the run's
+(:class:`Run`: config, fast paths, device, process group, kernels, the report and notes it fills,
+the experts' cache) and the stack's being visited (:class:`Stack`: an encoder-decoder has two,
+calibrated one after the other). What moves, each task's streams at the input of the current
+block (:class:`Stream`), is the visiting loop's own (:func:`featcal.engine.run._visit_blocks`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+import torch
 from torch import nn
 
-from featcal.engine.blockstats import Context
+from featcal.config import FastPaths, FeatCalConfig
 from featcal.engine.distributed import Dist
+from featcal.engine.experts import ExpertCache
+from featcal.engine.notes import Notes
 from featcal.engine.report import CalibrationReport
-from featcal.engine.trace import ExpertTrace
+from featcal.method.kernels import Kernels
 from featcal.model.streams import BlockCall
+
+
+@dataclass(frozen=True)
+class Run:
+    """What the steps of every block of one :func:`calibrate` call share."""
+
+    cfg: FeatCalConfig  # the method: lam, rho, alpha, eps and the switches
+    fast: FastPaths  # which exact fast paths the engine may take
+    device: torch.device  # where the blocks run
+    dist: Dist | None  # the process group sharing the batches (featcal.engine.distributed)
+    kernels: Kernels  # scratch buffers, LAPACK choice, the block's factorisations (featcal.method.kernels)
+    experts: ExpertCache  # the experts' side, through the expert trace (featcal.engine.experts)
+    report: CalibrationReport  # filled block by block
+    notes: Notes  # what the run will say when it ends
+    keep: list | None  # each solved module's system and parameters, for a preview (keep_stats)
+    on_block: Callable[[int, dict], None] | None  # after each block (calibrate's docstring)
+    blocks_total: int  # over every stack
+
+    @property
+    def alpha_only(self) -> float | None:
+        """``cfg.alpha`` when the sums and systems are built for it alone (cheaper, no preview:
+        nothing is kept), else None (built for any alpha)."""
+        return None if self.keep is not None else self.cfg.alpha
+
+
+@dataclass(frozen=True)
+class Stack:
+    """One stack of blocks of the models, at ``path`` (e.g. ``"encoder.block"``)."""
+
+    path: str
+    offset: int  # its first block's number in the report (the blocks of earlier stacks before it)
+    blocks: nn.ModuleList  # the model being calibrated's
+    base_blocks: nn.ModuleList
+    expert_blocks: Mapping[str, nn.ModuleList]  # task -> expert i's
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.blocks)
 
 
 @dataclass
@@ -22,24 +65,3 @@ class Stream:
 
     cal: list[BlockCall]
     exp: list[BlockCall]
-
-
-@dataclass
-class RunState:
-    """What the steps of every block of one :func:`calibrate` call share."""
-
-    ctx: Context  # config, fast paths, scratch, warnings (featcal.engine.blockstats)
-    report: CalibrationReport
-    keep: list | None  # each solved module's system and parameters, for a preview
-    trace: ExpertTrace | None
-    # the stack being calibrated (an encoder-decoder has two, calibrated one after the other)
-    path: str = ""
-    offset: int = 0  # its first block's number in the report (blocks of earlier stacks before it)
-    base_blocks: nn.ModuleList | None = None
-    expert_blocks: Mapping[str, nn.ModuleList] | None = None
-    streams: dict[str, Stream] | None = None
-    offload: bool = False  # the streams go to the host between blocks
-    dist: Dist | None = None  # the process group sharing the batches (featcal.engine.distributed)
-    on_block: Callable[[int, dict], None] | None = None  # after each block (calibrate's docstring)
-    blocks_done: int = 0  # over every stack
-    blocks_total: int = 0

@@ -1,5 +1,6 @@
 """What :func:`featcal.calibrate` keeps of the experts between calls (:class:`ExpertTrace`),
-bound to the very expert modules and batches it was made with."""
+bound to the very expert modules and batches it was made with. A run reads and fills it through
+:class:`featcal.engine.experts.ExpertCache` alone."""
 
 from __future__ import annotations
 

@@ -6,11 +6,10 @@ they are (that is :mod:`featcal.method.stats` and :mod:`featcal.method.solve`).
   their Frobenius norms reduced in float64 (:func:`gram_norm`, :func:`rows_gram_norm`);
 - symmetric positive-definite solves: Cholesky (LAPACK ``potrf`` in place for wide CPU systems, else
   torch's), with a float64 eigendecomposition fallback (:class:`EigenSolve`) when the factorisation
-  fails or rests on rounding noise (:func:`spd_factor`); one factorisation per shared ``S``
-  (:class:`Factors`).
+  fails or rests on rounding noise (:func:`spd_factor`).
 
-Which of these run is switched by :class:`featcal.config.FastPaths`; benchmarks/engine_notes.md has
-the timings behind each choice.
+Which of these run is chosen by the run's :class:`featcal.method.kernels.Kernels` (from
+:class:`featcal.config.FastPaths`); benchmarks/engine_notes.md has the timings behind each choice.
 """
 
 from __future__ import annotations
@@ -21,12 +20,10 @@ from typing import Callable
 
 import torch
 
-from featcal.config import FastPaths
-
 log = logging.getLogger(__name__)
 
 
-def gram_blocks(d: int, block: int | None = FastPaths.gram_block) -> tuple[int, ...]:
+def gram_blocks(d: int, block: int | None) -> tuple[int, ...]:
     """Block edges ``(0, ..., d)`` of the triangular accumulation of a ``d x d`` Gram matrix,
     about ``block`` columns each (at most 8; ``None``: one block, the full product): ``k``
     blocks cost ``(k + 1) / 2k`` of the full product."""
@@ -188,11 +185,23 @@ def _lapack_cholesky(A: torch.Tensor) -> torch.Tensor | None:
     return torch.from_numpy(c) if info == 0 else None
 
 
-def _triangular_solves(L: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    """``(L L^T)^-1 B`` by two triangular solves on the column-major ``L`` from LAPACK as it is
-    (``torch.cholesky_solve`` would first copy it)."""
-    y = torch.linalg.solve_triangular(L, B.to(L.dtype), upper=False)
-    return torch.linalg.solve_triangular(L.mT, y, upper=True)
+class Cholesky:
+    """``B -> (L L^T)^-1 B`` for the lower Cholesky factor ``L`` of ``S + shift I``: from LAPACK as
+    it is (``lapack``: column-major, two triangular solves; ``torch.cholesky_solve`` would first
+    copy it), else torch's."""
+
+    def __init__(self, L: torch.Tensor, lapack: bool):
+        self.L, self.lapack = L, lapack
+
+    def __call__(self, B: torch.Tensor) -> torch.Tensor:
+        if self.lapack:
+            y = torch.linalg.solve_triangular(self.L, B.to(self.L.dtype), upper=False)
+            return torch.linalg.solve_triangular(self.L.mT, y, upper=True)
+        return torch.cholesky_solve(B, self.L)
+
+    def ridge(self, R: torch.Tensor, lam: float, anchor_t: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``(S + shift I)^-1 R`` for ``R = data + lam anchor_t()`` (read whole: see :meth:`EigenSolve.ridge`)."""
+        return self(R)
 
 
 def noise_floor(S: torch.Tensor) -> float:
@@ -211,7 +220,7 @@ class EigenSolve:
     anchor term alone, as exact arithmetic would (``U`` and ``V`` lie in the span of the
     calibrating rows, i.e. in the range of ``S``)."""
 
-    def __init__(self, S: torch.Tensor, shift: float, what: str = "system"):
+    def __init__(self, S: torch.Tensor, shift: float, what: str | None = "system"):
         A = symmetric(S.double())
         self.dtype, self.shift, self.what = S.dtype, shift, what
         self.evals, self.Q = torch.linalg.eigh(A)  # (d,), (d, d)
@@ -219,18 +228,20 @@ class EigenSolve:
         self.evals = self.evals.masked_fill(self.noise, 0.0)
         self.den = (self.evals + shift)[:, None]  # (d, 1)
         if not bool((self.den != 0).all()):
-            raise FloatingPointError(f"{what}: the FeatCal system is singular; raise lam or eps.")
+            raise FloatingPointError(labelled(what, "the FeatCal system is singular; raise lam or eps."))
 
     def __call__(self, B: torch.Tensor) -> torch.Tensor:
         """``(S + shift I)^-1 B`` (noise eigenvalues as zeros), in ``B``'s dtype."""
         QtB = self.Q.T @ B.double()
         return (self.Q @ (QtB / self.den)).to(B.dtype)
 
-    def ridge(self, data: torch.Tensor, anchor_t: torch.Tensor, lam: float) -> torch.Tensor:
-        """``(S + shift I)^-1 (data + lam anchor_t)`` with ``data``'s components on the noise
-        subspace dropped (they are rounding noise of ``S``'s dtype, which ``1 / shift`` would
-        blow up). In ``S``'s dtype."""
-        Qd, Qa = self.Q.T @ data.double(), self.Q.T @ anchor_t.double()  # (d, o)
+    def ridge(self, R: torch.Tensor, lam: float, anchor_t: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``(S + shift I)^-1 R`` for ``R = data + lam anchor_t()``, the data's part and the anchor's
+        apart: ``data``'s components on the noise subspace dropped (they are rounding noise of
+        ``S``'s dtype, which ``1 / shift`` would blow up). In ``S``'s dtype."""
+        A_t = anchor_t()
+        data = R - lam * A_t
+        Qd, Qa = self.Q.T @ data.double(), self.Q.T @ A_t.double()  # (d, o)
         Qd[self.noise] = 0.0
         return (self.Q @ ((Qd + lam * Qa) / self.den)).to(self.dtype)
 
@@ -238,9 +249,9 @@ class EigenSolve:
 def spd_factor(
     S: torch.Tensor,
     shift: float = 0.0,
-    what: str = "system",
+    what: str | None = "system",
     take: Callable | None = None,
-    lapack_min_d: int | None = FastPaths.lapack_min_d,
+    lapack_min_d: int | None = None,
     notes: list | None = None,
     precision: list | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -266,23 +277,22 @@ def spd_factor(
         A = S.clone() if take is None else take(S.shape, S.dtype, S.device, zero=False).copy_(S)
         A.diagonal().add_(shift)
         L = _lapack_cholesky(A)
-        solver = None if L is None else functools.partial(_triangular_solves, L)
     else:
         A = symmetric(S)
         A.diagonal().add_(shift)
         L, info = torch.linalg.cholesky_ex(A)
         L = L if int(info) == 0 else None
-        solver = None if L is None else (lambda B: torch.cholesky_solve(B, L))
     if L is not None and (pivot2 := float(L.diagonal().min()) ** 2) > floor:
         if S.dtype == torch.float32 and (est := float32_error(floor, pivot2)) > F32_WARN:
             _note_float32(what, est, shift, precision if precision is not None else notes)
-        return solver
+        return Cholesky(L, lapack)
     reason = "fails" if L is None else "rests on pivots within its rounding noise"
-    msg = (
-        f"{what}: the {str(S.dtype).removeprefix('torch.')} Cholesky factorisation of S + (lam + eps) I {reason} "
+    msg = labelled(
+        what,
+        f"the {str(S.dtype).removeprefix('torch.')} Cholesky factorisation of S + (lam + eps) I {reason} "
         f"(lam + eps = {shift:.3g}; fewer rows than width, or lam too small for these statistics); "
         "re-solved in float64 by eigendecomposition, the directions the data leave undetermined taken from "
-        "the anchor. stats_dtype=torch.float64 or a larger lam avoids this."
+        "the anchor. stats_dtype=torch.float64 or a larger lam avoids this.",
     )
     note(msg, notes)
     return EigenSolve(S, shift, what)
@@ -301,59 +311,30 @@ def float32_error(floor: float, pivot2: float) -> float:
     return floor / pivot2
 
 
+def labelled(what: str | None, msg: str) -> str:
+    """``msg`` about the system ``what`` (None: the caller names it)."""
+    return msg if what is None else f"{what}: {msg}"
+
+
 def note(msg: str, notes: list | None) -> None:
-    """Log ``msg`` and keep it in ``notes`` (for ``report.warnings``)."""
-    log.warning(msg)
-    if notes is not None:
+    """Keep ``msg`` in ``notes`` (the engine says them once per run, in ``report.warnings``), logged
+    at INFO (at WARNING, Python's last-resort handler would print every module's to the terminal);
+    without ``notes``, logged at WARNING: nobody else says it."""
+    if notes is None:
+        log.warning(msg)
+    else:
+        log.info(msg)
         notes.append(msg)
 
 
-def _note_float32(what: str, est: float, shift: float, notes: list | None) -> None:
-    msg = (
-        f"{what}: float32 statistics at lam + eps = {shift:.3g} may move these weights by up to ~{est:.1e} of "
+def _note_float32(what: str | None, est: float, shift: float, notes: list | None) -> None:
+    msg = labelled(
+        what,
+        f"float32 statistics at lam + eps = {shift:.3g} may move these weights by up to ~{est:.1e} of "
         "their size (estimated from the factorisation's smallest pivot); stats_dtype=torch.float64 or a larger "
-        "lam avoids it."
+        "lam avoids it.",
     )
     note(msg, notes)
-
-
-class Factors:
-    """The factorisations of one block's solves: one per distinct ``S`` and shift (modules
-    reading one input, q/k/v, share their ``S`` and so its factorisation), built by
-    :func:`spd_factor` with ``lapack_min_d``, their buffers from ``take`` (default: new
-    tensors). Live only while the systems they belong to are; :meth:`close` drops them and
-    returns the buffers taken, for the caller to reuse."""
-
-    def __init__(self, lapack_min_d: int | None = FastPaths.lapack_min_d, take: Callable | None = None):
-        self.lapack_min_d = lapack_min_d
-        self.notes: list[str] = []  # one line per factorisation that fell back to float64 (spd_factor)
-        self.precision: list[str] = []  # one line per float32 factorisation with a large estimated error
-        self._take = take
-        self._solvers: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}
-        self._noted: dict[tuple, tuple[str, str] | None] = {}  # the precision note of each factorisation
-        self._taken: list[torch.Tensor] = []
-
-    def _take_kept(self, *args, **kwargs) -> torch.Tensor:
-        self._taken.append(self._take(*args, **kwargs))
-        return self._taken[-1]
-
-    def solver(self, S: torch.Tensor, shift: float, what: str) -> Callable[[torch.Tensor], torch.Tensor]:
-        """``B -> (S + shift I)^-1 B``, factored on first use."""
-        key = (id(S), shift)
-        if key not in self._solvers:
-            take = None if self._take is None else self._take_kept
-            n = len(self.precision)
-            self._solvers[key] = spd_factor(S, shift, what, take, self.lapack_min_d, self.notes, self.precision)
-            self._noted[key] = (what, self.precision[n]) if len(self.precision) > n else None
-        elif self._noted.get(key) is not None:  # a module sharing the input (q/k/v): the same estimate
-            first, msg = self._noted[key]
-            note(what + msg[len(first) :], self.precision)
-        return self._solvers[key]
-
-    def close(self) -> list[torch.Tensor]:
-        """Drop the factorisations; the buffers they took."""
-        taken, self._taken, self._solvers, self._noted = self._taken, [], {}, {}
-        return taken
 
 
 def spd_solve(A: torch.Tensor, B: torch.Tensor, what: str = "system") -> torch.Tensor:

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, fields, replace
-from typing import Callable
 
 import torch
 
 from featcal.config import Setting
-from featcal.method.linalg import EigenSolve, Factors, add_gram, add_rows_gram, add_weighted, inner, note, symmetric
+from featcal.method.kernels import Kernels
+from featcal.method.linalg import add_gram, add_rows_gram, add_weighted, inner, note, symmetric
 from featcal.method.stats import LinearMoments
 
 log = logging.getLogger(__name__)
@@ -107,19 +107,19 @@ class LinearSystem:
         device,
         S: torch.Tensor | None = None,
         alpha: float | None = None,
-        take: Callable | None = None,
+        kernels: Kernels | None = None,
     ) -> "LinearSystem":
         """Empty sums; ``S`` given: share that system's ``S`` (same input, so same ``S``),
         which :func:`add_task` then leaves to its owner. ``alpha`` given: a system for that
         alpha only (``U`` holds ``U + alpha V``; :func:`solve_linear` refuses another).
-        ``take(shape, dtype, device)``: where a new ``S`` comes from (default ``torch.zeros``)."""
+        ``kernels``: where a new ``S`` comes from (default: a new tensor)."""
 
         def z(*shape) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
         owns_S = S is None
         if owns_S:
-            S = z(d, d) if take is None else take((d, d), dtype, device)
+            S = (kernels or Kernels()).zeros((d, d), dtype, device)
         return cls(
             S=S,
             U=z(o, d).T,
@@ -237,29 +237,21 @@ def linear_bias(sys: LinearSystem, W: torch.Tensor, ends: Endpoints, at: Setting
 
 
 def solve_linear(
-    sys: LinearSystem,
-    ends: Endpoints,
-    at: Setting,
-    *,
-    eps: float,
-    bias: bool = True,
-    what: str = "linear",
-    with_swt: bool = False,
-    factors: Factors | None = None,
-):
-    """The calibrated ``(W, b)`` (in the system's dtype). ``b`` is the merged bias when
-    ``bias`` is off, ``None`` when the module has none. With ``with_swt``, also ``S W^T``
-    (free from the normal equations: ``S W^T = R - (lam + eps) W^T``) for the residual.
-    ``factors``: where the factorisation of ``S + (lam + eps) I`` comes from (and stays, for
-    the other systems sharing this ``S``); default: a new one with the default fast paths."""
+    sys: LinearSystem, ends: Endpoints, at: Setting, *, eps: float, bias: bool = True, kernels: Kernels | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The calibrated ``(W, b, S W^T)`` (in the system's dtype). ``b`` is the merged bias when
+    ``bias`` is off, ``None`` when the module has none. ``S W^T`` comes free from the normal
+    equations (``S W^T = R - (lam + eps) W^T``), for the residual. ``kernels``: where the
+    factorisation of ``S + (lam + eps) I`` comes from (and stays, for the other systems sharing
+    this ``S``), and what it has to say goes (default: new ones, the default fast paths)."""
     lam = at.lam
-    solver = (factors or Factors()).solver(sys.S, lam + eps, what)
-    R = linear_rhs(sys, ends, at)
-    if isinstance(solver, EigenSolve):  # the data's and the anchor's parts of R apart (EigenSolve.ridge)
-        W_anc = anchor(ends.W_mer.to(R.dtype), ends.W_0.to(R.dtype), at.rho)
-        Wt = solver.ridge(R - lam * W_anc.T, W_anc.T, lam)
-    else:
-        Wt = solver(R)  # (d, o)
+    solver = (kernels or Kernels()).solver(sys.S, lam + eps)
+    R = linear_rhs(sys, ends, at)  # (d, o)
+
+    def anchor_t() -> torch.Tensor:  # W_anc^T, for a solver that takes R's anchor part apart (EigenSolve)
+        return anchor(ends.W_mer.to(R.dtype), ends.W_0.to(R.dtype), at.rho).T
+
+    Wt = solver.ridge(R, lam, anchor_t)  # (d, o)
     W = Wt.T
     if ends.b_mer is None:
         b = None
@@ -267,9 +259,7 @@ def solve_linear(
         b = ends.b_mer.to(sys.S.dtype)
     else:
         b = linear_bias(sys, W, ends, at)
-    if with_swt:
-        return W, b, R.sub_(Wt, alpha=lam + eps)
-    return W, b
+    return W, b, R.sub_(Wt, alpha=lam + eps)
 
 
 def linear_residual(
@@ -376,21 +366,15 @@ def anchored_rank_one(
 
 
 def solve_norm(
-    sys: NormSystem,
-    ends: Endpoints,
-    at: Setting,
-    *,
-    eps: float,
-    what: str = "norm",
-    notes: list | None = None,
+    sys: NormSystem, ends: Endpoints, at: Setting, *, eps: float, kernels: Kernels | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The calibrated ``(gamma, beta)`` per channel (the 2x2 system, determinant clamped below at
     ``eps``; ``ends`` holds the norm's gammas as ``W`` and betas as ``b``); ``gamma`` alone when the
     LayerNorm has no bias. ``alpha`` plays no part: a norm's target is the expert's own output.
     Channels whose system is degenerate (:func:`norm_degenerate`: e.g. lam = 0 and a channel
     constant over the data) take the undetermined direction from the anchor
-    (:func:`anchored_rank_one`; the scale alone: the anchor), logged and noted in ``notes``, as
-    the Linear solve does."""
+    (:func:`anchored_rank_one`; the scale alone: the anchor), noted in ``kernels.fallbacks`` (without
+    one: logged as a warning), as the Linear solve does."""
     dt = sys.e.dtype
     n = sys.e.shape[0]
     lam, rho = at.lam, at.rho
@@ -401,7 +385,7 @@ def solve_norm(
         bad = norm_degenerate(E + lam, E.abs().max().clamp_min(torch.finfo(dt).tiny) * n)
         if bool(bad.any()):
             gamma = torch.where(bad, g_anc, gamma)
-            _note_degenerate(what, int(bad.sum()), lam, notes)
+            _note_degenerate(int(bad.sum()), lam, kernels)
         return gamma, None
     b_anc = anchor(ends.b_mer.to(dt), ends.b_0.to(dt), rho)
     r1 = (sys.e * sys.g + sys.m * sys.b).sum(0) + lam * g_anc
@@ -415,17 +399,17 @@ def solve_norm(
     if bool(bad.any()):
         g1, b1 = anchored_rank_one(a11, a12, a22, r1, r2, g_anc, b_anc)
         gamma, beta = torch.where(bad, g1, gamma), torch.where(bad, b1, beta)
-        _note_degenerate(what, int(bad.sum()), lam, notes)
+        _note_degenerate(int(bad.sum()), lam, kernels)
     return gamma, beta
 
 
-def _note_degenerate(what: str, count: int, lam: float, notes: list | None) -> None:
+def _note_degenerate(count: int, lam: float, kernels: Kernels | None) -> None:
     msg = (
-        f"{what}: {count} channel(s) have a degenerate system (lam = {lam:.3g}; the channel is constant, or "
+        f"{count} channel(s) have a degenerate system (lam = {lam:.3g}; the channel is constant, or "
         "zero, over the calibration data): the direction the data leave undetermined was taken from the "
         "anchor instead of rounding noise. A larger lam avoids this."
     )
-    note(msg, notes)
+    note(msg, None if kernels is None else kernels.fallbacks)
 
 
 def norm_residual(sys: NormSystem, g: torch.Tensor, b: torch.Tensor | None) -> float:

@@ -9,17 +9,18 @@ Rows are tokens (every token of every example), each with a weight ``w``
     mu_s = E[xs], mu_e = E[xe]
 
 ``X = E[xs xt^T] = alpha P + (1 - alpha) C`` for ``xt = alpha xe + (1 - alpha) xs``,
-so one pass serves every alpha. The solve needs ``P`` and ``C`` only through
-``C``, ``C W_i^T`` and ``P W_i^T`` (expert i's weight ``W_i``), which a module
-gets in one of three forms (:data:`FORMS`), each exact, whichever costs fewest
-flops for its widths and the task's row count (:func:`cheapest_form`):
+so one pass serves every alpha (docs/maths.md, 'How the engine computes it'). The
+solve needs ``P`` and ``C`` only through ``C``, ``C W_i^T`` and ``P W_i^T`` (expert
+i's weight ``W_i``), which a module gets in one of three forms (:data:`FORMS`, named
+by what they keep), each exact, whichever costs fewest flops for its widths and the
+task's row count (:func:`cheapest_form`):
 
 - ``"P"``: the shared ``P`` (d, d); ``C W_i^T`` and ``P W_i^T`` at the end;
-- ``"Q"``: per module ``Q = sum w xs (W_i xe)^T`` (d, o) from the expert module's
-  own output; ``C W_i^T`` at the end;
-- ``"QQ"``: per module also ``sum w xs (W_i xs)^T`` (d, o), so nothing of size
-  ``d x d x o`` is left for the end: cheapest when a task has fewer rows than
-  the module is wide.
+- ``"PW"``: per module ``PW = P W_i^T = sum w xs (W_i xe)^T`` (d, o), from the
+  expert module's own output; ``C W_i^T`` at the end;
+- ``"PW+CW"``: per module also ``CW = C W_i^T = sum w xs (W_i xs)^T`` (d, o), so
+  nothing of size ``d x d x o`` is left for the end: cheapest when a task has
+  fewer rows than the module is wide.
 
 ``C`` itself is symmetric: only its upper block triangle is accumulated
 (:func:`gram_blocks`); the solve reads no more (:func:`featcal.method.linalg.spd_factor`),
@@ -48,7 +49,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from featcal.config import FORMS, FastPaths
+from featcal.config import FORMS
+from featcal.method.kernels import Kernels
 from featcal.method.linalg import accumulate_gram, add_product, gram_blocks, gram_norm, inner, rows_gram_norm
 
 
@@ -56,13 +58,13 @@ def cheapest_form(d: int, outs: list[int], rows: int, computed_outputs: int = 0,
     """The form (:data:`FORMS`) with the fewest multiply-adds for a group of modules reading
     one input of width ``d``: outputs ``outs``, ``rows`` rows per task; ``computed_outputs``
     of the modules have no captured output, so ``W_i xe`` costs ``rows d o`` more for them;
-    ``fixed_alpha``: only one alpha is wanted (``"QQ"`` then needs two products, not three)."""
+    ``fixed_alpha``: only one alpha is wanted (``"PW+CW"`` then needs two products, not three)."""
     o = sum(outs)
     extra = rows * d * computed_outputs * (o / max(len(outs), 1))
     cost = {
         "P": rows * d * d + 2 * d * d * o,
-        "Q": rows * d * o + d * d * o + extra,
-        "QQ": (2 if fixed_alpha else 3) * rows * d * o + extra,
+        "PW": rows * d * o + d * d * o + extra,
+        "PW+CW": (2 if fixed_alpha else 3) * rows * d * o + extra,
     }
     return min(FORMS, key=lambda f: cost[f])
 
@@ -95,23 +97,20 @@ class LinearSums:
         cross: bool = True,
         lead: tuple[int, ...] = (),
         direct: bool = False,
-        take=None,
-        block: int | None = FastPaths.gram_block,
+        kernels: Kernels | None = None,
     ) -> "LinearSums":
         """Empty sums (``lead``: a leading task axis ``(T,)``; ``direct``: for one batch, no
-        ``C``; ``block``: see :func:`gram_blocks`); ``take(shape, dtype, device)``: where the
-        big zeroed buffers come from (default ``torch.zeros``; a
-        :class:`featcal.engine.blockstats.Scratch` reuses them)."""
+        ``C``), the big ones from ``kernels`` (default: new tensors, the default Gram block)."""
+        kernels = kernels or Kernels()
 
         def z(*shape) -> torch.Tensor:
             return torch.zeros((*lead, *shape), dtype=dtype, device=device)
 
         def big(*shape) -> torch.Tensor:
-            return z(*shape) if take is None else take((*lead, *shape), dtype, device)
+            return kernels.zeros((*lead, *shape), dtype, device)
 
-        return cls(
-            z(), 0, z(d), z(d), None if direct else big(d, d), big(d, d) if cross else None, gram_blocks(d, block)
-        )
+        C = None if direct else big(d, d)
+        return cls(z(), 0, z(d), z(d), C, big(d, d) if cross else None, gram_blocks(d, kernels.gram_block))
 
     def buffers(self) -> list[torch.Tensor]:
         """The big buffers (to hand back to where :meth:`zeros` took them)."""
@@ -124,12 +123,12 @@ class ModuleSums:
     module, bias left out, on the calibrating and on the expert's input)."""
 
     ee: torch.Tensor  # ()      sum w |ye|^2
-    Q: torch.Tensor | None = None  # (d, o)  sum w xs ye^T            ("Q", "QQ")
-    CW: torch.Tensor | None = None  # (d, o)  sum w xs ys^T            ("QQ")
-    T: torch.Tensor | None = None  # (d, o)  sum w xs ((1-a) ys + a ye)^T  ("QQ" at a fixed alpha a)
-    ss: torch.Tensor | None = None  # ()      sum w |ys|^2             ("QQ")
-    se: torch.Tensor | None = None  # ()      sum w ys.ye              ("QQ")
-    tt: torch.Tensor | None = None  # ()      sum w |(1-a) ys + a ye|^2  ("QQ" at a fixed alpha a)
+    PW: torch.Tensor | None = None  # (d, o)  sum w xs ye^T            ("PW", "PW+CW")
+    CW: torch.Tensor | None = None  # (d, o)  sum w xs ys^T            ("PW+CW")
+    T: torch.Tensor | None = None  # (d, o)  sum w xs ((1-a) ys + a ye)^T  ("PW+CW" at a fixed alpha a)
+    ss: torch.Tensor | None = None  # ()      sum w |ys|^2             ("PW+CW")
+    se: torch.Tensor | None = None  # ()      sum w ys.ye              ("PW+CW")
+    tt: torch.Tensor | None = None  # ()      sum w |(1-a) ys + a ye|^2  ("PW+CW" at a fixed alpha a)
     mm: torch.Tensor | None = None  # ()      sum w |W_mer xs|^2 (when the merged output was seen)
 
 
@@ -223,12 +222,12 @@ def accumulate_module(
 ) -> ModuleSums:
     """Add one batch to a module's sums in ``form``: ``xs`` ``(rows, d)``, ``ye = W_i xe``
     ``(rows, o)``; ``ym = W_mer xs`` ``(rows, o)`` when the merged module's output was seen.
-    ``alpha`` given: the ``"QQ"`` form keeps only the sums for that alpha (``T``, ``tt``), one
+    ``alpha`` given: the ``"PW+CW"`` form keeps only the sums for that alpha (``T``, ``tt``), one
     ``rows x d x o`` product and four passes over the outputs less, and no preview is
     possible from it."""
     if ym is not None:
         ms.mm = _add(ms.mm, _wdot(ym, ym, w))
-    if form == "QQ" and alpha is not None:
+    if form == "PW+CW" and alpha is not None:
         W = W_i.to(xs.dtype).mT
         mm = torch.addmm if xs.dim() == 2 else torch.baddbmm
         yt = mm(ye, xs, W, beta=alpha, alpha=1.0 - alpha)  # W_i xt = (1-a) W_i xs + a ye
@@ -239,13 +238,13 @@ def accumulate_module(
     if form == "P":
         return ms
     xswT = weighted(xs, w).mT
-    if form == "Q":
-        ms.Q = _addmm(ms.Q, xswT, ye)
+    if form == "PW":
+        ms.PW = _addmm(ms.PW, xswT, ye)
         return ms
     ys = xs @ W_i.to(xs.dtype).mT  # (rows, o)
     ms.ss = _add(ms.ss, _wdot(ys, ys, w))
     ms.se = _add(ms.se, _wdot(ys, ye, w))
-    ms.Q = _addmm(ms.Q, xswT, ye)
+    ms.PW = _addmm(ms.PW, xswT, ye)
     ms.CW = _addmm(ms.CW, xswT, ys)
     return ms
 
@@ -269,33 +268,33 @@ def accumulate_norm(
     return acc
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LinearMoments:
-    """One task's terms for one Linear module as weighted *sums* (divide by ``w`` for the
-    spec's means): ``C = sum w xs xs^T``, ``CW = C W_i^T``, ``PW = sum w xs xe^T W_i^T``,
-    ``k_ss = sum w |W_i xs|^2``, ``k_se = sum w (W_i xs).(W_i xe)``, ``k_ee = sum w |W_i xe|^2``,
-    ``k_mm = sum w |W_mer xs|^2`` (or None), ``s``/``e`` the sums of ``xs``/``xe``.
-    At a fixed alpha only ``T = (1 - alpha) CW + alpha PW`` may be there (``CW``, ``PW`` None),
-    and ``k_ss = k_se = k_ee = sum w |W_i xt|^2`` (the one combination the residual reads there).
-    ``C`` is trustworthy on its upper block triangle (``edges``) only; ``c_norm = ||C||_F``;
-    direct sums give ``Z`` (``C = Z^T Z``) instead of ``C``.
-    The ``(d, o)`` terms are in the weight layout (their transposes are contiguous)."""
+    """One task's terms for one Linear module (of every task, with a leading task axis), as
+    weighted *sums* (divide by ``w`` for the spec's means). In three shapes: any alpha (``CW``
+    and ``PW``), one fixed alpha (``T`` alone), and a task of one batch of direct sums (its rows
+    ``Z`` instead of ``C``). The ``(d, o)`` terms are in the weight layout (their transposes are
+    contiguous)."""
 
-    C: torch.Tensor | None
+    # the task's input Gram sums
+    C: torch.Tensor | None  # (d, d)  sum w xs xs^T, trustworthy on its upper block triangle (edges) only
+    Z: torch.Tensor | None = None  # (rows, d)  direct sums: C = Z^T Z (C is None)
     edges: tuple[int, ...]
-    c_norm: torch.Tensor
-    CW: torch.Tensor | None
-    PW: torch.Tensor | None
-    k_ss: torch.Tensor
-    k_se: torch.Tensor
-    k_ee: torch.Tensor
-    k_mm: torch.Tensor | None
-    s: torch.Tensor
-    e: torch.Tensor
-    w: torch.Tensor
-    rows: int
-    T: torch.Tensor | None = None
-    Z: torch.Tensor | None = None
+    c_norm: torch.Tensor  # ()  ||C||_F
+    # the module's products with expert i's weight W_i
+    CW: torch.Tensor | None  # (d, o)  C W_i^T (None at a fixed alpha)
+    PW: torch.Tensor | None  # (d, o)  P W_i^T = sum w xs (W_i xe)^T (None at a fixed alpha)
+    T: torch.Tensor | None = None  # (d, o)  (1 - alpha) CW + alpha PW, at a fixed alpha only
+    # what the relative residual reads
+    k_ss: torch.Tensor  # ()  sum w |W_i xs|^2 (at a fixed alpha: sum w |W_i xt|^2, as are the next two)
+    k_se: torch.Tensor  # ()  sum w (W_i xs).(W_i xe)
+    k_ee: torch.Tensor  # ()  sum w |W_i xe|^2
+    k_mm: torch.Tensor | None  # ()  sum w |W_mer xs|^2 (None: the merged output was not seen)
+    # the means' sums
+    s: torch.Tensor  # (d,)  sum w xs
+    e: torch.Tensor  # (d,)  sum w xe
+    w: torch.Tensor  # ()  sum w
+    rows: int  # rows with positive weight
 
     @property
     def mu_s(self) -> torch.Tensor:
@@ -312,11 +311,11 @@ def linear_moments(acc: LinearSums, W_i: torch.Tensor, ms: ModuleSums) -> Linear
     if not bool((acc.w > 0).all()):
         raise ValueError("no calibration rows with positive weight for this module (empty task?).")
     edges = acc.edges or (0, acc.s.shape[-1])
-    head = (acc.C, edges, rows_gram_norm(acc.Z) if acc.C is None else gram_norm(acc.C, edges, acc.finished))
+    c_norm = rows_gram_norm(acc.Z) if acc.C is None else gram_norm(acc.C, edges, acc.finished)
+    gram = dict(C=acc.C, Z=acc.Z, edges=edges, c_norm=c_norm)
+    means = dict(k_mm=ms.mm, s=acc.s, e=acc.e, w=acc.w, rows=acc.rows)
     if ms.T is not None:  # K(a) = a^2 k_ee + 2a(1-a) k_se + (1-a)^2 k_ss is tt when all three are tt
-        return LinearMoments(
-            *head, None, None, ms.tt, ms.tt, ms.tt, ms.mm, acc.s, acc.e, acc.w, acc.rows, ms.T, Z=acc.Z
-        )
+        return LinearMoments(**gram, CW=None, PW=None, T=ms.T, k_ss=ms.tt, k_se=ms.tt, k_ee=ms.tt, **means)
     W = W_i.to(acc.s.dtype)  # (o, d)
     if ms.CW is not None:
         CW = ms.CW
@@ -324,10 +323,10 @@ def linear_moments(acc: LinearSums, W_i: torch.Tensor, ms: ModuleSums) -> Linear
         CW = ((W @ acc.Z.mT) @ acc.Z).mT  # C W^T = (W Z^T Z)^T
     else:
         CW = (W @ finish_gram(acc).C).mT  # C W^T = (W C)^T: C symmetric
-    PW = ms.Q if ms.Q is not None else (W @ acc.P.mT).mT
+    PW = ms.PW if ms.PW is not None else (W @ acc.P.mT).mT
     k_ss = ms.ss if ms.ss is not None else inner(W.mT, CW)
     k_se = ms.se if ms.se is not None else inner(W.mT, PW)
-    return LinearMoments(*head, CW, PW, k_ss, k_se, ms.ee, ms.mm, acc.s, acc.e, acc.w, acc.rows, Z=acc.Z)
+    return LinearMoments(**gram, CW=CW, PW=PW, k_ss=k_ss, k_se=k_se, k_ee=ms.ee, **means)
 
 
 def norm_moments(acc: NormSums) -> tuple[torch.Tensor, torch.Tensor]:

@@ -338,6 +338,7 @@ def _calibrate_blocks(ckpts, skels, path, calib_data, merge, cfg, state, work, r
     full.modules = [ModuleRecord(**m) for m in state["prior_modules"]] + ([] if report is None else report.modules)
     full.blocks = [BlockRecord(**b) for b in state["prior_blocks"]] + ([] if report is None else report.blocks)
     full.warnings = [] if report is None else report.warnings
+    full.notes = [] if report is None else report.notes
     full.check_residuals()  # over every block, not only this run's
     return full
 

@@ -43,7 +43,7 @@ def _one_batch_a_task(data):
 
 @pytest.mark.parametrize("kind", ["hf_clip", "open_clip"])
 def test_every_statistics_form_gives_the_same_calibration(kind):
-    """The engine picks P, Q or QQ per module by cost, and sums for one alpha only unless
+    """The engine picks P, PW or PW+CW per module by cost, and sums for one alpha only unless
     the statistics are kept; forcing each gives the same model and the same report (the
     merged residual from the data equals the one from S)."""
     from featcal.method import solve, stats
@@ -108,7 +108,7 @@ def test_pooling_the_calibrating_streams_changes_nothing(kind, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["hf_clip", "open_clip"])
 @pytest.mark.parametrize("keep_stats", [False, True])
-@pytest.mark.parametrize("form", [None, "P", "Q", "QQ"])
+@pytest.mark.parametrize("form", [None, "P", "PW", "PW+CW"])
 def test_reducing_every_task_as_one_stack_changes_nothing(kind, keep_stats, form, monkeypatch):
     """One batch per task, pooled: every task's statistics are reduced as one stack (CLIP
     preset: token weights in the last block, biases, LayerNorms; each statistics form, or

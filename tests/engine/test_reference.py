@@ -161,8 +161,8 @@ def test_engine_matches_reference(kind, setting, batching):
 # Every fast path of the engine, forced on where the tiny models would not take it by default.
 PATHS = {
     "plainest": FastPaths.plainest(),
-    "form_Q": FastPaths(form="Q"),
-    "form_QQ": FastPaths(form="QQ"),
+    "form_PW": FastPaths(form="PW"),
+    "form_PW+CW": FastPaths(form="PW+CW"),
     "all_forced": FastPaths(pool_rows=1 << 20, stack_max=1 << 40, direct_rows=1e9, lapack_min_d=1, gram_block=2),
 }
 

@@ -12,6 +12,7 @@ import tiny
 from featcal import FeatCalConfig, calibrate, merge
 from featcal.config import Setting
 from featcal.method import linalg, solve
+from featcal.method.kernels import Kernels
 from featcal.model import arch
 
 # ------------------------------------------------------------------ item 7: degenerate norm systems
@@ -30,9 +31,10 @@ def _constant_channel_system(dtype):
 def test_degenerate_layernorm_system_warns_and_stays_near_the_anchor(dtype):
     sysm = _constant_channel_system(dtype)
     g_mer, b_mer = torch.tensor([1.0, 1.0], dtype=dtype), torch.tensor([0.1, 0.1], dtype=dtype)
-    notes = []
+    kernels = Kernels()
     ends = solve.Endpoints(g_mer, b_mer, g_mer, b_mer)
-    gamma, beta = solve.solve_norm(sysm, ends, Setting(0.0, 1.0, 0.3), eps=1e-8, notes=notes)
+    gamma, beta = solve.solve_norm(sysm, ends, Setting(0.0, 1.0, 0.3), eps=1e-8, kernels=kernels)
+    notes = kernels.fallbacks
     assert len(notes) == 1 and "degenerate" in notes[0] and "1 channel" in notes[0]
     assert torch.isfinite(gamma).all() and torch.isfinite(beta).all()
     # channel 0: every (gamma, beta) with gamma + beta = mean_i(gamma_i + beta_i) fits the data exactly;
@@ -43,20 +45,20 @@ def test_degenerate_layernorm_system_warns_and_stays_near_the_anchor(dtype):
     assert float(gamma[0]) == pytest.approx(1.0 + shift, abs=1e-5)
     assert solve.norm_residual(sysm, gamma, beta) <= solve.norm_residual(sysm, g_mer, b_mer)
     # channel 1 is well posed: the plain 2x2 solution
-    notes2 = []
-    solve.solve_norm(sysm, ends, Setting(1.0, 1.0, 0.3), eps=1e-8, notes=notes2)
-    assert notes2 == []
+    kernels2 = Kernels()
+    solve.solve_norm(sysm, ends, Setting(1.0, 1.0, 0.3), eps=1e-8, kernels=kernels2)
+    assert kernels2.fallbacks == []
 
 
 def test_degenerate_rms_scale_takes_the_anchor():
     e = torch.tensor([[0.0, 0.5], [0.0, 0.7]])  # channel 0 is always zero
     g = torch.tensor([[1.3, 0.9], [0.7, 1.1]])
-    notes = []
+    kernels = Kernels()
     g_mer = torch.tensor([1.0, 1.0])
     sysm = solve.NormSystem(e, e, g, None)
     ends = solve.Endpoints(g_mer, None, g_mer, None)
-    gamma, beta = solve.solve_norm(sysm, ends, Setting(0.0, 1.0, 0.3), eps=1e-8, notes=notes)
-    assert beta is None and notes and float(gamma[0]) == 1.0
+    gamma, beta = solve.solve_norm(sysm, ends, Setting(0.0, 1.0, 0.3), eps=1e-8, kernels=kernels)
+    assert beta is None and kernels.fallbacks and float(gamma[0]) == 1.0
 
 
 def test_degenerate_layernorm_warns_in_the_report():

@@ -8,6 +8,7 @@ import torch
 
 from featcal import FastPaths, Setting
 from featcal.method import linalg, solve, stats
+from featcal.method.kernels import Kernels, Scratch
 
 
 @pytest.fixture(autouse=True)
@@ -73,7 +74,7 @@ def test_solution_is_the_minimiser_of_the_spec_objective():
     sysm = _system(tasks)
     W_mer, b_mer, W_0, b_0 = _anchors(gen)
     lam, rho, alpha = 0.7, 1.5, 0.4
-    W, b = solve.solve_linear(sysm, solve.Endpoints(W_mer, b_mer, W_0, b_0), Setting(lam, rho, alpha), eps=1e-8)
+    W, b, _ = solve.solve_linear(sysm, solve.Endpoints(W_mer, b_mer, W_0, b_0), Setting(lam, rho, alpha), eps=1e-8)
     W_anc, b_anc = rho * W_mer + (1 - rho) * W_0, rho * b_mer + (1 - rho) * b_0
     # The weight solve is the closed form for W; the gradient in W of the spec objective vanishes
     # at bias-free rows, so check it on the weight part with the bias taken as the spec's formula.
@@ -111,9 +112,9 @@ def test_residual_formula_matches_direct_computation():
     assert abs(solve.linear_residual(sysm, Wn, bn, alpha) - float(num / den)) < 1e-10
 
 
-@pytest.mark.parametrize("form", ["Q", "QQ"])
+@pytest.mark.parametrize("form", ["PW", "PW+CW"])
 def test_every_form_of_the_statistics_gives_the_same_system(form):
-    """P (shared cross moment), Q (per-module cross moment) and QQ (no d x d x o product
+    """P (shared cross moment), PW (per-module cross moment) and PW+CW (no d x d x o product
     left) are the same sums in another order."""
     gen = torch.Generator().manual_seed(5)
     tasks = [_task(gen, rows=30, d=4, o=3) for _ in range(3)]
@@ -136,7 +137,8 @@ def test_triangular_gram_equals_the_full_product(d):
     assert linalg.gram_norm(acc.C, acc.edges, finished=True).item() == pytest.approx(norm, rel=1e-12)
     assert len(acc.edges) == min(9, max(2, d // FastPaths().gram_block + 1))
     assert torch.allclose(acc.C, full, atol=1e-12)
-    plain = stats.LinearSums.zeros(d, torch.float64, "cpu", cross=False, block=None)  # full products
+    full_products = Kernels(gram_block=None)
+    plain = stats.LinearSums.zeros(d, torch.float64, "cpu", cross=False, kernels=full_products)
     stats.accumulate_linear(plain, x, x, w)
     assert plain.edges == (0, d) and torch.allclose(plain.C, full, atol=1e-12)
     # Float32 sums: their norm is the float64 norm of the very same float32 matrix to float32
@@ -151,9 +153,9 @@ def test_triangular_gram_equals_the_full_product(d):
 
 
 def test_cheapest_form_follows_rows_and_widths():
-    assert stats.cheapest_form(3072, [768], rows=400) == "QQ"  # few rows, wide input
+    assert stats.cheapest_form(3072, [768], rows=400) == "PW+CW"  # few rows, wide input
     assert stats.cheapest_form(768, [768] * 3, rows=100_000) == "P"  # many rows: shared P
-    assert stats.cheapest_form(3072, [768], rows=100_000) == "Q"  # narrow output
+    assert stats.cheapest_form(3072, [768], rows=100_000) == "PW"  # narrow output
 
 
 def test_batched_statistics_equal_one_shot():
@@ -169,7 +171,7 @@ def test_lambda_to_infinity_gives_the_anchor():
     tasks = [_task(gen) for _ in range(2)]
     sysm = _system(tasks)
     W_mer, b_mer, W_0, b_0 = _anchors(gen)
-    W, b = solve.solve_linear(sysm, solve.Endpoints(W_mer, b_mer, W_0, b_0), Setting(1e9, 2.2, 0.3), eps=1e-8)
+    W, b, _ = solve.solve_linear(sysm, solve.Endpoints(W_mer, b_mer, W_0, b_0), Setting(1e9, 2.2, 0.3), eps=1e-8)
     assert torch.allclose(W, 2.2 * W_mer - 1.2 * W_0, atol=1e-6)
     assert torch.allclose(b, 2.2 * b_mer - 1.2 * b_0, atol=1e-6)
 
@@ -213,25 +215,23 @@ def test_indefinite_system_falls_back_to_an_eigen_solve():
 
 @pytest.mark.parametrize("lapack_from", [None, 1], ids=["torch", "lapack"])
 def test_systems_kept_on_their_upper_triangle_solve_like_full_ones(lapack_from):
-    """Wide inputs keep only the upper block triangle of ``C`` and ``S`` (the QQ form never
+    """Wide inputs keep only the upper block triangle of ``C`` and ``S`` (the PW+CW form never
     mirrors it): the solve (torch's Cholesky on the mirrored system, or LAPACK's in place),
     the residual and the preview's eigenvectors read no more."""
     gen = torch.Generator().manual_seed(7)
     d = FastPaths().gram_block * 2 + 5
     tasks = [_task(gen, rows=30, d=d, o=3) for _ in range(2)]
-    full, upper = _system(tasks, form="P"), _system(tasks, form="QQ")
+    full, upper = _system(tasks, form="P"), _system(tasks, form="PW+CW")
     assert not torch.equal(upper.S, upper.S.T)  # really one triangle only
     assert torch.allclose(linalg.symmetric(upper.S), linalg.symmetric(full.S), atol=1e-12)
     W_mer, b_mer, W_0, b_0 = _anchors(gen, o=3, d=d)
     ends, at = solve.Endpoints(W_mer, b_mer, W_0, b_0), Setting(0.2, 1.5, 0.3)
-    (W1, b1), (W2, b2) = (
-        solve.solve_linear(s, ends, at, eps=1e-8, factors=linalg.Factors(lapack_from)) for s in (full, upper)
+    (W1, b1, _), (W2, b2, _) = (
+        solve.solve_linear(s, ends, at, eps=1e-8, kernels=Kernels(lapack_from)) for s in (full, upper)
     )
     assert torch.allclose(W1, W2, atol=1e-9) and torch.allclose(b1, b2, atol=1e-9)
     assert abs(solve.linear_residual(full, W1, b1, 0.3) - solve.linear_residual(upper, W1, b1, 0.3)) < 1e-10
-    by_lapack = (
-        getattr(linalg.Factors(lapack_from).solver(upper.S, 0.2, "x"), "func", None) is linalg._triangular_solves
-    )
+    by_lapack = getattr(Kernels(lapack_from).solver(upper.S, 0.2), "lapack", False)
     assert by_lapack == (lapack_from is not None)
     ev1 = torch.linalg.eigvalsh(linalg.symmetric(full.S))
     assert torch.allclose(torch.linalg.eigvalsh(upper.S, UPLO="U"), ev1, atol=1e-10)
@@ -244,22 +244,21 @@ def test_lu_fallback_reads_the_upper_triangle(lapack_from):
     assert torch.allclose(linalg.symmetric(S) @ X, torch.ones(2, 1))
 
 
-def test_factors_share_one_factorisation_per_system_and_give_its_buffer_back():
+def test_kernels_share_one_factorisation_per_system_and_give_its_buffer_back():
     """Systems sharing one ``S`` (q/k/v) share its factorisation; LAPACK's copy of ``S`` comes
-    from ``take`` and goes back on close."""
-    from featcal.engine.blockstats import Scratch
-
+    from the kernels' scratch and goes back at the end of the block."""
     gen = torch.Generator().manual_seed(7)
     A, B = torch.randn(6, 6, generator=gen), torch.randn(6, 6, generator=gen)
     S1, S2 = A @ A.T, B @ B.T
     scratch = Scratch()
-    factors = linalg.Factors(lapack_min_d=1, take=scratch.take)
-    one = factors.solver(S1, 0.1, "q")
-    assert factors.solver(S1, 0.1, "k") is one and factors.solver(S2, 0.1, "fc") is not one
+    kernels = Kernels(lapack_min_d=1, scratch=scratch)
+    one = kernels.solver(S1, 0.1)
+    assert kernels.solver(S1, 0.1) is one and kernels.solver(S2, 0.1) is not one
     X = one(torch.eye(6))
     assert torch.allclose((S1 + 0.1 * torch.eye(6)) @ X, torch.eye(6), atol=1e-9)
-    taken = factors.close()
-    assert len(taken) == 2 and factors.solver(S1, 0.1, "q") is not one  # closed: factored anew
+    kernels.end_block()
+    assert len(scratch._free[((6, 6), S1.dtype, S1.device)]) == 2
+    assert kernels.solver(S1, 0.1) is not one  # the block ended: factored anew
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -268,9 +267,7 @@ def test_residual_is_not_finite_when_the_weights_are_not(bad):
     gen = torch.Generator().manual_seed(8)
     sysm = _system([_task(gen) for _ in range(2)])
     W_mer, b_mer, W_0, b_0 = _anchors(gen)
-    W, b, SWt = solve.solve_linear(
-        sysm, solve.Endpoints(W_mer, b_mer, W_0, b_0), Setting(0.1, 1.0, 0.3), eps=1e-8, with_swt=True
-    )
+    W, b, SWt = solve.solve_linear(sysm, solve.Endpoints(W_mer, b_mer, W_0, b_0), Setting(0.1, 1.0, 0.3), eps=1e-8)
     assert math.isfinite(solve.linear_residual(sysm, W, b, 0.3, SWt))
     W2 = W.clone()
     W2[1, 2] = bad
@@ -320,7 +317,7 @@ def threads(request):
     torch.set_num_threads(old)
 
 
-@pytest.mark.parametrize("form", ["P", "Q", "QQ"])
+@pytest.mark.parametrize("form", ["P", "PW", "PW+CW"])
 def test_direct_sums_of_one_batch_equal_the_gram_sums(threads, form):
     """A task of one batch may keep its weighted rows instead of ``C`` (direct sums): the
     system (``S`` on its upper triangle, the right-hand sides, the scales) is the same."""
@@ -363,7 +360,7 @@ def test_rows_gram_norm_and_syrk_update(threads, dtype):
     assert linalg.rows_gram_norm(Z).item() == pytest.approx(torch.linalg.matrix_norm(C).item(), rel=1e-6)
     S = torch.randn(500, 500, generator=gen).to(dtype)
     before = S.clone()
-    linalg.add_rows_gram(S, Z, 0.25, linalg.gram_blocks(500))
+    linalg.add_rows_gram(S, Z, 0.25, linalg.gram_blocks(500, FastPaths.gram_block))
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     assert torch.allclose(S.triu().double(), (before.double() + 0.25 * C).triu(), rtol=tol, atol=tol * 10)
     lower = torch.ones(500, 500, dtype=torch.bool).tril(-1)
@@ -373,8 +370,6 @@ def test_rows_gram_norm_and_syrk_update(threads, dtype):
 
 
 def test_scratch_hands_back_zeroed_buffers():
-    from featcal.engine.blockstats import Scratch
-
     sc = Scratch()
     a = sc.take((3, 4), torch.float32, "cpu")
     a.fill_(5.0)

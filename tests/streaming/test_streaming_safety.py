@@ -263,8 +263,8 @@ def test_t5_encoder_streams_like_in_memory(tmp_path):
     )
     merged = copy.deepcopy(base)
     merged.load_state_dict(merge("task_arithmetic", base.state_dict(), {t: m.state_dict() for t, m in experts.items()}))
-    with pytest.warns(UserWarning, match="fewer than its input width"):
-        want, _ = calibrate(merged, base=base, experts=experts, calib_data=data, config=cfg, progress=False)
+    want, report = calibrate(merged, base=base, experts=experts, calib_data=data, config=cfg, progress=False)
+    assert any("fewer than its input width" in n for n in report.notes)  # a note: the ridge keeps it defined
     got = _weights(tmp_path / "out")
     for k, v in want.state_dict().items():
         if k in got:
