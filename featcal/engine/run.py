@@ -9,7 +9,7 @@ Per task i two streams are kept at the input of the current block l: the calibra
    every module's inputs into running statistics as the batches pass (the expert's outputs are
    its next stream): :func:`featcal.engine.snapshot.block_systems`, the statistics in
    :mod:`featcal.engine.blockstats`, the experts' side (and the :class:`~featcal.ExpertTrace`) in
-   :mod:`featcal.engine.experts`;
+   :mod:`featcal.engine.trace`;
 2. solve every module of the block from that one snapshot, then load them all
    (:func:`_solve_block`, the maths in :mod:`featcal.method.solve`);
 3. advance ``h_cal[i]`` through the calibrated block (:func:`_advance`).
@@ -17,7 +17,7 @@ Per task i two streams are kept at the input of the current block l: the calibra
 No block before l is ever re-run, and the base and the experts are touched one block at a time.
 What one call carries is frozen (:class:`featcal.engine.state.Run`, and per stack of blocks a
 :class:`~featcal.engine.state.Stack`); the streams are the block loop's own; what the run has to
-say is collected in :class:`featcal.engine.notes.Notes` and said once at the end. When the
+say is collected in :class:`featcal.engine.report.Notes` and said once at the end. When the
 calibrating batches of every task can run as one call (:func:`featcal.model.streams.pool_spans`:
 few rows, no padding mask, no tensor argument), steps 1 and 3 run them in one call; when, moreover,
 each task is one batch of one shape, every task's statistics are reduced as one stack. These and
@@ -41,12 +41,10 @@ from featcal.config import FastPaths, FeatCalConfig
 from featcal.engine import distributed, snapshot
 from featcal.engine.blocksource import BlockSource, DeviceBlocks, check_device, to_host
 from featcal.engine.dist_systems import share_solutions
-from featcal.engine.experts import ExpertCache
-from featcal.engine.notes import Notes
 from featcal.engine.preview import Kept, Preview
-from featcal.engine.report import BlockRecord, CalibrationReport, ModuleRecord
+from featcal.engine.report import BlockRecord, CalibrationReport, ModuleRecord, Notes
 from featcal.engine.state import Run, Stack, Stream
-from featcal.engine.trace import ExpertTrace
+from featcal.engine.trace import ExpertCache, ExpertTrace
 from featcal.method import solve
 from featcal.method.kernels import Kernels
 from featcal.model import arch, validate

@@ -11,7 +11,7 @@ One loop over the block's task batches (:func:`block_systems`), in one of two sh
 The still-merged block runs every task's calibrating batches as one pooled call when they
 allow it (:func:`pool`), its captures cut back into each task's batches (or seen whole, with a
 leading task axis, in the stacked shape). The experts' side, and what the run's
-:class:`~featcal.ExpertTrace` keeps of it, is :class:`featcal.engine.experts.ExpertCache`'s.
+:class:`~featcal.ExpertTrace` keeps of it, is :class:`featcal.engine.trace.ExpertCache`'s.
 Each shape and path is switched by :class:`~featcal.config.FastPaths`.
 """
 

@@ -14,9 +14,8 @@ from torch import nn
 
 from featcal.config import FastPaths, FeatCalConfig
 from featcal.engine.distributed import Dist
-from featcal.engine.experts import ExpertCache
-from featcal.engine.notes import Notes
-from featcal.engine.report import CalibrationReport
+from featcal.engine.report import CalibrationReport, Notes
+from featcal.engine.trace import ExpertCache
 from featcal.method.kernels import Kernels
 from featcal.model.streams import BlockCall
 
@@ -30,7 +29,7 @@ class Run:
     device: torch.device  # where the blocks run
     dist: Dist | None  # the process group sharing the batches (featcal.engine.distributed)
     kernels: Kernels  # scratch buffers, LAPACK choice, the block's factorisations (featcal.method.kernels)
-    experts: ExpertCache  # the experts' side, through the expert trace (featcal.engine.experts)
+    experts: ExpertCache  # the experts' side, through the expert trace (featcal.engine.trace)
     report: CalibrationReport  # filled block by block
     notes: Notes  # what the run will say when it ends
     keep: list | None  # each solved module's system and parameters, for a preview (keep_stats)
