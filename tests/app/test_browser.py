@@ -433,16 +433,11 @@ def test_first_page_within_30_s_on_an_empty_cache(browser, tmp_path):
     assert not any(cache.rglob("meta.json")), "the demo zoo was built instead of loaded from the shipped copy"
 
 
-def test_featcal_app_from_another_directory_serves_a_page_url_on_a_first_request(tmp_path):
+def test_featcal_app_from_another_directory_serves_a_page_url_on_a_first_request(tmp_path, browser):
     """`featcal app` started outside the repository, the first request straight to /calibrate (no visit to
     the app's root first): the page runs (it failed with "No module named 'app'": Streamlit puts only
     the script's folder on sys.path, the launcher now adds the repository)."""
-    if CHROMIUM is None:
-        pytest.skip("Debian chromium is not installed (apt-get install chromium)")
-    from featcal.zoo.demo import load_demo
-
-    load_demo(progress=False)
-    port = _free_port()
+    port = _free_port()  # (the browser fixture has checked for Chromium and the demo zoo)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "FEATCAL_LOOK_AHEAD": "0"}
     env.pop("PYTHONPATH", None)
     log = tmp_path / "server.log"
@@ -457,12 +452,13 @@ def test_featcal_app_from_another_directory_serves_a_page_url_on_a_first_request
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc, log)
-        for b in launch_browser():
-            page = b.new_context(viewport=VIEW).new_page()
-            _goto(page, f"{url}/calibrate")
-            _no_exception(page)
-            assert "No module named" not in page.inner_text("body")
-            assert page.get_by_text("Calibrate").first.is_visible()
+        context = browser.new_context(viewport=VIEW)
+        page = context.new_page()
+        _goto(page, f"{url}/calibrate")
+        _no_exception(page)
+        assert "No module named" not in page.inner_text("body")
+        assert page.get_by_text("Calibrate").first.is_visible()
+        context.close()
     finally:
         proc.terminate()  # the launcher is the server (exec): this stops it
         try:
