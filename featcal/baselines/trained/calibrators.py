@@ -179,13 +179,6 @@ class ESCalOptions(TrainOptions):
     mlp_out: str | None = option(None, "the MLP output projection's name, for architectures featcal does not know")
     tokens: str = option("all", "the tokens the loss reads: every non-padding one, or the first", choices=TOKENS)
 
-    def __post_init__(self):
-        if self.last_read not in LAST_READ:
-            raise ValueError(f"last_read={self.last_read!r}; choose one of {LAST_READ}.")
-        if self.tokens not in TOKENS:
-            raise ValueError(f"tokens={self.tokens!r}; choose one of {TOKENS}.")
-        self.check("ESCalOptions")
-
 
 def escal(
     merged: nn.Module,

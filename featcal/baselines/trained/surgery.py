@@ -305,11 +305,6 @@ class SurgeryOptions(TrainOptions):
     embedding: str | None = option(None, "the submodule whose output is the final embedding (default: the rule)")
     pool: str = option("auto", "how the final embedding is compared", choices=POOLS)
 
-    def __post_init__(self):
-        if self.pool not in POOLS:
-            raise ValueError(f"pool={self.pool!r}; choose one of {POOLS}.")
-        self.check("SurgeryOptions")
-
 
 def surgery(
     merged: nn.Module,

@@ -22,6 +22,7 @@ given batches, in a seeded order.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -64,9 +65,17 @@ class TrainOptions:
         """How long each task trains (ESCal: epochs over its examples; Surgery, SurgeryV2: steps)."""
         return getattr(self, self.LENGTH)
 
+    def __post_init__(self):
+        self.check(type(self).__name__)
+
     def check(self, owner: str) -> None:
-        """``ValueError`` (naming ``owner``) unless rank, the length and batch are >= 1 and lr > 0:
-        what each method's options check when made."""
+        """``ValueError`` (naming ``owner``) unless every field declared with ``choices`` holds one of
+        them, and rank, the length and batch are >= 1 and lr > 0: what each method's options check
+        when made."""
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices is not None and getattr(self, f.name) not in choices:
+                raise ValueError(f"{owner}: {f.name}={getattr(self, f.name)!r}; choose one of {choices}.")
         if self.rank < 1 or self.length < 1 or self.batch < 1 or not self.lr > 0:
             raise ValueError(
                 f"{owner}: rank, {self.LENGTH} and batch must be >= 1 and lr > 0; "
