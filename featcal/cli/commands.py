@@ -28,6 +28,7 @@ traceback instead.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from typing import Callable
@@ -156,11 +157,27 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except Exception as err:
+        if isinstance(err, OSError) and err.errno in WRITE_ERRNOS and not args.traceback:
+            print(f"featcal: error: {write_error(err)}", file=sys.stderr)
+            return 2
         if args.traceback or not isinstance(err, user_errors()):
             raise
         msg = str(err).strip() or type(err).__name__
         print(f"featcal: error: {msg}", file=sys.stderr)
         return 2
+
+
+# The machine's refusals to write (disk or quota full, a read-only or forbidden place): the user's to fix.
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def write_error(err: OSError) -> str:
+    """One line for a refused write: what the system said, where, and the way forward."""
+    where = f" ({err.filename})" if err.filename else ""
+    return (
+        f"{err.strerror or err}{where}. Free space or choose a writable --out and run the command again "
+        "(a streamed calibration continues with --resume)."
+    )
 
 
 if __name__ == "__main__":

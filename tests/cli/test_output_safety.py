@@ -2,6 +2,7 @@
 only a directory featcal wrote, never an input or a folder of the user's files; a repeated
 --expert is an error."""
 
+import errno
 import json
 from pathlib import Path
 
@@ -151,3 +152,19 @@ def test_every_command_refuses_an_input_or_a_shipped_zoo_as_its_output(tiny_zoo_
         rc = main([*cmd, "--out", str(SHIPPED), "--force", "-q"])
         assert rc == 2 and "featcal's shipped zoos" in capsys.readouterr().err, cmd
     assert _snapshot(zoo) == before and _snapshot(saved) == before_saved and _snapshot(SHIPPED) == shipped
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EACCES])
+def test_a_refused_write_is_one_line_with_the_way_forward(tiny_zoo_dir, tmp_path, capsys, monkeypatch, code):
+    """Disk full, a read-only place or a forbidden one gave a raw OSError traceback."""
+    import os
+
+    def refused(*args, **kwargs):
+        raise OSError(code, os.strerror(code), str(tmp_path / "out" / "model.safetensors"))
+
+    monkeypatch.setattr("featcal.cli.merge.write_output", refused)
+    rc = main(["merge", "--zoo", tiny_zoo_dir, "--out", str(tmp_path / "out"), "-q"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"featcal: error: {os.strerror(code)} ({tmp_path / 'out' / 'model.safetensors'})")
+    assert "choose a writable --out" in err
