@@ -173,12 +173,14 @@ def fresh_dir(
     out: str | os.PathLike, force: bool, kind: str, inputs: Mapping[str, str | os.PathLike | None] | None = None
 ) -> Path:
     """Create output ``out`` to be filled as the run goes (an old one replaced if ``force``
-    and featcal's), marked unlisted (:func:`mark`)."""
+    and featcal's), its marker listing nothing yet: the run marks it again, listing its files, when it
+    is done (:func:`mark`). Until then nothing in it counts as featcal's, so a run stopped half-way
+    leaves a folder ``--force`` refuses to delete rather than one that takes a file added there with it."""
     target = check_output(out, force, inputs)
     if target.exists():
         remove_own(target)
     target.mkdir(parents=True)
-    mark(target, kind, listed=False)
+    mark(target, kind)
     return target
 
 

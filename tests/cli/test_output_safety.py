@@ -168,3 +168,19 @@ def test_a_refused_write_is_one_line_with_the_way_forward(tiny_zoo_dir, tmp_path
     assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith(f"featcal: error: {os.strerror(code)} ({tmp_path / 'out' / 'model.safetensors'})")
     assert "choose a writable --out" in err
+
+
+def test_a_sweep_folder_stopped_half_way_is_never_deleted_with_a_file_added_there(tmp_path):
+    """A sweep's folder is marked as it is made, listing nothing yet (it was marked 'unlisted': all
+    of it featcal's, so --force or the app's Replace took a file the user added with it); done, it
+    lists its files. Either way a file the user added is never deleted."""
+    out = outdir.fresh_dir(tmp_path / "sweep", force=False, kind="sweep")
+    (out / "table.csv").write_text("featcal's")
+    (out / "my_notes.txt").write_text("mine")  # the run stopped here; the user adds a file
+    with pytest.raises(UnsafeOutputError, match="my_notes.txt"):
+        outdir.fresh_dir(out, force=True, kind="sweep")
+    (out / "my_notes.txt").unlink()
+    outdir.mark(out, "sweep")  # a finished run lists its files: replaceable
+    assert outdir.fresh_dir(out, force=True, kind="sweep") == out.resolve() and not any(
+        p.name == "table.csv" for p in out.iterdir()
+    )
