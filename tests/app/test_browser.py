@@ -428,37 +428,3 @@ def test_first_page_on_an_empty_cache_comes_from_the_shipped_zoo(browser, tmp_pa
         proc.wait(600)
     assert "Zoo" in nav and "Drift" in nav and ".py" not in nav  # page titles, not file names
     assert not any(cache.rglob("meta.json")), "the demo zoo was built instead of loaded from the shipped copy"
-
-
-def test_featcal_app_from_another_directory_serves_a_page_url_on_a_first_request(tmp_path, browser):
-    """`featcal app` started outside the repository, the first request straight to /calibrate (no visit to
-    the app's root first): the page runs (it failed with "No module named 'app'": Streamlit puts only
-    the script's folder on sys.path, the launcher now adds the repository)."""
-    port = _free_port()  # (the browser fixture has checked for Chromium and the demo zoo)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "FEATCAL_LOOK_AHEAD": "0"}
-    env.pop("PYTHONPATH", None)
-    log = tmp_path / "server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "featcal", "app", "--port", str(port)],
-            cwd=tmp_path,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, proc, log)
-        context = browser.new_context(viewport=VIEW)
-        page = context.new_page()
-        _goto(page, f"{url}/calibrate")
-        _no_exception(page)
-        assert "No module named" not in page.inner_text("body")
-        assert page.get_by_text("Calibrate").first.is_visible()
-        context.close()
-    finally:
-        proc.terminate()  # the launcher is the server (exec): this stops it
-        try:
-            proc.wait(600)
-        except subprocess.TimeoutExpired:
-            proc.kill()
