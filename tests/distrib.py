@@ -40,9 +40,16 @@ def _worker(rank: int, world: int, port: int, out: str, fn, args, timeout_s: flo
         torch.save(result, Path(out) / f"rank{rank}.pt")
     except BaseException as err:  # the message goes to the parent, the process fails
         (Path(out) / f"rank{rank}.err").write_text(f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
+        dist.destroy_process_group()  # (at once: the peers' next collective fails with it)
         raise
-    finally:
-        dist.destroy_process_group()
+    # Every rank done before any tears its connections down: a rank that destroys its group while
+    # a peer's gloo threads still talk to it may abort at exit (SIGABRT, seen in CI). A peer that
+    # died (the fault tests) fails this barrier at once; that is no new error.
+    try:
+        dist.barrier()
+    except RuntimeError:
+        pass
+    dist.destroy_process_group()
 
 
 def run_ranks(world: int, fn, *args, tmp: Path, timeout_s: float = COLLECTIVE_TIMEOUT_S, check: bool = True):
