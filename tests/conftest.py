@@ -39,3 +39,19 @@ def smollm2_micro_dir(tmp_path_factory) -> str:
     return smollm2.build_smollm2(
         tmp_path_factory.mktemp("llm") / "micro", smollm2.micro_recipe(), progress=False, threads=1
     )
+
+
+_DIFFERENTIAL: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="session")
+def differential_tables() -> dict:
+    """``{title: {outcome: count}}`` of the differential suites (featcal against mergekit, peft),
+    printed at the end of the run so CI's log carries them."""
+    return _DIFFERENTIAL
+
+
+def pytest_terminal_summary(terminalreporter):
+    for title, counts in _DIFFERENTIAL.items():
+        terminalreporter.write_sep("-", title)
+        terminalreporter.write_line(" | ".join(f"{k}: {v}" for k, v in counts.items()))

@@ -369,6 +369,14 @@ def read_recipe(path: str | os.PathLike, task_names: Mapping[str, str] | None = 
         raise _fail(src, "--task-name", f"{sorted(renames)} name no model of the config.")
     if not merged and models.base_weight is None and "weight" in params and method == "linear":
         models.base_weight = _number(src, "parameters.weight", params["weight"])  # mergekit adds the base to linear
+    if not merged and method == "linear" and models.base_weight is None:
+        raise _fail(
+            src,
+            "base_model",
+            "mergekit's linear merges base_model with the models, so it needs the base's weight (mergekit "
+            "stops with 'Missing required parameter weight'); list base_model under models with "
+            "parameters: {weight: W} (W = 0 leaves it out of the average).",
+        )
     try:
         base = resolve_model(base_ref, root)
     except FileNotFoundError as e:

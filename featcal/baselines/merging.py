@@ -129,14 +129,15 @@ def task_arithmetic(
 
 def _trim_top(taus: torch.Tensor, density: float | list[float]) -> torch.Tensor:
     """Keep the top ``density`` fraction of each task vector by magnitude (per entry tensor;
-    one density for all tasks or one per task); ``round(density * numel)`` entries, at least one."""
+    one density for all tasks or one per task); ``floor(density * numel)`` entries, at least one,
+    as mergekit counts them (its ``magnitude`` sparsification), so a mergekit TIES recipe merges the same."""
     ds = density if isinstance(density, list) else [density] * taus.shape[0]
     if all(d >= 1.0 for d in ds):
         return taus
     flat = taus.reshape(taus.shape[0], -1)  # (n_tasks, numel)
     mask = torch.zeros_like(flat, dtype=torch.bool)
     for i, d in enumerate(ds):
-        k = flat.shape[1] if d >= 1.0 else max(1, int(round(d * flat.shape[1])))
+        k = flat.shape[1] if d >= 1.0 else max(1, int(d * flat.shape[1]))
         mask[i, flat[i].abs().topk(k).indices] = True
     return (flat * mask).reshape(taus.shape)
 

@@ -45,6 +45,13 @@ UNSUPPORTED = {
 }
 
 
+# init_lora_weights modes that also rewrite the base's weights (peft's pissa_init, olora_init, corda_init,
+# loftq_init, lora_ga_init): such an adapter belongs to the residual base peft made, not to the base on
+# disk, unless it was saved with path_initial_model_for_weight_conversion (peft then writes a plain LoRA
+# and init_lora_weights: true)
+BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+
+
 class LoraError(ValueError):
     """An adapter featcal cannot merge onto this base; the message names the adapter and why."""
 
@@ -168,6 +175,14 @@ class LoraAdapter:
             raise LoraError(
                 f"{self.what} is a {kind} adapter (peft_type); featcal merges LoRA adapters only. Merge it "
                 "with peft (model.merge_and_unload(); save_pretrained) and give that directory instead."
+            )
+        init = self.config.get("init_lora_weights")
+        if isinstance(init, str) and init.lower().startswith(BASE_REWRITING_INITS):
+            raise LoraError(
+                f"{self.what} was initialised with init_lora_weights={init!r}, which also changes the base's "
+                "weights: the adapter applies to the residual base peft made, not to the base on disk. Save it "
+                "with peft's save_pretrained(..., path_initial_model_for_weight_conversion=...) (a plain LoRA "
+                "of the original base), or merge it with peft (merge_and_unload) and give that directory."
             )
         for key, why in UNSUPPORTED.items():
             if self.config.get(key):
