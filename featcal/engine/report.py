@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 RESIDUAL_ROSE = "the mean relative residual rose"  # how check_residuals' warning starts
+RESIDUAL_NOISE = 1e-3  # a relative rise of the mean residual below this (or below 1e-6) is not warned of
 
 
 @dataclass
@@ -92,11 +93,11 @@ class CalibrationReport:
         if not self.modules:
             return None
         before, after = self.mean_residuals()
-        if not after > before:
+        if not after > before + max(RESIDUAL_NOISE * before, 1e-6):  # (a smaller rise is rounding, not a worse fit)
             return None
         c = self.config
         msg = (
-            f"{RESIDUAL_ROSE} from {before:.4f} to {after:.4f}: the calibrated model matches the experts' "
+            f"{RESIDUAL_ROSE} from {before:.4g} to {after:.4g}: the calibrated model matches the experts' "
             f"features worse than the merged model did. The setting (lam {c.lam:g}, rho {c.rho:g}, alpha "
             f"{c.alpha:g}) may not suit this model: use the preset of its architecture or tune it (featcal tune)."
         )
