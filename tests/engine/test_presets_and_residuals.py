@@ -78,14 +78,16 @@ def test_a_rising_residual_is_a_warning_in_the_report():
 
 
 def test_a_rise_within_rounding_is_not_warned_of():
-    """A single expert equal to the merged model at lam 0 (its fixed point): both residuals are rounding (~1e-9), and the run
-    must not warn that the calibrated model is worse (it once said 'rose from 0.0000 to 0.0000')."""
+    """A single expert equal to the merged model at lam 0 (its fixed point): both residuals are
+    rounding (~1e-9), and the run must not warn that the calibrated model is worse (it once said
+    'rose from 0.0000 to 0.0000')."""
     base, experts, _ = toy_zoo()
     one = {"t0": experts["t0"]}
     data = {"t0": toy_data(experts)["t0"]}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _, rep = calibrate(copy.deepcopy(one["t0"]), base=base, experts=one, calib_data=data, config=FeatCalConfig(lam=0.0))
+        cfg = FeatCalConfig(lam=0.0)
+        _, rep = calibrate(copy.deepcopy(one["t0"]), base=base, experts=one, calib_data=data, config=cfg)
     before, after = rep.mean_residuals()
     assert before < 1e-5 and after < 1e-5 and not any(w.startswith(RESIDUAL_ROSE) for w in rep.warnings)
     rep.modules[0].residual_after = rep.modules[0].residual_before + 0.5  # a real rise is still warned of
