@@ -1,8 +1,11 @@
-"""Class names and zero-shot prompt templates for the 8-task CLIP benchmark.
+"""Class names and zero-shot prompt templates for the 8-, 14- and 20-task CLIP benchmarks.
 
 The class names and prompts are the ones the CLIP task-vector literature (and
 FusionBench, whose task names are used as keys) uses for SUN397, Stanford
-Cars, RESISC45, EuroSAT, SVHN, GTSRB, MNIST and DTD. Class ``k`` of a list is
+Cars, RESISC45, EuroSAT, SVHN, GTSRB, MNIST and DTD (TA8), then Flowers102, PCam,
+FER2013, Oxford-IIIT Pet, STL10, CIFAR-100 (TALL14), CIFAR-10, Food101,
+Fashion-MNIST, EMNIST letters, KMNIST and Rendered SST-2 (TALL20), the last 12 as
+FusionBench 0.2.33 lists them (scripts/classnames_from_fusionbench.py writes them). Class ``k`` of a list is
 label ``k`` of the dataset as FusionBench distributes it. A template is a
 ``str.format`` pattern with one ``{}`` for the class name.
 

@@ -151,16 +151,33 @@ def _model_entry(ref: str, root: Path) -> dict:
     return {"path": str(p)} if p.exists() else {"id": ref}
 
 
-def _dataset(src: str, task: str, entry) -> tuple[str, str | None, str]:
-    """``(hub id, subset or None, split)`` of a ``datasets.load_dataset`` entry."""
-    if not isinstance(entry, Mapping) or not str(entry.get("_target_", "")).endswith("load_dataset"):
-        raise FusionBenchError(f"{src}: {task}: a data set must be a datasets.load_dataset entry, got {entry!r}.")
+# FusionBench's own data loaders (``_target_``) that are a ``load_dataset`` with renamed columns:
+# {target: (its default hub id, {our column key: the data set's column})} (fusion_bench/dataset/*.py)
+LOADERS = {
+    "fusion_bench.dataset.fer2013.load_fer2013": (
+        "clip-benchmark/wds_fer2013",
+        {"image_column": "jpg", "label_column": "cls"},
+    ),
+}
+
+
+def _dataset(src: str, task: str, entry) -> tuple[str, str | None, str, dict]:
+    """``(hub id, subset or None, split, columns)`` of a ``datasets.load_dataset`` entry, or of one of
+    FusionBench's loaders that wrap it (:data:`LOADERS`; ``columns`` then names the image and label
+    columns it renames)."""
+    target = str(entry.get("_target_", "")) if isinstance(entry, Mapping) else ""
+    if not target.endswith("load_dataset") and target not in LOADERS:
+        raise FusionBenchError(
+            f"{src}: {task}: a data set must be a datasets.load_dataset entry (or one of FusionBench's loaders "
+            f"featcal knows: {', '.join(LOADERS)}), got {entry!r}."
+        )
+    default, columns = LOADERS.get(target, (None, {}))
     args = list(entry.get("_args_") or [])
-    hub = entry.get("path") or (args[0] if args else None)
+    hub = entry.get("path") or (args[0] if args else None) or default
     if not hub:
         raise FusionBenchError(f"{src}: {task}: load_dataset without a path.")
     subset = entry.get("name") or (args[1] if len(args) > 1 else None)
-    return str(hub), subset, str(entry.get("split", "train"))
+    return str(hub), subset, str(entry.get("split", "train")), dict(columns)
 
 
 def _cached_class_names(hub: str, subset: str | None) -> list[str] | None:
@@ -288,18 +305,18 @@ def _data_entry(src: str, task: str, train, test) -> dict:
             f"{src}: task {task!r} has no data set: the pool's train_datasets and the task pool's test_datasets "
             "name none; give --taskpool (or a pool with train_datasets)."
         )
-    hub, subset, train_split = _dataset(src, task, train) if train is not None else (None, None, "train")
+    hub, subset, train_split, columns = _dataset(src, task, train) if train is not None else (None, None, "train", {})
     if test is not None:
-        t_hub, t_subset, test_split = _dataset(src, task, test)
-        if hub is not None and (t_hub, t_subset) != (hub, subset):
+        t_hub, t_subset, test_split, t_columns = _dataset(src, task, test)
+        if hub is not None and (t_hub, t_subset, t_columns) != (hub, subset, columns):
             raise FusionBenchError(
                 f"{src}: task {task!r}: train set {hub} and test set {t_hub} differ; featcal "
                 "reads both splits from one data set."
             )
-        hub, subset = t_hub, t_subset
+        hub, subset, columns = t_hub, t_subset, t_columns
     else:
         test_split = "test"
-    entry = {"hub": hub, "train_split": train_split, "test_split": test_split}
+    entry = {"hub": hub, "train_split": train_split, "test_split": test_split, **columns}
     return entry | ({"subset": subset} if subset else {})
 
 

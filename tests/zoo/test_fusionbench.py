@@ -211,25 +211,50 @@ def _installed_configs() -> Path | None:
 
 
 @pytest.mark.skipif(_installed_configs() is None, reason="fusion-bench's configs are not installed")
-def test_every_shipped_pool_is_translated_or_refused_never_crashes_or_keeps_hydra(offline_hf):
+def _refusal_kind(err: FusionBenchError) -> str:
+    """A refusal's reason in a few words, for the table: the pool class, or the key it names."""
+    why = str(err).split(": ", 1)[1]
+    if why.startswith("_target_"):
+        return "refused: " + why.split("'")[1].rsplit(".", 1)[-1]
+    return "refused: " + why.split(":")[0].split(" has ")[0][:40]
+
+
+def test_every_shipped_pool_is_translated_or_refused_never_crashes_or_keeps_hydra(offline_hf, differential_tables):
     """FusionBench 0.2.33's own model pools (all of them) and task pools (each with the TA8 CLIP pool):
     each one gives a spec with no Hydra value left in it, or a FusionBenchError; never a traceback,
-    never an OpenCLIP pool read as a Hugging Face one."""
+    never an OpenCLIP pool read as a Hugging Face one. The CLIP TALL14 / TALL20 pools translate
+    (class names of all 20 tasks built in; FER2013 through FusionBench's own loader)."""
     root = _installed_configs()
-    outcome = {}
+    outcome, kinds = {}, {}
     for pool in sorted(root.glob("modelpool/**/*.yaml")):
         try:
             spec = from_fusionbench(pool)
-        except FusionBenchError:
-            outcome[pool.name] = "refused"
+        except FusionBenchError as err:
+            outcome[str(pool.relative_to(root))] = "refused"
+            kinds[_refusal_kind(err)] = kinds.get(_refusal_kind(err), 0) + 1
             continue
         assert "${" not in json.dumps(spec) and "???" not in json.dumps(spec), pool
         assert "OpenCLIP" not in pool.read_text(), pool
-        outcome[pool.name] = "translated"
-    assert outcome["clip-vit-base-patch32_TA8.yaml"] == "translated"
-    assert outcome["ViT-B-32_TA8.yaml"] == "refused"  # OpenCLIP: pickle_path checkpoints, not hub ids
-    assert outcome["clip-vit-base-patch32_robustness_corrupted.yaml"] == "refused"  # ${...corruption} unresolved
-    assert outcome["_template.yaml"] == "refused"  # models: ???
+        outcome[str(pool.relative_to(root))] = "translated"
+    translated = sum(v == "translated" for v in outcome.values())
+    table = {"pools": len(outcome), "translated": translated}  # (a crash fails the test)
+    differential_tables["FusionBench 0.2.33 model pools -> featcal zoo specs"] = table | dict(sorted(kinds.items()))
+    assert outcome["modelpool/CLIPVisionModelPool/clip-vit-base-patch32_TA8.yaml"] == "translated"
+    for size in ("base-patch32", "base-patch16", "large-patch14"):
+        for n in (14, 20):
+            assert outcome[f"modelpool/CLIPVisionModelPool/clip-vit-{size}_TALL{n}.yaml"] == "translated"
+            only = root / "modelpool" / "CLIPVisionModelPool" / f"clip-vit-{size}_TALL{n}_model_only.yaml"
+            tasks = root / "taskpool" / "CLIPVisionModelTaskPool" / f"clip-vit-classification_TALL{n}.yaml"
+            spec = from_fusionbench(only, tasks)
+            assert len(spec["experts"]) == n and "classes" not in spec["heads"]  # every task's names built in
+            assert spec["data"]["fer2013"]["label_column"] == "cls"
+    assert (
+        outcome["modelpool/OpenCLIPVisionModelPool/ViT-B-32_TA8.yaml"] == "refused"
+    )  # OpenCLIP: pickle_path checkpoints, not hub ids
+    assert (
+        outcome["modelpool/CLIPVisionModelPool/clip-vit-base-patch32_robustness_corrupted.yaml"] == "refused"
+    )  # ${...corruption} unresolved
+    assert outcome["modelpool/CLIPVisionModelPool/_template.yaml"] == "refused"  # models: ???
     clip = root / "modelpool" / "CLIPVisionModelPool" / "clip-vit-base-patch32_TA8.yaml"
     for taskpool in sorted(root.glob("taskpool/**/*.yaml")):
         try:

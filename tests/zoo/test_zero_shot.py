@@ -167,8 +167,32 @@ def test_class_names_read_from_json_are_the_ones_the_code_listed():
     """The names and templates moved from code to clip_classnames.json unchanged: the sha256 of
     ``[[task, classes, templates], ...]`` as the old module listed them."""
     listed = [[task, list(classes), list(templates)] for task, (classes, templates) in classnames.TASKS.items()]
+    listed = [row for row in listed if row[0] in classnames.TA8]
     digest = hashlib.sha256(json.dumps(listed, ensure_ascii=False).encode()).hexdigest()
     assert digest == "c723b3f5322710894b31462961a96fa27173044c581a74dbe2136dcb2b58a67a"
+
+
+def test_the_tall20_tasks_are_fusionbenchs_class_names_and_prompts():
+    """The 12 tasks TALL14 / TALL20 add are FusionBench's own lists, read from its task modules
+    (scripts/classnames_from_fusionbench.py), in its label order."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("fusion_bench")
+    if spec is None:
+        pytest.skip("fusion-bench is not installed")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from classnames_from_fusionbench import MODULES, read_task
+
+    folder = Path(next(iter(spec.submodule_search_locations))) / "tasks" / "clip_classification"
+    assert len(MODULES) == 20 and all(classnames.canonical_task(t) in classnames.TASKS for t in MODULES)
+    for task, where in list(MODULES.items())[8:]:
+        module, names = (where, "classnames") if isinstance(where, str) else where
+        classes, templates = classnames.classes_and_templates(task)
+        assert {"classes": classes, "templates": templates} == read_task(folder, module, names), task
+    assert len(classnames.classes_and_templates("cifar100")[0]) == 100
+    assert classnames.classes_and_templates("dpdl-benchmark/oxford_flowers102")[0][0] == "pink primrose"
 
 
 def test_open_clip_zero_shot_rows_are_normalised_encode_text(tmp_path):
