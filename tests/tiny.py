@@ -350,3 +350,20 @@ def toy_zoo_object(model_for_experts=None):
     }
     heads = {t: nn.Linear(8, 3).requires_grad_(False) for t in experts}
     return Zoo("toy", base, experts, heads, data, features=lambda m, x: m.hidden(x)[:, 0], fmt="torch")
+
+
+def tiny_word_lm(out, words: list[str], seed: int = 0):
+    """A tiny LlamaForCausalLM with a word-level tokenizer over ``words`` (after <unk> <pad> <s>
+    </s>), saved together to ``out`` as a language model directory; returns ``out``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = ["<unk>", "<pad>", "<s>", "</s>", *words]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
+    tiny_llama(seed, 2, vocab=len(vocab), hidden=16, intermediate=32).save_pretrained(out)
+    fast.save_pretrained(out)
+    return out

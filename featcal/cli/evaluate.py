@@ -57,11 +57,27 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", default="test", help="split to score (calib, val, test; default test)")
     p.add_argument("--max-per-task", type=int, help="score only the first N examples of each task")
     p.add_argument("--json", metavar="PATH", help="also write the scores as JSON")
+    lm = p.add_argument_group("lm-eval-harness (language models given by --model; no zoo)")
+    lm.add_argument(
+        "--lm-eval",
+        action="append",
+        metavar="TASKS",
+        help="score each --model with lm-eval on these tasks (comma-separated, repeatable): its registry's "
+        "names or the task YAMLs under --lm-eval-tasks",
+    )
+    lm.add_argument("--lm-eval-tasks", metavar="PATH", help="a folder (or file) of your own lm-eval task YAMLs")
+    lm.add_argument("--num-fewshot", type=int, help="lm-eval's few-shot examples per prompt (default: the task's)")
+    lm.add_argument("--batch-size", type=int, default=8, help="lm-eval's batch size (default 8)")
+    lm.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run Python code the model directory (auto_map) or a task YAML (!function) names",
+    )
     add_common(p)
 
 
-def run_eval(args) -> int:
-    for d in args.model or []:
+def _check_model_dirs(dirs: list[str]) -> None:
+    for d in dirs:
         if Path(d).is_file():
             raise UserError(
                 f"--model {d!r} is a file; give the model's directory (the one featcal calibrate --out wrote, "
@@ -69,6 +85,12 @@ def run_eval(args) -> int:
             )
         if not Path(d).is_dir():
             raise UserError(f"--model {d!r} does not exist.")
+
+
+def run_eval(args) -> int:
+    _check_model_dirs(args.model or [])
+    if args.lm_eval:
+        return _run_lm_eval(args)
     merges = args.merge or ([] if args.model else ["task_arithmetic"])
     for m in merges:
         check_merge_method(m)
@@ -105,3 +127,42 @@ def _print_table(scores: dict, experts: dict) -> None:
     for name, accs in scores.items():
         if name != "experts":
             print(f"{name}: average {average(accs):.2f}, expert-normalised {average(normalized(accs, experts)):.2f}")
+
+
+def _run_lm_eval(args) -> int:
+    """``--lm-eval``: lm-eval's scores of each ``--model`` (a saved language model), printed as one
+    table (rows: models; columns: task and metric) and written with ``--json``."""
+    import json
+
+    from featcal.zoo.harness import HarnessError, lm_eval_scores, load_lm
+
+    if not args.model:
+        raise UserError("--lm-eval scores saved language models: give one or more --model DIR.")
+    tasks = [t.strip() for group in args.lm_eval for t in group.split(",") if t.strip()]
+    scores = {}
+    try:
+        for d in args.model:
+            model, tokenizer = load_lm(d, device=args.device, trust_remote_code=args.trust_remote_code)
+            scores[Path(d).name] = lm_eval_scores(
+                model,
+                tokenizer,
+                tasks,
+                include=args.lm_eval_tasks,
+                limit=args.max_per_task,
+                batch_size=args.batch_size,
+                num_fewshot=args.num_fewshot,
+                allow_code=args.trust_remote_code,
+            )
+    except HarnessError as err:
+        raise UserError(str(err)) from None
+    columns = sorted({(t, m) for rows in scores.values() for t, ms in rows.items() for m in ms})
+    print("| model | " + " | ".join(f"{t} {m}" for t, m in columns) + " |")
+    print("|---" * (len(columns) + 1) + "|")
+    for name, rows in scores.items():
+        cells = [f"{rows[t][m]:.4f}" if m in rows.get(t, {}) else "" for t, m in columns]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    if args.json:
+        doc = {"lm_eval": scores, "tasks": tasks, "limit": args.max_per_task, "num_fewshot": args.num_fewshot}
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0

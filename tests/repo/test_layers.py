@@ -70,6 +70,7 @@ ZOO_LAYERS = {
         "featcal.zoo.text_data",  # reads WordNet for the LLM zoo's tasks too
         "featcal.zoo.llm_tasks",
         "featcal.zoo.lm",
+        "featcal.zoo.harness",  # lm-eval-harness on a language model held in memory
     ),
     "build": (
         "featcal.zoo.demo_recipe",
