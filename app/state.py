@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 from concurrent.futures import Future
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 import pandas as pd
@@ -41,9 +42,31 @@ def calibrations() -> Calibrations:
 # ============================================================================ 1. the zoo
 
 
+@st.cache_resource(show_spinner=False)
+def _handed() -> dict:
+    """``{spec path: (its text, zoo)}``: zoos the Zoo page's *Your models* form has just loaded from
+    the spec it wrote (:func:`hand_over`), taken by :func:`_zoo` instead of loading them again."""
+    return {}
+
+
+def hand_over(path: str, text: str, zoo) -> None:
+    """Give :func:`_zoo` the zoo (loaded on :func:`device`) that the spec ``text`` written at ``path`` makes."""
+    _handed()[path] = (text, zoo)
+
+
+def _taken(source: str):
+    """The zoo handed over for ``source`` when the file still holds the text it was loaded from."""
+    text, zoo = _handed().pop(source, (None, None))
+    try:
+        return zoo if text is not None and Path(source).read_text() == text else None
+    except OSError:
+        return None
+
+
 @st.cache_resource(max_entries=2, show_spinner="Loading the zoo…")
 def _zoo(source: str, dev: str):
-    zoo = zoos.load_zoo(source, dev)
+    zoo = _taken(source) if dev == device() else None
+    zoo = zoo if zoo is not None else zoos.load_zoo(source, dev)
     calibrations().zoo_loaded(source, zoo, dev)
     return zoo
 

@@ -283,7 +283,11 @@ def from_dict(raw: Mapping[str, Any], root: str | os.PathLike = ".", source: str
     else:
         _check_image(ctx, tasks, heads, data)
     if heads.type == "zero_shot" and features != "embedding":
-        raise ctx.fail("features", "zero-shot heads read the normalised image embedding; use features: embedding.")
+        raise ctx.fail(
+            "features",
+            "zero-shot heads read the normalised image embedding; use features: embedding, or give file heads "
+            "(heads: {type: file, path: ...}) for projection or pooled features.",
+        )
     if features == "pooled" and fmt == "open_clip":
         raise ctx.fail("features", "open_clip models give the projected embedding; use embedding or projection.")
     name = d.get("name") or (Path(source).stem if source else "zoo")
@@ -301,7 +305,15 @@ def from_dict(raw: Mapping[str, Any], root: str | os.PathLike = ".", source: str
         source=source,
         modality=modality,
         merged=_model(ctx, d["merged"], defaults, "merged") if d.get("merged") is not None else None,
+        tokenizer=_tokenizer(ctx, d.get("tokenizer"), modality),
     )
+
+
+def _tokenizer(ctx: _Ctx, raw: Any, modality: str) -> str | None:
+    """A text zoo's tokenizer directory (None: the base's)."""
+    if raw is not None and modality != "text":
+        raise ctx.fail("tokenizer", "only a text zoo tokenises its data; remove `tokenizer` (or set `modality: text`).")
+    return None if raw is None else ctx.path(raw, "tokenizer")
 
 
 def _check_image(ctx: _Ctx, tasks: list[str], heads: HeadSpec, data: Mapping[str, DataSpec]) -> None:

@@ -42,6 +42,7 @@ SCHEMA: dict[str, dict[str, str]] = {
         "dtype": "float32 | float16 | bfloat16 for the models (default float32)",
         "modality": "image | text: what the models read (default image: CLIP towers; text: an HF text encoder)",
         "merged": "optional: your own merged model (a model entry, e.g. a mergekit output), the merger `given`",
+        "tokenizer": "text: the directory of the tokenizer the data is tokenised with (default: the base's)",
     },
     "model": {
         "path": "local directory (HF save_pretrained; an expert's may be a PEFT LoRA adapter) or file (open_clip)",
@@ -173,6 +174,7 @@ class ZooSpec:
     source: str | None = None
     modality: str = "image"
     merged: ModelSpec | None = None  # the user's own merged model, if given
+    tokenizer: str | None = None  # a text zoo's tokenizer directory, when not the base's
 
     @property
     def tasks(self) -> list[str]:

@@ -199,18 +199,54 @@ def zero_shot_heads(base: nn.Module, tokenizer, spec: ZooSpec, classes: dict[str
     return out
 
 
-def load_parts(spec: ZooSpec, found: Found, device: str = "cpu") -> dict:
-    """The zoo's parts, keywords of :class:`featcal.zoo.core.Zoo` (without ``name`` and ``meta``)."""
+# A directory holding one of these has tokenizer files for transformers to read.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "vocab.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+TOKENIZER_FIX = (
+    "Fix: give the spec's `tokenizer:` (the Your models form's tokenizer field) the directory of the tokenizer "
+    "the base was trained with (e.g. the original model's save_pretrained directory, tokenizer.json in it), "
+    "or save it next to the base (tokenizer.save_pretrained)."
+)
+
+
+def load_tokenizer(folder: Path):
+    """The tokenizer in ``folder`` (``AutoTokenizer``, offline, no remote code). A folder without
+    tokenizer files, or whose files transformers cannot read, is a ``ValueError`` naming the folder,
+    what is wrong in a sentence and :data:`TOKENIZER_FIX` (never transformers' own wording alone)."""
     from transformers import AutoTokenizer
 
+    if not folder.exists():
+        raise ValueError(f"{folder}: no such directory for the tokenizer. {TOKENIZER_FIX}")
+    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(
+            f"{folder}: no tokenizer files there (no {', '.join(TOKENIZER_FILES[:3])}, ...). {TOKENIZER_FIX}"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    except Exception as err:  # transformers raises ValueError, OSError, ImportError, TypeError for unreadable files
+        text = str(err)
+        why = (
+            "its tokenizer is a sentencepiece one and the sentencepiece package is not installed "
+            "(pip install sentencepiece), and it has no tokenizer.json"
+            if "sentencepiece" in text or "tiktoken" in text
+            else f"transformers cannot read its tokenizer files ({type(err).__name__}: "
+            f"{(text.strip().splitlines() or [''])[0][:200]})"
+        )
+        raise ValueError(f"{folder}: {why}. {TOKENIZER_FIX}") from None
+
+
+def load_parts(spec: ZooSpec, found: Found, device: str = "cpu") -> dict:
+    """The zoo's parts, keywords of :class:`featcal.zoo.core.Zoo` (without ``name`` and ``meta``)."""
     roles = ["base"] + [f"expert:{t}" for t in spec.tasks] + (["merged"] if spec.merged else [])
     models = load_encoders({r: found.models[r] for r in roles}, _DTYPES[spec.dtype], device)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(found.models["base"]), local_files_only=True, trust_remote_code=False
-        )
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{found.models['base']}: no usable tokenizer files next to the base: {err}") from None
+    tokenizer = load_tokenizer(Path(spec.tokenizer) if spec.tokenizer else found.models["base"])
     data = {t: task_data(t, found.data[t], spec, tokenizer) for t in spec.tasks}
     classes = {t: data[t].classes for t in spec.tasks}
     if spec.heads.type == "file":

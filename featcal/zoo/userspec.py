@@ -12,7 +12,11 @@ writes (the YAML format: docs/zoos.md, :mod:`featcal.zoo.schema`).
 - :func:`user_spec` builds the spec dict (validated by :func:`featcal.zoo.parsing.from_dict`;
   text or token data make a ``modality: text`` zoo; an optional merged model of the user's own
   is the spec's ``merged:``), :func:`spec_text` its YAML, :func:`write_spec` writes it, never
-  over a file featcal did not write.
+  over a file featcal did not write;
+- before writing, :func:`load_checked` loads the zoo with the zoo loader itself (what stops it is a
+  :class:`UserSpecError` in the loader's words), :func:`preset_of` names the preset the app
+  calibrates it with, and :func:`refuse_generative` turns a Llama-family or T5 base, which makes no
+  zoo spec yet, into the ``featcal calibrate`` command line (after that command's own checks).
 """
 
 from __future__ import annotations
@@ -33,7 +37,12 @@ TEXT_SUFFIXES = locate.TEXT_SUFFIXES
 
 
 class UserSpecError(ValueError):
-    """What the form was given cannot make a zoo; the message names the entry and the fix."""
+    """What the form was given cannot make a zoo; the message names the entry and the fix, and
+    ``command`` is the ``featcal`` command line to run instead, where there is one."""
+
+    def __init__(self, message: str, command: str | None = None):
+        super().__init__(message)
+        self.command = command
 
 
 def _path(p: str | os.PathLike) -> Path:
@@ -177,6 +186,8 @@ def user_spec(
     fmt: str = "hf",
     splits: Mapping[str, int] | None = None,
     merged: str | None = None,
+    features: str = "embedding",
+    tokenizer: str | None = None,
 ) -> dict:
     """The spec dict of a zoo of the user's models: ``base`` and ``experts`` (``{task: path}``,
     dense directories, or LoRA adapters where this featcal loads them), ``data``
@@ -184,8 +195,11 @@ def user_spec(
     (default zero-shot: through the base's text tower, prompted with the class folders' names, or
     for text the base itself on the files' labels; ``{"type": "file", "path": ...}`` for trained
     heads), ``merged`` (optional: a merged model of the user's own, e.g. a mergekit output, which
-    the app offers as the merger "given"). Every path is checked and made absolute; the dict is
-    validated as a spec before it is returned."""
+    the app offers as the merger "given"), ``features`` (what the heads read: ``pooled`` for a
+    ``CLIPVisionModel`` base, which has no projection, with file heads), ``tokenizer`` (a text zoo's
+    tokenizer directory, when the base has none). Every path is checked and made absolute; the dict is
+    validated as a spec (:func:`featcal.zoo.parsing.from_dict`) before it is returned; whether it
+    loads is :func:`load_checked`'s to tell."""
     if not name or not name.replace("-", "").replace("_", "").isalnum():
         raise UserSpecError(f"zoo name {name!r}: use letters, digits, '-' and '_' only.")
     if not experts:
@@ -199,6 +213,8 @@ def user_spec(
         raise UserSpecError(f"the tasks mix image and text data ({kinds}): a zoo reads one or the other.")
     spec = {"name": name, "format": fmt, **({"modality": "text"} if text else {})}
     spec.update(_model_entries(base, experts, merged, fmt))
+    spec.update({"features": features} if features != "embedding" else {})
+    spec.update({"tokenizer": str(_path(tokenizer))} if tokenizer else {})
     spec["heads"] = dict(heads or {"type": "zero_shot"})
     spec["data"] = {t: {"path": str(_path(data[t]))} for t in experts}
     spec["splits"] = dict(splits or default_splits({t: data[t] for t in experts}))
@@ -247,14 +263,87 @@ def spec_text(spec: dict) -> str:
     return HEADER + yaml.safe_dump(spec, sort_keys=False, allow_unicode=True)
 
 
+def check_writable(path: str | os.PathLike) -> Path:
+    """``path``, expanded, when :func:`write_spec` may write it: it does not exist, or featcal
+    wrote it (it starts with :data:`HEADER`)."""
+    p = _path(path)
+    if p.exists() and not (p.is_file() and p.read_text(errors="replace").startswith(HEADER)):
+        raise UserSpecError(f"{str(p)!r} exists and featcal did not write it: choose another zoo name or folder.")
+    return p
+
+
 def write_spec(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` to ``path`` (folders made); an existing file is replaced only when
-    featcal wrote it (it starts with :data:`HEADER`)."""
-    p = _path(path)
-    if p.exists() and not p.read_text(errors="replace").startswith(HEADER):
-        raise UserSpecError(f"{str(p)!r} exists and featcal did not write it: choose another file name.")
+    featcal wrote it (:func:`check_writable`)."""
+    p = check_writable(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(f".{p.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, p)
     return p
+
+
+# ----------------------------------------------------------------------------- before writing
+
+
+def load_checked(spec: dict, path: str | os.PathLike, device: str = "cpu"):
+    """The :class:`~featcal.zoo.core.Zoo` that ``spec`` makes once written to ``path``, loaded by the
+    zoo loader itself (:func:`featcal.zoo.spec.load`, which the app and every command run on the
+    written file) before anything is written, its models on ``device``: whatever would stop it loading is a
+    :class:`UserSpecError` carrying the loader's own message."""
+    from featcal.zoo import spec as spec_mod
+
+    p = _path(path)
+    try:
+        return spec_mod.load(parsing.from_dict(spec, root=p.parent, source=str(p)), device=device)
+    except Exception as exc:  # the loader's ValueErrors, missing files, LoRA and shape errors alike
+        kind = "" if isinstance(exc, (ValueError, FileNotFoundError)) else f" ({type(exc).__name__})"
+        raise UserSpecError(f"Nothing was written: the zoo would not load{kind}. {exc}") from exc
+
+
+def preset_of(zoo) -> tuple[str, str]:
+    """``(preset, why)``: the preset the app calibrates ``zoo`` with (:func:`featcal.config.preset_for_zoo`)
+    and the architecture it was read from (:func:`featcal.config.preset_for_model`)."""
+    from featcal.config import preset_for_model, preset_for_zoo
+
+    return preset_for_zoo(zoo), preset_for_model(zoo.base)[1]
+
+
+def base_preset(base: str | os.PathLike) -> tuple[str, str] | None:
+    """:func:`featcal.config.preset_for` of the base directory's ``config.json`` (what
+    ``featcal calibrate --base`` picks), None when it has none."""
+    from featcal.config import preset_for
+
+    cfg = _path(base) / "config.json"
+    return preset_for(json.loads(cfg.read_text())) if cfg.is_file() else None
+
+
+def refuse_generative(base: str, experts: Mapping[str, str]) -> None:
+    """A generative language model's base (Llama-family, T5: a language preset) cannot make a zoo
+    spec yet (those are CLIP or text-encoder classifiers): raise :class:`UserSpecError` with the
+    ``featcal calibrate`` command that calibrates it. The command's own checks of the base and its
+    experts (:func:`featcal.streaming.run.open_checkpoints`, LoRA adapters included) run first, so
+    an expert it would refuse is refused here in its words, and one it takes is taken here too."""
+    from featcal.config import LANGUAGE_PRESETS
+    from featcal.streaming.run import open_checkpoints
+
+    found = base_preset(base)
+    if found is None or found[0] not in LANGUAGE_PRESETS:
+        return
+    preset, why = found
+    try:
+        open_checkpoints(str(_path(base)), {t: str(_path(p)) for t, p in experts.items()}, None, None)
+    except (ValueError, OSError) as exc:
+        raise UserSpecError(f"{exc} (featcal calibrate --expert refuses it too.)") from exc
+    pairs = " ".join(f"--expert {t}={_path(p)}" for t, p in experts.items()) or "--expert TASK=DIR"
+    command = f"featcal calibrate --base {_path(base)} {pairs} --data TOKENS.safetensors --out OUT_DIR"
+    checked = "its experts fit it (featcal calibrate's own checks passed)" if experts else "give its experts"
+    raise UserSpecError(
+        f"{str(_path(base))!r} is a generative language model ({why}; preset {preset}), and zoos are "
+        f"image (CLIP) or text-encoder classifiers for now, so this form cannot make one of it; {checked}. "
+        "Calibrate it from the command line with the command below, where TOKENS.safetensors holds "
+        "<task>.input_ids (and optionally <task>.attention_mask) of each task's calibration text "
+        "(featcal.model.checkpoints.save_token_data writes one; docs/zoos.md, 'Data'). The built-in smollm2 "
+        "zoo (sidebar) shows the app's LLM pages.",
+        command=command,
+    )

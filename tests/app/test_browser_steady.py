@@ -103,39 +103,6 @@ def test_no_request_leaves_127_0_0_1(server, browser):  # noqa: F811
     context.close()
 
 
-def test_your_models_flow_ends_on_the_zoo_page_of_the_new_zoo(server, browser, tmp_path):  # noqa: F811
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "zoo"))  # the zoo tests' tiny models
-    from test_userspec import write_user_models
-
-    root = write_user_models(tmp_path / "mine")
-    url, _ = server
-    context = browser.new_context(viewport={"width": 1280, "height": 1400})
-    page = _open(context, url)
-    page.get_by_text("Your models").first.click()
-    fields = {
-        "zoo name": "tiny-mine",
-        "base model directory": str(root / "base"),
-        "data folder (one dataset per task)": str(root / "data"),
-        "experts folder (one sub-folder per task, named as the datasets)": str(root / "experts"),
-        "save the YAML in (default: featcal's cache)": str(tmp_path / "zoos"),
-    }
-    for label, value in fields.items():
-        page.get_by_label(label, exact=True).fill(value)
-    page.get_by_role("button", name="Write the zoo YAML and open it").click()
-    page.wait_for_function(
-        "[...document.querySelectorAll('h1')].some(e => e.innerText.startsWith('Zoo · tiny-mine'))", timeout=LOAD_MS
-    )
-    _idle(page, LOAD_MS)
-    assert (tmp_path / "zoos" / "tiny-mine.yaml").is_file()
-    assert "tiny-mine" in page.title()  # the tab names the zoo
-    assert page.locator('[data-testid="stCode"]').first.inner_text().count("experts:") == 1  # the YAML, to keep
-    page.screenshot(path=str(SHOTS / "zoo-your-models.png"))
-    context.close()
-
-
 def test_the_weights_page_draws(server, browser):  # noqa: F811
     url, _ = server
     context = browser.new_context(viewport={"width": 1280, "height": 1400})

@@ -1,0 +1,136 @@
+"""The Zoo page's Your models flow in a real browser at 1280 px wide (issue 40): a tiny CLIPModel
+base ends on the Zoo page of the new zoo, a CLIPVisionModel base on a refusal naming the fields to
+change and then (features pooled, a heads file) on its Zoo page, a tiny Llama with a PEFT adapter
+on the featcal calibrate command; each refusal is shown whole, not cut at the page's edge.
+Screenshots go to the test's tmp dir and artifacts/screenshots/ (and /work/briefs/shots/ when
+that folder exists, for a reviewer)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from test_browser import LOAD_MS, SHOTS, _idle, _open, browser, server  # noqa: F401 (fixtures)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "zoo"))  # the zoo tests' tiny models
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+pytestmark = [pytest.mark.browser, pytest.mark.demo_zoo, pytest.mark.slow]
+
+WIDTH = 1280
+REVIEW = Path("/work/briefs/shots")
+FIELDS = {
+    "name": "zoo name",
+    "base": "base model directory",
+    "data": "data folder (one dataset per task)",
+    "experts": "experts folder (one sub-folder per task, named as the datasets)",
+    "heads": "heads file (optional: safetensors of <task>.weight; default zero-shot from the base's text tower)",
+    "folder": "save the YAML in (default: featcal's cache)",
+}
+ERROR = '[data-testid="stAlertContentError"]'
+SUCCESS = '[data-testid="stAlertContentSuccess"]'
+
+
+def _fill(page, values: dict) -> None:
+    for key, value in values.items():
+        page.get_by_label(FIELDS[key], exact=True).fill(value)
+
+
+def _submit(page) -> None:
+    page.get_by_role("button", name="Write the zoo YAML and open it").click()
+    _idle(page, LOAD_MS)
+
+
+def _shot(page, tmp_path: Path, name: str) -> None:
+    """A screenshot of the page as it is, into the test's tmp dir and the screenshot folders."""
+    path = tmp_path / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    for folder in (SHOTS, REVIEW if REVIEW.parent.is_dir() else None):
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, folder / path.name)
+
+
+def _whole(page, selector: str) -> str:
+    """The element's text, after checking that none of it runs past its box or the viewport."""
+    el = page.locator(selector).first
+    el.scroll_into_view_if_needed()
+    box = el.evaluate(
+        "e => ({sw: e.scrollWidth, cw: e.clientWidth, right: e.getBoundingClientRect().right, vw: innerWidth})"
+    )
+    assert box["sw"] <= box["cw"] + 1 and box["right"] <= box["vw"], box
+    return el.inner_text()
+
+
+def _form(browser, server, tmp_path):  # noqa: F811
+    context = browser.new_context(viewport={"width": WIDTH, "height": 1400})
+    page = _open(context, server[0])
+    page.get_by_text("Your models").first.click()
+    return context, page
+
+
+def _zoo_page(page, name: str) -> None:
+    page.wait_for_function(
+        f"[...document.querySelectorAll('h1')].some(e => e.innerText.startsWith('Zoo · {name}'))", timeout=LOAD_MS
+    )
+    _idle(page, LOAD_MS)
+
+
+def test_a_clip_model_base_ends_on_its_zoo_page(server, browser, tmp_path):  # noqa: F811
+    from test_userspec import write_user_models
+
+    root = write_user_models(tmp_path / "mine")
+    context, page = _form(browser, server, tmp_path)
+    _fill(page, {"name": "tiny-mine", **{k: str(root / k) for k in ("base", "data", "experts")}})
+    _fill(page, {"folder": str(tmp_path / "zoos")})
+    _submit(page)
+    _zoo_page(page, "tiny-mine")
+    assert (tmp_path / "zoos" / "tiny-mine.yaml").is_file()
+    assert "tiny-mine" in page.title()  # the tab names the zoo
+    assert page.locator('[data-testid="stCode"]').first.inner_text().count("experts:") == 1  # the YAML, to keep
+    assert "Preset clip" in _whole(page, SUCCESS)
+    _shot(page, tmp_path, "yours-clip-model")
+    context.close()
+
+
+def test_a_clip_vision_base_is_refused_whole_then_loads_with_pooled_features(server, browser, tmp_path):  # noqa: F811
+    from test_userspec_checks import write_vision_models
+
+    root = write_vision_models(tmp_path / "vis")
+    context, page = _form(browser, server, tmp_path)
+    _fill(page, {"name": "tiny-vis", **{k: str(root / k) for k in ("base", "data", "experts")}})
+    _fill(page, {"folder": str(tmp_path / "zoos")})
+    _submit(page)
+    text = _whole(page, ERROR)
+    assert "visual_projection" in text and "features: pooled" in text and text.rstrip().endswith(").")
+    assert not (tmp_path / "zoos" / "tiny-vis.yaml").exists()
+    _shot(page, tmp_path, "yours-clip-vision-refused")
+    box = page.locator('[data-testid="stSelectbox"]').filter(has_text="features")
+    box.locator("input").click()  # a selectbox: focus it, type the option, take it
+    page.keyboard.type("pooled")
+    page.get_by_role("option", name="pooled").wait_for()
+    page.keyboard.press("Enter")  # (the zoo page of tiny-vis below shows it was taken)
+    _fill(page, {"heads": str(root / "heads.safetensors")})
+    _submit(page)
+    _zoo_page(page, "tiny-vis")
+    assert (tmp_path / "zoos" / "tiny-vis.yaml").is_file()
+    assert "Preset clip" in _whole(page, SUCCESS)  # shown in the shot, with the YAML under it
+    _shot(page, tmp_path, "yours-clip-vision-pooled")
+    context.close()
+
+
+def test_a_llama_with_a_peft_adapter_ends_on_the_featcal_calibrate_command(server, browser, tmp_path):  # noqa: F811
+    from test_userspec_checks import write_llama_models
+
+    root = write_llama_models(tmp_path / "llama")
+    context, page = _form(browser, server, tmp_path)
+    _fill(page, {"name": "tiny-llama", **{k: str(root / k) for k in ("base", "data", "experts")}})
+    _submit(page)
+    text = _whole(page, ERROR)
+    assert "generative language model" in text and "another architecture" not in text
+    command = _whole(page, '[data-testid="stCode"]')
+    assert command.startswith("featcal calibrate --base ") and "--out OUT_DIR" in command
+    _shot(page, tmp_path, "yours-llama-peft")
+    context.close()
