@@ -7,12 +7,12 @@ in the loader's words; a Llama-family base gets its ``featcal calibrate`` comman
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import streamlit as st
 
 from app import controls, state
+from app.zoos import plain
 from featcal.zoo import userspec
 from featcal.zoo.schema import FEATURES
 
@@ -44,12 +44,6 @@ def expert_paths(folder: str, lines: str, tasks: list[str] | None) -> dict[str, 
                 raise userspec.UserSpecError(f"expert line {line.strip()!r}: write it as task = /path/to/expert.")
             out[task.strip()] = path.strip()
     return out
-
-
-def plain(text: str) -> str:
-    """``text`` shown as it is inside a Markdown element (``st.error``): its Markdown and LaTeX
-    characters escaped, so a path's ``__`` or ``$`` is not read as emphasis or maths; it wraps."""
-    return re.sub(r"([\\`*_{}\[\]<>()#+|~$!])", r"\\\1", text)
 
 
 def _spec(ss) -> tuple[dict, Path]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -98,12 +99,20 @@ def cpu_threads(zoo, device: str, alone: bool = False) -> int:
     return free_cores(usable_cores(), others_load())
 
 
+def plain(text: str) -> str:
+    """``text`` shown as it is inside a Markdown element (``st.error``): its Markdown and LaTeX
+    characters escaped, so a path's ``__`` or ``$`` is not read as emphasis or maths; it wraps."""
+    return re.sub(r"([\\`*_{}\[\]<>()#+|~$!])", r"\\\1", text)
+
+
 def explain_load_error(source: str, exc: BaseException) -> str:
-    """Markdown for the user: what went wrong loading ``source`` and what to do about that
+    """Markdown for the user: what went wrong loading ``source`` (the library's message whole, as
+    wrapping text: a code block would cut it at the page's width) and what to do about that
     failure (one piece of advice, chosen by the kind of failure)."""
     msg = str(exc).strip() or type(exc).__name__
     kind = "" if isinstance(exc, FileNotFoundError) else f" ({type(exc).__name__})"
-    return f"**Could not load zoo `{source}`{kind}.**\n\n```text\n{msg}\n```\n\n{load_error_fix(source, exc)}"
+    lines = "  \n".join(plain(line) for line in msg.splitlines())
+    return f"**Could not load zoo `{source}`{kind}.**\n\n{lines}\n\n{load_error_fix(source, exc)}"
 
 
 def load_error_fix(source: str, exc: BaseException) -> str:

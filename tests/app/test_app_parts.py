@@ -363,3 +363,15 @@ def test_a_long_exact_run_shows_its_blocks_and_the_time_left():
     assert any(lab.startswith("Running · ") and lab.endswith(" s") for lab in line.labels), line.labels
     with_blocks = [lab for lab in line.labels if "block 3 of 12" in lab]
     assert with_blocks and all("25%" in lab and "s left" in lab for lab in with_blocks), line.labels
+
+
+def test_a_zoo_that_does_not_load_is_explained_in_wrapping_text():
+    """The library's message is shown whole as text that wraps (a code block was cut off at
+    1280 px), its Markdown characters escaped, with the one fix for that failure."""
+    from app.zoos import explain_load_error
+
+    msg = "spec my_zoo.yaml: experts.svhn: '/data/__models__/svhn' does not exist\nfix: download it ($5 of disk)"
+    md = explain_load_error("my_zoo.yaml", FileNotFoundError(msg))
+    assert "```" not in md and "Could not load zoo `my_zoo.yaml`" in md
+    assert r"/data/\_\_models\_\_/svhn" in md and r"\(\$5 of disk\)" in md  # escaped, not emphasis or maths
+    assert md.count("  \n") == 1 and "Fix: see the `fix:` lines above" in md
