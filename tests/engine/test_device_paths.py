@@ -135,3 +135,22 @@ def test_a_launcher_on_cuda_gets_nccl_and_its_local_gpu(monkeypatch):
     assert calls == [1, "nccl"]
     assert distributed.init_from_env("cpu")
     assert calls == [1, "nccl", "gloo"]  # no GPU chosen for a CPU run
+
+
+@pytest.mark.filterwarnings("ignore:task .* token rows")
+def test_t5_one_block_at_a_time_on_another_device_is_the_plain_run():
+    """``device="cpu:0"`` is another torch device than the models' ``cpu``: the engine takes the
+    accelerator's path (DeviceBlocks: blocks moved there and back, the streams moved once) on the
+    CPU. T5's decoder reads the encoder's padding mask and carries its position bias from block to
+    block: both must survive the move (they were dropped, and its cross-attention refused the
+    decoder's mask)."""
+    import tiny
+    from featcal import FeatCalConfig, calibrate
+
+    base, experts, merged, data = tiny.text_zoo(tiny.tiny_t5, lambda seed: tiny.t5_batches(seed=seed))
+    kw = dict(base=base, experts=experts, calib_data=data, config=FeatCalConfig(stats_dtype=torch.float64))
+    plain, _ = calibrate(merged, progress=False, **kw)
+    moved, _ = calibrate(merged, progress=False, device="cpu:0", **kw)
+    want = plain.state_dict()
+    for k, v in moved.state_dict().items():
+        torch.testing.assert_close(v, want[k], rtol=1e-9, atol=1e-12, msg=k)
