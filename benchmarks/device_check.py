@@ -25,8 +25,8 @@ still run; the exit status is 1 when an exactness row is over its tolerance or f
    (keeping the statistics and the experts' trace, as the app does), the preview at another
    lambda, and the exact run at that lambda reusing the trace.
 5. ``distributed``: benchmarks/distributed.py's ranks (spawned processes, one torch thread each)
-   on a small ViT: 1, 2 and 4 gloo ranks on the CPU, the speed-up over 1; on CUDA also a 1-rank
-   NCCL group on the one GPU (the NCCL set-up and teardown; not a speed-up).
+   on a small ViT: 1, 2 and 4 gloo ranks on the CPU, the speed-up over 1; then a 1-rank group on
+   ``--device``: NCCL on the one GPU (its set-up and teardown; not a speed-up), gloo on a CPU.
 
 ``--quick`` runs the same code at toy sizes (about a minute on a CPU; the test
 tests/repo/test_device_check.py runs it with ``--device cpu``). On the CPU the exactness rows
@@ -107,6 +107,9 @@ def guarded(part: str, fn, args) -> list[dict]:
         traceback.print_exc()
         rows = [row(part, "error", f"{type(err).__name__}: {err}".replace("|", "/")[:300], ok=False)]
     seconds = time.perf_counter() - t0
+    C.release_free_memory()  # what a part (or its failure) left goes before the next part
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     for r in rows:
         r["part_seconds"] = seconds
     print(f"[{part}: {seconds:.1f} s]", file=sys.stderr, flush=True)
@@ -359,10 +362,13 @@ def part_distributed(args) -> list[dict]:
         one = one or wall
         result = f"{wall:.2f} s, speed-up {one / wall:.2f}x over 1 rank"
         rows.append(row("distributed", f"gloo, {world} rank(s), CPU; {shape}", result, "", None, seconds=wall))
-    if torch.device(args.device).type == "cuda":
-        res = bench._launch(1, argparse.Namespace(**vars(ns), device="cuda", group=True), "owner")
-        case = f"NCCL, 1-rank group on the GPU; {shape}"
-        rows.append(row("distributed", case, f"{res[0][1]:.2f} s", "", None, seconds=res[0][1]))
+    # A 1-rank group on --device: NCCL on the GPU; on a CPU the same code with gloo (its stand-in).
+    cuda = torch.device(args.device).type == "cuda"
+    res = bench._launch(1, argparse.Namespace(**vars(ns), device="cuda" if cuda else "cpu", group=True), "owner")
+    case = f"{'NCCL' if cuda else 'gloo'}, a 1-rank group on {'the GPU' if cuda else 'the CPU'}; {shape}"
+    rows.append(
+        row("distributed", case, f"{res[0][1]:.2f} s (group set up and torn down)", "", None, seconds=res[0][1])
+    )
     return rows
 
 

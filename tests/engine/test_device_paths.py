@@ -154,3 +154,18 @@ def test_t5_one_block_at_a_time_on_another_device_is_the_plain_run():
     want = plain.state_dict()
     for k, v in moved.state_dict().items():
         torch.testing.assert_close(v, want[k], rtol=1e-9, atol=1e-12, msg=k)
+
+
+def test_the_inference_timer_waits_for_the_gpu_around_the_call(monkeypatch):
+    """The trained calibrators' inference timing synchronises CUDA before and after the call
+    (else it times the launch, not the work) and nothing on other devices."""
+    from featcal.baselines.trained import calibrators
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: synced.append("sync"))
+    model = nn.Linear(3, 2)
+    calibrators._timed(model, torch.zeros(1, 3))
+    assert synced == []
+    monkeypatch.setattr(calibrators, "device_of", lambda m: CUDA)
+    assert calibrators._timed(model, torch.zeros(1, 3)) >= 0
+    assert synced == ["sync", "sync"]
