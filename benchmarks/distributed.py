@@ -79,7 +79,8 @@ def _rank(rank: int, world: int, port: int, args, solve: str, queue) -> None:
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if world > 1:
+    group = world > 1 or getattr(args, "group", False)  # device_check.py: a 1-rank NCCL group
+    if group:
         dist.init_process_group(
             "nccl" if cuda else "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
@@ -112,7 +113,7 @@ def _rank(rank: int, world: int, port: int, args, solve: str, queue) -> None:
     blocks = max(tr.blocks, 1)
     peak = torch.cuda.max_memory_allocated(device) if cuda else peak_rss_mb() * 2**20
     queue.put((rank, seconds, tr.stats_bytes / blocks, tr.weight_bytes / blocks, peak, len(report.modules)))
-    if world > 1:
+    if group:
         dist.barrier()
         dist.destroy_process_group()
 

@@ -56,17 +56,30 @@ def llama_config(width: int, layers: int = LAYERS, vocab: int = VOCAB):
 
 
 def write_llama_zoo(
-    root: Path, width: int, n_experts: int, layers: int = LAYERS, dtype=torch.float32, seed: int = 0, lora: int = 0
+    root: Path,
+    width: int,
+    n_experts: int,
+    layers: int = LAYERS,
+    dtype=torch.float32,
+    seed: int = 0,
+    lora: int = 0,
+    *,
+    config=None,
+    seq: int = SEQ,
+    per_task: int = PER_TASK,
 ):
     """Base and experts (the base plus seeded noise of 1% of each tensor's scale, or with ``lora``
     PEFT LoRA adapters of that rank on every attention and MLP projection) saved sharded under
-    ``root``; the token file of ``n_experts`` tasks. Returns the bytes of one model."""
+    ``root``; the token file of ``n_experts`` tasks (``per_task`` sequences of ``seq`` tokens each).
+    ``config`` (a ``LlamaConfig``) replaces ``llama_config(width, layers)``. Returns the bytes of
+    one model."""
     from transformers import LlamaForCausalLM
 
     from featcal.model.checkpoints import save_token_data
 
     torch.manual_seed(seed)
-    base = LlamaForCausalLM(llama_config(width, layers)).to(dtype).eval()
+    config = config or llama_config(width, layers)
+    base = LlamaForCausalLM(config).to(dtype).eval()
     base.save_pretrained(root / "base", max_shard_size="100MB")
     sd = base.state_dict()
     if lora:
@@ -80,7 +93,10 @@ def write_llama_zoo(
     g = torch.Generator().manual_seed(seed + 100)
     save_token_data(
         root / "data.safetensors",
-        {f"task{i}": {"input_ids": torch.randint(0, VOCAB, (PER_TASK, SEQ), generator=g)} for i in range(n_experts)},
+        {
+            f"task{i}": {"input_ids": torch.randint(0, config.vocab_size, (per_task, seq), generator=g)}
+            for i in range(n_experts)
+        },
     )
     return sum(v.numel() * v.element_size() for v in sd.values())
 

@@ -1,10 +1,10 @@
-"""Tiny seeded random models shared by the tests (each builds in milliseconds)."""
+"""Tiny seeded random models shared by the tests (each builds in milliseconds); also imported by
+benchmarks/device_check.py, so nothing here needs pytest at import time."""
 
 from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 from torch import nn
 
@@ -158,6 +158,8 @@ def all_target_params(model):
 def assert_same_calibration(got, rep_got, want, rep_want, preview: bool = False):
     """Two calibrations agree: every target's weight and bias, each module's residuals and,
     with ``preview``, their previews of another setting (kept statistics)."""
+    import pytest
+
     ref = all_target_params(want)
     for name, (W, b) in all_target_params(got).items():
         assert torch.allclose(W, ref[name][0], rtol=1e-4, atol=1e-5), name

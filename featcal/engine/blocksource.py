@@ -11,6 +11,7 @@ blocks from checkpoint shards and writes the calibrated ones out.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -81,12 +82,17 @@ def check_device(device) -> torch.device:
 
 
 def move_streams(streams: dict, device: torch.device) -> None:
-    """Every stream's hidden states and block arguments onto ``device``, in place."""
+    """Every stream's hidden states, block arguments and padding masks onto ``device``, in place
+    (the calls' other fields, e.g. a decoder's cross-attention sites and carried outputs, kept)."""
 
     def moved(c: BlockCall) -> BlockCall:
-        mask = None if c.mask is None else c.mask.to(device)
-        return BlockCall(
-            c.hidden.to(device), to_device(c.args, device), to_device(c.kwargs, device), c.hidden_key, mask
+        return replace(
+            c,
+            hidden=c.hidden.to(device),
+            args=to_device(c.args, device),
+            kwargs=to_device(c.kwargs, device),
+            mask=to_device(c.mask, device),
+            memory_mask=to_device(c.memory_mask, device),
         )
 
     for st in streams.values():

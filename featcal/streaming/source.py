@@ -161,10 +161,7 @@ class CheckpointSource(BlockSource):
                 self.dist.barrier(f"block {block}: waiting for every rank's streams")
             if self.dist is None or self.dist.rank == 0:
                 commit(self.work, self.state, files)
-        info = {"wall_seconds": time.perf_counter() - self._t0, "peak_rss_mb": peak_rss_mb()}
-        if self.device.type == "cuda":
-            info["peak_gpu_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
-        self.last = info
+        info = self.last = block_info(time.perf_counter() - self._t0, self.device)
         if self.progress:
             gpu = f", GPU peak {info['peak_gpu_mb']:.0f} MB" if "peak_gpu_mb" in info else ""
             note(
@@ -244,3 +241,12 @@ def _head_only(model: nn.Module) -> set[int]:
     get_in = getattr(model, "get_input_embeddings", None)
     shared = {id(p) for p in get_in().parameters()} if get_in is not None and get_in() is not None else set()
     return {id(p) for p in head.parameters()} - shared
+
+
+def block_info(seconds: float, device: torch.device) -> dict[str, float]:
+    """What ``on_block`` hears of a streamed block: its wall seconds and the peak memory so far
+    (MB): the process's resident set, and on CUDA the device's peak allocation."""
+    info = {"wall_seconds": seconds, "peak_rss_mb": peak_rss_mb()}
+    if device.type == "cuda":
+        info["peak_gpu_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return info
