@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--methods",
         default=DEFAULT_METHODS,
-        help="comma-separated: a merger (ta, ties, iso_c, regmean_plusplus, adamerging, fisher_merging, ...), "
+        help="comma-separated: a merger (ta, ties, iso_c, regmean_plusplus, lot, adamerging, fisher_merging, ...), "
         "then calibrators in order: +svc, +featcal, and last +escal, +surgery or +surgery_v2, e.g. ta+svc+featcal "
         f"(default: {DEFAULT_METHODS})",
     )

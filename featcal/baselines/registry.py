@@ -39,6 +39,7 @@ from torch import nn
 
 from featcal.baselines import adamerging as ada
 from featcal.baselines import fisher, merging
+from featcal.baselines.lot import lot
 from featcal.baselines.regmean import regmean, regmean_plusplus
 from featcal.baselines.svc import svc
 from featcal.baselines.trained.calibrators import ESCalOptions, escal
@@ -244,6 +245,7 @@ METHODS: tuple[Method, ...] = (
     *(_with_data("data_merger", fn, label, {"reduce_nondiag": (0.0, 1.0, 0.05)}) for fn, label in REGMEANS),
     _with_data("data_merger", ada.adamerging, "AdaMerging", choices={"granularity": ada.GRANULARITY}),
     _with_data("data_merger", fisher.fisher_merging, "Fisher merging", aliases=("fisher",)),
+    _with_data("data_merger", lot, "LOT Merging", {"rtol": (1e-8, 1e-2, 1.0, True, (1e-12, 0.5), "pinv cut")}),
     Method("featcal", "calibrator", calibrate, "FeatCal", _featcal_params(), data_free=False),
     Method(
         "svc",

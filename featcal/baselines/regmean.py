@@ -36,17 +36,18 @@ import copy
 from typing import Callable, Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from featcal.baselines.merging import average
 from featcal.config import FastPaths
 from featcal.engine.blockstats import token_weights
 from featcal.method.linalg import add_rows_gram, gram_blocks, spd_factor, symmetric
-from featcal.method.stats import as_rows
-from featcal.model.arch import block_targets, get_params, resolve_blocks, set_params
+from featcal.method.stats import as_rows, rms_normalise
+from featcal.model.arch import LINEAR, block_targets, get_params, resolve_blocks, set_params
 from featcal.model.capture import capture, target_site
 from featcal.model.modes import eval_mode
-from featcal.model.streams import BlockCall, catch_block_inputs, device_of, run_block
+from featcal.model.streams import BlockCall, block_output, catch_block_inputs, device_of, run_block
 from featcal.util.progress import bar
 
 # The ridge added to sum_i G'_i, relative to its mean diagonal entry: only there to keep a
@@ -96,29 +97,45 @@ def regmean_apply(
 # ---------------------------------------------------------------------------- the plumbing
 
 
-def _block_grams(blk: nn.Module, targets, calls: list[BlockCall], device, advance: bool) -> dict[str, torch.Tensor]:
+def _norm_energy(x: torch.Tensor, t, w: torch.Tensor | None) -> tuple[torch.Tensor, float]:
+    """``(sum_rows w z*z, sum w)`` per channel for a norm target's input rows ``x`` ``(rows, d)``:
+    ``z`` its LayerNorm without affine (an RMS norm's ``x / rms(x)`` when not ``t.centred``)."""
+    z = F.layer_norm(x, x.shape[-1:], eps=t.ln_eps) if t.centred else rms_normalise(x, t.ln_eps)
+    zz = z * z if w is None else z * z * w.unsqueeze(-1)
+    return zz.sum(0), float(x.shape[0] if w is None else w.sum())
+
+
+def block_input_stats(
+    blk: nn.Module, targets, calls: list[BlockCall], device, advance: bool
+) -> dict[str, torch.Tensor]:
     """``{site: G}``: the mean over tokens (padding excluded) of ``x x^T`` for the input of every
     Linear target of ``blk`` over ``calls``, in float64; modules reading one tensor (q/k/v)
-    share one accumulation. With ``advance``, each call moves on to ``blk``'s output."""
-    sums: dict[str, torch.Tensor] = {}  # first site of an input -> sum of w x x^T (upper triangle)
+    share one accumulation. For a norm target (LayerNorm, RMS norm), at its site: the mean of
+    ``z * z`` per channel, ``z`` its normalised input (LOT Merging's weights). With ``advance``,
+    each call moves on to the next block's call (``blk``'s outputs handed on)."""
+    sums: dict[str, torch.Tensor] = {}  # first site of an input -> sum of w x x^T (upper triangle), or w z*z
     counts: dict[str, float] = {}  # first site of an input -> sum of w
     alias: dict[str, str] = {}  # every site -> the first site that saw the same tensor
     for b, call in enumerate(calls):
         with capture(blk, targets, outputs=False) as cap:
-            out = run_block(blk, call, device)
+            out = block_output(blk, call, device)
         if advance:
-            calls[b] = call.with_hidden(out)
+            calls[b] = call.after(out)
         seen: list[tuple[torch.Tensor, str]] = []
         for t in targets:
             site = target_site(t)
             x = cap.inputs[site]  # (B, T, d) or (B, d)
-            first = next((k for y, k in seen if y is x), None)
+            first = next((k for y, k in seen if y is x), None) if t.kind == LINEAR else None
             alias[site] = first or site
             if first is not None:
                 continue
             seen.append((x, site))
-            w = token_weights(x, False, 1.0, call.mask, torch.float64)  # (rows,), or None: all ones
+            w = token_weights(x, False, 1.0, call.mask_for(site), torch.float64)  # (rows,), or None: all ones
             rows = as_rows(x, torch.float64)  # (rows, d)
+            if t.kind != LINEAR:
+                zz, n = _norm_energy(rows, t, w)
+                sums[site], counts[site] = sums.get(site, 0.0) + zz, counts.get(site, 0.0) + n
+                continue
             Z = rows if w is None else rows * w.sqrt().unsqueeze(-1)
             d = rows.shape[-1]
             if site not in sums:
@@ -129,19 +146,25 @@ def _block_grams(blk: nn.Module, targets, calls: list[BlockCall], device, advanc
     for site, n in counts.items():
         if n <= 0:
             raise ValueError(f"no calibration tokens reach {site!r} (every token padding?); check calib_data.")
-    means = {site: symmetric(S) / counts[site] for site, S in sums.items()}
+    means = {site: (symmetric(S) if S.dim() == 2 else S) / counts[site] for site, S in sums.items()}
     return {site: means[first] for site, first in alias.items()}
 
 
-def _check(base: nn.Module, experts: Mapping[str, nn.Module], calib_data: Mapping[str, list], ratio: float) -> None:
+def check_calib(experts: Mapping[str, nn.Module], calib_data: Mapping[str, list], method: str) -> None:
+    """A ``ValueError`` naming the problem unless there are experts and ``calib_data`` has batches
+    for each: ``method`` (its label) reads every expert's inputs on its own task's data."""
     if not experts:
-        raise ValueError("merge_with_data needs at least one expert; got none.")
+        raise ValueError(f"{method} needs at least one expert; got none.")
     missing = [t for t in experts if t not in calib_data or len(calib_data[t]) == 0]
     if missing:
         raise ValueError(
-            f"calib_data has no batches for task(s) {missing}; RegMean reads every expert's inputs on its own "
+            f"calib_data has no batches for task(s) {missing}; {method} reads every expert's inputs on its own "
             "task's data: give calib_data one entry per expert (e.g. zoo.calib_data(n))."
         )
+
+
+def _check(base: nn.Module, experts: Mapping[str, nn.Module], calib_data: Mapping[str, list], ratio: float) -> None:
+    check_calib(experts, calib_data, "RegMean")
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"reduce_nondiag must be in [0, 1] (the off-diagonal scale), got {ratio}.")
 
@@ -174,7 +197,7 @@ def _regmean(
             targets = block_targets(blk, layernorm=False)
             # 3. Each expert's block on its stream: the Grams of its Linears' inputs.
             grams = {
-                t: _block_grams(exp_blks[t][idx], targets, calls[t], device_of(experts[t]), advance=not plus_plus)
+                t: block_input_stats(exp_blks[t][idx], targets, calls[t], device_of(experts[t]), advance=not plus_plus)
                 for t in tasks
             }
             # 4. Solve every Linear from the Grams, then load them together (biases stay the mean).

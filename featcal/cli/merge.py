@@ -36,7 +36,7 @@ def add_merge_arguments(p: argparse.ArgumentParser) -> None:
         "--n-per-task",
         type=int,
         default=256,
-        help="data-using methods (regmean, regmean_plusplus): examples per task from the calib split (default 256)",
+        help="data-using methods (regmean, lot, ...): examples per task from the calib split (default 256)",
     )
     p.add_argument("--seed", type=int, default=42, help="seed of that sample (default 42)")
     p.add_argument("--batch-size", type=int, default=16, help="its batch size (default 16)")
