@@ -32,7 +32,7 @@ from featcal.engine.run import calibrate
 from featcal.model import arch, validate
 from featcal.model.checkpoints import Checkpoint, check_same_tensors
 from featcal.model.export import copy_base_files, drift_summary, model_name, write_hub_files
-from featcal.model.fingerprint import fingerprint_checkpoint
+from featcal.model.fingerprint import content_fingerprint, fingerprint_checkpoint
 from featcal.model.lora import LoraCheckpoint, is_adapter_dir
 from featcal.model.skeletons import skeleton
 from featcal.streaming.options import StreamOptions
@@ -103,6 +103,8 @@ def calibrate_checkpoints(
     work = partial_dir(out)
     fast = opts.fast
     dist = distributed.current(device, (fast or FastPaths()).dist_solve)  # a process group: rank 0 writes
+    if dist is not None:  # the same inputs on every rank, compared by content, before any work
+        dist.check_same(_rank_digests(ckpts, merge, cfg, path, calib_data))
     writer = dist is None or dist.rank == 0
     with outdir.output_lock(out) if writer else contextlib.nullcontext():
         # 3. Open (or resume) the work directory, and 4. calibrate the blocks not done yet.
@@ -291,6 +293,20 @@ def _fingerprint(ckpts: dict, merge, cfg: FeatCalConfig, path: str, calib_data: 
         "data": data_digest(calib_data),
     }
     return json.loads(json.dumps(doc, default=str))
+
+
+def _rank_digests(ckpts: dict, merge, cfg: FeatCalConfig, path: str, calib_data: Mapping) -> dict:
+    """What every rank of a process group must agree on (:meth:`Dist.check_same`): each model's
+    weights by content (:func:`content_fingerprint`: blind to the directory's name and the files'
+    times, which may differ between nodes; a swapped pair of experts differs), the merge, the
+    config and blocks, the tasks and the calibration data."""
+    models = {f"{ck.role} (weights)": content_fingerprint(ck.path) or "" for ck in ckpts.values()}
+    return models | {
+        "merge": repr(merge),
+        "config": repr(cfg.to_dict()) + path,
+        "tasks": repr(list(calib_data)),
+        "calibration data": data_digest(calib_data),
+    }
 
 
 def _with_memory(on_block: Callable[[int, dict], None], source) -> Callable[[int, dict], None]:
