@@ -35,6 +35,7 @@ from featcal.model.export import copy_base_files, drift_summary, model_name, wri
 from featcal.model.fingerprint import content_fingerprint, fingerprint_checkpoint
 from featcal.model.lora import LoraCheckpoint, is_adapter_dir
 from featcal.model.skeletons import skeleton
+from featcal.streaming import memory
 from featcal.streaming.options import StreamOptions
 from featcal.streaming.output import write_model
 from featcal.streaming.source import CheckpointSource, needed_names
@@ -105,6 +106,7 @@ def calibrate_checkpoints(
     dist = distributed.current(device, (fast or FastPaths()).dist_solve)  # a process group: rank 0 writes
     if dist is not None:  # the same inputs on every rank, compared by content, before any work
         dist.check_same(_rank_digests(ckpts, merge, cfg, path, calib_data))
+    _check_memory(ckpts, skels, path, calib_data, cfg, opts, dist)
     writer = dist is None or dist.rank == 0
     with outdir.output_lock(out) if writer else contextlib.nullcontext():
         # 3. Open (or resume) the work directory, and 4. calibrate the blocks not done yet.
@@ -307,6 +309,14 @@ def _rank_digests(ckpts: dict, merge, cfg: FeatCalConfig, path: str, calib_data:
         "tasks": repr(list(calib_data)),
         "calibration data": data_digest(calib_data),
     }
+
+
+def _check_memory(ckpts, skels, path, calib_data, cfg, opts: StreamOptions, dist) -> None:
+    """The run's estimated peak memory (this rank's share of the batches) against the memory
+    available, before any work (:mod:`featcal.streaming.memory`; ``force``: a warning)."""
+    mine = calib_data if dist is None else dist.my_share(calib_data)
+    size = memory.run_size(ckpts, skels["merged"], path, mine, cfg.stats_dtype, (opts.fast or FastPaths()).pool_rows)
+    memory.check_memory(memory.estimate_peak(size), memory.available_bytes(), opts.force)
 
 
 def _with_memory(on_block: Callable[[int, dict], None], source) -> Callable[[int, dict], None]:
