@@ -29,7 +29,7 @@ from featcal.engine import distributed
 from featcal.engine.blocksource import check_device
 from featcal.engine.report import BlockRecord, CalibrationReport, ModuleRecord
 from featcal.engine.run import calibrate
-from featcal.model import arch, validate
+from featcal.model import arch, compat, validate
 from featcal.model.checkpoints import Checkpoint, check_same_tensors
 from featcal.model.export import copy_base_files, drift_summary, model_name, write_hub_files
 from featcal.model.fingerprint import content_fingerprint, fingerprint_checkpoint
@@ -101,6 +101,7 @@ def calibrate_checkpoints(
     reading = (opts.blocks, opts.common_rows, opts.lora_any_base, opts.trust_remote_code)
     ckpts, skels, path = open_checkpoints(base, experts, merged, *reading)
     check_token_ids(skels["merged"], calib_data)
+    _check_experts(ckpts, tasks, path, calib_data)  # dtypes and tokenizers, as the in-memory run checks them
     work = partial_dir(out)
     fast = opts.fast
     dist = distributed.current(device, (fast or FastPaths()).dist_solve)  # a process group: rank 0 writes
@@ -183,6 +184,18 @@ def check_token_ids(model, calib_data: Mapping[str, list]) -> None:
                         f"task {task!r}, batch {i}: {key} holds token ids from {low} to {high}, the model's "
                         f"vocabulary has {vocab} (ids 0 to {vocab - 1}); tokenize the data with this model's tokenizer."
                     )
+
+
+def _check_experts(ckpts: dict, tasks: list[str], path: str, calib_data: Mapping) -> None:
+    """:func:`featcal.model.compat.check_experts` on the checkpoints (block 0 read for the dtypes' note only)."""
+    roles = {"base": ckpts["base"]} | {ckpts[t].role: ckpts[t] for t in tasks}
+
+    def read(role: str) -> dict:
+        ck = roles[role]
+        return compat.block0_weights(ck.specs, path, ck.read)
+
+    stored = {role: compat.stored_dtype(ck.path) for role, ck in roles.items()}
+    compat.check_experts(stored, read, {role: ck.path for role, ck in roles.items()}, calib_data, distributed.is_main())
 
 
 def _check_merge(merge, merged) -> tuple[str, dict] | None:
