@@ -68,6 +68,24 @@ def test_a_run_that_does_not_fit_is_refused_before_any_work_and_force_warns(smal
     assert (root / "out2" / "config.json").is_file()
 
 
+def test_the_cli_says_it_in_one_line_and_force_runs_anyway(small, monkeypatch, capsys):
+    from featcal.cli.commands import main
+    from featcal.model.checkpoints import save_token_data
+
+    root, experts, kw = small
+    save_token_data(root / "d.safetensors", {t: b[0] for t, b in kw["calib_data"].items()})
+    monkeypatch.setattr(memory, "available_bytes", lambda: 1024)
+    argv = ["calibrate", "--base", str(root / "base"), "--data", str(root / "d.safetensors"), "--out", str(root / "o")]
+    argv += [f"--expert={t}={d}" for t, d in experts.items()] + ["-q"]
+    assert main(argv) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # (the preset's line aside)
+    assert len(errors) == 1 and errors[0].startswith("featcal: error: this streamed run needs about")
+    assert not any(p.name in ("o", ".o.featcal-lock", ".o.featcal-partial") for p in root.iterdir())
+    with pytest.warns(UserWarning, match="needs about"):
+        assert main(argv + ["--force"]) == 0
+    assert (root / "o" / "config.json").is_file()
+
+
 def test_available_memory_is_the_lesser_of_the_system_and_the_cgroup(tmp_path, monkeypatch):
     (tmp_path / "memory.max").write_text("1073741824\n")
     (tmp_path / "memory.current").write_text(str(600 << 20))
