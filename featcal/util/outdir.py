@@ -128,7 +128,7 @@ UNLISTED_OWN = {
         *("table.csv", "best.json", "test_report.csv", "rows.csv", "summary.csv", "warnings.txt"),
         *("sweep_parallel.html", "sweep_heatmap.html", "sample_efficiency.html", "robustness.html", "plotly.min.js"),
     ),
-    "work": ("state.json", "state.part", "streams-*.safetensors", "streams-*.part", "blocks/*", "model/*"),
+    "work": ("state.json", "state.part", "streams*.safetensors", "streams*.part", "blocks/*", "model/*"),
 }
 
 

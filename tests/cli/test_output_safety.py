@@ -210,3 +210,20 @@ def test_an_old_unlisted_sweep_folder_keeps_a_file_the_user_added_under_force(tm
     with pytest.raises(UnsafeOutputError, match="table.csv"):
         outdir.remove_own(other)
     assert (other / "table.csv").read_text() == "x"
+
+
+def test_a_work_directory_is_removed_only_when_it_holds_nothing_but_a_run_s_files(tmp_path):
+    work = tmp_path / ".out.featcal-partial"
+    (work / "blocks").mkdir(parents=True)
+    (work / "model").mkdir()
+    outdir.mark(work, "work", listed=False)
+    for name in ("state.json", "streams-00001.safetensors", "streams.safetensors", "blocks/00000.safetensors"):
+        (work / name).write_text("featcal's")
+    (work / "model" / "config.json").write_text("featcal's")
+    (work / "notes.txt").write_text("mine")
+    with pytest.raises(UnsafeOutputError, match="notes.txt"):
+        outdir.remove_own(work)
+    assert (work / "notes.txt").read_text() == "mine"
+    (work / "notes.txt").unlink()
+    outdir.remove_own(work)
+    assert not work.exists()
