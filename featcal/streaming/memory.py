@@ -21,6 +21,7 @@ from typing import Mapping
 import torch
 
 STREAM_COPIES = 4  # per task: the calibrating and the expert's streams, each beside its successor while a block runs
+HOST_COPIES_ON_GPU = 2  # on a GPU the streams start on the host (the stems run there) and stay there if they do not fit
 CALL_COPIES = 3  # per token of one call: every module's input and output, captured on the merged and the expert's call
 GiB = 2**30
 
@@ -42,6 +43,8 @@ class RunSize:
         widths: over one block's calibrated modules, the sum of input plus output widths (``d_in + d_out``).
         stats_elems: over one block's calibrated modules, the sum of ``d_in^2 + d_in d_out`` (one task's sums).
         stats_bytes: bytes per element of the statistics (``FeatCalConfig.stats_dtype``).
+        on_gpu: the blocks run on a GPU: the calls and the statistics are there, and the host holds
+            the streams :data:`HOST_COPIES_ON_GPU` times (not :data:`STREAM_COPIES`).
     """
 
     block_bytes: int
@@ -52,6 +55,7 @@ class RunSize:
     widths: int
     stats_elems: int
     stats_bytes: int
+    on_gpu: bool = False
 
 
 def estimate_peak(size: RunSize) -> dict[str, int]:
@@ -65,12 +69,16 @@ def estimate_peak(size: RunSize) -> dict[str, int]:
     - ``statistics``: every task's sums of one block (``stats_elems`` each) and the systems they are
       added into (one more set), in ``stats_bytes``;
     - ``total``: their sum.
+
+    On a GPU (:attr:`RunSize.on_gpu`) the call and the statistics are the GPU's, not counted here.
     """
+    host = 0 if size.on_gpu else 1
+    copies = HOST_COPIES_ON_GPU if size.on_gpu else STREAM_COPIES
     terms = {
         "blocks": size.block_bytes,
-        "streams": STREAM_COPIES * sum(size.tokens.values()) * size.hidden * size.stream_bytes,
-        "call": CALL_COPIES * size.call_tokens * size.widths * size.stream_bytes,
-        "statistics": (len(size.tokens) + 1) * size.stats_elems * size.stats_bytes,
+        "streams": copies * sum(size.tokens.values()) * size.hidden * size.stream_bytes,
+        "call": host * CALL_COPIES * size.call_tokens * size.widths * size.stream_bytes,
+        "statistics": host * (len(size.tokens) + 1) * size.stats_elems * size.stats_bytes,
     }
     return terms | {"total": sum(terms.values())}
 
@@ -80,7 +88,9 @@ def _tokens(batch) -> int:
     return int(ids.numel()) if torch.is_tensor(ids) else 0
 
 
-def run_size(ckpts: dict, skel, path: str, calib_data: Mapping[str, list], stats_dtype, pool_rows: int) -> RunSize:
+def run_size(
+    ckpts: dict, skel, path: str, calib_data: Mapping[str, list], stats_dtype, pool_rows: int, on_gpu: bool = False
+) -> RunSize:
     """The :class:`RunSize` of a streamed run: block 0's tensors in every checkpoint (the merged
     model's too when merging on the fly; a block's modules are its 2-D ``weight`` tensors), the
     tokens of ``calib_data`` (this process's share), the merged skeleton's dtype and hidden width."""
@@ -111,6 +121,7 @@ def run_size(ckpts: dict, skel, path: str, calib_data: Mapping[str, list], stats
         widths=sum(o + d for o, d in shapes),
         stats_elems=sum(d * d + d * o for o, d in shapes),
         stats_bytes=torch.empty((), dtype=stats_dtype).element_size(),
+        on_gpu=on_gpu,
     )
 
 

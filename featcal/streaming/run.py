@@ -328,7 +328,10 @@ def _check_memory(ckpts, skels, path, calib_data, cfg, opts: StreamOptions, dist
     """The run's estimated peak memory (this rank's share of the batches) against the memory
     available, before any work (:mod:`featcal.streaming.memory`; ``force``: a warning)."""
     mine = calib_data if dist is None else dist.my_share(calib_data)
-    size = memory.run_size(ckpts, skels["merged"], path, mine, cfg.stats_dtype, (opts.fast or FastPaths()).pool_rows)
+    on_gpu = check_device(opts.device).type != "cpu"
+    size = memory.run_size(
+        ckpts, skels["merged"], path, mine, cfg.stats_dtype, (opts.fast or FastPaths()).pool_rows, on_gpu
+    )
     memory.check_memory(memory.estimate_peak(size), memory.available_bytes(), opts.force)
 
 

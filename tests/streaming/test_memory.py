@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,9 @@ def test_each_term_is_what_its_docstring_counts():
     assert got["call"] == memory.CALL_COPIES * 16 * 100 * 4
     assert got["statistics"] == 3 * 50 * 8  # two tasks' sums and the systems
     assert got["total"] == sum(v for k, v in got.items() if k != "total")
+    on_gpu = estimate_peak(replace(size, on_gpu=True))  # the calls and statistics on the GPU
+    assert on_gpu["call"] == on_gpu["statistics"] == 0 and on_gpu["blocks"] == 1000
+    assert on_gpu["streams"] == memory.HOST_COPIES_ON_GPU * 40 * 8 * 4
 
 
 @pytest.fixture
