@@ -47,7 +47,7 @@ from featcal.engine.state import Run, Stack, Stream
 from featcal.engine.trace import ExpertCache, ExpertTrace
 from featcal.method import solve
 from featcal.method.kernels import Kernels
-from featcal.model import arch, validate
+from featcal.model import arch, compat, validate
 from featcal.model import loading as sources
 from featcal.model.capture import sequence_first
 from featcal.model.modes import to_eval
@@ -230,6 +230,7 @@ def _checked_models(merged, base, experts, calib_data, blocks, block_source):
     models (a state dict or a model directory loaded into a copy of ``merged``, a LoRA adapter
     merged onto ``base``), and the blocks' path(s) after checking that every model has ``merged``'s architecture."""
     tasks = validate.check_tasks(experts, calib_data)
+    given = {"base": base} | {f"expert {t!r}": experts[t] for t in tasks}  # as given: their dtypes and directories
     base = sources.as_model(base, merged, "base")
     experts = {t: sources.as_model(experts[t], merged, f"expert {t!r}", base=base) for t in tasks}  # LoRA: on base
 
@@ -238,7 +239,16 @@ def _checked_models(merged, base, experts, calib_data, blocks, block_source):
 
     if block_source is None or block_source.loaded:
         others = [("base", base)] + [(f"expert {t!r}", experts[t]) for t in tasks]
-        return tasks, base, experts, validate.check_models(merged, others, stacks_of)
+        path = validate.check_models(merged, others, stacks_of)
+        loaded = dict(others)
+        compat.check_experts(
+            {role: compat.stored_dtype(obj) for role, obj in given.items()},
+            lambda role: compat.block0_weights(dict(loaded[role].named_parameters()), path),
+            {role: compat.model_dir(obj) for role, obj in given.items()},
+            calib_data,
+            warn=distributed.is_main(),  # under a process group, rank 0 warns
+        )
+        return tasks, base, experts, path
     return tasks, base, experts, stacks_of(merged)  # skeletons: the source checks each block as it loads it
 
 

@@ -29,12 +29,13 @@ from featcal.engine import distributed
 from featcal.engine.blocksource import check_device
 from featcal.engine.report import BlockRecord, CalibrationReport, ModuleRecord
 from featcal.engine.run import calibrate
-from featcal.model import arch, validate
+from featcal.model import arch, compat, validate
 from featcal.model.checkpoints import Checkpoint, check_same_tensors
 from featcal.model.export import copy_base_files, drift_summary, model_name, write_hub_files
-from featcal.model.fingerprint import fingerprint_checkpoint
+from featcal.model.fingerprint import content_fingerprint, fingerprint_checkpoint
 from featcal.model.lora import LoraCheckpoint, is_adapter_dir
 from featcal.model.skeletons import skeleton
+from featcal.streaming import memory
 from featcal.streaming.options import StreamOptions
 from featcal.streaming.output import write_model
 from featcal.streaming.source import CheckpointSource, needed_names
@@ -100,9 +101,13 @@ def calibrate_checkpoints(
     reading = (opts.blocks, opts.common_rows, opts.lora_any_base, opts.trust_remote_code)
     ckpts, skels, path = open_checkpoints(base, experts, merged, *reading)
     check_token_ids(skels["merged"], calib_data)
+    _check_experts(ckpts, tasks, path, calib_data)  # dtypes and tokenizers, as the in-memory run checks them
     work = partial_dir(out)
     fast = opts.fast
     dist = distributed.current(device, (fast or FastPaths()).dist_solve)  # a process group: rank 0 writes
+    if dist is not None:  # the same inputs on every rank, compared by content, before any work
+        dist.check_same(_rank_digests(ckpts, merge, cfg, path, calib_data))
+    _check_memory(ckpts, skels, path, calib_data, cfg, opts, dist)
     writer = dist is None or dist.rank == 0
     with outdir.output_lock(out) if writer else contextlib.nullcontext():
         # 3. Open (or resume) the work directory, and 4. calibrate the blocks not done yet.
@@ -179,6 +184,18 @@ def check_token_ids(model, calib_data: Mapping[str, list]) -> None:
                         f"task {task!r}, batch {i}: {key} holds token ids from {low} to {high}, the model's "
                         f"vocabulary has {vocab} (ids 0 to {vocab - 1}); tokenize the data with this model's tokenizer."
                     )
+
+
+def _check_experts(ckpts: dict, tasks: list[str], path: str, calib_data: Mapping) -> None:
+    """:func:`featcal.model.compat.check_experts` on the checkpoints (block 0 read for the dtypes' note only)."""
+    roles = {"base": ckpts["base"]} | {ckpts[t].role: ckpts[t] for t in tasks}
+
+    def read(role: str) -> dict:
+        ck = roles[role]
+        return compat.block0_weights(ck.specs, path, ck.read)
+
+    stored = {role: compat.stored_dtype(ck.path) for role, ck in roles.items()}
+    compat.check_experts(stored, read, {role: ck.path for role, ck in roles.items()}, calib_data, distributed.is_main())
 
 
 def _check_merge(merge, merged) -> tuple[str, dict] | None:
@@ -291,6 +308,31 @@ def _fingerprint(ckpts: dict, merge, cfg: FeatCalConfig, path: str, calib_data: 
         "data": data_digest(calib_data),
     }
     return json.loads(json.dumps(doc, default=str))
+
+
+def _rank_digests(ckpts: dict, merge, cfg: FeatCalConfig, path: str, calib_data: Mapping) -> dict:
+    """What every rank of a process group must agree on (:meth:`Dist.check_same`): each model's
+    weights by content (:func:`content_fingerprint`: blind to the directory's name and the files'
+    times, which may differ between nodes; a swapped pair of experts differs), the merge, the
+    config and blocks, the tasks and the calibration data."""
+    models = {f"{ck.role} (weights)": content_fingerprint(ck.path) or "" for ck in ckpts.values()}
+    return models | {
+        "merge": repr(merge),
+        "config": repr(cfg.to_dict()) + path,
+        "tasks": repr(list(calib_data)),
+        "calibration data": data_digest(calib_data),
+    }
+
+
+def _check_memory(ckpts, skels, path, calib_data, cfg, opts: StreamOptions, dist) -> None:
+    """The run's estimated peak memory (this rank's share of the batches) against the memory
+    available, before any work (:mod:`featcal.streaming.memory`; ``force``: a warning)."""
+    mine = calib_data if dist is None else dist.my_share(calib_data)
+    on_gpu = check_device(opts.device).type != "cpu"
+    size = memory.run_size(
+        ckpts, skels["merged"], path, mine, cfg.stats_dtype, (opts.fast or FastPaths()).pool_rows, on_gpu
+    )
+    memory.check_memory(memory.estimate_peak(size), memory.available_bytes(), opts.force)
 
 
 def _with_memory(on_block: Callable[[int, dict], None], source) -> Callable[[int, dict], None]:

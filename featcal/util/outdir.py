@@ -7,8 +7,9 @@ memory and streamed, ``featcal merge --out``, the zoo store, the app's Export):
 1. An output may not be, contain or lie inside any input (base, experts, merged model, data
    file, zoo directory): :func:`check_output` refuses it before any work starts.
 2. An existing output is replaced (``--force``, the app's "Replace") only when it carries the
-   marker and holds nothing but the files the marker lists; anything else is the user's and is
-   refused with the path to move away (:func:`check_replaceable`).
+   marker and holds nothing but the files the marker lists (a marker listing none, of a directory
+   filled as it went: the names featcal writes in that kind of directory, :data:`UNLISTED_OWN`);
+   anything else is the user's and is refused with the path to move away (:func:`check_replaceable`).
 3. One run per output at a time: :func:`output_lock` holds an OS file lock (``fcntl.flock``)
    on ``.NAME.featcal-lock`` beside the output for the whole run; a second run is refused,
    naming the holder's pid, host and start time.
@@ -22,6 +23,7 @@ import contextlib
 import datetime as _dt
 import errno
 import fcntl
+import fnmatch
 import json
 import os
 import shutil
@@ -29,6 +31,7 @@ import socket
 import sys
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping
 
@@ -105,8 +108,8 @@ def written_files(root: Path) -> list[str]:
 
 def mark(root: str | os.PathLike, kind: str, listed: bool = True) -> None:
     """Write the marker into ``root``, listing the files there now (call it once they are all
-    written). ``listed=False``: a directory featcal fills as it goes (a work directory, a
-    sweep's output): everything that will be in it is featcal's."""
+    written). ``listed=False``: a directory featcal fills as it goes (a streamed run's work
+    directory): the files there whose names ``kind`` writes (:data:`UNLISTED_OWN`) are featcal's."""
     root = Path(root)
     doc = {
         "written_by": "featcal",
@@ -117,16 +120,35 @@ def mark(root: str | os.PathLike, kind: str, listed: bool = True) -> None:
     (root / MARKER).write_text(json.dumps(doc, indent=1) + "\n")
 
 
-ALL = object()  # a marker of a directory featcal fills as it goes: all of it is featcal's
+# What featcal writes, by kind, in a directory it fills as it goes. Its marker lists no files (an older
+# featcal's sweep folder, a streamed run's work directory), so only these names (fnmatch patterns of
+# the path inside it) count as featcal's there; anything else is the user's and is never deleted.
+UNLISTED_OWN = {
+    "sweep": (
+        *("table.csv", "best.json", "test_report.csv", "rows.csv", "summary.csv", "warnings.txt"),
+        *("sweep_parallel.html", "sweep_heatmap.html", "sample_efficiency.html", "robustness.html", "plotly.min.js"),
+    ),
+    "work": ("state.json", "state.part", "streams*.safetensors", "streams*.part", "blocks/*", "model/*"),
+}
+
+
+@dataclass(frozen=True)
+class Unlisted:
+    """An unlisted marker of ``kind``: featcal's are the files matching :data:`UNLISTED_OWN`."""
+
+    kind: str
+
+    def __contains__(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) for p in UNLISTED_OWN.get(self.kind, ()))
 
 
 def _listed(root: Path):
-    """The files the marker lists (:data:`ALL` for an unlisted marker, a legacy zoo: its
+    """The files the marker lists (an :class:`Unlisted` for an unlisted marker, a legacy zoo: its
     meta.json's), or None when neither is there."""
     try:
-        files = json.loads((root / MARKER).read_text())["files"]
-        return ALL if files is None else set(files)
-    except (OSError, ValueError, KeyError, TypeError):
+        doc = json.loads((root / MARKER).read_text())
+        return Unlisted(str(doc.get("kind"))) if doc["files"] is None else set(doc["files"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
     try:
         meta = json.loads((root / _LEGACY_ZOO_META).read_text())
@@ -154,11 +176,17 @@ def check_replaceable(target: str | os.PathLike) -> None:
             f"output {str(target)!r} was not written by featcal (it has no {MARKER}); featcal replaces only "
             "directories it wrote: choose another --out or move that directory away yourself."
         )
-    extra = [] if listed is ALL else [f for f in written_files(target) if f not in listed]
+    extra = [f for f in written_files(target) if f not in listed]
     if extra:
         more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
+        why = (
+            f" (its marker, from a run that wrote it as it went, lists no files: featcal counts as its own only "
+            f"the names a {listed.kind} writes)"
+            if isinstance(listed, Unlisted)
+            else ""
+        )
         raise UnsafeOutputError(
-            f"output {str(target)!r} holds files featcal did not write there ({', '.join(extra[:3])}{more}); "
+            f"output {str(target)!r} holds files featcal did not write there ({', '.join(extra[:3])}{more}){why}; "
             "move them away first, or choose another --out."
         )
 

@@ -184,3 +184,46 @@ def test_a_sweep_folder_stopped_half_way_is_never_deleted_with_a_file_added_ther
     assert outdir.fresh_dir(out, force=True, kind="sweep") == out.resolve() and not any(
         p.name == "table.csv" for p in out.iterdir()
     )
+
+
+def test_an_old_unlisted_sweep_folder_keeps_a_file_the_user_added_under_force(tmp_path):
+    """An older featcal marked a sweep's folder 'unlisted' (files: null). --force over it deletes
+    only what a sweep writes; a file of the user's there is refused, named, and kept byte for byte."""
+    out = tmp_path / "sweep"
+    out.mkdir()
+    (out / outdir.MARKER).write_text(json.dumps({"written_by": "featcal", "kind": "sweep", "files": None}))
+    (out / "table.csv").write_text("featcal's")
+    (out / "sweep_parallel.html").write_text("featcal's")
+    (out / "my_notes.txt").write_bytes(b"mine \x00\xff")
+    with pytest.raises(UnsafeOutputError, match="my_notes.txt") as err:
+        outdir.fresh_dir(out, force=True, kind="sweep")
+    assert "table.csv" not in str(err.value) and "lists no files" in str(err.value)
+    assert (out / "my_notes.txt").read_bytes() == b"mine \x00\xff" and (out / "table.csv").exists()
+    (out / "my_notes.txt").unlink()  # moved away: now only featcal's names are there, and replaced
+    assert outdir.fresh_dir(out, force=True, kind="sweep") == out.resolve()
+    assert not (out / "table.csv").exists()
+    # a kind featcal does not know: nothing in it counts as featcal's
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / outdir.MARKER).write_text(json.dumps({"written_by": "featcal", "kind": "tune", "files": None}))
+    (other / "table.csv").write_text("x")
+    with pytest.raises(UnsafeOutputError, match="table.csv"):
+        outdir.remove_own(other)
+    assert (other / "table.csv").read_text() == "x"
+
+
+def test_a_work_directory_is_removed_only_when_it_holds_nothing_but_a_run_s_files(tmp_path):
+    work = tmp_path / ".out.featcal-partial"
+    (work / "blocks").mkdir(parents=True)
+    (work / "model").mkdir()
+    outdir.mark(work, "work", listed=False)
+    for name in ("state.json", "streams-00001.safetensors", "streams.safetensors", "blocks/00000.safetensors"):
+        (work / name).write_text("featcal's")
+    (work / "model" / "config.json").write_text("featcal's")
+    (work / "notes.txt").write_text("mine")
+    with pytest.raises(UnsafeOutputError, match="notes.txt"):
+        outdir.remove_own(work)
+    assert (work / "notes.txt").read_text() == "mine"
+    (work / "notes.txt").unlink()
+    outdir.remove_own(work)
+    assert not work.exists()

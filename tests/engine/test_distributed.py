@@ -207,6 +207,42 @@ def test_streamed_run_resumes_on_another_number_of_ranks(tmp_path):
     assert names[0] == names[1] and len(names[0]) == 2 * 7  # the report: every block's modules, on each rank
 
 
+def _swapped_worker(rank: int, root: str, out: str) -> str:
+    """Rank 1 is given experts t0 and t1 swapped (the same files, under each other's task)."""
+    from pathlib import Path
+
+    root = Path(root)
+    names = {"t0": "t1", "t1": "t0", "t2": "t2"} if rank == 1 else {t: t for t in ("t0", "t1", "t2")}
+    try:
+        calibrate_checkpoints(
+            root / "base",
+            {t: root / d for t, d in names.items()},
+            merge="task_arithmetic",
+            out=out,
+            calib_data=load_token_data(root / "data.safetensors", batch_size=2),
+            config=STREAM_CFG,
+            options=StreamOptions(progress=False),
+        )
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+@pytest.mark.slow
+def test_streamed_ranks_given_swapped_experts_refuse_before_any_work(tmp_path):
+    """The ranks compare the checkpoints' contents, not their skeletons: a rank given the experts
+    of two tasks swapped makes every rank refuse, naming them, and nothing is written."""
+    _llama_dirs(tmp_path)
+    out = tmp_path / "out"
+    errors = distrib.run_ranks(2, _swapped_worker, str(tmp_path), str(out), tmp=tmp_path / "ranks")
+    for err in errors:
+        assert "differ on rank(s) [1]" in err, errors
+        assert "expert 't0' (weights)" in err and "expert 't1' (weights)" in err and "'t2'" not in err
+    assert errors[0] == errors[1]
+    assert not out.exists() and not (tmp_path / ".out.featcal-partial").exists()
+    assert not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+
+
 # ---------------------------------------------------------------------------- faults
 
 
