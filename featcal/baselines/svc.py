@@ -50,15 +50,10 @@ ALPHA_FALLBACK = 0.1
 
 
 def default_alpha(merger: str | None = None) -> float:
-    """SVC's ``alpha`` after ``merger`` (a registry name or alias, any case; None: not known):
-    FusionBench's recipe's (:data:`ALPHA_AFTER`), else :data:`ALPHA_FALLBACK`. A name the
-    registry does not know is a ``ValueError`` listing the mergers."""
-    if merger is None:
-        return ALPHA_FALLBACK
-    from featcal.baselines import registry  # the registry imports this module
-
-    name = registry.get(merger, "merger", "data_merger").name
-    return ALPHA_AFTER.get(name, ALPHA_FALLBACK)
+    """SVC's ``alpha`` after ``merger``, the registry name of the method the merge was made with
+    (a key of ``featcal.MERGERS`` or ``featcal.MERGERS_WITH_DATA``, any case): FusionBench's
+    recipe's (:data:`ALPHA_AFTER`); :data:`ALPHA_FALLBACK` after any other or None."""
+    return ALPHA_AFTER.get((merger or "").strip().lower(), ALPHA_FALLBACK)
 
 
 def svc_matrix(W_0: torch.Tensor, W_i: list[torch.Tensor], W_mer: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
@@ -86,7 +81,8 @@ def svc(
     """A new state dict: ``merged_sd`` with every floating 2-D entry calibrated by SVC
     (:func:`svc_matrix`) and every other entry copied; nothing passed in is modified. ``alpha``:
     the floor of the projection coefficients (``gamma <= 1 / alpha``); when None, FusionBench's
-    value after ``merger``, the method ``merged_sd`` was merged with (:func:`default_alpha`)."""
+    value after ``merger``, the registry name of the method ``merged_sd`` was merged with
+    (``"task_arithmetic"``, ``"iso_cts"``, ...: :func:`default_alpha`)."""
     if alpha is None:
         alpha = default_alpha(merger)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not alpha > 0:

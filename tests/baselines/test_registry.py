@@ -144,6 +144,7 @@ def test_svc_alpha_default_depends_on_the_upstream_merger():
     assert svc.defaults_after("tsv") == {"alpha": 1.0}
     assert svc.defaults_after("regmean") == svc.defaults_after(None) == {"alpha": ALPHA_FALLBACK}
     assert svc.param("alpha").after is ALPHA_AFTER  # one copy of the table
+    assert set(ALPHA_AFTER) <= set(registry.names("merger"))  # keyed by the registry's names
     assert "after ta 0.1" in registry.describe("svc") and "iso_cts 0.2" in registry.describe("svc")
     assert registry.check_params("svc", {"alpha": 1}) == {"alpha": 1.0}  # still typed and ranged
     with pytest.raises(ValueError, match="takes a number"):
