@@ -136,12 +136,16 @@ def markdown(summary: pd.DataFrame) -> str:
         return "" if v is None or pd.isna(v) else fmt.format(v)
 
     for r in summary.itertuples():
-        ref = not r.merger
+        ref, calibrated = _empty(r.merger), not _empty(r.calibrator)  # read back from a CSV, "" is NaN
         added = "" if ref else f"{int(r.added_trained):,} / {int(r.added_stored):,} ({100 * r.added_fraction:.1f}%)"
         cells = [r.label, "" if ref else model_kind(r.task_specific), num(r.n_per_task, "{:.0f}")]
         cells += [f"{r.accuracy:.1f}", num(r.gap_closed), num(r.gap_closed_vs_merger), f"{r.kl:.3f}"]
         cells += [f"{r.agreement:.1f}", added, "" if ref else num(r.forward_ratio, "{:.2f}")]
-        cells += ["" if ref else f"{r.merge_seconds:.1f}", "" if ref or not r.calibrator else f"{r.calib_seconds:.1f}"]
+        cells += ["" if ref else f"{r.merge_seconds:.1f}", "" if ref or not calibrated else f"{r.calib_seconds:.1f}"]
         cells += [num(r.peak_mb, "{:.0f}"), *([num(r.peak_gpu_mb, "{:.0f}")] if gpu else [])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _empty(v) -> bool:
+    return v is None or v == "" or (isinstance(v, float) and pd.isna(v))

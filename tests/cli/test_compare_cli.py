@@ -5,6 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
+from diagnostics import compare as cmp
 from featcal.cli import commands as cli
 from featcal.zoo import load_any
 from featcal.zoo.scores import expert_accuracies
@@ -29,6 +30,10 @@ def test_compare_prints_the_table_and_writes_csvs(tiny_zoo_dir, tmp_path, capsys
     summary = pd.read_csv(out / "summary.csv")
     assert summary["method"].tolist() == ["experts", "base", "ta", "ta+featcal", "ta+surgery"]
     assert {"label", "task_specific", "n_per_task", "forward_ratio", "peak_mb"} <= set(summary.columns)
+    table = cmp.markdown(summary)  # the CSV read back (a reference's empty merger is NaN): the same table
+    assert [line for line in table.splitlines() if line.startswith(("| experts", "| ta |"))] == [
+        line for line in stdout.splitlines() if line.startswith(("| experts", "| ta |"))
+    ]
     acc = pd.read_csv(out / "accuracy.csv")
     experts = acc[acc["method"] == "experts"].set_index("task")["accuracy"].to_dict()
     zoo = load_any(tiny_zoo_dir)
