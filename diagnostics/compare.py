@@ -9,15 +9,18 @@ trained one (``escal``, ``surgery``, ``surgery_v2``: task-specific modules, each
 with its own), e.g. ``ta+svc+featcal``. Every method sees the same calibration examples
 (``n`` per task from the zoo's ``calib`` split, seeded) and is scored on the ``test`` split:
 accuracy, KL to the experts and top-1 agreement (through the zoo's heads), the drift
-decomposition per block (on the first ``drift_n`` test examples per task), the numbers it
-adds, its inference overhead when asked (``repeats`` timed calls) and its merge and
-calibration seconds.
+decomposition per block (on the first ``drift_n`` test examples per task), and what it costs
+(:mod:`diagnostics.compare_table`): one model or modules per task, the examples per task it
+read, the numbers it adds, its forward time over the merged model's (``repeats`` timed calls),
+its merge and calibration seconds and its peak memory. SVC's ``alpha`` defaults to FusionBench's
+after the chain's merger (:data:`featcal.baselines.svc.ALPHA_AFTER`).
 
 Usage::
 
     cmp = compare(zoo, ["ta", "ties", "ta+featcal", "ta+escal"],
                   CompareOptions(n=64, calibrator_params={"escal": {"epochs": 50}}))
-    cmp.summary      # one row per method (experts and base first)
+    cmp.summary      # one row per method (experts and base first), scores and costs
+                     # (diagnostics.compare_table)
     cmp.accuracy     # method, task, accuracy
     cmp.output       # method, task, metric (kl, agreement), value
     cmp.drift        # method, task, block, metric, value
@@ -39,12 +42,18 @@ import pandas as pd
 import torch
 from torch import nn
 
+from diagnostics.compare_table import SUMMARY_COLUMNS, average, examples_read, label, summary_row
+from diagnostics.compare_table import gap_closed as gap_closed  # re-exported: the table's own names
+from diagnostics.compare_table import markdown as markdown
 from diagnostics.drift import drift_table
 from diagnostics.output import output_drift
 from featcal import FeatCalConfig, calibrate
 from featcal.baselines import registry
 from featcal.baselines.svc import svc
+from featcal.baselines.trained.calibrators import forward_seconds
 from featcal.config import preset_config, preset_for_zoo
+from featcal.model.streams import device_of
+from featcal.util.memory import PeakMemory
 from featcal.util.progress import bar
 from featcal.zoo.core import evaluate
 from featcal.zoo.tokens import as_batch
@@ -55,32 +64,19 @@ TRAINED = tuple(registry.names("trained"))
 REFERENCES = ("experts", "base")
 GAP_REFERENCE = "task_arithmetic"  # the gap to the experts is measured from Task Arithmetic
 DRIFT_METRICS = ("drift_rel", "mismatch_rel", "propagation_rel")
-SUMMARY_COLUMNS = [
-    "method",
-    "merger",
-    "calibrator",
-    "accuracy",
-    "gap_closed",
-    "gap_closed_vs_merger",
-    "kl",
-    "agreement",
-    "added_trained",
-    "added_stored",
-    "added_fraction",
-    "overhead",
-    "merge_seconds",
-    "calib_seconds",
-]
-
 CACHE: dict[tuple, "MethodResult"] = {}
 
 
 @dataclass
 class MethodResult:
     """One method's scores: ``accuracy`` ``{task: %}``, ``output`` (tidy: task, metric, value),
-    ``drift`` (tidy: task, block, metric, value), the numbers it adds per task (``trained``,
-    ``stored``, ``fraction`` of the model), ``overhead`` (measured forward-time ratio minus 1;
-    0 for a model of the base's architecture) and the seconds its merge and calibration took."""
+    ``drift`` (tidy: task, block, metric, value); and its costs: its ``label`` (settings a reader
+    needs, :func:`diagnostics.compare_table.label`), whether it adds modules per task
+    (``task_specific``), the calibration examples per task it read (``n_per_task``, None: none),
+    the numbers it adds per task (``trained``, ``stored``, ``fraction`` of the model, counted on
+    what it produced), ``forward_ratio`` (measured forward time of the produced model over the
+    merged model's; 1 for a merger alone, NaN: not measured), the seconds its merge and
+    calibration took and the peak memory (MB, host and GPU) they took above what was in use."""
 
     method: str
     merger: str
@@ -88,10 +84,15 @@ class MethodResult:
     accuracy: dict[str, float]
     output: pd.DataFrame
     drift: pd.DataFrame
+    label: str = ""
+    task_specific: bool | None = None
+    n_per_task: int | None = None
     added: dict[str, float] = field(default_factory=lambda: {"trained": 0, "stored": 0, "fraction": 0.0})
-    overhead: float = 0.0
+    forward_ratio: float = float("nan")
     merge_seconds: float = 0.0
     calib_seconds: float = 0.0
+    peak_mb: float = float("nan")
+    peak_gpu_mb: float | None = None
 
 
 @dataclass
@@ -114,7 +115,8 @@ class CompareOptions:
     against the registry by :func:`compare`; ``featcal`` also takes ``config``, a
     :class:`featcal.FeatCalConfig`); the first ``max_test`` test examples per task scored (None:
     all) and ``drift_n`` of them for the drift; ``repeats`` timed forward passes of
-    ``overhead_batch`` examples for a trained calibrator's overhead (0: not measured, NaN)."""
+    ``overhead_batch`` test examples for the forward time of what a calibrator produced over the
+    merged model's (0: not measured, NaN)."""
 
     n: int = 64
     seed: int = 42
@@ -123,7 +125,7 @@ class CompareOptions:
     max_test: int | None = None
     drift_n: int | None = 64
     overhead_batch: int = 64
-    repeats: int = 0
+    repeats: int = 5
 
     def __post_init__(self):
         object.__setattr__(self, "merger_params", _by_merger(self.merger_params))
@@ -188,13 +190,6 @@ def method_name(merger: str, calibrator: str = "") -> str:
     return f"{short}+{calibrator}" if calibrator else short
 
 
-def gap_closed(acc: float, start: float, experts: float) -> float:
-    """The share (%) of the gap from ``start`` to the experts' accuracy that ``acc`` closes:
-    ``100 (acc - start) / (experts - start)``; NaN when there is no gap."""
-    gap = experts - start
-    return 100.0 * (acc - start) / gap if abs(gap) > 1e-9 else float("nan")
-
-
 def test_batches(zoo, n: int | None, batch_size: int = 64) -> dict[str, list[torch.Tensor]]:
     """The first ``n`` test examples of each task (all when None) in batches: the drift data."""
     return {t: [as_batch(b) for b in zoo.split(t, "test")[0][:n].split(batch_size)] for t in zoo.tasks}
@@ -206,6 +201,21 @@ def _zoo_key(zoo) -> tuple:
 
 def _frozen(params: Mapping | None) -> tuple:
     return tuple(sorted((k, repr(v)) for k, v in (params or {}).items()))
+
+
+def _merge(zoo, merger: str, data, params: dict, progress: bool) -> nn.Module:
+    """The merged model: a data-free merger's, or a data-using one's on ``data``."""
+    if registry.get(merger).kind != "data_merger":
+        return zoo.merged(merger, **params)
+    return registry.merge_with_data(
+        merger,
+        base=zoo.base,
+        experts=zoo.experts,
+        calib_data=data,
+        logits=registry.zoo_logits(zoo),
+        progress=progress,
+        **params,
+    )
 
 
 def run_method(
@@ -232,41 +242,62 @@ def run_method(
     if key in cache:
         return cache[key]
     data = zoo.calib_data(o.n, seed=o.seed)
-    t0 = time.perf_counter()
-    if registry.get(merger).kind == "data_merger":
-        merged = registry.merge_with_data(
-            merger,
-            base=zoo.base,
-            experts=zoo.experts,
-            calib_data=data,
-            logits=registry.zoo_logits(zoo),
-            progress=progress,
-            **mp,
-        )
-    else:
-        merged = zoo.merged(merger, **mp)
     result = MethodResult(method_name(merger, cal), merger, cal, {}, pd.DataFrame(), pd.DataFrame())
-    result.merge_seconds = time.perf_counter() - t0
-    result.overhead = 0.0 if not chain or chain[-1] not in TRAINED else float("nan")
-    models = {t: merged for t in zoo.tasks}
-    for c in chain:
+    result.label = label(result.method, merger, cps)
+    result.task_specific = any(registry.get(c).task_specific for c in chain)
+    result.n_per_task = examples_read({merger: mp, **cps}, data)
+    with PeakMemory() as peak:
         t0 = time.perf_counter()
-        if c in TRAINED:
-            models = _trained(zoo, c, merged, data, cps[c], result, o, progress)
-        else:
-            merged = _calibrated(zoo, c, merged, data, cps[c], progress)
-            models = {t: merged for t in zoo.tasks}
-            result.calib_seconds += time.perf_counter() - t0
+        merged = _merge(zoo, merger, data, mp, progress)
+        result.merge_seconds = time.perf_counter() - t0
+        models = _calibrate_chain(zoo, merger, chain, merged, data, cps, result, progress)
+    result.peak_mb, result.peak_gpu_mb = peak.mb, peak.gpu_mb
+    result.forward_ratio = 1.0 if not chain else _forward_ratio(zoo, models[zoo.tasks[0]], merged, o)
     result.accuracy, result.output, result.drift = _score(zoo, models, test_batches(zoo, o.drift_n), o.max_test)
     cache[key] = result
     return result
 
 
-def _calibrated(zoo, name: str, merged: nn.Module, data, params: dict, progress: bool) -> nn.Module:
-    """One model for every task: FeatCal on the calibration data, or SVC (data-free)."""
+def _calibrate_chain(zoo, merger, chain, merged, data, cps, result, progress) -> dict:
+    """Each task's model after the calibrators of ``chain`` in order (``cps``: their parameters),
+    on ``merged``; their seconds and the numbers they add (counted) go into ``result``."""
+    models = {t: merged for t in zoo.tasks}
+    for c in chain:
+        t0 = time.perf_counter()
+        if c in TRAINED:
+            models = _trained(zoo, c, models[zoo.tasks[0]], data, cps[c], result, progress)
+        else:
+            model = _calibrated(zoo, c, models[zoo.tasks[0]], data, dict(cps[c]), progress, merger)
+            models = {t: model for t in zoo.tasks}
+            result.calib_seconds += time.perf_counter() - t0
+    if chain and not result.task_specific:
+        added = _numel(models[zoo.tasks[0]]) - _numel(merged)
+        result.added = {"trained": added, "stored": added, "fraction": added / _numel(merged)}
+    return models
+
+
+def _numel(model: nn.Module) -> int:
+    return sum(v.numel() for v in model.state_dict().values())
+
+
+def _forward_ratio(zoo, model: nn.Module, merged: nn.Module, o: CompareOptions) -> float:
+    """The forward time of ``model`` over ``merged``'s on the first ``overhead_batch`` test
+    examples of the first task, medians of ``repeats`` calls each (NaN when ``repeats`` is 0)."""
+    if o.repeats < 1:
+        return float("nan")
+    probe = as_batch(zoo.split(zoo.tasks[0], "test")[0][: o.overhead_batch])
+    if device_of(model) != device_of(merged):
+        merged = copy.deepcopy(merged).to(device_of(model))
+    seconds = forward_seconds({"produced": model, "merged": merged}, probe, o.repeats)
+    return seconds["produced"] / seconds["merged"]
+
+
+def _calibrated(zoo, name: str, merged: nn.Module, data, params: dict, progress: bool, merger: str) -> nn.Module:
+    """One model for every task: FeatCal on the calibration data, or SVC (data-free; ``alpha``
+    by default FusionBench's after ``merger``)."""
     if name == "svc":
         experts = {t: m.state_dict() for t, m in zoo.experts.items()}
-        sd = svc(merged.state_dict(), zoo.base.state_dict(), experts, **params)
+        sd = svc(merged.state_dict(), zoo.base.state_dict(), experts, merger=merger, **params)
         model = copy.deepcopy(merged)
         model.load_state_dict(sd)
         return model.eval()
@@ -278,10 +309,9 @@ def _calibrated(zoo, name: str, merged: nn.Module, data, params: dict, progress:
     return model
 
 
-def _trained(zoo, name, merged, data, params, result, options: CompareOptions, progress) -> dict[str, nn.Module]:
+def _trained(zoo, name, merged, data, params, result, progress) -> dict[str, nn.Module]:
     """Each task's model with its own trained modules (``params``: fields of the method's options);
-    fills the added numbers, the training seconds and (``options.repeats`` > 0) the measured
-    overhead into ``result``."""
+    fills the added numbers (counted on the modules) and the training seconds into ``result``."""
     opts = registry.get(name).options(**{"progress": progress, **params})
     with torch.enable_grad():  # trained by gradient descent, even when called under no_grad (an app's lock)
         trained = CALIBRATORS[name](merged, zoo.experts, data, opts)
@@ -289,9 +319,6 @@ def _trained(zoo, name, merged, data, params, result, options: CompareOptions, p
     added = trained.added_parameters
     first = added["per_task"][zoo.tasks[0]]
     result.added = {"trained": first["trained"], "stored": first["stored"], "fraction": added["stored_fraction"]}
-    if options.repeats > 0:
-        probe = zoo.split(zoo.tasks[0], "test")[0][: options.overhead_batch]
-        result.overhead = trained.measure_overhead(as_batch(probe), repeats=options.repeats)["overhead"]
     return {t: trained.for_task(t) for t in zoo.tasks}
 
 
@@ -346,10 +373,10 @@ def compare(
             on_method(i, len(specs), spec)
         results.append(run_method(zoo, spec, options, cache=cache, progress=progress))
     merger_accs, ta = _gap_starts(zoo, results[len(REFERENCES) :], options, cache)
-    experts = _avg(results[0].accuracy)
-    rows = [_summary_row(r, ta, merger_accs, experts) for r in results]
+    experts = average(results[0].accuracy)
+    rows = [summary_row(r, ta, merger_accs, experts) for r in results]
     return Comparison(
-        summary=pd.DataFrame(rows, columns=SUMMARY_COLUMNS),
+        summary=pd.DataFrame(rows, columns=SUMMARY_COLUMNS).astype({"n_per_task": "Int64"}),
         accuracy=_tidy(
             results, lambda r: pd.DataFrame({"task": list(r.accuracy), "accuracy": list(r.accuracy.values())})
         ),
@@ -365,80 +392,14 @@ def _gap_starts(zoo, results: list[MethodResult], options: CompareOptions, cache
     merger_accs = {}
     for r in results:
         if r.merger not in merger_accs:
-            merger_accs[r.merger] = _avg(run_method(zoo, method_name(r.merger), options, cache=cache).accuracy)
+            merger_accs[r.merger] = average(run_method(zoo, method_name(r.merger), options, cache=cache).accuracy)
     ta = merger_accs.get(GAP_REFERENCE)
     if ta is None:
-        ta = _avg(run_method(zoo, "ta", options, cache=cache).accuracy)
+        ta = average(run_method(zoo, "ta", options, cache=cache).accuracy)
     return merger_accs, ta
-
-
-def _summary_row(r: MethodResult, ta: float, merger_accs: Mapping[str, float], experts: float) -> dict:
-    """One method's row of the summary: mean accuracy, the gap it closes (from Task Arithmetic
-    and from its own merger), mean KL and agreement, what it adds and what it costs."""
-    out = r.output.pivot_table(index="task", columns="metric", values="value")
-    acc = _avg(r.accuracy)
-    return {
-        "method": r.method,
-        "merger": r.merger,
-        "calibrator": r.calibrator,
-        "accuracy": acc,
-        "gap_closed": gap_closed(acc, ta, experts) if r.merger else float("nan"),
-        "gap_closed_vs_merger": gap_closed(acc, merger_accs[r.merger], experts) if r.calibrator else float("nan"),
-        "kl": float(out["kl"].mean()),
-        "agreement": float(out["agreement"].mean()),
-        "added_trained": r.added["trained"],
-        "added_stored": r.added["stored"],
-        "added_fraction": r.added["fraction"],
-        "overhead": r.overhead,
-        "merge_seconds": r.merge_seconds,
-        "calib_seconds": r.calib_seconds,
-    }
-
-
-def _avg(accs: Mapping[str, float]) -> float:
-    return float(sum(accs.values()) / len(accs))
 
 
 def _tidy(results: list[MethodResult], frame: Callable[[MethodResult], pd.DataFrame]) -> pd.DataFrame:
     frames = [frame(r).assign(method=r.method) for r in results]
     df = pd.concat(frames, ignore_index=True)
     return df[["method", *[c for c in df.columns if c != "method"]]]
-
-
-def markdown(summary: pd.DataFrame) -> str:
-    """The summary as a markdown table: average accuracy, gap to the experts closed (from TA
-    and from the method's merger), KL, agreement, added numbers per task, overhead, seconds."""
-    head = [
-        "method",
-        "avg acc",
-        "gap closed (vs TA)",
-        "gap closed (vs merger)",
-        "KL",
-        "top-1 agr.",
-        "added per task (trained / stored)",
-        "overhead",
-        "merge s",
-        "calib s",
-    ]
-    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-
-    def pct(v: float, fmt: str = "{:.1f}") -> str:
-        return "" if pd.isna(v) else fmt.format(v)
-
-    for r in summary.itertuples():
-        ref = not r.merger
-        added = "" if ref else f"{int(r.added_trained):,} / {int(r.added_stored):,} ({100 * r.added_fraction:.1f}%)"
-        cells = [
-            r.method,
-            f"{r.accuracy:.1f}",
-            pct(r.gap_closed),
-            pct(r.gap_closed_vs_merger),
-            f"{r.kl:.3f}",
-            f"{r.agreement:.1f}",
-            added,
-            "" if ref or pd.isna(r.overhead) else f"{100 * r.overhead:+.0f}%",
-            "" if ref else f"{r.merge_seconds:.1f}",
-            "" if ref or not r.calibrator else f"{r.calib_seconds:.1f}",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)

@@ -34,17 +34,18 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--param",
         action="append",
         metavar="METHOD.NAME=VALUE",
-        help="a merger's or calibrator's parameter, e.g. ta.scale=0.3, svc.alpha=0.1, featcal.lam=0.01, "
-        "escal.epochs=50, surgery_v2.steps=250 (repeatable; checked before any work)",
+        help="a merger's or calibrator's parameter, e.g. ta.scale=0.3, svc.alpha=0.5, featcal.lam=0.01, "
+        "escal.epochs=50, surgery_v2.steps=250 (repeatable; checked before any work). Defaults: the registry's "
+        "(the trained calibrators at their authors' schedules; SVC's alpha FusionBench's after the merger)",
     )
     p.add_argument("--max-test", type=int, default=None, help="test examples per task (default: all)")
     p.add_argument("--drift-n", type=int, default=64, help="test examples per task for the drift per block")
     p.add_argument(
         "--repeats",
         type=int,
-        default=0,
-        help="timed forward passes (median) for a trained calibrator's inference overhead; 0 (default): not "
-        "measured (on a shared CPU a few calls are noise: benchmarks/README.md)",
+        default=5,
+        help="timed forward passes (median) of what each calibrator produced and of the merged model, for the "
+        "forward time column (default 5; on a shared CPU a few calls are noise; 0: not measured)",
     )
     p.add_argument("--out", default=None, help="write the tables (CSV) and figures (HTML) here (must not exist)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
@@ -105,17 +106,27 @@ def run(args: argparse.Namespace) -> int:
     )
     result = cmp.compare(zoo, methods, options, progress=not args.quiet)
     print(cmp.markdown(result.summary))
-    print(
-        f"\nzoo {zoo.name}: {len(zoo.tasks)} tasks; {args.n} calibration examples per task (seed {args.seed}); "
-        f"test split{'' if args.max_test is None else f' (first {args.max_test} per task)'}; gap closed = "
-        "100 (acc - start) / (experts - start) from TA or from the method's merger; added numbers per task; "
-        "overhead: measured forward time with the added modules over without, minus 1 (0 for no module; "
-        "blank: not measured, --repeats N measures it)."
-    )
+    print(notes(zoo, args))
     if args.out:
         write(result, Path(args.out), args.force)
         print(f"wrote {args.out}")
     return 0
+
+
+def notes(zoo, args: argparse.Namespace) -> str:
+    """What the table's columns mean, printed under it."""
+    first = "" if args.max_test is None else f" (first {args.max_test} per task)"
+    return (
+        f"\nzoo {zoo.name}: {len(zoo.tasks)} tasks; {args.n} calibration examples per task drawn (seed "
+        f"{args.seed}), 'n per task' the ones each method read (blank: data-free); test split{first}. Gap closed "
+        "= 100 (acc - start) / (experts - start) from TA or from the method's merger. Model: one for all tasks, "
+        "or modules per task (the task must be known at inference). Added: numbers per task, counted on what "
+        "the method produced. Forward time: of what it produced over the merged model's, on one batch of "
+        f"{cmp.CompareOptions.overhead_batch} test examples, median of {args.repeats} calls (1 for a merger "
+        "alone; blank: --repeats 0). Peak MB: the most resident memory merging and calibrating took above what "
+        "was in use. Brackets: SVC's alpha (FusionBench's after the merger unless --param svc.alpha is given), "
+        "a trained calibrator's length when not its authors' schedule."
+    )
 
 
 def write(result: cmp.Comparison, out: Path, force: bool) -> None:

@@ -9,6 +9,7 @@ import streamlit as st
 from app import figures, state, tables, ui, zoos
 from diagnostics import compare as cmp
 from diagnostics import compare_figures as figs
+from diagnostics.compare_table import model_kind
 from featcal.baselines import registry
 from featcal.util.progress import listening
 
@@ -18,7 +19,7 @@ fp = state.fingerprint(source)
 # calibrator, plus SVC followed by FeatCal (calibrators apply in order).
 MERGER_NAMES = [cmp.method_name(m) for m in registry.names("merger", "data_merger")]
 CALIBRATOR_NAMES = [*registry.names("calibrator", "trained"), "svc+featcal"]
-TRAINED_STEPS = {"escal": ("epochs", 20), "surgery": ("steps", 200), "surgery_v2": ("steps", 100)}
+SHORTER = 10  # a shorter schedule, when the user asks for one, starts at a tenth of the authors'
 
 
 @st.cache_resource(max_entries=2, show_spinner=False)
@@ -59,8 +60,9 @@ def _run(methods: tuple, n: int, cal_params: dict, max_test: int | None) -> cmp.
 st.title("Compare")
 st.caption(
     "Mergers alone and post-merging calibrators on top of a merger, on the same calibration examples "
-    "(the zoo's calib split); scored on the test split. FeatCal adds no module; ESCal, Surgery and "
-    "SurgeryV2 add trained modules per task (each task scored with its own)."
+    "(the zoo's calib split); scored on the test split. FeatCal and SVC give one model for every task; "
+    "ESCal, Surgery and SurgeryV2 add trained modules per task (each task scored with its own, so the task "
+    "must be known at inference). SVC's alpha is FusionBench's after the chosen merger (its row says it)."
 )
 
 c1, c2, c3 = st.columns([2, 1, 2])
@@ -78,14 +80,19 @@ max_test = None if max_test == "all" else int(max_test)
 cal_params: dict[str, dict] = {}
 trained = [c.split("+")[-1] for c in calibrators if c.split("+")[-1] in cmp.TRAINED]
 if trained:
+    lengths = {cal: registry.get(cal).length for cal in trained}  # the authors' schedules: the defaults
+    authors = ", ".join(f"{registry.get(cal).label} {p.default} {p.name}" for cal, p in lengths.items())
     st.info(
-        "ESCal, Surgery and SurgeryV2 train by gradient descent: minutes per method on a CPU "
-        "(each step is a forward and backward pass per task). Fewer steps run faster and calibrate less."
+        f"ESCal, Surgery and SurgeryV2 train by gradient descent, here at their authors' schedules ({authors} "
+        "per task): many minutes per method on a CPU (each step is a forward and backward pass). A shorter "
+        "schedule runs faster and calibrates less; its row then says its length."
     )
     cols = st.columns(len(trained))
-    for col, cal in zip(cols, trained):
-        what, default = TRAINED_STEPS[cal]
-        cal_params[cal] = {what: int(col.number_input(f"{cal} {what}", 1, 2000, default, key=f"cmp_{cal}_{what}"))}
+    for col, (cal, length) in zip(cols, lengths.items()):
+        if col.checkbox(f"{cal}: shorter than the authors' {length.default} {length.name}", key=f"cmp_{cal}_short"):
+            top, start = length.default - 1, max(1, length.default // SHORTER)
+            value = col.number_input(f"{cal} {length.name}", 1, top, start, key=f"cmp_{cal}_{length.name}")
+            cal_params[cal] = {length.name: int(value)}
 
 methods = tuple(dict.fromkeys([*mergers, *(f"{base_merger}+{c}" for c in calibrators)]))
 args = (methods, n, tuple((k, tuple(v.items())) for k, v in cal_params.items()), max_test)
@@ -104,12 +111,14 @@ summary = result.summary
 st.subheader("Summary")
 st.caption(
     "Average test accuracy; gap closed = 100·(acc − start)/(experts − start), from Task Arithmetic and "
-    "from the method's own merger; KL(expert ‖ model) and top-1 agreement with the experts; numbers "
-    "added per task; inference overhead (0 without added modules; blank for trained ones: a few timed calls "
-    "on a shared CPU are noise, `featcal compare --repeats N` measures it); seconds to merge and to calibrate."
+    "from the method's own merger; KL(expert ‖ model) and top-1 agreement with the experts. Cost: one model "
+    "for every task or modules per task; calibration examples per task it read (blank: data-free); numbers "
+    "added per task (counted); forward time of what it produced over the merged model's on one test batch "
+    "(measured, median of 5: on a shared machine, noise); seconds to merge and calibrate; the most memory "
+    "they took above what was in use (MB)."
 )
 SCORES = {
-    "method": "method",
+    "label": "method",
     "accuracy": "avg acc (%)",
     "gap_closed": "gap closed vs TA (%)",
     "gap_closed_vs_merger": "gap closed vs merger (%)",
@@ -117,16 +126,20 @@ SCORES = {
     "agreement": "top-1 agr. (%)",
 }
 COST = {
-    "method": "method",
+    "label": "method",
+    "model": "model",
+    "n_per_task": "n per task",
     "added_trained": "added (trained)",
     "added_stored": "added (stored)",
     "added_fraction": "added / model",
-    "overhead": "overhead",
+    "forward_ratio": "forward time (× merged)",
     "merge_seconds": "merge s",
     "calib_seconds": "calibrate s",
+    "peak_mb": "peak MB",
 }
+cost = summary.assign(model=summary["task_specific"].map(model_kind))
 ui.table(summary[list(SCORES)].rename(columns=SCORES), 2, index=False)  # scores, then cost: nothing cut at 1280 px
-ui.table(summary[list(COST)].rename(columns=COST), 2, index=False)
+ui.table(cost[list(COST)].rename(columns=COST), 2, index=False)
 ui.downloads(summary, "compare_summary", "the summary (every column)")
 ui.downloads(result.accuracy, "compare_accuracy", "the per-task accuracy (tidy)")
 ui.downloads(result.drift, "compare_drift", "the drift per block (tidy)")

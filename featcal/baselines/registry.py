@@ -39,6 +39,7 @@ from torch import nn
 
 from featcal.baselines import adamerging as ada
 from featcal.baselines import fisher, merging
+from featcal.baselines import svc as svc_defaults
 from featcal.baselines.lot import lot
 from featcal.baselines.regmean import regmean, regmean_plusplus
 from featcal.baselines.svc import svc
@@ -69,21 +70,26 @@ FILLED = (
 
 
 class ParamError(TypeError, ValueError):
-    """A parameter a method does not take, or a value of the wrong type (a ``TypeError`` as for a
-    function called with a wrong keyword, and a ``ValueError`` as bad input)."""
+    """A parameter a method does not take, or a value of the wrong type (a TypeError and a ValueError)."""
 
 
 @dataclass(frozen=True)
 class Param:
     """One parameter: its ``default``, its :class:`~featcal.util.options.Range` where it has one
     (the app's slider; what a run accepts), the ``choices`` of a string parameter, one line of
-    ``help``."""
+    ``help``; ``after``: the default per upstream merger where it depends on it
+    (``{merger: default}``, SVC's ``alpha``; ``default`` after any other)."""
 
     name: str
     default: Any
     range: Range | None = None
     choices: tuple | None = None
     help: str = ""
+    after: Mapping[str, Any] | None = None
+
+    def default_after(self, merger: str | None) -> Any:
+        """The default after ``merger`` (a registry name; None: not known)."""
+        return (self.after or {}).get(merger, self.default)
 
     def check(self, method: str, value: Any) -> Any:
         """``value`` as this parameter takes it (an int given for a float becomes a float), or a
@@ -129,6 +135,7 @@ class Method:
     app: bool = False  # offered on the app's Zoo page (fast enough to re-run on a slider's change)
     data_free: bool = True
     options: type | None = None  # a trained calibrator's options dataclass, built from its parameters
+    examples_cap: str | None = None  # the parameter capping the examples per task it reads (Fisher's)
 
     def param(self, name: str) -> Param:
         for p in self.params:
@@ -143,6 +150,22 @@ class Method:
     @property
     def defaults(self) -> dict[str, Any]:
         return {p.name: p.default for p in self.params}
+
+    def defaults_after(self, merger: str | None) -> dict[str, Any]:
+        """The defaults when this method runs after ``merger`` (:meth:`Param.default_after`)."""
+        return {p.name: p.default_after(merger) for p in self.params}
+
+    @property
+    def task_specific(self) -> bool:
+        """Whether it adds modules per task (a trained calibrator): the task must be known at
+        inference. Every other method gives one model for every task."""
+        return self.kind == "trained"
+
+    @property
+    def length(self) -> Param | None:
+        """A trained calibrator's training length (``epochs`` or ``steps``, its authors' schedule
+        the default); None for other kinds."""
+        return self.param(self.options.LENGTH) if self.options is not None else None
 
     @property
     def short(self) -> str:
@@ -208,6 +231,14 @@ def _trained(fn: Callable, label: str, options: type) -> Method:
     return Method(fn.__name__, "trained", fn, label, _option_params(options), data_free=False, options=options)
 
 
+# SVC's alpha: FusionBench's per upstream merger (featcal.baselines.svc.ALPHA_AFTER), else the fallback.
+SVC_ALPHA = Param(
+    "alpha",
+    svc_defaults.ALPHA_FALLBACK,
+    Range(0.05, 2.0, 0.05),
+    help="floor of the projection coefficients (> 0; gamma <= 1/alpha); default FusionBench's after the merger",
+    after=svc_defaults.ALPHA_AFTER,
+)
 # RegMean and its forward-order variant: one data merger each, the same parameters.
 REGMEANS = ((regmean, "RegMean"), (regmean_plusplus, "RegMean++"))
 SCALE = (0.05, 2.0, 0.05)
@@ -244,16 +275,13 @@ METHODS: tuple[Method, ...] = (
     Method("wudi", "merger", merging.wudi, "WUDI", _params(merging.wudi)),
     *(_with_data("data_merger", fn, label, {"reduce_nondiag": (0.0, 1.0, 0.05)}) for fn, label in REGMEANS),
     _with_data("data_merger", ada.adamerging, "AdaMerging", choices={"granularity": ada.GRANULARITY}),
-    _with_data("data_merger", fisher.fisher_merging, "Fisher merging", aliases=("fisher",)),
+    dataclasses.replace(
+        _with_data("data_merger", fisher.fisher_merging, "Fisher merging", aliases=("fisher",)),
+        examples_cap="n_examples",
+    ),
     _with_data("data_merger", lot, "LOT Merging", {"rtol": (1e-8, 1e-2, 1.0, True, (1e-12, 0.5), "pinv cut")}),
     Method("featcal", "calibrator", calibrate, "FeatCal", _featcal_params(), data_free=False),
-    Method(
-        "svc",
-        "calibrator",
-        svc,
-        "SVC",
-        _params(svc, {"alpha": (0.05, 2.0, 0.05)}, helps={"alpha": "floor of the projection coefficients (> 0)"}),
-    ),
+    Method("svc", "calibrator", svc, "SVC", (SVC_ALPHA,)),
     _trained(escal, "ESCal", ESCalOptions),
     _trained(surgery, "Surgery", SurgeryOptions),
     _trained(surgery_v2, "SurgeryV2", SurgeryOptions),
@@ -313,6 +341,9 @@ def describe(name: str) -> str:
         elif p.range is not None and p.range.accept is not None:
             span = f" [{p.range.accept[0]:g} .. {p.range.accept[1]:g}]"
         lines.append(f"  {p.name}={p.default!r}  {p.help}{span}".rstrip())
+        if p.after:
+            after = ", ".join(f"{get(m).short} {v!r}" for m, v in p.after.items())
+            lines.append(f"    after {after}; {p.default!r} after any other merger")
     return "\n".join(lines)
 
 

@@ -13,9 +13,13 @@ entry, with ``D_m = W_mer - W_0`` and ``D_i = W_i - W_0`` (``T`` experts):
 
 computed in float64 and cast back; every other entry is the merged one, unchanged. This is
 what FusionBench 0.2.33's ``method/singular_value_calibration`` computes (its vectorised
-default); its configs use ``alpha`` 0.1 after Task Arithmetic, TIES, DARE, averaging and Iso-C,
-0.2 after Iso-CTS. FusionBench walks the model's parameters; a state dict also holds buffers, so
-here a floating 2-D buffer is calibrated too (integer entries are copied).
+default). FusionBench walks the model's parameters; a state dict also holds buffers, so here a
+floating 2-D buffer is calibrated too (integer entries are copied).
+
+``gamma_r <= 1 / alpha``: at ``alpha`` 1 no direction grows; a smaller ``alpha`` lets a direction
+the merge under-counts grow. FusionBench sets ``alpha`` per upstream merger, one recipe each
+(``config/method/singular_value_calibration/<merger>.yaml``): :data:`ALPHA_AFTER`, which
+:func:`default_alpha` reads; after a merger without a recipe, :data:`ALPHA_FALLBACK`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,31 @@ from typing import Mapping
 import torch
 
 StateDict = Mapping[str, torch.Tensor]
+
+# FusionBench's alpha per upstream merger (registry names), from its recipes
+# config/method/singular_value_calibration/{task_arithmetic, ties_merging, dare_task_arithmetic,
+# simple_average, iso_c, iso_cts, task_singular_vector, wudi}.yaml (commit 54c9e8c, 0.2.33).
+ALPHA_AFTER: dict[str, float] = {
+    "task_arithmetic": 0.1,
+    "ties": 0.1,
+    "dare": 0.1,
+    "average": 0.1,
+    "iso_c": 0.1,
+    "iso_cts": 0.2,
+    "tsv": 1.0,
+    "wudi": 1.0,
+}
+# After any other merger (RegMean, RegMean++, AdaMerging, Fisher merging: no FusionBench recipe)
+# or none named: the default of FusionBench's SVC parameter table
+# (docs/algorithms/singular_value_calibration.md), the value of 5 of its 8 recipes.
+ALPHA_FALLBACK = 0.1
+
+
+def default_alpha(merger: str | None = None) -> float:
+    """SVC's ``alpha`` after ``merger``, the registry name of the method the merge was made with
+    (a key of ``featcal.MERGERS`` or ``featcal.MERGERS_WITH_DATA``, any case): FusionBench's
+    recipe's (:data:`ALPHA_AFTER`); :data:`ALPHA_FALLBACK` after any other or None."""
+    return ALPHA_AFTER.get((merger or "").strip().lower(), ALPHA_FALLBACK)
 
 
 def svc_matrix(W_0: torch.Tensor, W_i: list[torch.Tensor], W_mer: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
@@ -43,11 +72,19 @@ def svc_matrix(W_0: torch.Tensor, W_i: list[torch.Tensor], W_mer: torch.Tensor, 
 
 
 def svc(
-    merged_sd: StateDict, base_sd: StateDict, expert_sds: Mapping[str, StateDict] | list, alpha: float = 1.0
+    merged_sd: StateDict,
+    base_sd: StateDict,
+    expert_sds: Mapping[str, StateDict] | list,
+    alpha: float | None = None,
+    merger: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """A new state dict: ``merged_sd`` with every floating 2-D entry calibrated by SVC
-    (:func:`svc_matrix`) and every other entry copied. ``alpha``: the floor of the projection
-    coefficients (larger: a milder calibration); nothing passed in is modified."""
+    (:func:`svc_matrix`) and every other entry copied; nothing passed in is modified. ``alpha``:
+    the floor of the projection coefficients (``gamma <= 1 / alpha``); when None, FusionBench's
+    value after ``merger``, the registry name of the method ``merged_sd`` was merged with
+    (``"task_arithmetic"``, ``"iso_cts"``, ...: :func:`default_alpha`)."""
+    if alpha is None:
+        alpha = default_alpha(merger)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not alpha > 0:
         raise ValueError(f"svc: alpha must be a positive number, got {alpha!r}.")
     experts = list(expert_sds.values()) if isinstance(expert_sds, Mapping) else list(expert_sds)

@@ -50,3 +50,47 @@ def rss_mb(pid: int | None = None) -> float | None:
         return int(text.split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except (OSError, ValueError, IndexError):
         return None
+
+
+class PeakMemory:
+    """``with PeakMemory() as peak: ...``: the most memory the block took above what was in use
+    when it began, in MB: ``peak.mb`` (this process's resident memory, sampled every
+    ``interval`` seconds by a thread, freed heap handed back first so that reusing it counts;
+    NaN where ``/proc`` does not tell) and ``peak.gpu_mb`` (CUDA's allocator peak above its
+    start, when CUDA is in use; None otherwise). Both are read when the block ends."""
+
+    def __init__(self, interval: float = 0.005):
+        self.interval = interval
+        self.mb = float("nan")
+        self.gpu_mb: float | None = None
+
+    def __enter__(self) -> "PeakMemory":
+        import threading
+
+        import torch
+
+        trim_heap()
+        self._cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats()
+            self._gpu_start = torch.cuda.memory_allocated()
+        self._start = rss_mb()
+        self._peak = self._start or 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._peak = max(self._peak, rss_mb() or 0.0)
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        self._stop.set()
+        self._thread.join()
+        if self._start is not None:
+            self.mb = max(self._peak, rss_mb() or 0.0) - self._start
+        if self._cuda:
+            self.gpu_mb = (torch.cuda.max_memory_allocated() - self._gpu_start) / 2**20

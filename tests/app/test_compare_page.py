@@ -1,5 +1,6 @@
 """The Compare page under AppTest on a tiny zoo: nothing runs before Run; Run shows every
-chosen method beside the experts and base, with the charts and the CSV exports."""
+chosen method beside the experts and base, with its costs, the charts and the CSV exports; the
+trained calibrators at their authors' schedules unless a shorter one is chosen, and then labelled."""
 
 from __future__ import annotations
 
@@ -11,21 +12,44 @@ import pytest
 pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest
 
+from app.tables import MISSING
+from featcal.baselines import registry
+
 APP = str(Path(__file__).resolve().parents[2] / "app" / "streamlit_app.py")
 
 
-def test_compare_page_runs_the_chosen_methods(tiny_zoo_dir):
+def _page(tiny_zoo_dir) -> AppTest:
     at = AppTest.from_file(APP, default_timeout=1800)
     at.query_params["zoo"] = "other (path)…"
     at.query_params["zoo_path"] = tiny_zoo_dir
     at.run()
     at.switch_page("pages/compare.py").run()
     assert not at.exception and not at.error
+    return at
+
+
+def test_trained_calibrators_default_to_their_authors_schedules(tiny_zoo_dir):
+    at = _page(tiny_zoo_dir)
+    at.multiselect(key="cmp_cals").set_value(["escal", "surgery", "surgery_v2"]).run()
+    info = " ".join(i.value for i in at.info)
+    for cal in ("escal", "surgery", "surgery_v2"):
+        length = registry.get(cal).length  # the one copy of the authors' schedules
+        assert f"{registry.get(cal).label} {length.default} {length.name}" in info
+        assert not at.checkbox(key=f"cmp_{cal}_short").value  # a shorter schedule only when chosen
+        assert not [w for w in at.number_input if w.key == f"cmp_{cal}_{length.name}"]
+    at.checkbox(key="cmp_surgery_short").check().run()
+    steps = at.number_input(key="cmp_surgery_steps")
+    assert steps.value < registry.get("surgery").length.default
+
+
+def test_compare_page_runs_the_chosen_methods(tiny_zoo_dir):
+    at = _page(tiny_zoo_dir)
     assert not at.dataframe  # nothing runs before Run
 
     at.multiselect(key="cmp_mergers").set_value(["ta", "ties"]).run()
-    at.multiselect(key="cmp_cals").set_value(["featcal", "surgery_v2"]).run()
+    at.multiselect(key="cmp_cals").set_value(["featcal", "svc", "surgery_v2"]).run()
     assert any("minutes" in i.value for i in at.info)  # trained calibrators: the user is told
+    at.checkbox(key="cmp_surgery_v2_short").check().run()
     at.number_input(key="cmp_surgery_v2_steps").set_value(2).run()
     at.select_slider(key="cmp_n").set_value(16).run()
     at.button(key="cmp_run").click().run()
@@ -34,9 +58,16 @@ def test_compare_page_runs_the_chosen_methods(tiny_zoo_dir):
 
     scores, cost = at.dataframe[0].value, at.dataframe[1].value  # scores, then cost
     assert isinstance(scores, pd.DataFrame) and "avg acc (%)" in scores.columns
-    assert scores["method"].tolist() == ["experts", "base", "ta", "ties", "ta+featcal", "ta+surgery_v2"]
+    shorter = "ta+surgery_v2 (2 steps)"  # a shorter schedule than the authors' says so
+    svc = "ta+svc (alpha 0.1)"  # FusionBench's alpha after Task Arithmetic
+    assert scores["method"].tolist() == ["experts", "base", "ta", "ties", "ta+featcal", svc, shorter]
     row = cost.set_index("method")
-    assert row.loc["ta+featcal", "added (trained)"] == 0 and row.loc["ta+surgery_v2", "added (trained)"] > 0
+    assert row.loc["ta+featcal", "added (trained)"] == 0 and row.loc[shorter, "added (trained)"] > 0
+    assert row.loc["ta+featcal", "model"] == "one for all tasks" and row.loc[shorter, "model"].startswith("per task")
+    assert int(row.loc["ta+featcal", "n per task"]) == 16 == int(row.loc[shorter, "n per task"])
+    assert row.loc["ta", "n per task"] == MISSING  # data-free: reads no example
+    ratio = row.loc[shorter, "forward time (× merged)"]
+    assert float(ratio) > 0 and float(row.loc["ta+featcal", "peak MB"]) >= 0  # measured: finite, not asserted
     settings = at.dataframe[-1].value  # the settings as a small table, no raw dict
     assert list(settings.columns) == ["setting", "value"] and not any("{" in str(v) for v in settings.value)
     charts = [c for c in at.get("plotly_chart")]

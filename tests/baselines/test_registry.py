@@ -34,7 +34,9 @@ def test_every_method_is_registered_once_with_its_kind_label_and_parameters():
         assert m.kind in registry.KINDS and m.label
         declared = _declared(m)
         for p in m.params:
-            if p.name in declared:  # FeatCal's run options are calibrate's keywords
+            if p.name in declared and p.after:  # None in the function: the default depends on the merger
+                assert declared[p.name] is None, (m.name, p.name)
+            elif p.name in declared:  # FeatCal's run options are calibrate's keywords
                 assert declared[p.name] == p.default, (m.name, p.name)
             if p.range is not None:
                 assert p.range.low <= p.default <= p.range.high, (m.name, p.name)
@@ -131,3 +133,27 @@ def test_a_number_may_come_per_task():
     assert registry.check_params("ties", {"density": {"a": 0.5, "b": 1}}) == {"density": {"a": 0.5, "b": 1.0}}
     with pytest.raises(ValueError, match="'density' takes a number, got 'x'"):
         registry.check_params("ties", {"density": {"a": "x"}})
+
+
+def test_svc_alpha_default_depends_on_the_upstream_merger():
+    from featcal.baselines.svc import ALPHA_AFTER, ALPHA_FALLBACK
+
+    svc = registry.get("svc")
+    assert svc.defaults_after("task_arithmetic") == {"alpha": 0.1}
+    assert svc.defaults_after("iso_cts") == {"alpha": 0.2}
+    assert svc.defaults_after("tsv") == {"alpha": 1.0}
+    assert svc.defaults_after("regmean") == svc.defaults_after(None) == {"alpha": ALPHA_FALLBACK}
+    assert svc.param("alpha").after is ALPHA_AFTER  # one copy of the table
+    assert set(ALPHA_AFTER) <= set(registry.names("merger"))  # keyed by the registry's names
+    assert "after ta 0.1" in registry.describe("svc") and "iso_cts 0.2" in registry.describe("svc")
+    assert registry.check_params("svc", {"alpha": 1}) == {"alpha": 1.0}  # still typed and ranged
+    with pytest.raises(ValueError, match="takes a number"):
+        registry.check_params("svc", {"alpha": "high"})
+
+
+def test_what_each_kind_costs_is_the_registrys():
+    assert [n for n in registry.names() if registry.get(n).task_specific] == ["escal", "surgery", "surgery_v2"]
+    assert registry.get("escal").length.name == "epochs" and registry.get("surgery").length.name == "steps"
+    assert registry.get("surgery").length.default == featcal.SurgeryOptions().steps  # the authors' schedule
+    assert registry.get("featcal").length is None
+    assert registry.get("fisher").examples_cap == "n_examples"

@@ -109,3 +109,49 @@ def test_svc_names_bad_input():
         svc({"w": merged}, {"w": base[:3]}, [{"w": e} for e in experts])
     with pytest.raises(ValueError, match="at least one expert"):
         svc({"w": merged}, {"w": base}, {})
+
+
+# Our registry names -> FusionBench's recipe files (config/method/singular_value_calibration/*.yaml).
+RECIPES = {
+    "task_arithmetic": "task_arithmetic",
+    "ties": "ties_merging",
+    "dare": "dare_task_arithmetic",
+    "average": "simple_average",
+    "iso_c": "iso_c",
+    "iso_cts": "iso_cts",
+    "tsv": "task_singular_vector",
+    "wudi": "wudi",
+}
+
+
+def test_alpha_after_each_merger_is_fusion_benchs_recipes():
+    """ALPHA_AFTER holds the alpha of each of FusionBench's SVC recipes (its installed configs)."""
+    from featcal.baselines.svc import ALPHA_AFTER
+
+    yaml = pytest.importorskip("yaml")
+    spec = importlib.util.find_spec("fusion_bench_config")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("fusion-bench is not installed (requirements-nodeps.txt)")
+    folder = Path(next(iter(spec.submodule_search_locations))) / "method" / "singular_value_calibration"
+    recipes = {p.stem: yaml.safe_load(p.read_text())["alpha"] for p in folder.glob("*.yaml")}
+    assert set(recipes) == set(RECIPES.values())  # a new recipe upstream shows here
+    assert ALPHA_AFTER == {ours: recipes[theirs] for ours, theirs in RECIPES.items()}
+    assert ALPHA_AFTER["task_arithmetic"] == 0.1 and ALPHA_AFTER["iso_cts"] == 0.2 and ALPHA_AFTER["tsv"] == 1.0
+
+
+def test_svc_alpha_defaults_to_fusion_benchs_after_the_merger():
+    from featcal.baselines.svc import ALPHA_FALLBACK, default_alpha
+
+    base, experts, merged = _weights(3)
+    sds = [{"w": e} for e in experts]
+
+    def run(**kw):
+        return svc({"w": merged}, {"w": base}, sds, **kw)["w"]
+
+    assert torch.equal(run(merger="task_arithmetic"), run(alpha=0.1))
+    assert torch.equal(run(merger="iso_cts"), run(alpha=0.2))
+    assert torch.equal(run(merger="TSV"), run(alpha=1.0))
+    assert not torch.equal(run(merger="task_arithmetic"), run(merger="tsv"))  # the default changes the result
+    assert torch.equal(run(), run(alpha=ALPHA_FALLBACK))  # no merger named: the documented fallback
+    assert default_alpha("regmean_plusplus") == default_alpha("fisher_merging") == ALPHA_FALLBACK  # no recipe
+    assert torch.equal(run(alpha=0.5, merger="task_arithmetic"), run(alpha=0.5))  # a given alpha wins

@@ -46,3 +46,18 @@ def test_freed_tensors_stay_resident_until_the_heap_is_trimmed():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800, check=True)
     before, after = map(float, out.stdout.split())
     assert before - after > 200, (before, after)  # of the 396 MB freed
+
+
+def test_peak_memory_is_what_the_block_took_above_its_start():
+    import torch
+
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("no /proc here")
+    with memory.PeakMemory() as peak:
+        x = torch.ones(25_000_000)  # 100 MB, resident when the block ends (read then, no race)
+    assert 90 <= peak.mb < 1000, peak.mb
+    assert peak.gpu_mb is None or peak.gpu_mb >= 0
+    del x
+    with memory.PeakMemory() as quiet:
+        pass
+    assert quiet.mb < 50  # nothing allocated (another thread of this process could, hence the margin)

@@ -115,22 +115,29 @@ class TaskCalibrated:
         first task): medians of ``repeats`` calls each, the two models taking turns, after one
         warm-up call each. Returns (and keeps as :attr:`inference_overhead`) ``seconds_merged``,
         ``seconds_calibrated`` and ``overhead`` (their ratio minus 1)."""
-        if repeats < 1:
-            raise ValueError(f"repeats must be at least 1, got {repeats}.")
         with_mods = self.for_task(task or self.tasks[0])
-        batch = to_device(batch, device_of(self.merged))
-        models = {"seconds_merged": self.merged, "seconds_calibrated": with_mods}
-        times: dict[str, list[float]] = {name: [] for name in models}
-        with eval_mode(self.merged):
-            for model in models.values():
-                call_model(model, batch)
-            for _ in range(repeats):  # interleaved, so a change in the machine's load hits both
-                for name, model in models.items():
-                    times[name].append(_timed(model, batch))
-        seconds = {name: statistics.median(ts) for name, ts in times.items()}
+        seconds = forward_seconds({"seconds_merged": self.merged, "seconds_calibrated": with_mods}, batch, repeats)
         seconds["overhead"] = seconds["seconds_calibrated"] / seconds["seconds_merged"] - 1.0
         self.inference_overhead = seconds
         return seconds
+
+
+@torch.no_grad()
+def forward_seconds(models: Mapping[str, nn.Module], batch: Any, repeats: int = 5) -> dict[str, float]:
+    """``{name: seconds}``: the median of ``repeats`` forward passes of each model on ``batch``
+    (moved to the first model's device), after one warm-up call each, the models taking turns so
+    that a change in the machine's load hits all of them; each model in eval mode meanwhile."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}.")
+    batch = to_device(batch, device_of(next(iter(models.values()))))
+    times: dict[str, list[float]] = {name: [] for name in models}
+    with eval_mode(*models.values()):
+        for model in models.values():
+            call_model(model, batch)
+        for _ in range(repeats):
+            for name, model in models.items():
+                times[name].append(_timed(model, batch))
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def _timed(model: nn.Module, batch: Any) -> float:
