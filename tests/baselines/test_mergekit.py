@@ -4,7 +4,6 @@ merge of the supported methods (equal to mergekit's own output where mergekit is
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 from pathlib import Path
 
@@ -34,12 +33,7 @@ def root(tmp_path_factory):
     base = _llama()
     base.save_pretrained(root / "models" / "base")
     for i, t in enumerate(TASKS):
-        e = copy.deepcopy(base)
-        g = torch.Generator().manual_seed(i + 1)
-        with torch.no_grad():
-            for p in e.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=g))
-        e.save_pretrained(root / "models" / t)
+        tiny.perturbed(base, 0.05, i + 1).save_pretrained(root / "models" / t)
     g = torch.Generator().manual_seed(9)
     save_token_data(
         root / "d.safetensors", {t: {"input_ids": torch.randint(0, 64, (4, 8), generator=g)} for t in TASKS}

@@ -86,12 +86,7 @@ def root(tmp_path_factory):
     base = tiny.tiny_llama(0, 1, vocab=64, hidden=16, intermediate=32)
     base.save_pretrained(root / "models" / "base")
     for i, t in enumerate(TASKS):
-        e = copy.deepcopy(base)
-        g = torch.Generator().manual_seed(i + 1)
-        with torch.no_grad():
-            for p in e.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=g))
-        e.save_pretrained(root / "models" / t)
+        tiny.perturbed(base, 0.05, i + 1).save_pretrained(root / "models" / t)
     return root
 
 
