@@ -27,7 +27,9 @@ def write_output(args, zoo, model, json_name: str, doc: dict, scored: dict) -> P
         doc["accuracy"] = _eval_and_print(scored, zoo, "test")
     merge = doc.get("merge") or {"method": doc.get("method"), "params": doc.get("params")}
     calibration = {"n_per_task": doc["n_per_task"], "seed": doc["seed"]} if "report" in doc else None
-    card = zoo_card(zoo, merge, doc.get("report"), scores=doc.get("accuracy"), calibration=calibration)
+    card = zoo_card(
+        zoo, merge, doc.get("report"), scores=doc.get("accuracy"), calibration=calibration, preset=doc.get("preset")
+    )
     return save_model(
         model,
         args.out,

@@ -71,6 +71,7 @@ def streamed_options(args) -> dict:
         common_rows=args.common_rows,
         lora_any_base=args.lora_any_base,
         trust_remote_code=args.trust_remote_code,
+        card={"preset": args.preset} if args.preset not in (None, "auto") else None,  # (chosen by now)
     )
     return dict(calib_data=load_token_data(args.data, args.batch_size), out=args.out, options=options)
 

@@ -117,8 +117,12 @@ def model_card(
     calibration: Mapping | None = None,
     scores: Mapping | None = None,
     drift: Mapping | None = None,
+    preset: str | None = None,
 ) -> str:
-    """The text of ``README.md``: YAML front matter (what a hub indexes) and a short body."""
+    """The text of ``README.md``: YAML front matter (what a hub indexes) and a short body; the
+    ``preset`` the settings came from (featcal.config.PRESETS) heads them."""
+    if preset and settings:
+        settings = {"preset": preset, **settings}
     featcal = {
         "merge": merge,
         "experts": experts,

@@ -327,3 +327,5 @@ def test_cli_mergekit_picks_the_preset_of_the_architecture_it_merges(root, tmp_p
     assert main([*argv, "--batch-size", "2", "--out", str(tmp_path / "fc"), "-q"]) == 0
     # the tiny Llama is 16 wide: the 3B setting (as --base/--expert on it), said on the terminal
     assert "featcal: preset 'llama-3b' (model_type 'llama' is Llama-family, hidden size 16" in capsys.readouterr().err
+    card = (tmp_path / "fc" / "README.md").read_text()  # and the model card records it, with its settings
+    assert "## FeatCal settings" in card and "preset: llama-3b" in card and "lam: 1.0e-05" in card

@@ -33,7 +33,7 @@ def test_zoo_merge_and_calibrate_write_a_card(tiny_zoo_dir, tmp_path):
     argv = ["calibrate", "--zoo", tiny_zoo_dir, "--lam", "0.1", "--n-per-task", "16", "--preset", "none", "--eval"]
     assert main([*argv, "--out", str(tmp_path / "c"), "-q"]) == 0
     fc = card_of(tmp_path / "c").data.featcal
-    assert fc["settings"]["lam"] == 0.1 and fc["calibration"]["n_per_task"] == 16
+    assert fc["settings"]["lam"] == 0.1 and fc["settings"]["preset"] == "none" and fc["calibration"]["n_per_task"] == 16
     assert set(fc["scores"]) == {"task_arithmetic", "featcal"}
     assert fc["drift"]["mean_residual_after"] < fc["drift"]["mean_residual_before"]
 
