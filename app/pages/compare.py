@@ -81,7 +81,7 @@ cal_params: dict[str, dict] = {}
 trained = [c.split("+")[-1] for c in calibrators if c.split("+")[-1] in cmp.TRAINED]
 if trained:
     lengths = {cal: registry.get(cal).length for cal in trained}  # the authors' schedules: the defaults
-    authors = ", ".join(f"{registry.get(cal).label} {p.default} {p.name}" for cal, p in lengths.items())
+    authors = ", ".join(f"{registry.get(cal).label} {n.default} {n.name}" for cal, n in lengths.items())
     st.info(
         f"ESCal, Surgery and SurgeryV2 train by gradient descent, here at their authors' schedules ({authors} "
         "per task): many minutes per method on a CPU (each step is a forward and backward pass). A shorter "

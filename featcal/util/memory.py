@@ -27,7 +27,12 @@ def trim_heap() -> bool:
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident memory so far, in MB (any POSIX system)."""
+    """This process's peak resident memory so far, in MB (any POSIX system). On Linux it is the
+    ``VmHWM`` of ``/proc/self/status``: ``getrusage``'s ``ru_maxrss`` survives ``exec``, so in a
+    process started by a large one (a test runner, a notebook) it reports the parent's size."""
+    own = vmhwm_mb(os.getpid())
+    if own is not None:
+        return own
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KB on Linux, bytes on macOS
     return peak / (2**20 if sys.platform == "darwin" else 1024)
 

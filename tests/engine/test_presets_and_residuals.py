@@ -135,5 +135,5 @@ def test_compare_calibrates_a_zoo_at_its_preset(monkeypatch):
     monkeypatch.setattr(cmp, "calibrate", fake_calibrate)
     model = _tiny_llama()
     zoo = type("Zoo", (), {"base": model, "experts": {}})()
-    cmp._calibrated(zoo, "featcal", model, {}, {"lam": 0.1}, progress=False)
+    cmp._calibrated(zoo, "featcal", model, {}, {"lam": 0.1}, progress=False, merger="task_arithmetic")
     assert seen["config"] == FeatCalConfig.llama("3b", lam=0.1, stats_dtype=torch.float64)

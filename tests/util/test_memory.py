@@ -61,3 +61,17 @@ def test_peak_memory_is_what_the_block_took_above_its_start():
     with memory.PeakMemory() as quiet:
         pass
     assert quiet.mb < 50  # nothing allocated (another thread of this process could, hence the margin)
+
+
+def test_a_child_process_peak_is_its_own_not_its_large_parents(tmp_path):
+    """getrusage's ru_maxrss survives exec: a process a large one starts reports the parent's size
+    there. peak_rss_mb reads the child's own high-water mark (CI once saw 3.3 GB for a small run)."""
+    import torch
+
+    big = torch.ones(300 * 2**20 // 4)  # 300 MB resident in this process
+    big.add_(1)
+    code = "from featcal.util.memory import peak_rss_mb; print(peak_rss_mb())"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
+    assert float(out.stdout) < 250, out.stdout  # a bare interpreter and featcal's import: tens of MB
+    del big
