@@ -25,7 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--methods",
         default=DEFAULT_METHODS,
         help="comma-separated: a merger (ta, ties, iso_c, regmean_plusplus, lot, adamerging, fisher_merging, ...), "
-        "then calibrators in order: +svc, +featcal, and last +escal, +surgery or +surgery_v2, e.g. ta+svc+featcal "
+        "then calibrators in order: +svc, +featcal, and last +escal, +surgery, +surgery_v2 or +probsurgery, "
+        "e.g. ta+svc+featcal "
         f"(default: {DEFAULT_METHODS})",
     )
     p.add_argument("--n", type=int, default=64, help="calibration examples per task (calib split; default 64)")

@@ -34,6 +34,8 @@ _LAZY = {
     "surgery": "featcal.baselines.trained.surgery",
     "surgery_v2": "featcal.baselines.trained.surgery",
     "SurgeryOptions": "featcal.baselines.trained.surgery",
+    "probsurgery": "featcal.baselines.trained.probsurgery",
+    "ProbSurgeryOptions": "featcal.baselines.trained.probsurgery",
     "svc": "featcal.baselines.svc",
     "adamerging": "featcal.baselines.adamerging",
     "fisher_merging": "featcal.baselines.fisher",

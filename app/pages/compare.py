@@ -20,6 +20,7 @@ fp = state.fingerprint(source)
 MERGER_NAMES = [cmp.method_name(m) for m in registry.names("merger", "data_merger")]
 CALIBRATOR_NAMES = [*registry.names("calibrator", "trained"), "svc+featcal"]
 SHORTER = 10  # a shorter schedule, when the user asks for one, starts at a tenth of the authors'
+TRAINED_LABELS = ", ".join(registry.get(n).label for n in cmp.TRAINED)  # ESCal, Surgery, ...
 
 
 @st.cache_resource(max_entries=2, show_spinner=False)
@@ -61,7 +62,7 @@ st.title("Compare")
 st.caption(
     "Mergers alone and post-merging calibrators on top of a merger, on the same calibration examples "
     "(the zoo's calib split); scored on the test split. FeatCal and SVC give one model for every task; "
-    "ESCal, Surgery and SurgeryV2 add trained modules per task (each task scored with its own, so the task "
+    f"{TRAINED_LABELS} add trained modules per task (each task scored with its own, so the task "
     "must be known at inference). SVC's alpha is FusionBench's after the chosen merger (its row says it)."
 )
 
@@ -83,7 +84,7 @@ if trained:
     lengths = {cal: registry.get(cal).length for cal in trained}  # the authors' schedules: the defaults
     authors = ", ".join(f"{registry.get(cal).label} {n.default} {n.name}" for cal, n in lengths.items())
     st.info(
-        f"ESCal, Surgery and SurgeryV2 train by gradient descent, here at their authors' schedules ({authors} "
+        f"{TRAINED_LABELS} train by gradient descent, here at their authors' schedules ({authors} "
         "per task): many minutes per method on a CPU (each step is a forward and backward pass). A shorter "
         "schedule runs faster and calibrates less; its row then says its length."
     )

@@ -1,10 +1,9 @@
 """Every merger and post-merging calibrator featcal knows, by name: the one registry.
 
-A :class:`Method` says what a method is (``kind``), which function runs it, its parameters
-(name, default, help, range and choices where it has them), its label and its aliases. The
-command line (``featcal merge``, ``featcal calibrate --merge``, ``featcal compare``),
-:mod:`diagnostics.compare` and the app read it; :data:`MERGERS` and :data:`MERGERS_WITH_DATA`
-are derived from it.
+A :class:`Method` says what a method is (``kind``), which function runs it, its parameters (name,
+default, help, range and choices where it has them), its label and its aliases. The command line
+(``featcal merge``, ``featcal calibrate --merge``, ``featcal compare``), :mod:`diagnostics.compare`
+and the app read it; :data:`MERGERS` and :data:`MERGERS_WITH_DATA` are derived from it.
 
 Parameters are data: a trained calibrator's are the fields of its options dataclass
 (:class:`~featcal.baselines.trained.calibrators.ESCalOptions`,
@@ -18,13 +17,12 @@ Kinds:
 - ``merger``: data-free, ``fn(base_sd, expert_sds, **params) -> state dict``;
 - ``data_merger``: reads calibration inputs, ``fn(base=, experts=, calib_data=, **params) -> model``;
 - ``calibrator``: after a merge, one model for every task (FeatCal; SVC, data-free);
-- ``trained``: after a merge, task-specific modules trained per task (ESCal, Surgery, SurgeryV2).
+- ``trained``: after a merge, task-specific modules trained per task (ESCal, Surgery, SurgeryV2, ProbSurgery).
 
-Parameters on the command line: ``--param NAME=VALUE`` where one method runs (``featcal
-merge``, ``featcal calibrate --merge``), ``--param METHOD.NAME=VALUE`` where several do
-(``featcal compare``); :func:`parse_param_items` reads both and :func:`check_params` checks
-names, types and ranges against the registry (and builds a trained calibrator's options, so they
-check themselves) before any work.
+Parameters on the command line: ``--param NAME=VALUE`` where one method runs (``featcal merge``,
+``featcal calibrate --merge``), ``--param METHOD.NAME=VALUE`` where several do (``featcal compare``);
+:func:`parse_param_items` reads both and :func:`check_params` checks names, types and ranges against
+the registry (and builds a trained calibrator's options, so they check themselves) before any work.
 """
 
 from __future__ import annotations
@@ -44,6 +42,7 @@ from featcal.baselines.lot import lot
 from featcal.baselines.regmean import regmean, regmean_plusplus
 from featcal.baselines.svc import svc
 from featcal.baselines.trained.calibrators import ESCalOptions, escal
+from featcal.baselines.trained.probsurgery import ProbSurgeryOptions, probsurgery
 from featcal.baselines.trained.surgery import SurgeryOptions, surgery, surgery_v2
 from featcal.config import FeatCalConfig
 from featcal.engine.run import calibrate
@@ -285,6 +284,7 @@ METHODS: tuple[Method, ...] = (
     _trained(escal, "ESCal", ESCalOptions),
     _trained(surgery, "Surgery", SurgeryOptions),
     _trained(surgery_v2, "SurgeryV2", SurgeryOptions),
+    _trained(probsurgery, "ProbSurgery", ProbSurgeryOptions),
 )
 REGISTRY: dict[str, Method] = {m.name: m for m in METHODS}
 ALIASES: dict[str, str] = {a: m.name for m in METHODS for a in m.aliases}

@@ -29,7 +29,7 @@ def test_every_method_is_registered_once_with_its_kind_label_and_parameters():
     }
     assert set(registry.names("data_merger")) == {"regmean", "regmean_plusplus", "adamerging", "fisher_merging", "lot"}
     assert registry.names("calibrator") == ["featcal", "svc"]  # FeatCal is one entry, like every other
-    assert registry.names("trained") == ["escal", "surgery", "surgery_v2"]
+    assert registry.names("trained") == ["escal", "surgery", "surgery_v2", "probsurgery"]
     for m in registry.METHODS:
         assert m.kind in registry.KINDS and m.label
         declared = _declared(m)
@@ -91,8 +91,8 @@ def test_featcal_reads_the_one_table_of_ranges():
 def test_the_public_names_are_derived_from_it():
     assert featcal.MERGERS == {n: registry.get(n).fn for n in registry.names("merger")}
     assert featcal.MERGERS_WITH_DATA == {n: registry.get(n).fn for n in registry.names("data_merger")}
-    assert set(cmp.CALIBRATORS) == {"featcal", "svc", "escal", "surgery", "surgery_v2"}
-    assert cmp.TRAINED == ("escal", "surgery", "surgery_v2")
+    assert set(cmp.CALIBRATORS) == {"featcal", "svc", "escal", "surgery", "surgery_v2", "probsurgery"}
+    assert cmp.TRAINED == ("escal", "surgery", "surgery_v2", "probsurgery")
     assert registry.get("TA") is registry.get("task_arithmetic") and registry.get("fisher").name == "fisher_merging"
 
 
@@ -152,7 +152,12 @@ def test_svc_alpha_default_depends_on_the_upstream_merger():
 
 
 def test_what_each_kind_costs_is_the_registrys():
-    assert [n for n in registry.names() if registry.get(n).task_specific] == ["escal", "surgery", "surgery_v2"]
+    assert [n for n in registry.names() if registry.get(n).task_specific] == [
+        "escal",
+        "surgery",
+        "surgery_v2",
+        "probsurgery",
+    ]
     assert registry.get("escal").length.name == "epochs" and registry.get("surgery").length.name == "steps"
     assert registry.get("surgery").length.default == featcal.SurgeryOptions().steps  # the authors' schedule
     assert registry.get("featcal").length is None

@@ -199,16 +199,26 @@ def _rows(x, idx):
     return x if idx is None else (take(x, idx) if isinstance(x, Mapping) else x[idx])
 
 
-def _train(model, path, emb, expert, batches, modules, opts: TrainOptions, desc: str) -> TaskRun:
+def plain(module: nn.Module, z: torch.Tensor, mask) -> tuple[torch.Tensor, float]:
+    """A module's output in training, and no penalty: Surgery's and SurgeryV2's (the module as
+    at inference). ProbSurgery's samples instead and adds its KL term
+    (:func:`featcal.baselines.trained.probsurgery.sampled_output`)."""
+    return module(z), 0.0
+
+
+def _train(model, path, emb, expert, batches, modules, opts: TrainOptions, desc: str, train_out=plain) -> TaskRun:
     """Adam on ``modules`` (``{block: module, "embedding": module}``), inserted into ``model``
     (a private copy), for ``opts.length`` steps. Expert i's features are computed once (the
     targets, frozen); with modules after the blocks (SurgeryV2), each step runs the model on one
     minibatch; with only the final module (Surgery), the merged model's final embeddings are
     computed once too, and each step runs the module alone (the same steps: nothing before the
-    module changes)."""
+    module changes), through ``train_out(module, z, mask) -> (output, penalty)``: the loss is
+    the L1 terms plus the penalties (only with the final module alone)."""
     start = time.perf_counter()
     n_blocks = len(resolve_blocks(model, path)[1])
     block_mods = any(k != "embedding" for k in modules)
+    if block_mods and train_out is not plain:
+        raise ValueError(f"{desc}: a training output other than the module's own needs the final module alone.")
     sites = _sites(path, n_blocks, block_mods, emb)
     pool = ExamplePool(batches)
     units = [_to(u, device_of(expert)) for u in pool.units]
@@ -231,13 +241,16 @@ def _train(model, path, emb, expert, batches, modules, opts: TrainOptions, desc:
             for _ in bar(range(opts.length), desc=desc, unit="step", show=opts.progress):
                 j, idx = next(draws)
                 xb = _rows(units[j], idx)
+                penalty = 0.0
                 if block_mods:
                     call_model(model, xb)
                     out = mine.out
                 else:
-                    out = {k: modules[k](_rows(h, idx)) for k, h in inputs[j].items()}
+                    outs = {k: train_out(modules[k], _rows(h, idx), _mask(xb)) for k, h in inputs[j].items()}
+                    out = {k: o for k, (o, _) in outs.items()}
+                    penalty = sum(p for _, p in outs.values())
                 target = {k: _rows(v, idx) for k, v in targets[j].items()}
-                loss = _loss_to(out, target, emb, n_blocks, _mask(xb))
+                loss = _loss_to(out, target, emb, n_blocks, _mask(xb)) + penalty
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
@@ -314,7 +327,7 @@ def surgery(
 ) -> TaskCalibrated:
     """Representation Surgery: per task, one module on the final embedding, L1 to expert i's
     (module docstring). Adds ``2 d_out r`` numbers per task."""
-    return _run("surgery", merged, experts, calib_data, options, False)
+    return run_tasks("surgery", merged, experts, calib_data, options, _adapters(False))
 
 
 def surgery_v2(
@@ -326,7 +339,7 @@ def surgery_v2(
     """SurgeryV2: per task, a module after every block (every token) and one on the final
     embedding; loss: the L1 of the token means at every block plus the final embedding's
     (module docstring). Adds ``2 L d r + 2 d_out r`` numbers per task."""
-    return _run("surgery_v2", merged, experts, calib_data, options, True)
+    return run_tasks("surgery_v2", merged, experts, calib_data, options, _adapters(True))
 
 
 def surgery_modules(
@@ -340,9 +353,19 @@ def surgery_modules(
     return mods
 
 
-def _run(method, merged, experts, calib_data, opts: SurgeryOptions, per_block: bool):
-    """Train each task's fresh modules (:func:`surgery_modules`) on a private copy of the merged
-    model (frozen), for ``opts.steps`` steps."""
+def _adapters(per_block: bool):
+    """``make(d, d_out, n_blocks, emb, opts, gen, device)``: one task's fresh Surgery modules."""
+
+    def make(d, d_out, n_blocks, emb, opts, gen, device):
+        return surgery_modules(d, d_out, n_blocks, per_block, emb, opts.rank, gen, device)
+
+    return make
+
+
+def run_tasks(method, merged, experts, calib_data, opts: SurgeryOptions, make, train_out=plain):
+    """Train each task's fresh modules (``make(d, d_out, n_blocks, emb, opts, gen, device)``,
+    ``gen`` seeded with ``opts.seed``) on a private copy of the merged model (frozen), for
+    ``opts.steps`` steps, each through ``train_out`` (:func:`_train`)."""
     path, _ = checked_models(merged, experts, calib_data, opts.blocks)
     model = opts.training_copy(merged)
     n_blocks = len(resolve_blocks(model, path)[1])
@@ -353,8 +376,9 @@ def _run(method, merged, experts, calib_data, opts: SurgeryOptions, per_block: b
     for task, expert in experts.items():
         if device_of(expert) != device_of(model):
             expert = copy.deepcopy(expert).to(device_of(model))
-        mods = surgery_modules(d, d_out, n_blocks, per_block, emb, opts.rank, gen, device_of(model))
-        runs[task] = _train(model, path, emb, expert, calib_data[task], mods, opts, f"{method} {task}")
+        mods = make(d, d_out, n_blocks, emb, opts, gen, device_of(model))
+        desc = f"{method} {task}"
+        runs[task] = _train(model, path, emb, expert, calib_data[task], mods, opts, desc, train_out)
         modules[task] = mods
     settings = dict(opts.settings(), embedding=emb.path, pool=emb.pool)
     settings["device"] = str(device_of(model))
