@@ -3,8 +3,7 @@
 A :class:`Method` says what a method is (``kind``), which function runs it, its parameters
 (name, default, help, range and choices where it has them), its label and its aliases. The
 command line (``featcal merge``, ``featcal calibrate --merge``, ``featcal compare``),
-:mod:`diagnostics.compare` and the app read it; :data:`MERGERS` and :data:`MERGERS_WITH_DATA`
-are derived from it.
+:mod:`diagnostics.compare` and the app read it; :data:`MERGERS` and :data:`MERGERS_WITH_DATA` are derived from it.
 
 Parameters are data: a trained calibrator's are the fields of its options dataclass
 (:class:`~featcal.baselines.trained.calibrators.ESCalOptions`,
@@ -38,7 +37,7 @@ from typing import Any, Callable, Mapping
 from torch import nn
 
 from featcal.baselines import adamerging as ada
-from featcal.baselines import fisher, merging
+from featcal.baselines import esm, fisher, merging
 from featcal.baselines import svc as svc_defaults
 from featcal.baselines.lot import lot
 from featcal.baselines.regmean import regmean, regmean_plusplus
@@ -280,6 +279,7 @@ METHODS: tuple[Method, ...] = (
         examples_cap="n_examples",
     ),
     _with_data("data_merger", lot, "LOT Merging", {"rtol": (1e-8, 1e-2, 1.0, True, (1e-12, 0.5), "pinv cut")}),
+    _with_data("data_merger", esm.esm, "ESM", {"scale": esm.SCALE_RANGE}, {"recipe": esm.RECIPES}),
     Method("featcal", "calibrator", calibrate, "FeatCal", _featcal_params(), data_free=False),
     Method("svc", "calibrator", svc, "SVC", (SVC_ALPHA,)),
     _trained(escal, "ESCal", ESCalOptions),
