@@ -21,13 +21,15 @@ Linears (embeddings, projections, heads) by TSV (:func:`featcal.baselines.mergin
 (biases, norms, convolutions) by the experts' mean; ``scale`` multiplies all of it (the authors
 search it on labelled validation data: [0, 2] for ViT, [0, 5] for RoBERTa; 1.0 before it).
 
-Differences from the authors' code (docs/comparison.md): every Linear of the blocks is
-decomposed on its own, as their RoBERTa code does (their ViT code decomposes open_clip's packed
-q/k/v as one matrix and merges ``out_proj`` by TSV, since ``nn.MultiheadAttention`` hides its
-input from hooks); the basis is exact (their SVD pads with identity columns when there are fewer
-token rows than outputs, which changes ``||V_i||``); directions with a zero eigenvalue are never
-kept (theirs get weight 0, and the polar factor then fills them arbitrarily). The statistics are
-those RegMean and LOT Merging collect (:func:`featcal.baselines.regmean.block_input_stats`).
+With the ViT recipe an ``nn.MultiheadAttention`` (open_clip, the authors' model) is merged as their
+code does: its packed q/k/v decomposed as one matrix, its ``out_proj`` (whose input their hooks never
+see) by TSV, balanced across the blocks like the rest. Differences from the authors' code
+(docs/comparison.md): elsewhere every Linear of the blocks is decomposed on its own (HF's separate
+q/k/v and output projections, as their RoBERTa code does); the basis is exact (their SVD pads with
+identity columns when there are fewer token rows than outputs, which changes ``||V_i||``);
+directions with a zero eigenvalue are never kept (theirs get weight 0, and the polar factor then
+fills them arbitrarily). The statistics are those RegMean and LOT Merging collect
+(:func:`featcal.baselines.regmean.block_input_stats`).
 
 Usage::
 
@@ -44,7 +46,7 @@ from torch import nn
 
 from featcal.baselines.merging import tsv
 from featcal.baselines.regmean import block_input_stats, check_calib
-from featcal.baselines.spectral import iso_c_task_vector
+from featcal.baselines.spectral import iso_c_task_vector, tsv_task_vector
 from featcal.model.arch import block_targets, get_params, resolve_blocks, resolve_stacks, set_params
 from featcal.model.capture import target_site
 from featcal.model.modes import eval_mode
@@ -161,9 +163,26 @@ def _weight_name(path: str, idx: int, t) -> str:
     return f"{path}.{idx}.{t.owner}.{'in_proj_weight' if t.rows else 'weight'}"
 
 
+def _unit(tg, recipe: str) -> str:
+    """The name a Linear target is merged under: with the ViT recipe, one ``nn.MultiheadAttention``'s
+    packed q/k/v are one matrix (``attn.in_proj``), as the authors' ViT code decomposes them; else
+    the target alone."""
+    return f"{tg.owner}.in_proj" if recipe == "vit" and tg.rows else tg.name
+
+
+def _unit_task_vector(deltas: list[torch.Tensor], grams: list[torch.Tensor], recipe: str, site: str) -> torch.Tensor:
+    """One unit's merged task vector: :func:`esm_task_vector`, except, with the ViT recipe, an
+    ``nn.MultiheadAttention``'s ``out_proj`` (site ``...#context``), which the authors' hooks never
+    see and their code merges by TSV."""
+    if recipe == "vit" and site.endswith("#context"):
+        return tsv_task_vector(torch.stack(deltas))
+    return esm_task_vector(deltas, grams, recipe)
+
+
 def _decompose_stack(model, base, experts, calib_data, path, recipe, progress) -> dict:
-    """``{target name: [(block, target, D_l), ...]}``: the merged task vector of every Linear of the
-    stack at ``path``, each task's features from its own expert on its own batches."""
+    """``{unit: [(block, targets, W_0, D_l), ...]}``: the merged task vector of every Linear unit
+    (:func:`_unit`; ``W_0`` and ``D_l`` its targets' rows stacked) of the stack at ``path``, each
+    task's features from its own expert on its own batches."""
     blks = resolve_blocks(model, path)[1]
     base_blks = resolve_blocks(base, path)[1]
     exp_blks = {t: resolve_blocks(e, path)[1] for t, e in experts.items()}
@@ -174,11 +193,16 @@ def _decompose_stack(model, base, experts, calib_data, path, recipe, progress) -
         stats = {
             t: block_input_stats(exp_blks[t][idx], targets[t], calls[t], device_of(experts[t]), True) for t in experts
         }
+        units: dict[str, list] = {}
         for tg in block_targets(blks[idx], layernorm=False):
-            grams = [stats[t][target_site(tg)] for t in experts]  # the packed q/k/v share one
-            W0 = get_params(base_blks[idx], tg)[0].to(grams[0].device, torch.float64)
-            deltas = [get_params(exp_blks[t][idx], tg)[0].to(W0.device, torch.float64) - W0 for t in experts]
-            kinds.setdefault(tg.name, []).append((idx, tg, W0, esm_task_vector(deltas, grams, recipe)))
+            units.setdefault(_unit(tg, recipe), []).append(tg)
+        for name, tgs in units.items():
+            grams = [stats[t][target_site(tgs[0])] for t in experts]  # one input for a packed unit
+            W0 = torch.cat([get_params(base_blks[idx], tg)[0] for tg in tgs]).to(grams[0].device, torch.float64)
+            rows = [torch.cat([get_params(exp_blks[t][idx], tg)[0] for tg in tgs]) for t in experts]
+            deltas = [W.to(W0.device, torch.float64) - W0 for W in rows]
+            tau = _unit_task_vector(deltas, grams, recipe, tgs[0].site)
+            kinds.setdefault(name, []).append((idx, tgs, W0, tau))
     return kinds
 
 
@@ -206,8 +230,10 @@ def esm(
         for path, blks in resolve_stacks(model, blocks):
             for kind in _decompose_stack(model, base, experts, calib_data, path, recipe, progress).values():
                 balanced = layer_balance([D for *_, D in kind])
-                for (idx, tg, W0, _), D in zip(kind, balanced):
-                    solved.setdefault(_weight_name(path, idx, tg), []).append((blks[idx], tg, W0 + scale * D))
+                for (idx, tgs, W0, _), D in zip(kind, balanced):
+                    Ws = (W0 + scale * D).split([get_params(blks[idx], tg)[0].shape[0] for tg in tgs])
+                    for tg, W in zip(tgs, Ws):
+                        solved.setdefault(_weight_name(path, idx, tg), []).append((blks[idx], tg, W))
     base_sd = base.state_dict()
     rest = {k: v for k, v in base_sd.items() if k not in solved}
     expert_rest = {t: {k: e.state_dict()[k] for k in rest} for t, e in experts.items()}

@@ -164,3 +164,22 @@ def test_bad_parameters_are_refused_by_name():
     with pytest.raises(ValueError, match=r"esm: scale must be >= 0"):
         esm(base=base, experts=experts, calib_data=data, scale=-1.0)
     assert get("esm").fn is esm
+
+
+def test_vit_recipe_merges_open_clip_attention_as_the_authors_code():
+    """open_clip's nn.MultiheadAttention under the ViT recipe: ``out_proj`` (whose input the authors'
+    hooks never see) is TSV's merge, balanced across the blocks; the packed q/k/v are decomposed as
+    one matrix (the RoBERTa recipe decomposes q, k and v apart: a different result)."""
+    base, experts, _, data = tiny.zoo("open_clip", n_tasks=3)
+    vit = merge_with_data("esm", base=base, experts=experts, calib_data=data, progress=False).state_dict()
+    rob = merge_with_data("esm", base=base, experts=experts, calib_data=data, recipe="roberta", progress=False)
+    sds = {t: e.state_dict() for t, e in experts.items()}
+    tsv = merge("tsv", base.state_dict(), sds)
+    keys = [f"transformer.resblocks.{i}.attn.out_proj.weight" for i in range(len(base.transformer.resblocks))]
+    taus = [(tsv[k] - base.state_dict()[k]).double() for k in keys]
+    norms = torch.stack([t.norm() for t in taus])
+    for k, tau in zip(keys, taus):
+        want = base.state_dict()[k].double() + tau * (tau.norm() / norms.mean()) ** 2
+        assert torch.allclose(vit[k].double(), want, atol=1e-5), k
+    k = "transformer.resblocks.0.attn.in_proj_weight"
+    assert not torch.allclose(vit[k], rob.state_dict()[k], atol=1e-4)
