@@ -5,12 +5,10 @@ default, help, range and choices where it has them), its label and its aliases. 
 (``featcal merge``, ``featcal calibrate --merge``, ``featcal compare``), :mod:`diagnostics.compare`
 and the app read it; :data:`MERGERS` and :data:`MERGERS_WITH_DATA` are derived from it.
 
-Parameters are data: a trained calibrator's are the fields of its options dataclass
-(:class:`~featcal.baselines.trained.calibrators.ESCalOptions`,
-:class:`~featcal.baselines.trained.surgery.SurgeryOptions`: help, default, range, choices);
-FeatCal's those of :class:`~featcal.config.FeatCalConfig` (its ranges: the one table,
-:data:`featcal.config.RANGES`) and :func:`featcal.calibrate`'s run options (:data:`FEATCAL_RUN`);
-a merger's are its function's keywords, with the slider ranges and choices given here.
+Parameters are data: a trained calibrator's are the fields of its options dataclass (help, default,
+range, choices: :class:`~featcal.baselines.trained.surgery.SurgeryOptions`, ...); FeatCal's those of
+:class:`~featcal.config.FeatCalConfig` (ranges: :data:`featcal.config.RANGES`) and :func:`featcal.calibrate`'s
+run options (:data:`FEATCAL_RUN`); a merger's its function's keywords, with the ranges and choices given here.
 
 Kinds:
 
@@ -36,7 +34,7 @@ from typing import Any, Callable, Mapping
 from torch import nn
 
 from featcal.baselines import adamerging as ada
-from featcal.baselines import fisher, merging
+from featcal.baselines import esm, fisher, merging
 from featcal.baselines import svc as svc_defaults
 from featcal.baselines.lot import lot
 from featcal.baselines.regmean import regmean, regmean_plusplus
@@ -279,6 +277,7 @@ METHODS: tuple[Method, ...] = (
         examples_cap="n_examples",
     ),
     _with_data("data_merger", lot, "LOT Merging", {"rtol": (1e-8, 1e-2, 1.0, True, (1e-12, 0.5), "pinv cut")}),
+    _with_data("data_merger", esm.esm, "ESM", {"scale": esm.SCALE_RANGE}, {"recipe": esm.RECIPES}),
     Method("featcal", "calibrator", calibrate, "FeatCal", _featcal_params(), data_free=False),
     Method("svc", "calibrator", svc, "SVC", (SVC_ALPHA,)),
     _trained(escal, "ESCal", ESCalOptions),

@@ -27,7 +27,14 @@ def test_every_method_is_registered_once_with_its_kind_label_and_parameters():
         "tsv",
         "wudi",
     }
-    assert set(registry.names("data_merger")) == {"regmean", "regmean_plusplus", "adamerging", "fisher_merging", "lot"}
+    assert set(registry.names("data_merger")) == {
+        "regmean",
+        "regmean_plusplus",
+        "adamerging",
+        "fisher_merging",
+        "lot",
+        "esm",
+    }
     assert registry.names("calibrator") == ["featcal", "svc"]  # FeatCal is one entry, like every other
     assert registry.names("trained") == ["escal", "surgery", "surgery_v2", "probsurgery"]
     for m in registry.METHODS:
