@@ -376,7 +376,7 @@ def holdout_report(zoo, result: TuneResult, split: str = "test") -> "pd.DataFram
     models = {m["method"]: (merged, "")}
     for name, cfg in (("featcal (anchor)", result.config), ("featcal (tuned)", result.best_config())):
         model, _ = calibrate(merged, base=zoo.base, experts=zoo.experts, calib_data=calib, config=cfg, progress=False)
-        sched = f", schedule {cfg.to_dict()['schedule']}" if cfg.schedule else ""
+        sched = "".join(f"; block {b}: " + ", ".join(f"{k}={v:.3g}" for k, v in vals) for b, vals in cfg.schedule)
         models[name] = (model, f"lam={cfg.lam:.4g}, rho={cfg.rho:.4g}, alpha={cfg.alpha:.4g}{sched}")
     rows = []
     for name, (model, setting) in models.items():

@@ -101,3 +101,21 @@ def test_tune_per_block_command_line_prints_the_schedule_and_writes_its_table(ti
     assert "vs global preset" in printed and "TEST accuracy" in printed
     again, _ = run(tmp_path / "b")  # the same seed: the same trials and scores
     pd.testing.assert_frame_equal(table.drop(columns="seconds"), again.drop(columns="seconds"))
+
+
+def test_tune_page_runs_a_per_block_search_on_a_tiny_zoo(tmp_path):
+    pytest.importorskip("streamlit")
+    from app_zoo import app_page_on_tiny_zoo
+
+    at = app_page_on_tiny_zoo(tmp_path, "pages/tune.py")
+    at.select_slider(key="tune_n").set_value(8)
+    at.slider(key="tune_confirm").set_value(1)
+    at.selectbox(key="tune_search").set_value("per_block").run()
+    at.select_slider(key="tune_trials").set_value(20)
+    next(b for b in at.button if b.label == "Run sweep").click().run()
+    assert not at.exception and not at.error, [e.value for e in [*at.exception, *at.error]]
+    metrics = {m.label: m.value for m in at.metric}
+    assert {"chosen", "val accuracy, chosen", "val accuracy, paper setting"} <= set(metrics)
+    trials = at.dataframe[-1].value
+    assert len(trials) == 21 and list(trials["stage"]).count("tpe") == 20  # the preset and 20 trials
+    assert not at.get("plotly_chart")  # no grid, no figures
