@@ -116,7 +116,9 @@ val_per_task = (
     if len(val_sizes) > 1
     else n_val
 )
-trials = st.select_slider("TPE trials", [20, 40, 80, 160], 40, key="tune_trials") if per_block else 0
+trials = (
+    st.select_slider("TPE trials", [20, 40, 80, 160], 40, key="tune_trials") if per_block else 40
+)  # (unread off per block)
 args = (source, fp, merger, int(n), GRIDS[grid_name], search, int(n_confirm), int(val_per_task), int(trials))
 
 # 2. The sweep.
