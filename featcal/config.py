@@ -9,7 +9,9 @@ rejected at construction, so a config that exists is a config that runs.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import asdict, dataclass, replace
+from typing import Mapping
 
 import torch
 
@@ -95,6 +97,36 @@ class Setting:
 
 
 STATS_DTYPES = (torch.float32, torch.float64)
+SCHEDULED = ("lam", "rho", "alpha")  # what a block's entry of FeatCalConfig.schedule may set
+Schedule = tuple[tuple[int, tuple[tuple[str, float], ...]], ...]  # ((block, ((name, value), ...)), ...)
+
+
+def normal_schedule(schedule: Mapping | Schedule | None, setting: Setting) -> Schedule:
+    """``{block: {"lam": x, "alpha": y}}`` (or the form this returns) as a sorted, hashable tuple
+    ``((block, (("alpha", y), ("lam", x))), ...)``; every block's setting (``setting`` with its
+    values) checked as a :class:`Setting` is, blocks without values dropped. A block is a number
+    >= 0 (or its digits: JSON writes keys as strings)."""
+    items = (schedule.items() if isinstance(schedule, Mapping) else schedule) or ()
+    out = {}
+    for block, values in items:
+        where = f"FeatCalConfig.schedule, block {block!r}"
+        try:
+            n = int(block) if isinstance(block, str) and block.strip().isdigit() else operator.index(block)
+        except TypeError:
+            n = -1
+        if isinstance(block, bool) or n < 0:
+            raise ValueError(f"{where}: a block is its number (an integer >= 0) in the report's order.")
+        values = dict(values)
+        unknown = sorted(set(values) - set(SCHEDULED))
+        if unknown:
+            raise ValueError(f"{where}: unknown name(s) {unknown}; a block may set {SCHEDULED}.")
+        try:
+            setting.replace(**values)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+        if values:
+            out[n] = tuple(sorted((k, float(v)) for k, v in values.items()))
+    return tuple(sorted(out.items()))
 
 
 @dataclass(frozen=True)
@@ -113,6 +145,11 @@ class FeatCalConfig:
         stats_dtype: dtype of the running statistics and of the solve (float32 or float64).
         offload_streams: keep the hidden-state streams on the CPU between blocks.
         modules: if given, only modules whose name (inside a block) ends with one of these.
+        schedule: per-block settings, ``{block: {"lam": x, "alpha": y}}`` (any of lam, rho,
+            alpha), each overriding the global value in that block (numbered as in the report:
+            an encoder-decoder's decoder blocks after the encoder's); kept in a sorted, hashable
+            form (:func:`normal_schedule`), read through :meth:`setting_at`. Empty: the global
+            setting everywhere.
     """
 
     lam: float = option(0.05, RANGES["lam"].what, range=RANGES["lam"])
@@ -126,9 +163,11 @@ class FeatCalConfig:
     stats_dtype: torch.dtype = option(torch.float32, "dtype of the statistics and the solve", choices=STATS_DTYPES)
     offload_streams: bool = option(False, "keep the hidden-state streams on the CPU between blocks")
     modules: tuple[str, ...] | None = option(None, "only modules whose name (inside a block) ends with one of these")
+    schedule: Schedule = option((), "per-block settings {block: {'lam': x, 'alpha': y}} over the global ones")
 
     def __post_init__(self):
         check_setting(self.lam, self.rho, self.alpha, self.eps)
+        object.__setattr__(self, "schedule", normal_schedule(self.schedule, self.setting))
         if self.stats_dtype not in STATS_DTYPES:
             raise ValueError(f"stats_dtype must be torch.float32 or torch.float64, got {self.stats_dtype}.")
         if not (self.linear or self.layernorm):
@@ -140,6 +179,13 @@ class FeatCalConfig:
     def setting(self) -> "Setting":
         """This run's (lam, rho, alpha)."""
         return Setting(self.lam, self.rho, self.alpha)
+
+    def setting_at(self, block: int) -> Setting:
+        """The (lam, rho, alpha) block ``block`` (its number in the report) is solved with: the
+        global setting with the schedule's values for that block. The one place the exact run
+        and the preview read a block's setting from, so the two agree for a schedule as they do
+        for a global setting."""
+        return self.setting.replace(**dict(dict(self.schedule).get(block, ())))
 
     # Presets (the table: :data:`PRESETS`) ------------------------------------
     @classmethod
@@ -178,6 +224,9 @@ class FeatCalConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["stats_dtype"] = str(self.stats_dtype).removeprefix("torch.")
+        d.pop("schedule")  # recorded only where there is one, as {block: {name: value}}
+        if self.schedule:
+            d["schedule"] = {block: dict(values) for block, values in self.schedule}
         return d
 
 

@@ -5,6 +5,10 @@ choose on the validation split; the test split only on request, after the choice
 2. the sweep runs on "Run sweep" (cached per setting: :func:`featcal.sweep.search.tune_zoo`);
 3. the chosen setting, the table of every point, the parallel-coordinates plot and the
    (rho, alpha) heatmap at a chosen lambda; a button scores anchor and tuned on test.
+
+The "per block" search (:mod:`featcal.sweep.perblock`) chooses a schedule of λ and α per block
+instead; its results are the schedule and the table (no grid, so no figures, and the Calibrate
+page's sliders hold one setting: nothing to apply there).
 """
 
 import dataclasses
@@ -45,6 +49,7 @@ def _sweep(
     search: str,
     n_confirm: int,
     val_per_task: int | None,
+    trials: int,
 ):
     z = state.active_zoo()
     return state.on_shared_models(
@@ -60,6 +65,7 @@ def _sweep(
             grid=grid,
             search=search,
             n_confirm=n_confirm,
+            trials=trials,
         ),
     )
 
@@ -92,10 +98,13 @@ grid_name = c2.selectbox(
 )
 search = c3.selectbox(
     "search",
-    ["grid", "adaptive"],
+    ["grid", "adaptive", "per_block"],
     key="tune_search",
-    help="adaptive: after the grid, refine twice around the three best previews",
+    format_func=lambda v: "per block (TPE)" if v == "per_block" else v,
+    help="adaptive: after the grid, refine twice around the three best previews; per block: a λ and α "
+    "for each block, searched by TPE (seeded), each trial one preview (beyond the paper)",
 )
+per_block = search == "per_block"
 n_confirm = c4.slider("exact confirmations", 0, 8, 4, key="tune_confirm")
 n_val = zoos.split_size(zoo, "val") if "val" in zoos.splits_of(zoo) else 0
 if n_val == 0:
@@ -107,13 +116,17 @@ val_per_task = (
     if len(val_sizes) > 1
     else n_val
 )
-args = (source, fp, merger, int(n), GRIDS[grid_name], search, int(n_confirm), int(val_per_task))
+trials = (
+    st.select_slider("TPE trials", [20, 40, 80, 160], 40, key="tune_trials") if per_block else 40
+)  # (unread off per block)
+args = (source, fp, merger, int(n), GRIDS[grid_name], search, int(n_confirm), int(val_per_task), int(trials))
 
 # 2. The sweep.
 if st.button("Run sweep", type="primary"):
     st.session_state["tune_args"] = args
 if st.session_state.get("tune_args") != args:
-    st.info(f"{len(GRIDS[grid_name].points())} grid points, {n_confirm} exact confirmations: press **Run sweep**.")
+    what = f"{trials} TPE trials" if per_block else f"{len(GRIDS[grid_name].points())} grid points"
+    st.info(f"{what}, {n_confirm} exact confirmations: press **Run sweep**.")
     st.stop()
 with ui.progress_of("Sweeping: one exact run, previews of every point, exact confirmations"):
     res = state.memoized(_sweep, *args)
@@ -153,6 +166,27 @@ def apply_to_calibrate(lam: float, rho: float, alpha: float, n: int) -> None:
 
 # 3. Results.
 b, unit = res.best, ("%" if res.score == "accuracy" else "")
+if per_block:  # the schedule, its val score against the preset's, and every trial
+    kept = "the paper's setting kept: no schedule beat it on val" if b["stage"] == "anchor" else None
+    m1, m2, m3 = st.columns([2, 1, 1])
+    m1.metric(
+        "chosen", "per-block schedule" if b["schedule"] else f"λ={b['lam']:.3g}, ρ={b['rho']:g}, α={b['alpha']:g}", kept
+    )
+    m2.metric(
+        f"val {res.score}, chosen", f"{b['score']:.3f}{unit}", f"{b['score'] - b['anchor_score']:+.3f} vs paper setting"
+    )
+    m3.metric(f"val {res.score}, paper setting", f"{b['anchor_score']:.3f}{unit}")
+    if b["schedule"]:
+        rows = [{"block": blk, "λ": v["lam"], "ρ": b["rho"], "α": v["alpha"]} for blk, v in b["schedule"].items()]
+        ui.table(pd.DataFrame(rows), 4, index=False)
+    st.subheader("Every trial")
+    ui.table(res.table, 4, index=False)
+    ui.downloads(res.table, "tune_table", "every trial (preview and exact scores)")
+    st.subheader("Test split")
+    if st.button("Score the paper's setting and the chosen schedule on the test split"):
+        with st.spinner("Two exact runs and a full test evaluation…"):
+            ui.table(_test(source, fp, args, res), 2, index=False)
+    st.stop()
 m1, m2, m3 = st.columns([2, 1, 1])  # the chosen setting's three values need the room
 m1.metric(
     "chosen setting",

@@ -3,13 +3,16 @@
     featcal tune --zoo demo --out runs/tune                      # grid, previews, 4 exact confirmations
     featcal tune --zoo demo --ray --search adaptive --report --out runs/tune
     featcal tune --zoo demo --grid "lam=0.01,0.05,0.2;rho=1,2;alpha=0.2,0.3,0.5" --out runs/tune
+    featcal tune --zoo demo --per-block --trials 60 --groups 3 --report --out runs/tune_pb
     featcal study sample-efficiency --zoo demo --seeds 0,1,2 --out runs/se
     featcal study robustness --zoo demo --severities 1,3,5 --out runs/robust
 
 ``tune`` writes ``best.json``, ``table.csv``, ``sweep_parallel.html`` and
 ``sweep_heatmap.html`` (and with ``--report`` ``test_report.csv``: the test
 accuracy of the merged model, the anchor and the tuned setting, measured after
-the choice). ``study`` writes ``rows.csv`` (tidy), ``summary.csv`` and its figure.
+the choice). ``--per-block`` searches a schedule of lam and alpha per block (or per
+group of blocks) by TPE instead (:mod:`featcal.sweep.perblock`; no figures).
+``study`` writes ``rows.csv`` (tidy), ``summary.csv`` and its figure.
 The figures (:mod:`featcal.sweep.figures`) need plotly; without it they are skipped
 with a warning.
 
@@ -156,7 +159,9 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     add_param(p)
     p.add_argument("--n-calib", type=int, default=256, help="calibration examples per task (calib split)")
-    p.add_argument("--seed", type=int, default=42, help="seed drawing the calibration examples")
+    p.add_argument(
+        "--seed", type=int, default=42, help="seed drawing the calibration examples (and of --per-block's TPE)"
+    )
     p.add_argument("--val-per-task", type=int, default=None, help="val examples per task scored (default: all)")
     _anchor_args(p)
     p.add_argument(
@@ -173,6 +178,19 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=2, help="adaptive: refinement rounds")
     p.add_argument("--top-k", type=int, default=3, help="adaptive: previews refined per round")
     p.add_argument("--n-confirm", type=int, default=4, help="best previews re-run exactly")
+    p.add_argument(
+        "--per-block",
+        action="store_true",
+        help="search lam and alpha per block (a schedule) by TPE, each trial one preview, instead of the grid",
+    )
+    p.add_argument("--trials", type=int, default=40, help="--per-block: TPE trials (previews)")
+    p.add_argument(
+        "--groups",
+        type=int,
+        default=None,
+        help="--per-block: cut the blocks into this many groups of consecutive blocks, one setting each "
+        "(default: one per block)",
+    )
     p.add_argument(
         "--score",
         choices=("auto", "accuracy", "kl"),
@@ -207,20 +225,23 @@ def run_tune(args: argparse.Namespace) -> int:
         config=_featcal_config(args),
         options=TuneConfig(
             grid=grid or Grid(),
-            search=args.search,
+            search="per_block" if args.per_block else args.search,
             score=args.score,
             n_confirm=args.n_confirm,
             rounds=args.rounds,
             top_k=args.top_k,
             ray=args.ray_address or args.ray,
             num_cpus=args.num_cpus,
+            trials=args.trials,
+            groups=args.groups,
+            seed=args.seed,
         ),
         progress=not args.quiet,
     )
     out = _out_dir(args.out, args.force)
     res.table.to_csv(out / "table.csv", index=False)
     info = res.to_dict()
-    figs = _figures()
+    figs = None if args.per_block else _figures()  # the figures plot (lam, rho, alpha) points
     if figs is not None:
         figs.sweep_parallel(res.table, res.score).write_html(out / "sweep_parallel.html", include_plotlyjs="directory")
         figs.sweep_heatmap(res.table, score=res.score).write_html(
@@ -231,10 +252,11 @@ def run_tune(args: argparse.Namespace) -> int:
         f"{len(res.table)} points previewed, {int(res.table.confirmed.sum())} exact runs, {res.seconds:.1f} s "
         f"({'Ray' if args.ray or args.ray_address else 'one process'}); score: val {res.score}"
     )
-    print(
-        f"best: lam={b['lam']:.4g} rho={b['rho']:.4g} alpha={b['alpha']:.4g}  val {b['score']:.4f} "
-        f"(anchor lam={res.config.lam:g} rho={res.config.rho:g} alpha={res.config.alpha:g}: {b['anchor_score']:.4f})"
-    )
+    anchor = f"anchor lam={res.config.lam:g} rho={res.config.rho:g} alpha={res.config.alpha:g}: {b['anchor_score']:.4f}"
+    if args.per_block:
+        _print_schedule(res)
+    else:
+        print(f"best: lam={b['lam']:.4g} rho={b['rho']:.4g} alpha={b['alpha']:.4g}  val {b['score']:.4f} ({anchor})")
     if args.report:
         rep = holdout_report(zoo, res)
         rep.to_csv(out / "test_report.csv", index=False)
@@ -245,6 +267,23 @@ def run_tune(args: argparse.Namespace) -> int:
     outdir.mark(out, "sweep")  # done: the marker now lists its files, so --force never deletes one added since
     print(f"\nwrote {out}/")
     return 0
+
+
+def _print_schedule(res) -> None:
+    """The per-block search's outcome: the schedule chosen (or the global preset kept) and its val
+    score against the preset's."""
+    b, t = res.best, res.table
+    best_other = t.loc[t.stage != "anchor", "exact"].max()
+    if not b["schedule"]:
+        print(f"kept the global preset: no schedule beat it on val (best confirmed schedule: {best_other:.4f})")
+    else:
+        print("per-block schedule chosen (block: lam, alpha):")
+        for block, v in b["schedule"].items():
+            print(f"  {block}: lam={v['lam']:.4g} alpha={v['alpha']:.4g}")
+    print(
+        f"val {res.score}: per-block {b['score']:.4f} vs global preset (lam={res.config.lam:g} "
+        f"rho={res.config.rho:g} alpha={res.config.alpha:g}) {b['anchor_score']:.4f}; {res.seconds:.1f} s in all"
+    )
 
 
 # ------------------------------------------------------------------ featcal study

@@ -110,6 +110,7 @@ class BlockStats:
         self.expert_params = expert_params
         self.merged_params = merged_params
         self.rows = rows
+        self.alpha = run.alpha_only(stack.offset + block)  # None: sums for any alpha
         tw = run.cfg.token_weights  # "the last block": of the stack
         self.weighted = {t.name: tw is not None and tw.applies(block, stack.n_blocks, t.name) for t in targets}
         self.other = tw.other if tw is not None else 1.0
@@ -133,7 +134,7 @@ class BlockStats:
 
     def _start(self, key: tuple, ts: list[arch.Target], d: int, lead: tuple[int, ...], device) -> None:
         """The empty sums of a group of Linear targets, in the form they will be kept."""
-        fast, alpha = self.run.fast, self.run.alpha_only
+        fast, alpha = self.run.fast, self.alpha
         outs = [self.expert_params[t.name][0].shape[-2] for t in ts]
         low = not output_usable(self.expert_params[ts[0].name][0].dtype)  # outputs not used: W_i xe computed
         unseen = len(ts) if low else sum(t.rows is not None for t in ts)
@@ -180,9 +181,7 @@ class BlockStats:
                 ye = xe @ W_i.to(dt).mT if ye is None else ye  # (rows, o)
                 ym = self._output(t, cs, self.merged_params[t.name], xs, keep)
                 ms = self.module.get(t.name) or stats.ModuleSums(torch.zeros((), dtype=dt, device=xs.device))
-                self.module[t.name] = stats.accumulate_module(
-                    ms, self.form[key], xs, ye, w, W_i, ym, self.run.alpha_only
-                )
+                self.module[t.name] = stats.accumulate_module(ms, self.form[key], xs, ye, w, W_i, ym, self.alpha)
 
     def release(self) -> None:
         """Hand the big buffers back to the scratch (the sums are done with)."""
@@ -247,7 +246,7 @@ class BlockSystems:
                     owner = self.shared_S.setdefault(acc.key_of[t.name], t.name)
                     S = self.systems[owner].S if owner != t.name else None
                     self.systems[t.name] = solve.LinearSystem.zeros(
-                        d, W_i.shape[-2], dt, device, S=S, alpha=run.alpha_only, kernels=kernels
+                        d, W_i.shape[-2], dt, device, S=S, alpha=acc.alpha, kernels=kernels
                     )
                 solve.add_task(
                     self.systems[t.name], mom, W_i.to(device), None if b_i is None else b_i.to(device), run.cfg.eps

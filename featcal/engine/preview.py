@@ -1,5 +1,5 @@
-"""Instant preview: re-solve every module for another (lam, rho, alpha) from the
-statistics of one exact run.
+"""Instant preview: re-solve every module for another (lam, rho, alpha), or another per-block
+schedule of them (``FeatCalConfig.schedule``), from the statistics of one exact run.
 
 With ``S = Q diag(ev) Q^T`` (one symmetric eigendecomposition per module, done
 once), any setting is a few matrix products::
@@ -124,34 +124,41 @@ class Preview:
         own = [(e.system, e.ends.W_mer, e.ends.b_mer) for e in self.entries]
         return storage_bytes([own, list(self._eig.values())])
 
+    def config_at(self, at: Setting | FeatCalConfig) -> FeatCalConfig:
+        """The run's config (its eps and bias switch) at ``at``: a :class:`Setting` in every
+        block, or a config's setting and schedule."""
+        schedule = at.schedule if isinstance(at, FeatCalConfig) else ()
+        return self.config.with_(lam=at.lam, rho=at.rho, alpha=at.alpha, schedule=schedule)
+
     @torch.no_grad()
-    def params(self, at: Setting) -> list[tuple[int, arch.Target, torch.Tensor, torch.Tensor | None]]:
-        """``[(block, target, W, b), ...]`` previewed for the setting ``at``."""
-        out = []
+    def params(self, at: Setting | FeatCalConfig) -> list[tuple[int, arch.Target, torch.Tensor, torch.Tensor | None]]:
+        """``[(block, target, W, b), ...]`` previewed for ``at``: a setting in every block, or a
+        config's setting and schedule (each block's from ``setting_at``, as in the exact run)."""
+        cfg, out = self.config_at(at), []
         for i, kept in enumerate(self.entries):
-            ends = kept.ends
+            ends, setting = kept.ends, cfg.setting_at(kept.block)
             if kept.target.kind == arch.LINEAR:
-                W = self._eig_of(i).solve(at, self.config.eps)
+                W = self._eig_of(i).solve(setting, self.config.eps)
                 if ends.b_mer is None:
                     b = None
                 elif not self.config.bias:
                     b = ends.b_mer
                 else:
-                    b = solve.linear_bias(kept.system, W, ends, at)
+                    b = solve.linear_bias(kept.system, W, ends, setting)
             else:
-                W, b = solve.solve_norm(kept.system, ends, at, eps=self.config.eps)
+                W, b = solve.solve_norm(kept.system, ends, setting, eps=self.config.eps)
             out.append((kept.block, kept.target, W, b))
         return out
 
     @torch.no_grad()
-    def model(self, at: Setting) -> nn.Module:
+    def model(self, at: Setting | FeatCalConfig) -> nn.Module:
         """A new model (a copy of the calibrated one) holding the previewed parameters."""
         model = copy.deepcopy(self.template)
         self.load_into(model, at)
         return model
 
     @torch.no_grad()
-    def load_into(self, model: nn.Module, at: Setting) -> nn.Module:
+    def load_into(self, model: nn.Module, at: Setting | FeatCalConfig) -> nn.Module:
         """Write the previewed parameters into ``model`` (same architecture) in place."""
         blks = arch.all_blocks(model, self.blocks_path)
         for blk, t, W, b in self.params(at):

@@ -114,13 +114,18 @@ class CalibrationReport:
             f"{self.seconds:.2f} s; mean relative residual {before:.4f} -> {after:.4f}{notes}"
         )
 
-    def preview(self, lam: float | None = None, rho: float | None = None, alpha: float | None = None) -> "nn.Module":
-        """A new model with every calibrated module re-solved for another (lam, rho, alpha)
-        from the statistics of this run. A *preview*: it ignores how earlier blocks'
-        changes would move later features (an exact run does not). Needs ``keep_stats=True``."""
+    def preview(
+        self, lam: float | None = None, rho: float | None = None, alpha: float | None = None, schedule=None
+    ) -> "nn.Module":
+        """A new model with every calibrated module re-solved for another (lam, rho, alpha) and
+        per-block ``schedule`` (``FeatCalConfig.schedule``; None: the run's) from the statistics
+        of this run. A *preview*: it ignores how earlier blocks' changes would move later
+        features (an exact run does not). Needs ``keep_stats=True``."""
         if self.preview_state is None:
             raise RuntimeError("this report kept no statistics; run calibrate(..., keep_stats=True) to preview.")
-        return self.preview_state.model(self.config.setting.replace(lam, rho, alpha))
+        at = self.config.setting.replace(lam, rho, alpha)
+        schedule = self.config.schedule if schedule is None else schedule
+        return self.preview_state.model(self.config.with_(lam=at.lam, rho=at.rho, alpha=at.alpha, schedule=schedule))
 
 
 # ------------------------------------------------------------------ what the run has to say

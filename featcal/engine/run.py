@@ -83,6 +83,7 @@ def _solve_block(run: Run, stack: Stack, block: int, targets, systems: dict) -> 
     The factorisations' buffers come from the kernels' scratch and go back to it, and so do the
     systems' ``S`` unless ``run.keep`` holds on to them."""
     cfg, kernels, keep, blk = run.cfg, run.kernels, run.keep, stack.blocks[block]
+    at = cfg.setting_at(stack.offset + block)  # the global setting, or the schedule's for this block
     new_params = []
     for t in targets:
         t0 = time.perf_counter()
@@ -93,12 +94,12 @@ def _solve_block(run: Run, stack: Stack, block: int, targets, systems: dict) -> 
         ends = solve.Endpoints(W_mer, b_mer, W_0.to(W_mer.device), None if b_0 is None else b_0.to(W_mer.device))
         sysm = systems[t.name]
         if t.kind == arch.LINEAR:
-            W, b, SWt = solve.solve_linear(sysm, ends, cfg.setting, eps=cfg.eps, bias=cfg.bias, kernels=kernels)
+            W, b, SWt = solve.solve_linear(sysm, ends, at, eps=cfg.eps, bias=cfg.bias, kernels=kernels)
             merged, solved = (W_mer, b_mer, None, sysm.res.k_mm), (W, b, SWt, None)
-            before, after = solve.linear_residuals(sysm, cfg.alpha, merged, solved)
+            before, after = solve.linear_residuals(sysm, at.alpha, merged, solved)
             d_in, d_out, rows = W.shape[1], W.shape[0], sysm.min_rows
         else:
-            W, b = solve.solve_norm(sysm, ends, cfg.setting, eps=cfg.eps, kernels=kernels)
+            W, b = solve.solve_norm(sysm, ends, at, eps=cfg.eps, kernels=kernels)
             before, after = solve.norm_residual(sysm, W_mer, b_mer), solve.norm_residual(sysm, W, b)
             d_in, d_out, rows = W.shape[0], W.shape[0], 0
         run.notes.solved(f"block {block} {t.name}", *kernels.said())
@@ -261,12 +262,20 @@ def _fast_paths(fast: FastPaths | None) -> FastPaths:
 
 def _checked_stacks(merged: nn.Module, path: str, cfg: FeatCalConfig, block_source) -> list[str]:
     """The stacks' paths in ``path``, after checking that ``cfg.modules`` names modules in them
-    (a typo would calibrate nothing) and that a ``block_source`` gets one stack."""
+    (a typo would calibrate nothing), that ``cfg.schedule`` names blocks they have, and that a
+    ``block_source`` gets one stack."""
     stacks = path.split(arch.STACK_SEP)
     if block_source is not None and len(stacks) > 1:
         raise ValueError(f"block_source works on one stack of blocks; {path!r} has {len(stacks)}.")
-    firsts = [arch.resolve_blocks(merged, s)[1][0] for s in stacks]
-    validate.check_modules(firsts, cfg.modules, cfg.linear, cfg.layernorm)
+    blocks = [arch.resolve_blocks(merged, s)[1] for s in stacks]
+    validate.check_modules([b[0] for b in blocks], cfg.modules, cfg.linear, cfg.layernorm)
+    n = sum(len(b) for b in blocks)
+    beyond = [block for block, _ in cfg.schedule if block >= n]
+    if beyond:
+        raise ValueError(
+            f"FeatCalConfig.schedule sets block(s) {beyond}, but {path!r} has {n} blocks (0 to {n - 1}, "
+            "numbered as in the report); drop those entries."
+        )
     return stacks
 
 

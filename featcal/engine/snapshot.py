@@ -84,7 +84,7 @@ def block_systems(run: Run, stack: Stack, block: int, targets, streams: dict[str
     """Step 1 for ``block`` of ``stack``: the snapshot statistics of every task, reduced task by
     task (or all tasks at once, :func:`_batchable`) into each target's system, the experts'
     streams moved past the block as they go (``offload``: to the host). With
-    ``run.alpha_only``, systems for that alpha only (cheaper; no preview from them; their ``S``
+    ``run.alpha_only(block)``, systems for that alpha only (cheaper; no preview from them; their ``S``
     then come from the kernels' scratch, as do the statistics' buffers in any case: kept from
     task to task and block to block)."""
     blk = stack.blocks[block]

@@ -36,11 +36,11 @@ class Run:
     on_block: Callable[[int, dict], None] | None  # after each block (calibrate's docstring)
     blocks_total: int  # over every stack
 
-    @property
-    def alpha_only(self) -> float | None:
-        """``cfg.alpha`` when the sums and systems are built for it alone (cheaper, no preview:
-        nothing is kept), else None (built for any alpha)."""
-        return None if self.keep is not None else self.cfg.alpha
+    def alpha_only(self, block: int) -> float | None:
+        """Block ``block``'s alpha (its number in the report: ``cfg.setting_at``) when its sums and
+        systems are built for it alone (cheaper, no preview: nothing is kept), else None (built
+        for any alpha)."""
+        return None if self.keep is not None else self.cfg.setting_at(block).alpha
 
 
 @dataclass(frozen=True)

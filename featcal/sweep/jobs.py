@@ -112,9 +112,18 @@ def preview_job(work: Work, points: Sequence[Point]) -> list[dict[str, float]]:
     return out
 
 
-def exact_job(work: Work, point: Point) -> dict:
-    """One exact run; a run that diverges (NaN/Inf, e.g. a tiny lam) scores NaN."""
-    lam, rho, alpha = point
+def config_of(work: Work, at: Point | FeatCalConfig) -> FeatCalConfig:
+    """The exact run's config at ``at``: a point ``(lam, rho, alpha)`` of the anchor's config, or a
+    config of its own (a per-block schedule)."""
+    if isinstance(at, FeatCalConfig):
+        return at
+    lam, rho, alpha = at
+    return work.config.with_(lam=lam, rho=rho, alpha=alpha)
+
+
+def exact_job(work: Work, at: Point | FeatCalConfig) -> dict:
+    """One exact run at ``at`` (:func:`config_of`); a run that diverges (NaN/Inf, e.g. a tiny lam) scores NaN."""
+    config = config_of(work, at)
     t0 = time.perf_counter()
     try:
         model, _ = calibrate(
@@ -122,26 +131,29 @@ def exact_job(work: Work, point: Point) -> dict:
             base=work.base,
             experts=work.experts,
             calib_data=work.calib_data,
-            config=work.config.with_(lam=lam, rho=rho, alpha=alpha),
+            config=config,
             progress=False,
         )
     except FloatingPointError as err:
-        warnings.warn(f"exact run at lam={lam:g}, rho={rho:g}, alpha={alpha:g} failed: {err}", stacklevel=2)
+        where = f"lam={config.lam:g}, rho={config.rho:g}, alpha={config.alpha:g}"
+        where += f", schedule {config.to_dict()['schedule']}" if config.schedule else ""
+        warnings.warn(f"exact run at {where} failed: {err}", stacklevel=2)
         return {"scores": {t: math.nan for t in work.val}, "rel_dist": math.nan, "seconds": time.perf_counter() - t0}
     seconds = time.perf_counter() - t0
     return {
         "scores": val_scores(model, work.val, work.logits, work.kind, work.ref, work.batch_size),
-        "rel_dist": preview_distance(work.preview, point, model),
+        "rel_dist": preview_distance(work.preview, config, model),
         "seconds": seconds,
     }
 
 
 @torch.no_grad()
-def preview_distance(preview: Preview, point: Point, exact: nn.Module) -> float:
-    """``||theta_preview - theta_exact||_F / ||theta_exact||_F`` over every calibrated parameter."""
+def preview_distance(preview: Preview, at: Point | FeatCalConfig, exact: nn.Module) -> float:
+    """``||theta_preview - theta_exact||_F / ||theta_exact||_F`` over every calibrated parameter,
+    the preview at ``at``: a point ``(lam, rho, alpha)`` or a config (its schedule too)."""
     blks = arch.all_blocks(exact, preview.blocks_path)
     num = den = 0.0
-    for blk, t, W, b in preview.params(Setting(*point)):
+    for blk, t, W, b in preview.params(at if isinstance(at, FeatCalConfig) else Setting(*at)):
         for p, e in zip((W, b), arch.get_params(blks[blk], t)):
             if p is not None and e is not None:
                 num += float((p.double() - e.double()).pow(2).sum())

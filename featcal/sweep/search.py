@@ -5,7 +5,9 @@ its statistics; every point of the sweep is then scored as a *preview*
 (:mod:`featcal.engine.preview`: a re-solve from the anchor's features, seconds for a
 whole grid); the best ``n_confirm`` previews are re-run exactly, and the best
 exact run wins. Ties go to the anchor, then to the better preview, so the
-paper's setting is kept unless the validation data say otherwise.
+paper's setting is kept unless the validation data say otherwise. With
+``search="per_block"`` the previews are a per-block schedule's, searched by TPE
+(:mod:`featcal.sweep.perblock`), confirmed and chosen the same way.
 
 Scores are computed on *validation* data only, higher is better:
 
@@ -25,8 +27,6 @@ paths run the same job functions on the same inputs in the same order, so they r
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -51,79 +51,13 @@ from featcal.sweep.jobs import (
     runner,
     val_scores,
 )
+from featcal.sweep.space import SCORES, SEARCHES, Grid, TuneConfig, tune_options
 from featcal.util.memory import trim_heap
 
-__all__ = ["Grid", "TuneConfig", "TuneResult", "tune", "tune_zoo", "holdout_report", "HeadLogits", "preview_distance"]
+__all__ = ["Grid", "TuneConfig", "TuneResult", "tune", "tune_options", "tune_zoo", "holdout_report", "HeadLogits"]
+__all__ += ["preview_distance", "SCORES", "SEARCHES"]
 if TYPE_CHECKING:
     import pandas as pd
-
-SEARCHES = ("grid", "adaptive")
-SCORES = ("auto", "accuracy", "kl")
-
-
-# ------------------------------------------------------------------ the search space
-
-
-@dataclass(frozen=True)
-class Grid:
-    """The sweep's axes; points are their product, in ``lam``-major order. The defaults lie inside
-    the ranges the app's sliders span (:data:`featcal.config.RANGES`, lam on a log scale); every
-    value must be one a run accepts (the same table), lam > 0 (its axis is searched in decades)."""
-
-    lam: tuple[float, ...] = (0.005, 0.02, 0.05, 0.2, 1.0)  # lambda, ridge strength (> 0)
-    rho: tuple[float, ...] = (0.5, 1.0, 1.5, 2.0, 2.5)  # rho, anchor blend
-    alpha: tuple[float, ...] = (0.0, 0.15, 0.3, 0.5, 0.7)  # alpha, target interpolation
-
-    def __post_init__(self):
-        for name in ("lam", "rho", "alpha"):
-            v = tuple(float(x) for x in getattr(self, name))
-            if not v or not all(math.isfinite(x) for x in v):
-                raise ValueError(f"Grid.{name} needs at least one finite value, got {v}.")
-            bad = [x for x in v if not RANGES[name].admits(x)]
-            if bad:
-                (low, high), what = RANGES[name].accept, RANGES[name].what
-                raise ValueError(f"Grid.{name} values must lie in [{low:g}, {high:g}] ({what}), got {bad}.")
-            object.__setattr__(self, name, v)
-        if min(self.lam) <= 0:
-            raise ValueError(f"Grid.lam values must be > 0, got {self.lam}.")
-
-    def points(self) -> list[Point]:
-        return list(itertools.product(self.lam, self.rho, self.alpha))
-
-    @classmethod
-    def parse(cls, text: str) -> "Grid":
-        """``"lam=0.01,0.05;rho=1,2;alpha=0.3"`` (axes left out keep their defaults)."""
-        axes = {}
-        for part in filter(None, (p.strip() for p in text.split(";"))):
-            name, _, values = part.partition("=")
-            if name.strip() not in ("lam", "rho", "alpha") or not values:
-                raise ValueError(f"bad grid axis {part!r}; write e.g. 'lam=0.01,0.05;rho=1,2;alpha=0.3'.")
-            axes[name.strip()] = tuple(float(v) for v in values.split(","))
-        return cls(**axes)
-
-
-@dataclass(frozen=True)
-class TuneConfig:
-    """How :func:`tune` searches and scores (the FeatCal switches live in ``FeatCalConfig``)."""
-
-    grid: Grid = field(default_factory=Grid)  # the points previewed first
-    search: str = "grid"  # "grid", or "adaptive": then refine around the best previews
-    rounds: int = 2  # adaptive: refinement rounds, each halving the step
-    top_k: int = 3  # adaptive: previews refined per round
-    n_confirm: int = 4  # best previews re-run exactly (besides the anchor)
-    score: str = "auto"  # "accuracy" (needs labels), "kl" (to the experts), "auto"
-    batch_size: int = 256  # validation batch size
-    ray: bool | str = False  # fan jobs out as Ray tasks (a string: the address of an existing cluster)
-    num_cpus: int | None = None  # Ray: CPUs of a locally started Ray (None: Ray's default)
-
-    def __post_init__(self):
-        if self.search not in SEARCHES:
-            raise ValueError(f"search must be one of {SEARCHES}, got {self.search!r}.")
-        if self.score not in SCORES:
-            raise ValueError(f"score must be one of {SCORES}, got {self.score!r}.")
-        if self.n_confirm < 0 or self.rounds < 0 or self.top_k < 1 or self.batch_size < 1:
-            raise ValueError("n_confirm and rounds must be >= 0, top_k and batch_size >= 1.")
-
 
 # ------------------------------------------------------------------ the search
 
@@ -188,7 +122,8 @@ class TuneResult:
     meta: dict = field(default_factory=dict)
 
     def best_config(self) -> FeatCalConfig:
-        return self.config.with_(lam=self.best["lam"], rho=self.best["rho"], alpha=self.best["alpha"])
+        b = self.best
+        return self.config.with_(lam=b["lam"], rho=b["rho"], alpha=b["alpha"], schedule=b.get("schedule") or ())
 
     def to_dict(self) -> dict:
         return {
@@ -265,14 +200,19 @@ def tune(
     work, rows = _anchor(merged, base, experts, calib_data, val_data, logits or model_logits, kind, cfg, opts)
     run = runner(work, opts.ray, opts.num_cpus, progress)
     try:
-        # 2. Preview every grid point (then refine around the best, if adaptive).
-        _preview_search(run, rows, opts)
+        # 2. Preview every grid point (then refine around the best, if adaptive), or per-block schedules.
+        if opts.search == "per_block":  # TPE, one trial after another, in this process
+            from featcal.sweep.perblock import per_block_search
+
+            per_block_search(work, rows, opts, progress)
+        else:
+            _preview_search(run, rows, opts)
         # 3. Confirm the best previews exactly (the anchor's exact score is its run).
         order = sorted(rows, key=_by_preview)
         for rank, r in enumerate(order):
             r["preview_rank"] = rank
         confirm = [r for r in order if r["stage"] != "anchor"][: opts.n_confirm]
-        exact = run.map(exact_job, [(r["lam"], r["rho"], r["alpha"]) for r in confirm], "exact runs")
+        exact = run.map(exact_job, [_config_of(cfg, r) for r in confirm], "exact runs")
     finally:
         run.close()
     for r, e in zip(confirm, exact):
@@ -284,7 +224,8 @@ def tune(
         )
     # 4. The best exact run; ties to the anchor, then to the better preview.
     best = max([rows[0]] + confirm, key=lambda r: (_finite(r["exact"]), -r["preview_rank"] if r is not rows[0] else 1))
-    best = {"lam": best["lam"], "rho": best["rho"], "alpha": best["alpha"], "score": best["exact"]} | {
+    best = {"lam": best["lam"], "rho": best["rho"], "alpha": best["alpha"], "schedule": best.get("schedule", {})} | {
+        "score": best["exact"],
         "anchor_score": rows[0]["exact"],
         "point": best["point"],
         "stage": best["stage"],
@@ -299,16 +240,9 @@ def tune(
     )
 
 
-def tune_options(options: TuneConfig | None = None, **fields) -> TuneConfig:
-    """``options`` (default :class:`TuneConfig`'s) with ``fields`` replaced; an unknown name is an
-    error listing the known ones."""
-    known = {f.name for f in dataclasses.fields(TuneConfig)}
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise TypeError(f"unknown tune option(s) {unknown}; TuneConfig has {sorted(known)}.")
-    if fields.get("grid", 0) is None:
-        fields["grid"] = Grid()
-    return dataclasses.replace(options or TuneConfig(), **fields)
+def _config_of(cfg: FeatCalConfig, row: dict) -> FeatCalConfig:
+    """The config of a row of the table: its setting and its per-block schedule (if any)."""
+    return cfg.with_(lam=row["lam"], rho=row["rho"], alpha=row["alpha"], schedule=row.get("schedule") or ())
 
 
 def _anchor(merged, base, experts, calib_data, val_data, logits, kind, cfg, opts) -> tuple[Work, list[dict]]:
@@ -367,7 +301,8 @@ def _frame(rows: list[dict], tasks: list[str]) -> "pd.DataFrame":
         + [f"preview/{t}" for t in tasks]
         + [f"exact/{t}" for t in tasks]
     )
-    df = pd.DataFrame(rows).reindex(columns=cols)
+    extra = [c for c in dict.fromkeys(k for r in rows for k in r) if c not in cols + ["schedule"]]  # per_block's groups
+    df = pd.DataFrame(rows).reindex(columns=cols[:5] + extra + cols[5:])
     df.insert(df.columns.get_loc("preview_rank") + 1, "confirmed", df["exact"].notna())
     return df
 
@@ -441,7 +376,8 @@ def holdout_report(zoo, result: TuneResult, split: str = "test") -> "pd.DataFram
     models = {m["method"]: (merged, "")}
     for name, cfg in (("featcal (anchor)", result.config), ("featcal (tuned)", result.best_config())):
         model, _ = calibrate(merged, base=zoo.base, experts=zoo.experts, calib_data=calib, config=cfg, progress=False)
-        models[name] = (model, f"lam={cfg.lam:.4g}, rho={cfg.rho:.4g}, alpha={cfg.alpha:.4g}")
+        sched = "".join(f"; block {b}: " + ", ".join(f"{k}={v:.3g}" for k, v in vals) for b, vals in cfg.schedule)
+        models[name] = (model, f"lam={cfg.lam:.4g}, rho={cfg.rho:.4g}, alpha={cfg.alpha:.4g}{sched}")
     rows = []
     for name, (model, setting) in models.items():
         acc = evaluate(model, zoo, split=split)
