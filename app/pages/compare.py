@@ -113,8 +113,9 @@ st.subheader("Summary")
 st.caption(
     "Average test accuracy; gap closed = 100·(acc − start)/(experts − start), from Task Arithmetic and "
     "from the method's own merger; KL(expert ‖ model) and top-1 agreement with the experts. Cost: one model "
-    "for every task or modules per task; calibration examples per task it read (blank: data-free); numbers "
-    "added per task (counted); forward time of what it produced over the merged model's on one test batch "
+    "for every task or modules per task; n/task: calibration examples per task it read (blank: data-free); "
+    "+trained / +stored / +/model: numbers added per task (counted), as a share of the model; fwd ×: forward "
+    "time of what it produced over the merged model's on one test batch "
     "(measured, median of 5: on a shared machine, noise); seconds to merge and calibrate; the most memory "
     "they took above what was in use (MB)."
 )
@@ -129,13 +130,13 @@ SCORES = {
 COST = {
     "label": "method",
     "model": "model",
-    "n_per_task": "n per task",
-    "added_trained": "added (trained)",
-    "added_stored": "added (stored)",
-    "added_fraction": "added / model",
-    "forward_ratio": "forward time (× merged)",
+    "n_per_task": "n/task",
+    "added_trained": "+trained",
+    "added_stored": "+stored",
+    "added_fraction": "+/model",
+    "forward_ratio": "fwd ×",
     "merge_seconds": "merge s",
-    "calib_seconds": "calibrate s",
+    "calib_seconds": "calib s",
     "peak_mb": "peak MB",
 }
 cost = summary.assign(model=summary["task_specific"].map(model_kind))

@@ -62,11 +62,11 @@ def test_compare_page_runs_the_chosen_methods(tiny_zoo_dir):
     svc = "ta+svc (alpha 0.1)"  # FusionBench's alpha after Task Arithmetic
     assert scores["method"].tolist() == ["experts", "base", "ta", "ties", "ta+featcal", svc, shorter]
     row = cost.set_index("method")
-    assert row.loc["ta+featcal", "added (trained)"] == 0 and row.loc[shorter, "added (trained)"] > 0
+    assert row.loc["ta+featcal", "+trained"] == 0 and row.loc[shorter, "+trained"] > 0
     assert row.loc["ta+featcal", "model"] == "one for all tasks" and row.loc[shorter, "model"].startswith("per task")
-    assert int(row.loc["ta+featcal", "n per task"]) == 16 == int(row.loc[shorter, "n per task"])
-    assert row.loc["ta", "n per task"] == MISSING  # data-free: reads no example
-    ratio = row.loc[shorter, "forward time (× merged)"]
+    assert int(row.loc["ta+featcal", "n/task"]) == 16 == int(row.loc[shorter, "n/task"])
+    assert row.loc["ta", "n/task"] == MISSING  # data-free: reads no example
+    ratio = row.loc[shorter, "fwd ×"]
     assert float(ratio) > 0 and float(row.loc["ta+featcal", "peak MB"]) >= 0  # measured: finite, not asserted
     settings = at.dataframe[-1].value  # the settings as a small table, no raw dict
     assert list(settings.columns) == ["setting", "value"] and not any("{" in str(v) for v in settings.value)
