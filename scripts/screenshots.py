@@ -36,7 +36,10 @@ PAGES = {
     "tune": ("tune", "Run sweep", 2),
     "studies": ("studies", "Run", 1),
     "compare": ("compare", "Run", 3),
+    "compare-rivals": ("compare", "Run", 3),  # the closed-form rivals too (CHOICES below)
 }
+# multiselects set before the button is pressed: {shot: {label: names to add}}
+CHOICES = {"compare-rivals": {"mergers alone": ["lot", "esm", "regmean"], "calibrators": ["svc"]}}
 LOAD_MS = 900_000
 
 
@@ -56,6 +59,14 @@ def _shoot(page, url: str, name: str, out: Path, height: int) -> Path:
     page.goto(f"{url}/{path}")
     page.wait_for_selector('[data-testid="stMainBlockContainer"] h1', timeout=LOAD_MS)
     _idle(page)
+    for label, names in CHOICES.get(name, {}).items():
+        box = page.locator('[data-testid="stMultiSelect"]').filter(has_text=label).locator("input")
+        for n in names:
+            box.click()
+            box.fill(n)
+            box.press("Enter")
+            _idle(page)
+        page.keyboard.press("Escape")
     if button:
         page.get_by_role("button", name=button, exact=True).first.click()
         _idle(page)
@@ -72,7 +83,9 @@ def _shoot(page, url: str, name: str, out: Path, height: int) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pages", default=",".join(PAGES), help=f"comma list of {', '.join(PAGES)}")
+    ap.add_argument(
+        "--pages", default=",".join(p for p in PAGES if p not in CHOICES), help=f"comma list of {', '.join(PAGES)}"
+    )
     ap.add_argument("--out", default=str(REPO / "docs" / "img"))
     ap.add_argument("--height", type=int, default=2000)
     args = ap.parse_args()
