@@ -57,7 +57,10 @@ THEIR_DEFAULTS = dict(
     calibrate_layernorm=True,
 )
 OURS = dict(lam=0.05, rho=2.2, alpha=0.25, eps=1e-8)  # FeatCalConfig.clip(**OURS): the same setting
-TOLERANCE = 1e-4  # float32 rounding, relative to each tensor's largest entry
+# Relative to each tensor's largest entry: device_check's float32 tolerance. Float32 rounding in the
+# authors' code alone moves the last block's small biases by ~1.3e-4 (with float64 models on both
+# sides the two agree to 4e-7: benchmarks/README.md), so 1e-4 would fail on rounding, not maths.
+TOLERANCE = 1e-3
 NEEDED = {  # file of their HEAD: what this comparison calls in it
     "src/featcal/featcal.py": ("class CLIPFeatCalibrator", "def prepare_first_layer_inputs", "_clip_first_layer_input"),
     "src/featcal/solver.py": ("def merge_layer_parameters_with_featcal_stats",),
