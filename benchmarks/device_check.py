@@ -40,8 +40,8 @@ compare the CPU with itself (difference 0): they check the code paths, not a dev
    repository): benchmarks/featcal_vs_authors.py on the headline part's models and data (at
    ``--quick`` its toy size): ours and the authors' ``CLIPFeatCalibrator`` at their defaults, each
    in its own process on ``--device``, the largest relative difference of any calibrated parameter
-   (fails over 1e-3, the float32 tolerance of the exactness rows), both wall times and peak RSS. A DIR that is not their code
-   is refused before anything runs.
+   (fails over 1e-3, the float32 tolerance of the exactness rows), both wall times and peak RSS. A
+   DIR that is not their code is refused before anything runs.
 
     python3 benchmarks/device_check.py --official /path/to/their/featcal.git
 """
