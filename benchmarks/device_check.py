@@ -1,7 +1,7 @@
 """Everything to check the first time a GPU is lent, in one command: one markdown table, one JSON.
 
 Parts, in this order (each guarded: a part that fails prints its error in its row and the others
-still run; the exit status is 1 when an exactness row is over its tolerance or failed):
+still run; the exit status is 1 when an exactness or official row is over its tolerance or failed):
 
 1. ``exactness``: every architecture featcal calibrates (tiny HF CLIP, open_clip ViT, T5, BERT,
    Llama with left padding; the builders of tests/tiny.py), float32 and bfloat16 models, float64
@@ -36,8 +36,14 @@ compare the CPU with itself (difference 0): they check the code paths, not a dev
     python3 benchmarks/device_check.py --quick --device cpu --json /tmp/dc.json
     python3 benchmarks/device_check.py --parts exactness,headline             # some parts only
 
-``--official DIR`` (running the authors' code from a fetched copy for the same setting) is not
-implemented: the flag is refused with a message, never silently ignored.
+6. ``official`` (only with ``--official DIR``, a git clone or bare mirror of the FeatCal authors'
+   repository): benchmarks/featcal_vs_authors.py on the headline part's models and data (at
+   ``--quick`` its toy size): ours and the authors' ``CLIPFeatCalibrator`` at their defaults, each
+   in its own process on ``--device``, the largest relative difference of any calibrated parameter
+   (fails over 1e-3, the float32 tolerance of the exactness rows), both wall times and peak RSS. A
+   DIR that is not their code is refused before anything runs.
+
+    python3 benchmarks/device_check.py --official /path/to/their/featcal.git
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ sys.path.insert(0, str(C.REPO_ROOT / "tests"))  # tests/tiny.py: the tiny models
 
 import torch
 
-PARTS = ("exactness", "headline", "streamed", "app", "distributed")
+PARTS = ("exactness", "headline", "streamed", "app", "distributed")  # "official": with --official only
 TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2}  # largest relative difference to the CPU oracle
 PAPER = "authors: 53 s, 22.8 GiB host (one A800)"
 LLM_COMPRESSOR = "llm-compressor: 745 s for Llama-3-8B on one GPU"
@@ -201,10 +207,15 @@ def part_exactness(args) -> list[dict]:
 # ------------------------------------------------------------------------- 2. headline
 
 
+def headline_setting(quick: bool) -> tuple[str, int, int, int]:
+    """``(size, experts, examples a task, batch)`` of the headline part (and of ``official``)."""
+    return ("tiny", 3, 16, 8) if quick else ("vit-b32", 8, 256, 16)
+
+
 def part_headline(args) -> list[dict]:
     from featcal import FeatCalConfig
 
-    size, experts, examples, batch = ("tiny", 3, 16, 8) if args.quick else ("vit-b32", 8, 256, 16)
+    size, experts, examples, batch = headline_setting(args.quick)
     t0 = time.perf_counter()
     zoo = C.build_zoo(size, experts, examples, batch, device=args.device)
     build_s = time.perf_counter() - t0
@@ -372,6 +383,28 @@ def part_distributed(args) -> list[dict]:
     return rows
 
 
+# ------------------------------------------------------------------------- 6. official
+
+
+def part_official(args) -> list[dict]:
+    import featcal_vs_authors as fva
+
+    size, experts, examples, batch = headline_setting(args.quick)
+    res = fva.compare(args.official, size, experts, examples, batch, torch.get_num_threads(), args.device)
+    worst, (kind, where) = max((d, (k, w)) for k, (d, w) in res["diffs"].items())
+    o, t = res["ours"], res["theirs"]
+    result = (
+        f"largest rel diff {worst:.1e} ({kind}, {where}); calibrate ours {o['seconds']:.2f} s, "
+        f"authors' {t['seconds']:.2f} s; peak RSS ours {o['peak_rss_mb']:.0f} MB, authors' "
+        f"{t['peak_rss_mb']:.0f} MB; {o['threads']} thread(s)"
+    )
+    numbers = dict(max_rel_diff=worst, seconds=o["seconds"], authors_seconds=t["seconds"])
+    numbers |= dict(peak_rss_mb=o["peak_rss_mb"], authors_peak_rss_mb=t["peak_rss_mb"])
+    ok = worst <= fva.TOLERANCE
+    ref = f"the authors' code ({args.official}), tolerance {fva.TOLERANCE:g}"
+    return [row("official", res["case"], result, ref, ok, **numbers)]
+
+
 # ------------------------------------------------------------------------------ main
 
 
@@ -382,15 +415,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the rows as JSON here")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     p.add_argument("--llama-blocks", type=int, default=3, help="blocks of the 8B-shaped streamed stack")
-    p.add_argument("--official", type=Path, default=None, metavar="DIR", help="not implemented (refused)")
+    p.add_argument(
+        "--official", type=Path, default=None, metavar="DIR", help="the FeatCal authors' git repo: adds 'official'"
+    )
     args = p.parse_args(argv)
     if args.official is not None:
-        p.error(
-            "--official is not implemented: device_check.py does not run the authors' code. Run it "
-            "yourself from your copy for the same setting (ViT-B/32, 8 tasks, 256 examples) and put "
-            "its time beside the 'headline' row."
-        )
-    unknown = set(args.parts.split(",")) - set(PARTS)
+        import featcal_vs_authors as fva
+
+        problem = fva.authors_problem(args.official)
+        if problem:
+            p.error(f"--official: {problem}")
+        args.parts += "" if "official" in args.parts.split(",") else ",official"
+    unknown = set(args.parts.split(",")) - set(PARTS) - ({"official"} if args.official else set())
     if unknown:
         p.error(f"--parts: unknown {', '.join(sorted(unknown))}; choose from {', '.join(PARTS)}")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -402,14 +438,14 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # the exact run (as the CPU)
     env = C.environment(args.device)
     print(env, flush=True)
-    fns = {p: globals()[f"part_{p}"] for p in PARTS}
+    fns = {p: globals()[f"part_{p}"] for p in (*PARTS, "official")}
     rows = [r for part in args.parts.split(",") for r in guarded(part, fns[part], args)]
     print()
     print(table(rows))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"environment": env, "quick": args.quick, "rows": rows}, indent=1) + "\n")
-    failed = [r for r in rows if r["part"] == "exactness" and not r["ok"]]
+    failed = [r for r in rows if r["part"] in ("exactness", "official") and not r["ok"]]
     return 1 if failed else 0
 
 

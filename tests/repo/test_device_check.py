@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = ("exactness", "headline", "streamed", "app", "distributed")
@@ -65,14 +66,54 @@ def test_quick_cpu_run_is_exact_on_every_architecture_and_dtype(quick_run):
             assert r["numbers"]["vs_float64_model"] <= (1e-4 if dtype == "float32" else 5e-2), r
 
 
-def test_the_official_hook_is_refused_not_ignored(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/device_check.py", "--official", str(tmp_path)],
+def _device_check(*args):
+    return subprocess.run(
+        [sys.executable, "benchmarks/device_check.py", *args],
         cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
         capture_output=True,
         text=True,
         timeout=600,
     )
+
+
+def test_official_with_a_folder_that_is_not_a_git_repository_fails_before_any_part(tmp_path):
+    proc = _device_check("--official", str(tmp_path), "--quick", "--device", "cpu")
     assert proc.returncode == 2
-    assert "--official is not implemented" in proc.stderr
+    assert f"--official: {tmp_path} is not the FeatCal authors' code" in proc.stderr
+    assert "git cannot read HEAD:src/featcal/featcal.py" in proc.stderr
+    assert "| part |" not in proc.stdout  # refused before anything ran
+
+
+def test_official_with_a_git_repository_of_other_code_names_what_is_missing(tmp_path):
+    src = tmp_path / "src" / "featcal"
+    src.mkdir(parents=True)
+    (src / "featcal.py").write_text("class SomethingElse:\n    pass\n")
+    (src / "solver.py").write_text("def merge_layer_parameters_with_featcal_stats(): ...\n")
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "not theirs"], check=True)
+    proc = _device_check("--official", str(tmp_path), "--parts", "exactness")
+    assert proc.returncode == 2
+    assert "is not the FeatCal authors' code" in proc.stderr
+    assert "HEAD:src/featcal/featcal.py has no class CLIPFeatCalibrator" in proc.stderr
+
+
+def test_the_comparison_groups_differences_by_kind_and_names_the_worst_block():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from featcal_vs_authors import diff_by_kind
+
+    theirs = {
+        "encoder.layers.0.mlp.fc1.weight": torch.ones(2, 2),
+        "encoder.layers.1.mlp.fc1.weight": torch.full((2, 2), 2.0),
+        "embeddings.class_embedding": torch.ones(3),
+    }
+    ours = {k: v.clone() for k, v in theirs.items()}
+    ours["encoder.layers.1.mlp.fc1.weight"][0, 0] = 2.5  # 0.5 off a largest entry of 2
+    ours["encoder.layers.0.mlp.fc1.weight"][1, 1] = 1.1
+    got = diff_by_kind(ours, theirs)
+    assert set(got) == {"mlp.fc1.weight", "outside the blocks"}
+    assert got["mlp.fc1.weight"][0] == pytest.approx(0.25)
+    assert got["mlp.fc1.weight"][1] == "block 1"
+    assert got["outside the blocks"][0] == 0.0
