@@ -369,3 +369,27 @@ def tiny_word_lm(out, words: list[str], seed: int = 0):
     tiny_llama(seed, 2, vocab=len(vocab), hidden=16, intermediate=32).save_pretrained(out)
     fast.save_pretrained(out)
     return out
+
+
+def module_inputs(model, module, batches) -> torch.Tensor:
+    """Rows ``(tokens, d)`` of what ``module`` of ``model`` reads on ``batches`` (a plain hook)."""
+    rows = []
+    handle = module.register_forward_hook(lambda _m, args, _o: rows.append(args[0].reshape(-1, args[0].shape[-1])))
+    with torch.no_grad():
+        for b in batches:
+            model(b)
+    handle.remove()
+    return torch.cat(rows)
+
+
+def any_zoo(kind: str):
+    """``(base, experts, merged, data)`` of a tiny zoo of any architecture featcal calibrates: the
+    vision ones of :func:`zoo` (toy, hf_clip, open_clip) or a text one (bert, t5, llama)."""
+    if kind in ("toy", "hf_clip", "open_clip"):
+        return zoo(kind)
+    make, batches = {
+        "bert": (tiny_bert, text_batches),
+        "t5": (tiny_t5, t5_batches),
+        "llama": (tiny_llama, text_batches),
+    }[kind]
+    return text_zoo(make, lambda seed: batches(seed=seed))

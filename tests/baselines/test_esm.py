@@ -16,17 +16,6 @@ from featcal.model.arch import block_targets, resolve_stacks
 NAMES = ("proj", "fc1", "fc2")  # the toy blocks' Linears
 
 
-def _rows(model, module, batches):
-    """Rows ``(tokens, d)`` of what ``module`` of ``model`` reads on ``batches`` (a plain hook)."""
-    rows = []
-    handle = module.register_forward_hook(lambda _m, args, _o: rows.append(args[0].reshape(-1, args[0].shape[-1])))
-    with torch.no_grad():
-        for b in batches:
-            model(b)
-    handle.remove()
-    return torch.cat(rows)
-
-
 def _orth(A):
     """``mean(S) P Q^T`` for ``A = P S Q^T`` (the authors' Procrustes step)."""
     P, S, Qh = torch.linalg.svd(A, full_matrices=False)
@@ -44,7 +33,7 @@ def _reference_layer(base, experts, data, block, name, recipe):
     Us, Vs, norms = [], [], []
     for t, e in experts.items():
         e64 = copy.deepcopy(e).double()
-        X = _rows(e64, getattr(e64.blocks[block], name), [b.double() for b in data[t]])
+        X = tiny.module_inputs(e64, getattr(e64.blocks[block], name), [b.double() for b in data[t]])
         D = getattr(e.blocks[block], name).weight.detach().double() - W0
         _, S, Vh = torch.linalg.svd(X @ D.T, full_matrices=False)
         lam = S[:k] ** 2 / (len(X) - 1)
@@ -113,18 +102,9 @@ def test_the_order_of_the_tasks_does_not_matter():
         assert torch.allclose(a[k], b[k], atol=1e-5), k
 
 
-def _text(kind):
-    make, batches = {
-        "bert": (tiny.tiny_bert, tiny.text_batches),
-        "t5": (tiny.tiny_t5, tiny.t5_batches),
-        "llama": (tiny.tiny_llama, tiny.text_batches),
-    }[kind]
-    return tiny.text_zoo(make, lambda seed: batches(seed=seed))
-
-
 @pytest.mark.parametrize("kind", ["toy", "hf_clip", "open_clip", "bert", "t5", "llama"])
 def test_runs_through_the_registry_on_every_architecture(kind):
-    base, experts, _, data = tiny.zoo(kind) if kind in ("toy", "hf_clip", "open_clip") else _text(kind)
+    base, experts, _, data = tiny.any_zoo(kind)
     m = get("esm", "data_merger")
     assert (m.kind, m.label, m.defaults) == ("data_merger", "ESM", {"scale": 1.0, "recipe": "vit", "blocks": None})
     out = merge_with_data("esm", base=base, experts=experts, calib_data=data, progress=False).state_dict()

@@ -14,17 +14,6 @@ from featcal.baselines.registry import ParamError, get
 from featcal.model.arch import LINEAR, block_targets, resolve_blocks, resolve_stacks
 
 
-def _rows(model, module, batches):
-    """Rows ``(tokens, d)`` of what ``module`` of ``model`` reads on ``batches`` (a plain hook)."""
-    rows = []
-    handle = module.register_forward_hook(lambda _m, args, _o: rows.append(args[0].reshape(-1, args[0].shape[-1])))
-    with torch.no_grad():
-        for b in batches:
-            model(b)
-    handle.remove()
-    return torch.cat(rows)
-
-
 def _reference(base, experts, data, block, name):
     """The paper's update for one module, re-derived in float64 by a plain least-squares solve:
     ``tau = argmin sum_k mean_x |(tau - tau_k) f(x)|^2`` over the rows of expert k's own inputs on
@@ -34,7 +23,7 @@ def _reference(base, experts, data, block, name):
     A, Y = [], []
     for t, e in experts.items():
         e64 = copy.deepcopy(e).double()
-        x = _rows(e64, getattr(e64.blocks[block], name), [b.double() for b in data[t]])
+        x = tiny.module_inputs(e64, getattr(e64.blocks[block], name), [b.double() for b in data[t]])
         tau_k = getattr(e.blocks[block], name).weight.detach().double() - W0
         if name.startswith("ln"):
             x = F.layer_norm(x, x.shape[-1:], eps=1e-5)
@@ -78,7 +67,7 @@ def test_rank_deficient_inputs_keep_the_base_off_their_span():
     out = merge_with_data("lot", base=base, experts=experts, calib_data=data, progress=False)
     path, blks = resolve_blocks(out)
     fc2 = lambda m: resolve_blocks(m, path)[1][0].mlp.fc2  # noqa: E731
-    X = torch.cat([_rows(e, fc2(e), data[t]) for t, e in experts.items()]).double()  # (40, 64)
+    X = torch.cat([tiny.module_inputs(e, fc2(e), data[t]) for t, e in experts.items()]).double()  # (40, 64)
     _, S, Vh = torch.linalg.svd(X)
     null = Vh[(S > 1e-6 * S[0]).sum() :]  # directions orthogonal to every task's inputs
     assert len(null) > 0
@@ -103,23 +92,14 @@ def test_one_expert_is_returned_on_its_own_features():
     path, _ = resolve_blocks(out)
     for m in (out, e):
         m.fc2 = resolve_blocks(m, path)[1][1].mlp.fc2
-    x = _rows(e, e.fc2, data["t0"])
+    x = tiny.module_inputs(e, e.fc2, data["t0"])
     assert torch.allclose(x @ out.fc2.weight.T, x @ e.fc2.weight.T, atol=1e-5)
     assert not torch.allclose(out.fc2.weight, e.fc2.weight, atol=1e-4)  # rank 60 < 64: not the weight itself
 
 
-def _text(kind):
-    make, batches = {
-        "bert": (tiny.tiny_bert, tiny.text_batches),
-        "t5": (tiny.tiny_t5, tiny.t5_batches),
-        "llama": (tiny.tiny_llama, tiny.text_batches),
-    }[kind]
-    return tiny.text_zoo(make, lambda seed: batches(seed=seed))
-
-
 @pytest.mark.parametrize("kind", ["toy", "hf_clip", "open_clip", "bert", "t5", "llama"])
 def test_runs_through_the_registry_on_every_architecture(kind):
-    base, experts, _, data = tiny.zoo(kind) if kind in ("toy", "hf_clip", "open_clip") else _text(kind)
+    base, experts, _, data = tiny.any_zoo(kind)
     m = get("lot", "data_merger")
     assert (m.kind, m.label, m.defaults) == ("data_merger", "LOT Merging", {"rtol": 1e-5, "blocks": None})
     out = merge_with_data("lot", base=base, experts=experts, calib_data=data, progress=False).state_dict()

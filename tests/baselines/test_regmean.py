@@ -67,24 +67,13 @@ def test_regmean_plusplus_reads_the_merged_models_inputs():
     assert not torch.allclose(a["blocks.0.fc1.weight"], b["blocks.0.fc1.weight"], atol=1e-4)
 
 
-def _inputs(model, module, batches):
-    """Rows ``(tokens, d)`` of what ``module`` of ``model`` reads on ``batches`` (a plain hook)."""
-    rows = []
-    handle = module.register_forward_hook(lambda _m, args, _o: rows.append(args[0].reshape(-1, args[0].shape[-1])))
-    with torch.no_grad():
-        for b in batches:
-            model(b)
-    handle.remove()
-    return torch.cat(rows)
-
-
 @pytest.mark.parametrize("method", METHODS)
 def test_no_off_diagonal_gives_the_per_feature_weighted_mean(method):
     base, experts, data = _one_block_zoo()
     out = merge_with_data(method, base=base, experts=experts, calib_data=data, reduce_nondiag=0.0, progress=False)
     # W[:, j] = sum_i E_i[x_j^2] W_i[:, j] / sum_i E_i[x_j^2], E_i the mean over expert i's tokens.
     for name in ("proj", "fc1", "fc2"):
-        diag = [_inputs(e, getattr(e.blocks[0], name), data[t]).square().mean(0) for t, e in experts.items()]
+        diag = [tiny.module_inputs(e, getattr(e.blocks[0], name), data[t]).square().mean(0) for t, e in experts.items()]
         Ws = [getattr(e.blocks[0], name).weight.detach() for e in experts.values()]
         want = sum(d * W for d, W in zip(diag, Ws)) / sum(diag)
         assert torch.allclose(getattr(out.blocks[0], name).weight, want, atol=1e-5), name
@@ -98,7 +87,7 @@ def test_regmean_solves_the_least_squares_merge():
     out = merge_with_data("regmean", base=base, experts=experts, calib_data=data, reduce_nondiag=1.0, progress=False)
     grad = 0
     for t, e in experts.items():
-        x = _inputs(e, e.blocks[0].fc1, data[t]).double()
+        x = tiny.module_inputs(e, e.blocks[0].fc1, data[t]).double()
         grad = grad + (x @ (out.blocks[0].fc1.weight.double() - e.blocks[0].fc1.weight.double()).T).T @ x / len(x)
     assert grad.abs().max() < 1e-5
 
