@@ -93,15 +93,21 @@ class Bridge(nn.Module):
         return h + bridge_correction(h, self.U_r.to(h.dtype), self.A.to(h.dtype), self.U_w.to(h.dtype))
 
 
+def linear_init(rows: int, d: int, generator: torch.Generator, dtype=torch.float32, device=None) -> nn.Parameter:
+    """A ``(rows, d)`` weight drawn as ``nn.Linear`` draws its own (uniform in +-1/sqrt(d)), from a
+    seeded ``generator`` in float64 then cast, so a seed gives the same module on any device."""
+    bound = 1.0 / math.sqrt(d)
+    w = (torch.rand(rows, d, generator=generator, dtype=torch.float64) * 2 - 1) * bound
+    return nn.Parameter(w.to(dtype=dtype, device=device))
+
+
 class SurgeryAdapter(nn.Module):
     """Surgery's module: ``z - W_up ReLU(W_down z)``; ``W_up`` starts at zero, ``W_down`` as an
     ``nn.Linear`` weight (uniform in +-1/sqrt(d)) from a seeded generator."""
 
     def __init__(self, d: int, r: int, generator: torch.Generator, dtype=torch.float32, device=None):
         super().__init__()
-        bound = 1.0 / math.sqrt(d)
-        down = (torch.rand(r, d, generator=generator, dtype=torch.float64) * 2 - 1) * bound
-        self.W_down = nn.Parameter(down.to(dtype=dtype, device=device))  # (r, d)
+        self.W_down = linear_init(r, d, generator, dtype, device)  # (r, d)
         self.W_up = nn.Parameter(torch.zeros(d, r, dtype=dtype, device=device))  # (d, r)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:

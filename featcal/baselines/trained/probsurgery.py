@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from featcal.baselines.trained.calibrators import TaskCalibrated
+from featcal.baselines.trained.modules import linear_init
 from featcal.baselines.trained.surgery import SurgeryOptions, run_tasks
 from featcal.util.options import option
 
@@ -80,9 +81,7 @@ class ProbSurgeryAdapter(nn.Module):
 
     def __init__(self, d: int, h: int, generator: torch.Generator, dtype=torch.float32, device=None):
         super().__init__()
-        bound = 1.0 / math.sqrt(d)
-        w_in = (torch.rand(h, d, generator=generator, dtype=torch.float64) * 2 - 1) * bound
-        self.W_in = nn.Parameter(w_in.to(dtype=dtype, device=device))  # (h, d)
+        self.W_in = linear_init(h, d, generator, dtype, device)  # (h, d)
         self.W_mu = nn.Parameter(torch.zeros(d, h, dtype=dtype, device=device))  # (d, h)
         self.W_s = nn.Parameter(torch.zeros(d, h, dtype=dtype, device=device))  # (d, h)
 
