@@ -166,16 +166,15 @@ def apply_to_calibrate(lam: float, rho: float, alpha: float, n: int) -> None:
 
 # 3. Results.
 b, unit = res.best, ("%" if res.score == "accuracy" else "")
-if per_block:  # the schedule, its val score against the preset's, and every trial
-    kept = "the paper's setting kept: no schedule beat it on val" if b["stage"] == "anchor" else None
-    m1, m2, m3 = st.columns([2, 1, 1])
-    m1.metric(
-        "chosen", "per-block schedule" if b["schedule"] else f"λ={b['lam']:.3g}, ρ={b['rho']:g}, α={b['alpha']:g}", kept
-    )
-    m2.metric(
-        f"val {res.score}, chosen", f"{b['score']:.3f}{unit}", f"{b['score'] - b['anchor_score']:+.3f} vs paper setting"
-    )
-    m3.metric(f"val {res.score}, paper setting", f"{b['anchor_score']:.3f}{unit}")
+kept = None if b["stage"] != "anchor" else "the paper's setting kept" + (": no schedule beat it on val" * per_block)
+m1, m2, m3 = st.columns([2, 1, 1])  # the chosen setting's three values need the room
+chosen = f"λ={b['lam']:.3g}, ρ={b['rho']:g}, α={b['alpha']:g}"
+m1.metric("chosen" if per_block else "chosen setting", "per-block schedule" if b["schedule"] else chosen, kept)
+m2.metric(
+    f"val {res.score}, chosen", f"{b['score']:.3f}{unit}", f"{b['score'] - b['anchor_score']:+.3f} vs paper setting"
+)
+m3.metric(f"val {res.score}, paper setting", f"{b['anchor_score']:.3f}{unit}")
+if per_block:  # the schedule and every trial
     if b["schedule"]:
         rows = [{"block": blk, "λ": v["lam"], "ρ": b["rho"], "α": v["alpha"]} for blk, v in b["schedule"].items()]
         ui.table(pd.DataFrame(rows), 4, index=False)
@@ -187,16 +186,6 @@ if per_block:  # the schedule, its val score against the preset's, and every tri
         with st.spinner("Two exact runs and a full test evaluation…"):
             ui.table(_test(source, fp, args, res), 2, index=False)
     st.stop()
-m1, m2, m3 = st.columns([2, 1, 1])  # the chosen setting's three values need the room
-m1.metric(
-    "chosen setting",
-    f"λ={b['lam']:.3g}, ρ={b['rho']:g}, α={b['alpha']:g}",
-    "the paper's setting kept" if b["stage"] == "anchor" else None,
-)
-m2.metric(
-    f"val {res.score}, chosen", f"{b['score']:.3f}{unit}", f"{b['score'] - b['anchor_score']:+.3f} vs paper setting"
-)
-m3.metric(f"val {res.score}, paper setting", f"{b['anchor_score']:.3f}{unit}")
 st.button(
     "Apply to Calibrate",
     type="primary",
