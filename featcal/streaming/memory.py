@@ -6,7 +6,7 @@ and a partial directory). ``force=True`` (``--force``) turns the refusal into a 
 
 The estimate (:func:`estimate_peak`) is a sum of terms, each an upper-leaning count of what a streamed
 run holds at once (:mod:`featcal.streaming.run`'s docstring: one block of every model, the streams and
-one block's statistics); the copy counts are measured on tiny Llamas (tests/streaming/test_memory.py).
+one block's statistics); the copy counts are measured on tiny Llamas (tests/streaming/test_memory_estimate.py).
 """
 
 from __future__ import annotations

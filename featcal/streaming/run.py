@@ -103,24 +103,24 @@ def calibrate_checkpoints(
     check_token_ids(skels["merged"], calib_data)
     _check_experts(ckpts, tasks, path, calib_data)  # dtypes and tokenizers, as the in-memory run checks them
     work = partial_dir(out)
-    fast = opts.fast
-    dist = distributed.current(device, (fast or FastPaths()).dist_solve)  # a process group: rank 0 writes
+    dist = distributed.current(device, (opts.fast or FastPaths()).dist_solve)  # a process group: rank 0 writes
+    digest = data_digest(calib_data)  # (read once: the ranks compare it, the work directory records it)
     if dist is not None:  # the same inputs on every rank, compared by content, before any work
-        dist.check_same(_rank_digests(ckpts, merge, cfg, path, calib_data))
+        dist.check_same(_rank_digests(ckpts, merge, cfg, path, calib_data, digest))
     _check_memory(ckpts, skels, path, calib_data, cfg, opts, dist)
     writer = dist is None or dist.rank == 0
     with outdir.output_lock(out) if writer else contextlib.nullcontext():
         # 3. Open (or resume) the work directory, and 4. calibrate the blocks not done yet.
         run = dict(
             device=device,
-            fast=fast,
+            fast=opts.fast,
             progress=opts.progress,
             checkpoint_every=opts.checkpoint_every,
             on_block=opts.on_block,
         )
         report = _in_work_dir(
             work,
-            _fingerprint(ckpts, merge, cfg, path, calib_data),
+            _fingerprint(ckpts, merge, cfg, path, calib_data, digest),
             lambda state: _calibrate_blocks(ckpts, skels, path, calib_data, merge, cfg, state, work, run, dist),
             resume=opts.resume,
             force=opts.force,
@@ -291,9 +291,10 @@ def _card(ckpts: dict, merge, cfg: FeatCalConfig, calib_data: Mapping, report: C
     }
 
 
-def _fingerprint(ckpts: dict, merge, cfg: FeatCalConfig, path: str, calib_data: Mapping) -> dict:
+def _fingerprint(ckpts: dict, merge, cfg: FeatCalConfig, path: str, calib_data: Mapping, digest: str) -> dict:
     """What a resumed run must share with the run that left the work directory: the models' paths
-    and contents (:func:`fingerprint_checkpoint`), the merge, the config, the blocks and the data."""
+    and contents (:func:`fingerprint_checkpoint`), the merge, the config, the blocks and the data
+    (``digest``: its :func:`data_digest`, computed once by the caller)."""
 
     def files(ck: Checkpoint) -> dict:
         return {"path": str(ck.path.absolute()), "files": fingerprint_checkpoint(ck)}
@@ -305,12 +306,12 @@ def _fingerprint(ckpts: dict, merge, cfg: FeatCalConfig, path: str, calib_data: 
         "merge": merge,
         "config": cfg.to_dict(),
         "blocks": path,
-        "data": data_digest(calib_data),
+        "data": digest,
     }
     return json.loads(json.dumps(doc, default=str))
 
 
-def _rank_digests(ckpts: dict, merge, cfg: FeatCalConfig, path: str, calib_data: Mapping) -> dict:
+def _rank_digests(ckpts: dict, merge, cfg: FeatCalConfig, path: str, calib_data: Mapping, digest: str) -> dict:
     """What every rank of a process group must agree on (:meth:`Dist.check_same`): each model's
     weights by content (:func:`content_fingerprint`: blind to the directory's name and the files'
     times, which may differ between nodes; a swapped pair of experts differs), the merge, the
@@ -320,7 +321,7 @@ def _rank_digests(ckpts: dict, merge, cfg: FeatCalConfig, path: str, calib_data:
         "merge": repr(merge),
         "config": repr(cfg.to_dict()) + path,
         "tasks": repr(list(calib_data)),
-        "calibration data": data_digest(calib_data),
+        "calibration data": digest,
     }
 
 
