@@ -127,12 +127,13 @@ def load_lm(path: str | os.PathLike, *, device: str = "cpu", trust_remote_code: 
     from transformers import AutoTokenizer
 
     from featcal.model.allowed import library_model_class
+    from featcal.model.checkpoints import model_dir_problem
 
     where = Path(path).expanduser()
-    config = where / "config.json"
-    if not config.is_file():
-        raise HarnessError(f"--model {str(where)!r}: no config.json there; give a saved model's directory.")
-    archs = json.loads(config.read_text()).get("architectures") or []
+    problem = model_dir_problem(where, "--model")
+    if problem:
+        raise HarnessError(problem)
+    archs = json.loads((where / "config.json").read_text()).get("architectures") or []
     if not archs:
         raise HarnessError(f"--model {str(where)!r}: config.json names no architecture; save it with save_pretrained.")
     cls = library_model_class(archs[0], f"--model {str(where)!r}")
