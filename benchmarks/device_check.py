@@ -415,9 +415,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the rows as JSON here")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     p.add_argument("--llama-blocks", type=int, default=3, help="blocks of the 8B-shaped streamed stack")
-    p.add_argument(
-        "--official", type=Path, default=None, metavar="DIR", help="the FeatCal authors' git repo: adds 'official'"
-    )
+    p.add_argument("--official", type=Path, metavar="DIR", help="the FeatCal authors' git repo: adds 'official'")
     args = p.parse_args(argv)
     if args.official is not None:
         import featcal_vs_authors as fva
@@ -440,8 +438,7 @@ def main(argv=None) -> int:
     print(env, flush=True)
     fns = {p: globals()[f"part_{p}"] for p in (*PARTS, "official")}
     rows = [r for part in args.parts.split(",") for r in guarded(part, fns[part], args)]
-    print()
-    print(table(rows))
+    print("\n" + table(rows))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"environment": env, "quick": args.quick, "rows": rows}, indent=1) + "\n")
