@@ -108,9 +108,9 @@ def load_preview(scratch: nn.Module, calibrated: nn.Module, report, config: Feat
 
 def live_test(zoo) -> int:
     """Test examples per task the live view scores: :data:`LIVE_TEST`, :data:`LIVE_TEST_LM` on a
-    language-model zoo (:class:`featcal.zoo.lm.LMZoo`), whose scores would otherwise take most of
+    language-model zoo (:class:`featcal.zoo.score.lm.LMZoo`), whose scores would otherwise take most of
     the time from a slider change to the exact result."""
-    from featcal.zoo.lm import LMZoo
+    from featcal.zoo.score.lm import LMZoo
 
     return LIVE_TEST_LM if isinstance(zoo, LMZoo) else LIVE_TEST
 

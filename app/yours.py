@@ -3,7 +3,7 @@ this featcal loads them), optionally a merged model of the user's own, and a dat
 folders, or a text / token file per task) become a zoo spec YAML, written, shown to keep, and
 opened as the app's zoo, but only once the zoo loader has loaded it (what stops it is shown whole,
 in the loader's words; a Llama-family base gets its ``featcal calibrate`` command instead). The spec is
-:func:`featcal.zoo.userspec.user_spec`'s."""
+:func:`featcal.zoo.spec.userspec.user_spec`'s."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import streamlit as st
 
 from app import controls, state
 from app.zoos import plain
-from featcal.zoo import userspec
-from featcal.zoo.schema import FEATURES
+from featcal.zoo.spec import userspec
+from featcal.zoo.spec.schema import FEATURES
 
 
 def default_folder() -> Path:
-    from featcal.zoo.demo import cache_dir
+    from featcal.zoo.builtin.demo import cache_dir
 
     return cache_dir() / "zoos" / "yours"
 
@@ -48,7 +48,7 @@ def expert_paths(folder: str, lines: str, tasks: list[str] | None) -> dict[str, 
 
 def _spec(ss) -> tuple[dict, Path]:
     """The spec the form's fields make and the file it is to be written to (may be written: not
-    someone else's file), or :class:`~featcal.zoo.userspec.UserSpecError`. A generative language
+    someone else's file), or :class:`~featcal.zoo.spec.userspec.UserSpecError`. A generative language
     model's base is refused first, with its ``featcal calibrate`` command."""
     base = ss["yours_base"].strip()
     userspec.refuse_generative(base, expert_paths(ss["yours_experts"], ss["yours_lines"], None))

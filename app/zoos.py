@@ -43,11 +43,12 @@ def zoo_needs_build(source: str, ready: set[str]) -> bool:
     """Whether loading ``source`` would build a demo zoo first (no current shipped copy or cache).
     A "no" is remembered in ``ready`` (the server's, :class:`app.calibrations.Calibrations`): the
     check hashes the shipped files (about 0.1 s), too slow for every rerun."""
-    from featcal.zoo import NAMES, realtext
-    from featcal.zoo.demo import needs_build
+    from featcal.zoo import NAMES
+    from featcal.zoo.builtin import realtext
+    from featcal.zoo.builtin.demo import needs_build
 
     if source == "smollm2" and source not in ready:  # the LLM zoo: tens of minutes on a CPU
-        from featcal.zoo.smollm2 import needs_build as llm_needs_build
+        from featcal.zoo.builtin.smollm2 import needs_build as llm_needs_build
 
         if llm_needs_build():
             return True
@@ -64,11 +65,12 @@ def build_zoo(source: str, on_step) -> None:
     """Build the built-in zoo ``source`` (a demo zoo, ``real-text``, the LLM zoo) into the cache,
     reporting its :class:`featcal.util.progress.Progress` to ``on_step`` (and bars to the server's
     terminal)."""
-    from featcal.zoo import NAMES, realtext
-    from featcal.zoo.demo import build_demo, demo_path
+    from featcal.zoo import NAMES
+    from featcal.zoo.builtin import realtext
+    from featcal.zoo.builtin.demo import build_demo, demo_path
 
     if source == "smollm2":
-        from featcal.zoo.smollm2 import ensure_built
+        from featcal.zoo.builtin.smollm2 import ensure_built
 
         ensure_built(progress=True, on_step=on_step)
     elif source == "real-text":
@@ -117,7 +119,7 @@ def explain_load_error(source: str, exc: BaseException) -> str:
 
 def load_error_fix(source: str, exc: BaseException) -> str:
     """The one fix that matches ``exc``, the failure of loading ``source``."""
-    from featcal.zoo.text_data import MissingPackagesError
+    from featcal.zoo.builtin.text_data import MissingPackagesError
 
     msg = str(exc).lower()
     path = Path(os.path.expandvars(source)).expanduser()

@@ -39,7 +39,7 @@ SIZES: dict[str, dict] = {
         num_hidden_layers=12,
         num_attention_heads=12,
     ),
-    # The embedded demo zoo's model (featcal.zoo.demo.Recipe.vision): 17 tokens per image.
+    # The embedded demo zoo's model (featcal.zoo.builtin.demo.Recipe.vision): 17 tokens per image.
     "demo": dict(
         image_size=32, patch_size=8, hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4
     ),

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from featcal import ESCalOptions, FeatCalConfig, SurgeryOptions, calibrate, escal, surgery, surgery_v2  # noqa: E402
 from featcal.zoo import load_any  # noqa: E402
 from featcal.zoo.core import evaluate  # noqa: E402
-from featcal.zoo.scores import average, expert_accuracies, normalized  # noqa: E402
+from featcal.zoo.score.scores import average, expert_accuracies, normalized  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

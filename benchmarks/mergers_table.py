@@ -27,7 +27,7 @@ import torch
 from featcal import merge_with_data
 from featcal.zoo import load_any
 from featcal.zoo.core import evaluate
-from featcal.zoo.scores import average, expert_accuracies, normalized
+from featcal.zoo.score.scores import average, expert_accuracies, normalized
 
 # (row label, method, parameters): data-free first, then the data-using ones.
 DATA_FREE = [

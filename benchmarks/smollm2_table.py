@@ -31,7 +31,7 @@ from featcal import FeatCalConfig, calibrate, merge_with_data
 from featcal.zoo import load_any
 from featcal.zoo.core import evaluate
 from featcal.zoo.io import write_json
-from featcal.zoo.scores import average, normalized
+from featcal.zoo.score.scores import average, normalized
 
 MERGES = {  # row -> (method, params)
     "ta": ("task_arithmetic", {"scale": 0.3}),

@@ -29,7 +29,7 @@ from featcal import FeatCalConfig, calibrate
 from featcal.config import PRESETS
 from featcal.zoo import load_any
 from featcal.zoo.core import evaluate
-from featcal.zoo.scores import average, expert_accuracies, normalized
+from featcal.zoo.score.scores import average, expert_accuracies, normalized
 
 
 def main(argv: list[str] | None = None) -> None:

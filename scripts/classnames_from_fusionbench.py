@@ -1,4 +1,4 @@
-"""Maintainer's tool: (re)write featcal/zoo/clip_classnames.json from an installed fusion-bench.
+"""Maintainer's tool: (re)write featcal/zoo/load/clip_classnames.json from an installed fusion-bench.
 
 FusionBench keeps each CLIP task's class names (in its datasets' label order) and zero-shot
 prompts in one small module per task (``fusion_bench/tasks/clip_classification/*.py``: a
@@ -6,7 +6,7 @@ prompts in one small module per task (``fusion_bench/tasks/clip_classification/*
 lambdas). This script runs each of those files on its own (not the package, whose imports need
 its full dependency set), turns each template into a ``str.format`` pattern by calling it with
 ``"{}"``, and writes the tasks featcal knows under their canonical names
-(:func:`featcal.zoo.classnames.canonical_task`). Tasks already in the JSON are kept as they are;
+(:func:`featcal.zoo.load.classnames.canonical_task`). Tasks already in the JSON are kept as they are;
 where FusionBench's differ, the script says so (SVHN: featcal names the digits 'zero'..'nine',
 FusionBench '0'..'9').
 
@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from featcal.zoo.classnames import DATA, canonical_task  # noqa: E402
+from featcal.zoo.load.classnames import DATA, canonical_task  # noqa: E402
 
 # FusionBench's task name -> its module (and the list's name where it is not ``classnames``): the
 # 20 tasks of the TALL20 benchmark (Wang et al. 2024), TA8 first.

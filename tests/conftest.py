@@ -31,7 +31,7 @@ def tiny_kind(request) -> str:
 def smollm2_micro_dir(tmp_path_factory) -> str:
     """The SmolLM2 LLM zoo's micro build (two real blocks, two tasks, two LoRA steps per expert),
     written once per session; skipped, with the install commands, where its packages are absent."""
-    from featcal.zoo import smollm2
+    from featcal.zoo.builtin import smollm2
 
     missing = smollm2.missing_packages()
     if missing:

@@ -110,7 +110,7 @@ def tiny_open_clip_clip(tmp_path, name: str, seed: int = 0):
     written to ``tmp_path / f"{name}.json"``: ``(model, config path)``."""
     import json
 
-    from featcal.zoo.loaders import open_clip_model
+    from featcal.zoo.load.loaders import open_clip_model
 
     cfg = {
         "embed_dim": 16,

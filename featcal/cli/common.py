@@ -108,7 +108,7 @@ def check_out(out: str, force: bool, inputs: Mapping[str, str | os.PathLike | No
     featcal's own may be replaced) or overlaps one of ``inputs`` (``{what: path}``); every
     subcommand that writes calls it first (the writers check again when writing), see
     :mod:`featcal.util.outdir`). featcal's own shipped zoos (``assets/zoos``) are always an input."""
-    from featcal.zoo.demo import SHIPPED
+    from featcal.zoo.builtin.demo import SHIPPED
 
     outdir.check_output(out, force, {**(inputs or {}), "featcal's shipped zoos": SHIPPED.parent})
 

@@ -17,7 +17,7 @@ from featcal.cli.common import (
 from featcal.model.streams import device_of
 from featcal.zoo import evaluate
 from featcal.zoo.io import load_model, save_model, zoo_card
-from featcal.zoo.scores import average, expert_accuracies, markdown_table, normalized, write_scores
+from featcal.zoo.score.scores import average, expert_accuracies, markdown_table, normalized, write_scores
 
 
 def write_output(args, zoo, model, json_name: str, doc: dict, scored: dict) -> Path:
@@ -136,7 +136,7 @@ def _run_lm_eval(args) -> int:
     table (rows: models; columns: task and metric) and written with ``--json``."""
     import json
 
-    from featcal.zoo.harness import HarnessError, lm_eval_scores, load_lm
+    from featcal.zoo.score.harness import HarnessError, lm_eval_scores, load_lm
 
     if not args.model:
         raise UserError("--lm-eval scores saved language models: give one or more --model DIR.")

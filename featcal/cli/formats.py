@@ -119,7 +119,7 @@ def add_from_fusionbench(sub) -> None:
 
 
 def run_from_fusionbench(args) -> int:
-    from featcal.zoo.fusionbench import from_fusionbench, write_spec
+    from featcal.zoo.formats.fusionbench import from_fusionbench, write_spec
 
     if Path(args.out).suffix.lower() not in (".yaml", ".yml"):
         raise UserError(f"--out {args.out!r}: a zoo spec is a .yaml file.")

@@ -10,14 +10,17 @@
 
 :func:`load_any` is the one loader; the command line and the app call it.
 
-The modules import one way: the spec's schema (:mod:`~featcal.zoo.schema`) <- finding
-what it names (:mod:`~featcal.zoo.resolve`, :mod:`~featcal.zoo.locate`) <- loading it
-(:mod:`~featcal.zoo.loaders`, :mod:`~featcal.zoo.heads`, :mod:`~featcal.zoo.data`,
-:mod:`~featcal.zoo.spec`) <- building the demo zoos (:mod:`~featcal.zoo.demo_recipe`,
-:mod:`~featcal.zoo.fashion`, :mod:`~featcal.zoo.demo`) and the real text zoo
-(:mod:`~featcal.zoo.text_data`, :mod:`~featcal.zoo.realtext`); :mod:`~featcal.zoo.core` (the
-``Zoo``), text inputs (:mod:`~featcal.zoo.tokens`) and the on-disk layout
-(:mod:`~featcal.zoo.io`, :mod:`~featcal.zoo.store`) sit below.
+The package's folders:
+
+- :mod:`featcal.zoo.spec`: what a zoo spec says and where the models and data it names are;
+- :mod:`featcal.zoo.load`: loading a located spec into a ``Zoo`` (models, heads, data);
+- :mod:`featcal.zoo.score`: scoring models on a zoo's tasks (summaries, generated replies, lm-eval);
+- :mod:`featcal.zoo.formats`: other tools' files (FusionBench model pools) read as specs;
+- :mod:`featcal.zoo.builtin`: the built-in zoos' recipes (demo, demo-fashion, real-text, smollm2);
+- beside them, the ``Zoo`` itself (:mod:`~featcal.zoo.core`), text inputs (:mod:`~featcal.zoo.tokens`)
+  and the on-disk layout (:mod:`~featcal.zoo.io`, :mod:`~featcal.zoo.store`).
+
+The modules import one way, spec <- load <- build (``tests/repo/test_layers.py`` holds the order).
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from featcal.zoo import fusionbench, spec
+from featcal.zoo.builtin.demo import DEMO_VERSION, build_demo, cache_dir, demo_path, load_demo
+from featcal.zoo.builtin.realtext import load_realtext, realtext_path
 from featcal.zoo.core import SPLITS, TaskData, Zoo, evaluate
-from featcal.zoo.demo import DEMO_VERSION, build_demo, cache_dir, demo_path, load_demo
+from featcal.zoo.formats import fusionbench
 from featcal.zoo.io import OutputExistsError, load_model, save_model
-from featcal.zoo.realtext import load_realtext, realtext_path
-from featcal.zoo.scores import average, expert_accuracies, normalized, summary, write_scores
+from featcal.zoo.load import from_spec
+from featcal.zoo.score.scores import average, expert_accuracies, normalized, summary, write_scores
 from featcal.zoo.store import is_zoo_dir, read_zoo_dir
 
 __all__ = [
@@ -62,7 +66,7 @@ __all__ = [
 
 
 def _load_smollm2(rebuild: bool = False, progress: bool = True) -> Zoo:
-    from featcal.zoo.smollm2 import load_smollm2  # imports peft and transformers' Llama only when asked
+    from featcal.zoo.builtin.smollm2 import load_smollm2  # imports peft and transformers' Llama only when asked
 
     return load_smollm2(rebuild=rebuild, progress=progress)
 
@@ -78,9 +82,9 @@ def load_any(name_or_path: str | os.PathLike, progress: bool = True, rebuild: bo
 
     - ``demo`` / ``demo-fashion``: the embedded demo zoo (built and cached on first use);
     - ``real-text``: the real text zoo (built and cached on first use from installed packages);
-    - ``smollm2``: the LLM zoo (:mod:`featcal.zoo.smollm2`, likewise);
-    - a ``.yaml`` / ``.yml`` file: a spec of real models (:func:`featcal.zoo.spec.load`), or a
-      FusionBench CLIP model pool (:mod:`featcal.zoo.fusionbench`);
+    - ``smollm2``: the LLM zoo (:mod:`featcal.zoo.builtin.smollm2`, likewise);
+    - a ``.yaml`` / ``.yml`` file: a spec of real models (:func:`featcal.zoo.load.from_spec.load`), or a
+      FusionBench CLIP model pool (:mod:`featcal.zoo.formats.fusionbench`);
     - a directory in the demo's layout (``meta.json`` of kind ``featcal-zoo``).
 
     ``~`` and ``$VARS`` in a path are expanded. ``rebuild`` applies to the built-in
@@ -97,8 +101,8 @@ def load_any(name_or_path: str | os.PathLike, progress: bool = True, rebuild: bo
         if not path.is_file():
             raise FileNotFoundError(f"zoo spec {key!r} does not exist.")
         if fusionbench.is_pool(path):  # a FusionBench model pool, read as the spec it makes
-            return _on(spec.load(fusionbench.pool_spec(path), device=device), device)
-        return _on(spec.load(path, device=device), device)
+            return _on(from_spec.load(fusionbench.pool_spec(path), device=device), device)
+        return _on(from_spec.load(path, device=device), device)
     if path.is_dir() and is_zoo_dir(path):
         return _on(read_zoo_dir(path), device)
     what = "is a directory but not a featcal zoo (no meta.json)" if path.is_dir() else "does not exist"

@@ -35,7 +35,7 @@ class TaskData:
     :class:`~featcal.zoo.tokens.TokenRows` (text), labels ``(n,)`` long.
     ``calib`` and ``val`` are carved from the task's train data and never
     overlap ``test``. Any mapping will do: a dict, or a lazy one that decodes a
-    split's images on first access (:class:`featcal.zoo.data.LazySplits`).
+    split's images on first access (:class:`featcal.zoo.load.data.LazySplits`).
     """
 
     name: str
@@ -169,6 +169,6 @@ def evaluate(
     max_per_task: int | None = None,
 ) -> dict[str, float]:
     """``model``'s score (percent) on each task's ``split``: ``{task: score}``; top-1 accuracy
-    through the frozen heads, or the zoo's own metrics (an LLM zoo's, :mod:`featcal.zoo.lm`)."""
+    through the frozen heads, or the zoo's own metrics (an LLM zoo's, :mod:`featcal.zoo.score.lm`)."""
     model.eval()
     return zoo.score(model, split=split, batch_size=batch_size, tasks=tasks, max_per_task=max_per_task)

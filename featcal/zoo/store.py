@@ -36,7 +36,7 @@ from featcal.model.allowed import check_model_kwargs, library_model_class
 from featcal.util import outdir
 from featcal.zoo.core import SPLITS, TaskData, Zoo
 from featcal.zoo.io import atomic_dir, quiet_transformers, tree_sha256
-from featcal.zoo.lm import EXAMPLES, LMZoo, lm_mean_hidden, read_examples
+from featcal.zoo.score.lm import EXAMPLES, LMZoo, lm_mean_hidden, read_examples
 from featcal.zoo.tokens import TokenRows, as_batch, masked_mean
 
 KIND = "featcal-zoo"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from featcal.zoo import demo, demo_recipe
+from featcal.zoo.builtin import demo, demo_recipe
 
 # a few seconds of steps, so the page shows several progress updates
 MICRO = demo_recipe.micro_recipe(pretrain_steps=600, finetune_steps=60)

@@ -77,7 +77,7 @@ def start_server(tmp_path_factory, env: dict):
             pytest.fail("Debian chromium is not installed but FEATCAL_REQUIRE_BROWSER is set")
         pytest.skip("Debian chromium is not installed (apt-get install chromium); browser tests skipped")
     pytest.importorskip("playwright.sync_api", reason="the playwright Python package is not installed")
-    from featcal.zoo.demo import load_demo
+    from featcal.zoo.builtin.demo import load_demo
 
     load_demo(progress=False)  # build (or check) the cache here, not inside the first request
     port = _free_port()
@@ -395,7 +395,7 @@ def test_first_page_on_an_empty_cache_comes_from_the_shipped_zoo(browser, tmp_pa
     from the shipped copy, nothing built (a build takes minutes). How long it takes is measured by
     benchmarks/first_run.py (benchmarks/README.md, 'First run'), not asserted here: a busy machine
     may take any time."""
-    from featcal.zoo.demo import shipped_path
+    from featcal.zoo.builtin.demo import shipped_path
 
     assert shipped_path() is not None, "the shipped demo zoo (assets/zoos/demo/) is missing or stale"
     budget = LOAD_MS / 1000  # stops a hang only

@@ -8,7 +8,7 @@ import pytest
 from diagnostics import compare as cmp
 from featcal.cli import commands as cli
 from featcal.zoo import load_any
-from featcal.zoo.scores import expert_accuracies
+from featcal.zoo.score.scores import expert_accuracies
 
 
 def _run(capsys, *argv):

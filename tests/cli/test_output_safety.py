@@ -130,7 +130,7 @@ def test_every_command_refuses_an_input_or_a_shipped_zoo_as_its_output(tiny_zoo_
     meta.json, no marker) counted as replaceable. Each is refused before any work, the bytes kept."""
     import shutil
 
-    from featcal.zoo.demo import SHIPPED
+    from featcal.zoo.builtin.demo import SHIPPED
 
     zoo = tmp_path / "zoo"
     shutil.copytree(tiny_zoo_dir, zoo)

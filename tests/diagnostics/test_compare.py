@@ -10,7 +10,7 @@ from diagnostics import compare as cmp
 from featcal import ESCalOptions, FeatCalConfig, calibrate, escal
 from featcal.zoo import load_any
 from featcal.zoo.core import evaluate
-from featcal.zoo.scores import expert_accuracies
+from featcal.zoo.score.scores import expert_accuracies
 
 FAST = {"escal": {"epochs": 1, "rank": 4}, "surgery_v2": {"steps": 3}}
 

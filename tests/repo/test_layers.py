@@ -48,36 +48,42 @@ FOLDER_LAYERS = {
 # featcal.zoo's layers, lowest first: a module may import its own layer and those before it.
 ZOO_LAYERS = {
     "base": (
+        # the folders' __init__ modules only name their modules; they import nothing
+        "featcal.zoo.spec",
+        "featcal.zoo.load",
+        "featcal.zoo.score",
+        "featcal.zoo.formats",
+        "featcal.zoo.builtin",
         "featcal.zoo.core",
         "featcal.zoo.io",
-        "featcal.zoo.classnames",
-        "featcal.zoo.demo_data",
-        "featcal.zoo.resolve",
+        "featcal.zoo.load.classnames",
+        "featcal.zoo.builtin.demo_data",
+        "featcal.zoo.spec.resolve",
         "featcal.zoo.tokens",
     ),
-    "schema": ("featcal.zoo.schema", "featcal.zoo.parsing"),
-    "locate": ("featcal.zoo.locate",),
+    "schema": ("featcal.zoo.spec.schema", "featcal.zoo.spec.parsing"),
+    "locate": ("featcal.zoo.spec.locate",),
     "load": (
-        "featcal.zoo.userspec",  # writes a spec from the user's folders (the app's "Your models")
-        "featcal.zoo.loaders",
-        "featcal.zoo.heads",
-        "featcal.zoo.data",
-        "featcal.zoo.text_spec",  # a spec's text zoo: encoders, tokenizer, text and token files
-        "featcal.zoo.spec",
+        "featcal.zoo.spec.userspec",  # writes a spec from the user's folders (the app's "Your models")
+        "featcal.zoo.load.loaders",
+        "featcal.zoo.load.heads",
+        "featcal.zoo.load.data",
+        "featcal.zoo.load.text",  # a spec's text zoo: encoders, tokenizer, text and token files
+        "featcal.zoo.load.from_spec",
         "featcal.zoo.store",
-        "featcal.zoo.scores",
-        "featcal.zoo.fusionbench",
-        "featcal.zoo.text_data",  # reads WordNet for the LLM zoo's tasks too
-        "featcal.zoo.llm_tasks",
-        "featcal.zoo.lm",
-        "featcal.zoo.harness",  # lm-eval-harness on a language model held in memory
+        "featcal.zoo.score.scores",
+        "featcal.zoo.formats.fusionbench",
+        "featcal.zoo.builtin.text_data",  # reads WordNet for the LLM zoo's tasks too
+        "featcal.zoo.builtin.llm_tasks",
+        "featcal.zoo.score.lm",
+        "featcal.zoo.score.harness",  # lm-eval-harness on a language model held in memory
     ),
     "build": (
-        "featcal.zoo.demo_recipe",
-        "featcal.zoo.fashion",
-        "featcal.zoo.demo",
-        "featcal.zoo.realtext",
-        "featcal.zoo.smollm2",
+        "featcal.zoo.builtin.demo_recipe",
+        "featcal.zoo.builtin.fashion",
+        "featcal.zoo.builtin.demo",
+        "featcal.zoo.builtin.realtext",
+        "featcal.zoo.builtin.smollm2",
     ),
     "package": ("featcal.zoo",),
 }
@@ -315,13 +321,13 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
 
 def test_zoo_layers_catch_an_upward_import_and_an_unplaced_module():
     g = {
-        "featcal.zoo.schema": {"featcal.zoo.loaders"},
-        "featcal.zoo.loaders": {"featcal.zoo.schema"},
+        "featcal.zoo.spec.schema": {"featcal.zoo.load.loaders"},
+        "featcal.zoo.load.loaders": {"featcal.zoo.spec.schema"},
         "featcal.zoo.extra": set(),
     }
     assert zoo_layer_violations(g) == [
         "featcal.zoo.extra: in no layer of ZOO_LAYERS",
-        "featcal.zoo.schema (schema) -> featcal.zoo.loaders (load)",
+        "featcal.zoo.spec.schema (schema) -> featcal.zoo.load.loaders (load)",
     ]
 
 

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from featcal.zoo import demo, demo_data, demo_recipe, fashion, load_any, scores, store
+from featcal.zoo import load_any, store
+from featcal.zoo.builtin import demo, demo_data, demo_recipe, fashion
 from featcal.zoo.core import evaluate
+from featcal.zoo.score import scores
 
 # ------------------------------------------------------------------ data
 

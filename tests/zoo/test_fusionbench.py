@@ -1,4 +1,4 @@
-"""FusionBench model pools -> featcal zoo specs (featcal.zoo.fusionbench), on a fake Hugging
+"""FusionBench model pools -> featcal zoo specs (featcal.zoo.formats.fusionbench), on a fake Hugging
 Face cache the test writes: a tiny CLIPModel base, a dense CLIPVisionModel expert and a LoRA
 expert (FusionBench's `_lora` pools: peft on the vision transformer) in the hub's
 models--ORG--NAME/snapshots/REV layout, tiny parquet image data sets (image, label) in the
@@ -20,7 +20,7 @@ from test_zoo_spec import _image, _perturbed_vision, _png, write_hf_cache_model
 
 from featcal.cli.commands import main
 from featcal.zoo import load_any
-from featcal.zoo.fusionbench import FusionBenchError, from_fusionbench
+from featcal.zoo.formats.fusionbench import FusionBenchError, from_fusionbench
 
 SHAPES = ["round", "square", "pointy"]
 

@@ -1,4 +1,4 @@
-"""lm-eval-harness as the evaluator of language models (featcal.zoo.harness, `featcal eval
+"""lm-eval-harness as the evaluator of language models (featcal.zoo.score.harness, `featcal eval
 --lm-eval`): on a local task YAML and a tiny Llama, featcal's scores are lm-eval's own CLI's on the
 same saved model; task files that name code are refused without the user's flag; bad requests
 are named."""
@@ -20,7 +20,7 @@ pytest.importorskip("lm_eval")
 pytestmark = pytest.mark.slow  # lm-eval imports datasets, evaluate, ...: ~10 s a run
 
 from featcal.cli.commands import main  # noqa: E402
-from featcal.zoo.harness import HarnessError, code_in_task_files, lm_eval_scores, load_lm  # noqa: E402
+from featcal.zoo.score.harness import HarnessError, code_in_task_files, lm_eval_scores, load_lm  # noqa: E402
 
 WORDS = "the cat dog sat on a mat is red blue green which color sky grass sun sea".split()
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from featcal.zoo import llm_tasks as lt
-from featcal.zoo.text_data import WORDNET_DIR
+from featcal.zoo.builtin import llm_tasks as lt
+from featcal.zoo.builtin.text_data import WORDNET_DIR
 
 needs_wordnet = pytest.mark.skipif(
     not (WORDNET_DIR / "data.noun").is_file(), reason="needs WordNet: sudo apt-get install wordnet-base"

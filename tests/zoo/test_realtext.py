@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from featcal.zoo import text_data
+from featcal.zoo.builtin import text_data
 from featcal.zoo.tokens import TokenRows, masked_mean
 
 MISSING = text_data.missing_packages()
@@ -22,7 +22,7 @@ MICRO = {"calib": 8, "val": 4, "test": 8, "train": 16}
 
 
 def micro_recipe(**kw):
-    from featcal.zoo.realtext import TextRecipe
+    from featcal.zoo.builtin.realtext import TextRecipe
 
     return TextRecipe(**{"tasks": ("pos", "spam"), "sizes": MICRO, "steps": 2, "batch_size": 4, "layers": 1, **kw})
 
@@ -31,7 +31,7 @@ def micro_recipe(**kw):
 def micro_zoo(tmp_path_factory):
     """The real-text zoo's micro build (5-10 s): the tests that read it are marked slow."""
     from featcal.zoo import load_any
-    from featcal.zoo.realtext import build_realtext
+    from featcal.zoo.builtin.realtext import build_realtext
 
     path = build_realtext(tmp_path_factory.mktemp("rt") / "real-text-micro", micro_recipe(), progress=False)
     return load_any(str(path))
@@ -102,7 +102,7 @@ def test_zoo_build_without_the_packages_is_one_clear_error(monkeypatch, tmp_path
 
 @needs_packages
 def test_splits_are_balanced_disjoint_and_seeded():
-    from featcal.zoo.realtext import task_texts
+    from featcal.zoo.builtin.realtext import task_texts
 
     recipe = micro_recipe()
     classes, texts = task_texts("pos", recipe)

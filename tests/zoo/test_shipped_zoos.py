@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from featcal.zoo import classnames
-from featcal.zoo.parsing import from_dict
+from featcal.zoo.load import classnames
+from featcal.zoo.spec.parsing import from_dict
 
 ZOOS = Path(__file__).resolve().parents[2] / "assets" / "zoos"
 

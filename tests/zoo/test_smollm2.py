@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from featcal.zoo import smollm2
+from featcal.zoo.builtin import smollm2
 
 MISSING = smollm2.missing_packages()
 pytestmark = pytest.mark.skipif(
@@ -50,7 +50,7 @@ def test_micro_build_is_deterministic_for_a_seed(micro_dir, tmp_path):
 @pytest.mark.slow
 def test_loads_as_a_zoo_and_scores_replies(micro):
     from featcal import evaluate
-    from featcal.zoo.lm import LMZoo
+    from featcal.zoo.score.lm import LMZoo
 
     assert isinstance(micro, LMZoo) and micro.tasks == ["python", "wordnet"]
     assert micro.base.config.num_hidden_layers == 2 and micro.base.config.tie_word_embeddings
@@ -89,8 +89,8 @@ def test_reply_start_logits_equal_those_of_the_whole_sequence(micro):
 
 @pytest.mark.slow
 def test_choice_fast_path_equals_one_forward_per_option(micro):
-    from featcal.zoo import llm_tasks as lt
-    from featcal.zoo.lm import choice_logliks, option_logliks
+    from featcal.zoo.builtin import llm_tasks as lt
+    from featcal.zoo.score.lm import choice_logliks, option_logliks
 
     exs = micro.examples["wordnet"]["test"]
     fast = choice_logliks(micro.base, micro.tokenizer, exs, batch_size=3)
@@ -103,7 +103,7 @@ def test_choice_fast_path_equals_one_forward_per_option(micro):
 @pytest.mark.slow
 def test_batched_replies_equal_one_prompt_at_a_time(micro):
     """Batching by prompt length (left padding, the cache kept) changes no reply."""
-    from featcal.zoo.lm import generate
+    from featcal.zoo.score.lm import generate
 
     model = micro.experts["python"]
     prompts = [ex.prompt for t in micro.tasks for ex in micro.examples[t]["test"]]

@@ -1,4 +1,4 @@
-"""The spec of the user's own models (featcal.zoo.userspec): tasks found in a data folder,
+"""The spec of the user's own models (featcal.zoo.spec.userspec): tasks found in a data folder,
 model directories checked, the written YAML loads as a zoo (image folders, or text and token
 files with a text encoder; a merged model of the user's own as the merger "given"); LoRA
 adapters and bad token files get a clear message; a file featcal did not write is never replaced."""
@@ -12,9 +12,9 @@ import torch
 from test_zero_shot import tiny_clip
 from test_zoo_spec import _perturbed_vision, write_image_folder
 
-from featcal.zoo import spec as zoo_spec
-from featcal.zoo import userspec
 from featcal.zoo.core import GIVEN, evaluate
+from featcal.zoo.load import from_spec as zoo_spec
+from featcal.zoo.spec import userspec
 from featcal.zoo.tokens import TokenRows
 
 
@@ -144,7 +144,7 @@ def test_text_and_token_files_make_a_text_zoo(tmp_path, monkeypatch):
 
 def test_a_text_zoo_says_what_is_wrong(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from featcal.zoo import parsing, schema
+    from featcal.zoo.spec import parsing, schema
 
     root = write_text_models(tmp_path)
     good = {
@@ -213,7 +213,7 @@ def test_the_worked_example_in_docs_zoos_md_is_a_valid_spec(tmp_path):
 
     import yaml
 
-    from featcal.zoo import parsing, schema
+    from featcal.zoo.spec import parsing, schema
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "zoos.md").read_text()
     example, text = re.findall(r"^```yaml\n(.*?)^```$", doc, flags=re.S | re.M)

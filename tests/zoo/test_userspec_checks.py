@@ -15,7 +15,7 @@ from test_userspec import write_text_models, write_user_models
 from test_zero_shot import tiny_clip
 from test_zoo_spec import _perturbed_vision, write_image_folder
 
-from featcal.zoo import userspec
+from featcal.zoo.spec import userspec
 
 
 def write_vision_models(root):
@@ -137,7 +137,7 @@ def test_dense_llama_experts_without_a_tokenizer_get_a_readable_message(tmp_path
 def test_a_text_zoo_without_tokenizer_files_says_so_and_takes_a_tokenizer_directory(tmp_path):
     """The loader's message names the folder and the fix (never transformers' wording); the
     spec's ``tokenizer:`` (the form's tokenizer field) points at the tokenizer kept elsewhere."""
-    from featcal.zoo import text_spec
+    from featcal.zoo.load import text as text_spec
 
     root = write_text_models(tmp_path)
     kept = tmp_path / "tokenizer"

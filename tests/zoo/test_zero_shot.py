@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from featcal.zoo import classnames
-from featcal.zoo.heads import HFTextEncoder, linear_head, load_hf_text_encoder, zero_shot_weights
-from featcal.zoo.loaders import ClipFeatures, read_state_dict
+from featcal.zoo.load import classnames
+from featcal.zoo.load.heads import HFTextEncoder, linear_head, load_hf_text_encoder, zero_shot_weights
+from featcal.zoo.load.loaders import ClipFeatures, read_state_dict
 
 # ----------------------------------------------------------------------------- tiny builders (shared)
 
@@ -198,7 +198,7 @@ def test_the_tall20_tasks_are_fusionbenchs_class_names_and_prompts():
 def test_open_clip_zero_shot_rows_are_normalised_encode_text(tmp_path):
     pytest.importorskip("open_clip")
     import tiny
-    from featcal.zoo.heads import OpenClipTextEncoder
+    from featcal.zoo.load.heads import OpenClipTextEncoder
 
     model, _ = tiny.tiny_open_clip_clip(tmp_path, "tiny-oc-zs")
     import open_clip

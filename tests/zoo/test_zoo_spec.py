@@ -13,10 +13,10 @@ import yaml
 from PIL import Image
 from test_zero_shot import tiny_clip
 
-from featcal.zoo import spec as zoo_spec
 from featcal.zoo.core import evaluate
-from featcal.zoo.data import LazySplits, split_indices, to_clip_input
-from featcal.zoo.resolve import MissingResourcesError
+from featcal.zoo.load import from_spec as zoo_spec
+from featcal.zoo.load.data import LazySplits, split_indices, to_clip_input
+from featcal.zoo.spec.resolve import MissingResourcesError
 
 PRESETS = Path(__file__).resolve().parents[2] / "assets" / "zoos"
 COLORS = [(220, 30, 30), (30, 200, 40), (40, 60, 220)]
@@ -193,7 +193,7 @@ def test_missing_things_are_listed_in_one_error(tmp_path, monkeypatch):
     }
     path = tmp_path / "z.yaml"
     path.write_text(yaml.safe_dump(spec))
-    monkeypatch.setattr("featcal.zoo.loaders.load_models", lambda *a, **k: pytest.fail("loaded before checking"))
+    monkeypatch.setattr("featcal.zoo.load.loaders.load_models", lambda *a, **k: pytest.fail("loaded before checking"))
     with pytest.raises(MissingResourcesError) as info:
         zoo_spec.load(path)
     msg = str(info.value)
@@ -362,8 +362,8 @@ def test_open_clip_spec_loads(tmp_path):
 
 def test_open_clip_pretrained_tag_is_read_from_the_hf_cache_only(tmp_path):
     pytest.importorskip("open_clip")
-    from featcal.zoo.loaders import open_clip_quick_gelu
-    from featcal.zoo.locate import locate_model
+    from featcal.zoo.load.loaders import open_clip_quick_gelu
+    from featcal.zoo.spec.locate import locate_model
 
     entry = zoo_spec.from_dict(
         {

@@ -2,14 +2,14 @@
 
 :func:`load` turns a spec into a :class:`~featcal.zoo.core.Zoo`, fully offline:
 
-1. parse and validate the YAML into frozen dataclasses (:mod:`featcal.zoo.schema`);
-2. locate every model, head file and dataset (:mod:`featcal.zoo.locate`: local paths,
+1. parse and validate the YAML into frozen dataclasses (:mod:`featcal.zoo.spec.schema`);
+2. locate every model, head file and dataset (:mod:`featcal.zoo.spec.locate`: local paths,
    then the Hugging Face cache; never the network) and, if anything is missing,
    raise ONE :class:`MissingResourcesError` listing all of it;
-3. load the models (:mod:`featcal.zoo.loaders`), build the heads
-   (:mod:`featcal.zoo.heads`), wire up the lazily decoded data (:mod:`featcal.zoo.data`).
+3. load the models (:mod:`featcal.zoo.load.loaders`), build the heads
+   (:mod:`featcal.zoo.load.heads`), wire up the lazily decoded data (:mod:`featcal.zoo.load.data`).
 
-The format of a spec, with an example: :mod:`featcal.zoo.schema` (its names are
+The format of a spec, with an example: :mod:`featcal.zoo.spec.schema` (its names are
 importable from here too).
 """
 
@@ -20,13 +20,14 @@ from dataclasses import asdict
 
 import torch
 
-from featcal.zoo import data as data_mod
-from featcal.zoo import heads as heads_mod
-from featcal.zoo import loaders, locate
 from featcal.zoo.core import Zoo
-from featcal.zoo.parsing import expand, from_dict, parse
-from featcal.zoo.resolve import Missing, MissingResourcesError
-from featcal.zoo.schema import (
+from featcal.zoo.load import data as data_mod
+from featcal.zoo.load import heads as heads_mod
+from featcal.zoo.load import loaders
+from featcal.zoo.spec import locate
+from featcal.zoo.spec.parsing import expand, from_dict, parse
+from featcal.zoo.spec.resolve import Missing, MissingResourcesError
+from featcal.zoo.spec.schema import (
     SCHEMA,
     DataSpec,
     HeadSpec,
@@ -69,7 +70,7 @@ def load(spec_path: str | os.PathLike | ZooSpec, device: str = "cpu") -> Zoo:
     found = locate.locate_all(spec)
     _check_data_kinds(spec, found)
     if spec.modality == "text":  # encoders, tokenizer, text or token data
-        from featcal.zoo import text_spec
+        from featcal.zoo.load import text as text_spec
 
         parts = text_spec.load_parts(spec, found, device=device)
         return Zoo(name=spec.name, fmt=spec.format, meta=_meta(spec, found), **parts)

@@ -1,9 +1,9 @@
 """Zoo specs: the YAML schema, parsed and validated into frozen dataclasses.
 
-Nothing here looks for or loads anything: :func:`featcal.zoo.parsing.parse` reads a spec
-file, :func:`featcal.zoo.parsing.from_dict` validates a mapping, and both return a
-:class:`ZooSpec`. :mod:`featcal.zoo.locate` then finds what it names, and
-:func:`featcal.zoo.spec.load` builds the zoo.
+Nothing here looks for or loads anything: :func:`featcal.zoo.spec.parsing.parse` reads a spec
+file, :func:`featcal.zoo.spec.parsing.from_dict` validates a mapping, and both return a
+:class:`ZooSpec`. :mod:`featcal.zoo.spec.locate` then finds what it names, and
+:func:`featcal.zoo.load.from_spec.load` builds the zoo.
 
 A spec is documented, with complete worked examples (an image zoo, a ``modality: text`` zoo, a
 merged model of one's own), in docs/zoos.md; paths may use ``~``, ``$VAR``, ``${VAR}`` and

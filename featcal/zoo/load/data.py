@@ -1,4 +1,4 @@
-"""Reading a located dataset (:mod:`featcal.zoo.locate`) into lazily decoded splits.
+"""Reading a located dataset (:mod:`featcal.zoo.spec.locate`) into lazily decoded splits.
 
 :func:`task_data` wraps a task's dataset (an image folder, an ``arrow`` or
 ``parquet`` dataset, or a tensors file) into a :class:`~featcal.zoo.core.TaskData`
@@ -19,9 +19,9 @@ import torch
 
 from featcal.util.progress import bar
 from featcal.zoo.core import TaskData
-from featcal.zoo.loaders import ModelInfo
-from featcal.zoo.locate import LocatedData, parquet_files
-from featcal.zoo.schema import DataSpec, ZooSpec
+from featcal.zoo.load.loaders import ModelInfo
+from featcal.zoo.spec.locate import LocatedData, parquet_files
+from featcal.zoo.spec.schema import DataSpec, ZooSpec
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
 

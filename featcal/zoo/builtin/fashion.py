@@ -5,7 +5,7 @@ files under ``/usr/share/datasets/fashion-mnist/``; ``$FEATCAL_FASHION_MNIST``
 may point elsewhere). Nothing is downloaded.
 
 Tasks added (on the default zoo's base, heads and fine-tuning as in
-:mod:`featcal.zoo.demo_recipe`):
+:mod:`featcal.zoo.builtin.demo_recipe`):
     fashion        the 10 Fashion-MNIST classes
     fashion-group  4 groups: tops, bottoms and dresses, footwear, bags
 Both draw train rows from the package's 60k train file (disjoint index sets)
@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from featcal.util.progress import Progress, Tracker
+from featcal.zoo.builtin.demo_recipe import HEAD_WORK, Recipe, finetune, make_head, train_minus_val
 from featcal.zoo.core import Zoo
-from featcal.zoo.demo_recipe import HEAD_WORK, Recipe, finetune, make_head, train_minus_val
 from featcal.zoo.store import read_arrays
 
 APT_PACKAGE = "dataset-fashion-mnist"
@@ -122,7 +122,7 @@ def build_fashion_parts(
 ) -> dict:
     """The ``default`` demo zoo plus the Fashion-MNIST experts, as the keyword arguments of
     :func:`featcal.zoo.store.write_zoo_dir` (``default``'s base is moved to ``device`` and back;
-    ``progress`` and ``on_step`` as in :func:`featcal.zoo.demo_recipe.build_parts`)."""
+    ``progress`` and ``on_step`` as in :func:`featcal.zoo.builtin.demo_recipe.build_parts`)."""
     new = make_fashion_arrays(recipe.n_train, recipe.n_calib, recipe.n_val, recipe.n_test, seed=recipe.seed)
     arrays = read_arrays(default.meta["path"])
     classes = {t: list(default.data[t].classes) for t in default.tasks}

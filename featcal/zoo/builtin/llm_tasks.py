@@ -1,7 +1,7 @@
 """The LLM zoo's four tasks in the MergeBench spirit, each with a verifiable metric.
 
 Every example is generated offline with a seed, or read from WordNet 3.0 (Debian
-``wordnet-base``, through :mod:`featcal.zoo.text_data`); nothing comes from a model:
+``wordnet-base``, through :mod:`featcal.zoo.builtin.text_data`); nothing comes from a model:
 
 - ``arithmetic``: one- and two-step word problems; scored by exact match of the final
   number (the one after the last "answer is", else the last number in the reply);
@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from featcal.zoo import text_data
+from featcal.zoo.builtin import text_data
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
+from featcal.zoo.builtin.llm_tasks import TASKS, Example
 from featcal.zoo.core import Zoo
-from featcal.zoo.llm_tasks import TASKS, Example
 from featcal.zoo.tokens import TokenRows, as_batch, masked_mean
 
 # ------------------------------------------------------------------ chat formatting

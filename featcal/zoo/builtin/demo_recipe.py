@@ -1,9 +1,9 @@
 """The demo zoo's recipe: synthetic data, a pretrained base, heads and fine-tuned experts.
 
-Everything is seeded and runs offline (:mod:`featcal.zoo.demo` builds, caches and
+Everything is seeded and runs offline (:mod:`featcal.zoo.builtin.demo` builds, caches and
 loads the result). The steps of :func:`build_parts`:
 
-1. data: each task of :mod:`featcal.zoo.demo_data` gets a train set, a
+1. data: each task of :mod:`featcal.zoo.builtin.demo_data` gets a train set, a
    disjoint test set and a separate pretraining pool; ``calib`` and ``val``
    are carved from train (disjoint from each other);
 2. pretrain the base on the mixture of the pretraining pools with *coarse*
@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from featcal.util.progress import Progress, Tracker
+from featcal.zoo.builtin.demo_data import TASKS, drop_duplicates, make_task
 from featcal.zoo.core import SPLITS
-from featcal.zoo.demo_data import TASKS, drop_duplicates, make_task
 from featcal.zoo.store import pooler_output, to_pixels
 
 DEMO_VERSION = "2"  # bump when demo_data or the training code changes (the Recipe is hashed too)

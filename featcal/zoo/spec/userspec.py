@@ -1,5 +1,5 @@
 """A zoo spec for the user's own models, from folders: what the app's "Your models" form
-writes (the YAML format: docs/zoos.md, :mod:`featcal.zoo.schema`).
+writes (the YAML format: docs/zoos.md, :mod:`featcal.zoo.spec.schema`).
 
 - :func:`find_tasks`: the tasks of a data folder, one entry per task: ``<task>/`` holding
   ``train/`` and ``test/`` class folders of images (or a ``datasets`` / parquet layout, or
@@ -9,7 +9,7 @@ writes (the YAML format: docs/zoos.md, :mod:`featcal.zoo.schema`).
 - :func:`model_kind`: a model directory's kind (a dense ``save_pretrained`` directory, a
   PEFT LoRA adapter, which the zoo's loader merges onto the base, an open_clip checkpoint
   file), checked before anything is written;
-- :func:`user_spec` builds the spec dict (validated by :func:`featcal.zoo.parsing.from_dict`;
+- :func:`user_spec` builds the spec dict (validated by :func:`featcal.zoo.spec.parsing.from_dict`;
   text or token data make a ``modality: text`` zoo; an optional merged model of the user's own
   is the spec's ``merged:``), :func:`spec_text` its YAML, :func:`write_spec` writes it, never
   over a file featcal did not write;
@@ -29,7 +29,7 @@ from typing import Mapping
 import yaml
 
 from featcal.model import lora
-from featcal.zoo import locate, parsing, schema
+from featcal.zoo.spec import locate, parsing, schema
 
 HEADER = "# featcal zoo spec, written by featcal's app (docs/zoos.md documents every key)\n"
 TENSOR_SUFFIXES = (".safetensors", ".npz")
@@ -198,7 +198,7 @@ def user_spec(
     the app offers as the merger "given"), ``features`` (what the heads read: ``pooled`` for a
     ``CLIPVisionModel`` base, which has no projection, with file heads), ``tokenizer`` (a text zoo's
     tokenizer directory, when the base has none). Every path is checked and made absolute; the dict is
-    validated as a spec (:func:`featcal.zoo.parsing.from_dict`) before it is returned; whether it
+    validated as a spec (:func:`featcal.zoo.spec.parsing.from_dict`) before it is returned; whether it
     loads is :func:`load_checked`'s to tell."""
     if not name or not name.replace("-", "").replace("_", "").isalnum():
         raise UserSpecError(f"zoo name {name!r}: use letters, digits, '-' and '_' only.")
@@ -288,10 +288,10 @@ def write_spec(path: str | os.PathLike, text: str) -> Path:
 
 def load_checked(spec: dict, path: str | os.PathLike, device: str = "cpu"):
     """The :class:`~featcal.zoo.core.Zoo` that ``spec`` makes once written to ``path``, loaded by the
-    zoo loader itself (:func:`featcal.zoo.spec.load`, which the app and every command run on the
+    zoo loader itself (:func:`featcal.zoo.load.from_spec.load`, which the app and every command run on the
     written file) before anything is written, its models on ``device``: whatever would stop it loading is a
     :class:`UserSpecError` carrying the loader's own message."""
-    from featcal.zoo import spec as spec_mod
+    from featcal.zoo.load import from_spec as spec_mod
 
     p = _path(path)
     try:

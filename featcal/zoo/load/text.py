@@ -26,12 +26,12 @@ from torch import nn
 
 from featcal.model import lora
 from featcal.model.checkpoints import read_state_dict
-from featcal.zoo import heads as heads_mod
 from featcal.zoo.core import TaskData
-from featcal.zoo.data import split_indices
-from featcal.zoo.loaders import _DTYPES, load_strict, no_init
-from featcal.zoo.locate import Found, LocatedData, text_split_file
-from featcal.zoo.schema import ZooSpec
+from featcal.zoo.load import heads as heads_mod
+from featcal.zoo.load.data import split_indices
+from featcal.zoo.load.loaders import _DTYPES, load_strict, no_init
+from featcal.zoo.spec.locate import Found, LocatedData, text_split_file
+from featcal.zoo.spec.schema import ZooSpec
 from featcal.zoo.store import mean_pooled
 from featcal.zoo.tokens import TokenRows
 

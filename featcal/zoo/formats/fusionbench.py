@@ -10,7 +10,7 @@ folder is found beside the YAML (its config tree), in ``--config-dir``, or in th
 ``fusion_bench_config`` package (read as files; FusionBench is never imported).
 
 :func:`from_fusionbench` turns them into a featcal spec (zero-shot heads from the base CLIP's
-text tower, data from the Hugging Face cache) that :func:`featcal.zoo.spec.load` loads offline;
+text tower, data from the Hugging Face cache) that :func:`featcal.zoo.load.from_spec.load` loads offline;
 :func:`write_spec` writes it with the download lines of whatever the cache lacks.
 """
 
@@ -25,10 +25,11 @@ from typing import Mapping
 
 import yaml
 
-from featcal.zoo import classnames, locate
-from featcal.zoo.parsing import from_dict
-from featcal.zoo.resolve import format_missing, hf_snapshot
-from featcal.zoo.schema import SpecError
+from featcal.zoo.load import classnames
+from featcal.zoo.spec import locate
+from featcal.zoo.spec.parsing import from_dict
+from featcal.zoo.spec.resolve import format_missing, hf_snapshot
+from featcal.zoo.spec.schema import SpecError
 
 POOL_TARGET = "CLIPVisionModelPool"
 LORA_TARGET = "load_lora_vision_model_hf"
@@ -202,7 +203,7 @@ def from_fusionbench(
     root: str | os.PathLike | None = None,
     splits: Mapping | None = None,
 ) -> dict:
-    """A featcal zoo spec (a dict :func:`featcal.zoo.parsing.from_dict` accepts) from a FusionBench
+    """A featcal zoo spec (a dict :func:`featcal.zoo.spec.parsing.from_dict` accepts) from a FusionBench
     CLIP model pool and, optionally, its task pool; local paths are made absolute against ``root``
     (default: the model pool's folder)."""
     pool_path = Path(modelpool).expanduser()
@@ -353,7 +354,7 @@ def is_pool(path: str | os.PathLike) -> bool:
 
 
 def pool_spec(path: str | os.PathLike, taskpool: str | os.PathLike | None = None):
-    """A model pool as a validated :class:`~featcal.zoo.schema.ZooSpec` (what ``featcal --zoo
+    """A model pool as a validated :class:`~featcal.zoo.spec.schema.ZooSpec` (what ``featcal --zoo
     POOL.yaml`` and the app's "other (path)" load)."""
     path = Path(path).expanduser()
     return from_dict(from_fusionbench(path, taskpool), root=path.absolute().parent, source=str(path))

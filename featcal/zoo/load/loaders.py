@@ -1,6 +1,6 @@
 """Loading a spec's models offline, and the CLIP feature function the heads read.
 
-The models were found by :mod:`featcal.zoo.locate`. Weights are read only
+The models were found by :mod:`featcal.zoo.spec.locate`. Weights are read only
 through safetensors or ``torch.load(weights_only=True)``; models are built from
 their config and loaded strictly (a missing weight is an error, never a random
 init). HF CLIP vision towers and open_clip ``VisionTransformer``s are supported.
@@ -22,8 +22,8 @@ from torch import nn
 
 from featcal.model import lora
 from featcal.model.checkpoints import read_state_dict
-from featcal.zoo.locate import Found
-from featcal.zoo.schema import ModelSpec, ZooSpec
+from featcal.zoo.spec.locate import Found
+from featcal.zoo.spec.schema import ModelSpec, ZooSpec
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

@@ -6,7 +6,7 @@ A model entry is found
 - at its local ``path`` (an HF ``save_pretrained`` directory, or an open_clip
   checkpoint file), or
 - for an HF ``id`` (or an open_clip ``pretrained`` tag, which names an HF repo),
-  in the local Hugging Face cache (:func:`featcal.zoo.resolve.hf_snapshot`);
+  in the local Hugging Face cache (:func:`featcal.zoo.spec.resolve.hf_snapshot`);
 
 a data entry at its local ``path`` or, for an HF ``hub`` dataset, in the same
 cache, in one of four formats:
@@ -20,8 +20,8 @@ cache, in one of four formats:
 
 :func:`locate` finds every model, head file and dataset of a spec and lists what is
 missing; :func:`locate_all` raises one :class:`MissingResourcesError` for all of it.
-Loading what was found is :mod:`featcal.zoo.loaders`' (models), :mod:`featcal.zoo.heads`'
-and :mod:`featcal.zoo.data`'s job.
+Loading what was found is :mod:`featcal.zoo.load.loaders`' (models), :mod:`featcal.zoo.load.heads`'
+and :mod:`featcal.zoo.load.data`'s job.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from pathlib import Path
 
 from featcal.model import lora
 from featcal.model.checkpoints import HF_WEIGHTS
-from featcal.zoo.resolve import Missing, MissingResourcesError, hf_fix, hf_snapshot
-from featcal.zoo.schema import DataSpec, ModelSpec, ZooSpec
+from featcal.zoo.spec.resolve import Missing, MissingResourcesError, hf_fix, hf_snapshot
+from featcal.zoo.spec.schema import DataSpec, ModelSpec, ZooSpec
 
 OPEN_CLIP_HUB_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
 TEXT_SUFFIXES = (".txt", ".tsv")

@@ -1,6 +1,6 @@
 """Zoo specs, parsed and validated: :func:`parse` reads a spec file, :func:`from_dict` validates
-a mapping, and both return a :class:`~featcal.zoo.schema.ZooSpec` (the schema and its frozen
-dataclasses: :mod:`featcal.zoo.schema`). Nothing here looks for or loads anything."""
+a mapping, and both return a :class:`~featcal.zoo.spec.schema.ZooSpec` (the schema and its frozen
+dataclasses: :mod:`featcal.zoo.spec.schema`). Nothing here looks for or loads anything."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any, Mapping
 
 import yaml
 
-from featcal.zoo import classnames
-from featcal.zoo.schema import (
+from featcal.zoo.load import classnames
+from featcal.zoo.spec.schema import (
     DATA_FORMATS,
     DTYPES,
     FEATURES,

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from featcal.zoo import classnames, loaders
-from featcal.zoo.locate import Found
-from featcal.zoo.schema import ModelSpec, ZooSpec
+from featcal.zoo.load import classnames, loaders
+from featcal.zoo.spec.locate import Found
+from featcal.zoo.spec.schema import ModelSpec, ZooSpec
 
 TextEncoder = Callable[[list[str]], torch.Tensor]  # texts -> (n_texts, d) text embeddings
 DEFAULT_TEMPLATES = ("a photo of a {}.",)

@@ -1,6 +1,6 @@
 """What a zoo spec needs and cannot find, and where the local Hugging Face cache keeps things.
 
-Shared by :mod:`featcal.zoo.loaders` (models) and :mod:`featcal.zoo.data`
+Shared by :mod:`featcal.zoo.load.loaders` (models) and :mod:`featcal.zoo.load.data`
 (datasets). Nothing here touches the network: an HF repo is found in the local
 cache (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else
 ``~/.cache/huggingface/hub``) by reading the cache layout directly.

@@ -1,0 +1,1 @@
+"""Other tools' files read as featcal zoo specs: FusionBench model pools (:mod:`.fusionbench`)."""
