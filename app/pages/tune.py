@@ -18,7 +18,7 @@ import pandas as pd
 import streamlit as st
 
 from app import controls, settings, state, ui, zoos
-from featcal.config import LANGUAGE_PRESETS, preset_config, preset_for_zoo
+from featcal.config import LANGUAGE_PRESETS, RANGES, preset_config, preset_for_zoo
 from featcal.sweep import figures as tune_figures
 from featcal.sweep.search import Grid, holdout_report, tune_zoo
 
@@ -35,7 +35,8 @@ if preset in LANGUAGE_PRESETS:  # around the LLM presets' λ (1e-5 to 3, float64
     GRIDS = {"LLM · 3 × 1 × 2": Grid(lam=(1e-5, 1e-2, 3.0), rho=(0.5,), alpha=(0.15, 0.5)), **GRIDS}
 WIDENED = "widened"  # the grid the edge warning's buttons grow (kept for the session)
 AXES = {"lam": "λ", "rho": "ρ", "alpha": "α"}
-ALPHA_BOUNDS = (0.0, 1.0)  # alpha interpolates between two targets: never widened past these
+# alpha interpolates between two targets: a widened grid never leaves its slider range
+ALPHA_BOUNDS = (RANGES["alpha"].low, RANGES["alpha"].high)
 if st.session_state.get("tune_widened") is not None:
     GRIDS[WIDENED] = st.session_state["tune_widened"]
 
