@@ -130,13 +130,17 @@ def ids_that_differ(base: Mapping[str, int], expert: Mapping[str, int]) -> dict[
 
 
 def token_ids(calib_data: Mapping[str, list]) -> set[int]:
-    """Every token id of the calibration data (``input_ids`` of the dict batches)."""
+    """Every token id of the calibration data: the ``input_ids`` of the dict batches, and their
+    ``decoder_input_ids`` / ``labels`` on encoder-decoders (an id that differs between tokenizers
+    harms the decoder's statistics as much as the encoder's). Negative ids (``-100``, the ignored
+    label) are not tokens."""
     seen: set[int] = set()
     for batches in calib_data.values():
         for b in batches:
-            ids = b.get("input_ids") if isinstance(b, Mapping) else None
-            if torch.is_tensor(ids) and ids.numel():
-                seen.update(torch.unique(ids).tolist())
+            for key in ("input_ids", "decoder_input_ids", "labels"):
+                ids = b.get(key) if isinstance(b, Mapping) else None
+                if torch.is_tensor(ids) and ids.numel():
+                    seen.update(i for i in torch.unique(ids).tolist() if i >= 0)
     return seen
 
 

@@ -134,3 +134,15 @@ def test_vocabularies_are_read_from_every_tokenizer_file_kind(tmp_path):
         0: ("a", "b"),
         1: ("b", "a"),
     }
+
+
+def test_token_ids_count_the_decoders_ids_too_but_not_ignored_labels():
+    """An encoder-decoder's calibration batches carry decoder ids (and labels, -100 where ignored):
+    a token whose id differs between tokenizers there is as used as one in ``input_ids``."""
+    batch = {
+        "input_ids": torch.tensor([[1, 2]]),
+        "decoder_input_ids": torch.tensor([[0, 7]]),
+        "labels": torch.tensor([[7, -100]]),
+    }
+    assert compat.token_ids({"t": [batch]}) == {0, 1, 2, 7}
+    assert compat.token_ids({"t": [torch.zeros(1, 3)]}) == set()  # image batches hold no tokens
