@@ -54,6 +54,10 @@ ZOO_LAYERS = {
         "featcal.zoo.demo_data",
         "featcal.zoo.resolve",
         "featcal.zoo.tokens",
+        "featcal.zoo.score.sandbox",  # runs generated code in a confined child process
+        "featcal.zoo.score.sandbox_child",  # the code that child runs (stdlib only)
+        "featcal.zoo.score.ifeval",  # IFEval's instruction checks
+        "featcal.zoo.score.replies",  # scorers of generated replies, by name
     ),
     "schema": ("featcal.zoo.schema", "featcal.zoo.parsing"),
     "locate": ("featcal.zoo.locate",),
