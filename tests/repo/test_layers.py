@@ -60,6 +60,10 @@ ZOO_LAYERS = {
         "featcal.zoo.builtin.demo_data",
         "featcal.zoo.spec.resolve",
         "featcal.zoo.tokens",
+        "featcal.zoo.score.sandbox",  # runs generated code in a confined child process
+        "featcal.zoo.score.sandbox_child",  # the code that child runs (stdlib only)
+        "featcal.zoo.score.ifeval",  # IFEval's instruction checks
+        "featcal.zoo.score.replies",  # scorers of generated replies, by name
     ),
     "schema": ("featcal.zoo.spec.schema", "featcal.zoo.spec.parsing"),
     "locate": ("featcal.zoo.spec.locate",),
