@@ -21,11 +21,10 @@ import json
 from pathlib import Path
 
 from featcal.baselines import registry
-from featcal.cli.common import UserError, add_common, check_out, zoo_from_args
+from featcal.cli.common import UserError, add_common, apply_threads, check_out, zoo_from_args, zoo_inputs
 from featcal.config import FLOAT64_PRESETS, preset_for_zoo
 from featcal.reproduce import estimate, plan, report, setting, tables
 from featcal.reproduce import run as runner
-from featcal.zoo import source_path
 from featcal.zoo.io import atomic_dir
 
 
@@ -128,7 +127,7 @@ def _checked_inputs(args: argparse.Namespace):
     if args.out and args.dry_run:
         raise UserError("--dry-run runs and writes nothing; drop --out (or --dry-run).")
     if args.out:
-        check_out(args.out, args.force, {"the zoo": source_path(args.zoo)})
+        check_out(args.out, args.force, zoo_inputs(args))
     return paper, table, problems, planned
 
 
@@ -149,18 +148,12 @@ def _preset(table: tables.PaperTable, zoo, comparable: bool) -> str:
     return table.setting.preset if comparable and table.setting.preset else preset_for_zoo(zoo)
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.list:
-        print(list_tables(tables.load_tables(args.tables)))
-        return 0
-    paper, table, problems, planned = _checked_inputs(args)
-    zoo = zoo_from_args(args)
-    _check_sizes(zoo, planned)
-    preset = _preset(table, zoo, not problems)
-    context = {
+def _context(args, zoo, tasks: int, preset: str, problems: list[str]) -> dict:
+    """What the printed table and reproduce.json say of the run."""
+    return {
         "zoo": zoo.name,
         "zoo_source": str(args.zoo),
-        "tasks": len(zoo.tasks),
+        "tasks": tasks,
         "n": args.n,
         "seed": args.seed,
         "max_test": args.max_test,
@@ -169,15 +162,39 @@ def run(args: argparse.Namespace) -> int:
         "comparable": not problems,
         "problems": problems,
     }
-    if args.dry_run:
-        probe = estimate.probe(zoo)
-        stats = 8 if preset in FLOAT64_PRESETS else 4
-        rows = estimate.estimate_rows(zoo, planned, probe, args.max_test, stats_bytes=stats)
-        context["room"] = estimate.device_room(args.device)
-        print(report.plan_markdown(table, rows, probe, context))
+
+
+def dry_run(args, table: tables.PaperTable, planned: list[plan.PlannedRow], problems: list[str]) -> int:
+    """Print the plan, its forward passes and the estimates, having loaded only what the timing needs
+    (:func:`featcal.reproduce.estimate.probe_zoo`)."""
+    apply_threads(args)
+    zoo = estimate.probe_zoo(args.zoo, device=args.device, progress=not args.quiet)
+    apply_threads(args, zoo.base)
+    names = list(setting.zoo_identity(args.zoo).tasks or zoo.tasks)
+    preset = _preset(table, zoo, not problems)
+    probe = estimate.probe(zoo)
+    sizes = estimate.scored_sizes(zoo, names, args.max_test)
+    stats = 8 if preset in FLOAT64_PRESETS else 4
+    rows = estimate.estimate_rows(planned, probe, len(names), sizes, stats_bytes=stats)
+    context = _context(args, zoo, len(names), preset, problems) | {"room": estimate.device_room(args.device)}
+    print(report.plan_markdown(table, rows, probe, context))
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list:
+        print(list_tables(tables.load_tables(args.tables)))
         return 0
+    paper, table, problems, planned = _checked_inputs(args)
+    if args.dry_run:
+        return dry_run(args, table, planned, problems)
+    zoo = zoo_from_args(args)
+    _check_sizes(zoo, planned)
+    if args.out:  # again, now that the zoo's own models and data are known: before any row runs
+        check_out(args.out, args.force, zoo_inputs(args, zoo))
+    context = _context(args, zoo, len(zoo.tasks), _preset(table, zoo, not problems), problems)
     results = runner.run_rows(
-        zoo, planned, preset=preset, seed=args.seed, max_test=args.max_test, progress=not args.quiet
+        zoo, planned, preset=context["preset"], seed=args.seed, max_test=args.max_test, progress=not args.quiet
     )
     records = report.row_records(table, results)
     text = report.markdown(table, records, context)
@@ -201,7 +218,6 @@ def write(out: Path, args, zoo, paper, table, records, context, text: str) -> No
         "run": context,
         "rows": records,
     }
-    inputs = {"the zoo": source_path(args.zoo)} | zoo.input_paths()
-    with atomic_dir(out, force=args.force, inputs=inputs, kind="reproduce") as tmp:
+    with atomic_dir(out, force=args.force, inputs=zoo_inputs(args, zoo), kind="reproduce") as tmp:
         (tmp / "reproduce.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
         (tmp / "reproduce.md").write_text(text)

@@ -1,5 +1,10 @@
 """How long and how much memory a reproduction will take on this device, told before it runs.
 
+What is measured loads as little as it can (:func:`probe_zoo`): of a YAML spec only the base, the
+first task's expert, its head and data (a 20-task ViT-L/14 zoo would hold 21 models); a zoo directory
+or built-in zoo whole (they are small). Test splits decoded lazily are not decoded to be counted
+(:func:`scored_sizes`): their scoring passes are then not counted, unless ``--max-test`` bounds them.
+
 Time: :func:`probe` times a few forward passes of the zoo's base model on one calibration batch, on
 the device the zoo is on (a warm-up call first, then the median of ``repeats`` calls; on CUDA
 synchronised), giving the seconds one example takes through one model. Each row's forward passes
@@ -19,9 +24,12 @@ keep for one task. The largest row's total is the run's.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping
 
 import torch
@@ -32,6 +40,9 @@ from featcal.model.streams import call_model, device_of
 from featcal.model.validate import batch_len
 from featcal.reproduce.plan import STEPS_RUN_THE_MODEL, PlannedRow, row_passes
 from featcal.streaming.memory import RunSize, available_bytes, estimate_peak
+from featcal.zoo import fusionbench, load_any
+from featcal.zoo import spec as spec_mod
+from featcal.zoo.parsing import parse
 from featcal.zoo.tokens import as_batch
 
 GiB = 2**30
@@ -161,19 +172,46 @@ class RowEstimate:
 
 
 def estimate_rows(
-    zoo, planned: list[PlannedRow], p: Probe, max_test: int | None = None, stats_bytes: int = 4
+    planned: list[PlannedRow], p: Probe, tasks: int, sizes: Mapping[str, int] | None, stats_bytes: int = 4
 ) -> list[RowEstimate]:
-    """Every planned row's passes, seconds and memory on ``zoo`` (measured by ``p``; FeatCal's
-    statistics ``stats_bytes`` per element)."""
-    sizes = {t: len(zoo.split(t, "test")[1]) for t in zoo.tasks}
-    if max_test is not None:
-        sizes = {t: min(s, max_test) for t, s in sizes.items()}
+    """Every planned row's passes, seconds and memory on a zoo of ``tasks`` tasks with ``sizes`` test
+    examples per task (None: unknown), measured by ``p``; FeatCal's statistics ``stats_bytes`` per element."""
     out = []
     for row in planned:
-        passes = row_passes(row, len(zoo.tasks), sizes)
-        memory = memory_estimate(p, row, len(zoo.tasks), stats_bytes=stats_bytes) if row.runs else {"total": 0}
+        passes = row_passes(row, tasks, sizes)
+        memory = memory_estimate(p, row, tasks, stats_bytes=stats_bytes) if row.runs else {"total": 0}
         out.append(RowEstimate(row, passes, passes.weighted * p.seconds_per_pass, memory))
     return out
+
+
+def probe_zoo(zoo: str, device: str = "cpu", progress: bool = True):
+    """The zoo to measure: of a YAML spec (featcal's or a FusionBench pool) the base, the first task's
+    expert, head and data only; any other zoo whole (:func:`featcal.zoo.load_any`)."""
+    path = Path(os.path.expandvars(zoo)).expanduser()
+    if path.suffix.lower() not in (".yaml", ".yml"):
+        return load_any(zoo, progress=progress, device=device)
+    spec = fusionbench.pool_spec(path) if fusionbench.is_pool(path) else parse(path)
+    first = spec.tasks[0]
+    reduced = dataclasses.replace(spec, experts={first: spec.experts[first]}, data={first: spec.data[first]})
+    return spec_mod.load(reduced, device=device)
+
+
+def scored_sizes(zoo, tasks: list[str], max_test: int | None) -> dict[str, int] | None:
+    """Test examples scored per task: counted where the zoo holds them (every task loaded, its test
+    split decoded or held in memory), at most ``max_test``; else ``max_test`` each (an upper bound),
+    or None when nothing bounds them (decoding every test split to count it costs as much as scoring)."""
+    counted = {}
+    for t in tasks:
+        splits = zoo.data[t].splits if t in zoo.data else None
+        lazy = splits is None or (hasattr(splits, "loaded") and "test" not in splits.loaded())
+        if lazy:
+            if max_test is None:
+                return None
+            counted[t] = max_test
+            continue
+        n = len(zoo.split(t, "test")[1])
+        counted[t] = n if max_test is None else min(n, max_test)
+    return counted
 
 
 def device_room(device: str) -> int | None:

@@ -158,16 +158,17 @@ class Passes:
     featcal: int = 0
     calibration: int = 0
     training: int = 0
-    scoring: int = 0
+    scoring: int | None = 0  # None: the test splits' sizes are not known without decoding them
 
     @property
     def total(self) -> int:
-        return self.featcal + self.calibration + self.training + self.scoring
+        """Every pass counted (scoring left out when unknown)."""
+        return self.featcal + self.calibration + self.training + (self.scoring or 0)
 
     @property
     def weighted(self) -> float:
         """Passes weighted by what they cost (FeatCal's reference :data:`FEATCAL_FWD` times)."""
-        return FEATCAL_FWD * self.featcal + self.calibration + self.training + self.scoring
+        return FEATCAL_FWD * self.featcal + self.calibration + self.training + (self.scoring or 0)
 
 
 def _training_passes(name: str, params: Mapping, n: int, tasks: int) -> int:
@@ -179,12 +180,13 @@ def _training_passes(name: str, params: Mapping, n: int, tasks: int) -> int:
     return steps * opts.batch * tasks * TRAIN_STEP_PASSES
 
 
-def row_passes(planned: PlannedRow, tasks: int, test_sizes: Mapping[str, int]) -> Passes:
+def row_passes(planned: PlannedRow, tasks: int, test_sizes: Mapping[str, int] | None) -> Passes:
     """The forward passes of ``planned`` on a zoo of ``tasks`` tasks with ``test_sizes`` test
-    examples per task (see the module docstring); zero for a row featcal does not run."""
+    examples per task (None: unknown, scoring not counted; see the module docstring); zero for a
+    row featcal does not run."""
     if not planned.runs:
         return Passes()
-    scoring = sum(test_sizes.values())
+    scoring = None if test_sizes is None else sum(test_sizes.values())
     if planned.reference:
         return Passes(scoring=scoring)
     reference = 2 * planned.n * tasks

@@ -167,18 +167,24 @@ def plan_markdown(table: PaperTable, estimates: list[RowEstimate], p: Probe, con
             lines.append(f"| {r.row.label} | not in featcal | | | | | | | |")
             continue
         n = "" if r.reference else str(r.n)
-        cells = [r.row.label, r.method, n, *(f"{v:,}" for v in (ps.featcal, ps.calibration, ps.training, ps.scoring))]
+        scoring = "not counted" if ps.scoring is None else f"{ps.scoring:,}"
+        cells = [r.row.label, r.method, n, *(f"{v:,}" for v in (ps.featcal, ps.calibration, ps.training)), scoring]
         cells += [_duration(e.seconds), f"{e.memory['total'] / GiB:.2f} GiB"]
         lines.append("| " + " | ".join(cells) + " |")
     total = sum(e.passes.total for e in estimates)
     seconds = sum(e.seconds for e in estimates)
     peak = max((e.memory["total"] for e in estimates), default=0)
     lines += ["", f"total: {total:,} forward passes; about {_duration(seconds)}; peak about {peak / GiB:.2f} GiB."]
-    lines += _how_estimated(p, context.get("room"))
+    if any(e.passes.scoring is None for e in estimates if e.planned.runs):
+        lines.append(
+            "Scoring not counted: the test splits are decoded when first scored, and counting them costs as "
+            "much; the time leaves scoring out (--max-test N bounds it)."
+        )
+    lines += _how_estimated(p, context.get("room"), peak)
     return "\n".join(lines) + "\n"
 
 
-def _how_estimated(p: Probe, room: int | None) -> list[str]:
+def _how_estimated(p: Probe, room: int | None, peak: int) -> list[str]:
     timed = f"median of {p.repeats} calls on {p.examples} calibration examples, on {p.device}"
     out = [
         "",
@@ -189,5 +195,6 @@ def _how_estimated(p: Probe, room: int | None) -> list[str]:
         "FeatCal's streams, call and statistics (featcal.streaming.memory.estimate_peak).",
     ]
     if room is not None:
-        out.append(f"Room on the device now: {room / GiB:.2f} GiB.")
+        fits = "fits" if peak <= room else "DOES NOT FIT: fewer tasks, a smaller --n, or a larger device"
+        out.append(f"Room on the device now: {room / GiB:.2f} GiB; the estimated peak {fits}.")
     return out
