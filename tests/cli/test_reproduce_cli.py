@@ -99,6 +99,7 @@ def _tiny_tables(tmp_path) -> str:
                 {"label": "TA", "method": "ta", "source": "none", "cells": {"avg": 50.0}},
                 {"label": "WEMoE", "method": None, "source": "none", "cells": {"alpha": 70.0, "avg": 70.0}},
                 {"label": "TA + WEMoE", "method": "ta+wemoe", "source": "none", "cells": {}},
+                {"label": "Individual", "method": "experts", "source": "none", "cells": {}},
             ],
         }
     }
@@ -117,6 +118,13 @@ def test_rows_featcal_lacks_are_listed_not_dropped(capsys, tmp_path, tiny_zoo_di
     assert "- WEMoE: not in featcal (featcal has no such method)" in out
     assert "unknown calibrator 'wemoe'" in out
     assert re.match(r"\| TA \| ta \| 8 \| \d+\.\d\d \| 50\.0 \| [+-]\d+\.\d\d \| none \|", _line(out, "| TA |"))
+    from featcal.zoo import load_any
+    from featcal.zoo.scores import expert_accuracies
+
+    experts = expert_accuracies(load_any(tiny_zoo_dir))  # each task's expert on its task, as the row
+    cells = _line(out, "| Individual |").split("|")
+    assert cells[2].strip() == "experts" and not cells[3].strip()  # a reference row draws no examples
+    assert float(cells[4]) == pytest.approx(sum(experts.values()) / 3, abs=0.006)
     rc, _, err = _run(capsys, *argv, "--n", "100")  # the tiny zoo's calib split holds 64
     assert rc == 2 and "hold fewer" in err and "lower --n" in err
 
