@@ -10,6 +10,7 @@
     featcal tune --zoo demo --out runs/tune                        # featcal.cli.sweep
     featcal study sample-efficiency --zoo demo --out runs/se       # featcal.cli.sweep
     featcal compare --zoo demo --methods ta,ta+featcal --out runs/cmp            # diagnostics.compare_cli
+    featcal reproduce table1-b32 --dry-run                         # featcal.cli.reproduce
     featcal app                                                    # featcal.cli.app
 
 Every subcommand is one row of :data:`COMMANDS`: ``name: (help, load)``, where ``load()``
@@ -90,6 +91,12 @@ def _compare():
     return compare_cli.add_arguments, compare_cli.run
 
 
+def _reproduce():
+    from featcal.cli import reproduce
+
+    return reproduce.add_arguments, reproduce.run
+
+
 def _app():
     from featcal.cli import app
 
@@ -108,6 +115,7 @@ COMMANDS: dict[str, tuple[str, Load]] = {
     "tune": ("choose FeatCal's (lam, rho, alpha) on the validation split", _tune),
     "study": ("the paper's studies: sample efficiency, robustness to corrupted calibration data", _study),
     "compare": ("run several methods on a zoo and compare them side by side", _compare),
+    "reproduce": ("run a FeatCal-paper table's rows on a zoo and print them beside the paper's", _reproduce),
     "app": ("run the Streamlit app (on 127.0.0.1 unless --host is given)", _app),
 }
 

@@ -36,7 +36,7 @@ def _assert_clean_error(rc, err, *needles):
         assert needle in lines[0]
 
 
-ALL = ("zoo", "merge", "calibrate", "eval", "diagnose", "tune", "study", "compare", "app")
+ALL = ("zoo", "merge", "calibrate", "eval", "diagnose", "tune", "study", "compare", "reproduce", "app")
 
 
 def test_the_table_holds_every_subcommand_and_each_parses(capsys):

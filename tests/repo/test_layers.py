@@ -4,7 +4,7 @@
 - ``featcal/`` imports ``diagnostics/`` only in its command-line table (:data:`CLI_TABLE`);
 - the module import graph has no cycle;
 - featcal's folders import one way, lower to higher (:data:`FOLDER_LAYERS`): util and config <- model
-  <- method <- engine <- baselines, streaming <- sweep, zoo <- cli, and the package's ``__init__`` on top;
+  <- method <- engine <- baselines, streaming <- sweep, zoo <- reproduce <- cli, and the package's ``__init__`` on top;
 - the zoo's modules import one way: schema <- locate <- load <- build (:data:`ZOO_LAYERS`);
 - no tracked file points outside the repository (to a ``shared`` folder beside it).
 
@@ -42,6 +42,7 @@ FOLDER_LAYERS = {
     "engine": ("featcal.engine",),
     "baselines, streaming": ("featcal.baselines", "featcal.streaming"),
     "sweep, zoo": ("featcal.sweep", "featcal.zoo"),
+    "reproduce": ("featcal.reproduce",),
     "cli": ("featcal.cli", "featcal.__main__"),
     "package": ("featcal",),
 }
