@@ -24,8 +24,8 @@ from pathlib import Path
 
 from featcal.reproduce.tables import Setting
 from featcal.zoo import BUILT, NAMES
-from featcal.zoo.formats import fusionbench
 from featcal.zoo.builtin.demo import SHIPPED
+from featcal.zoo.formats import fusionbench
 from featcal.zoo.spec.parsing import parse
 
 SHIPPED_SPECS = SHIPPED.parent  # assets/zoos/: the paper settings' specs
