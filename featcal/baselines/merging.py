@@ -6,7 +6,7 @@ modified. Floating-point entries are merged in float32 (or float64 when the
 inputs are) and cast back to the base dtype; integer entries and buffers that
 are not floating point are copied from the base.
 
-The matrix mergers (``iso_c``, ``iso_cts``, ``tsv``, ``wudi``) follow FusionBench's
+The matrix mergers (``iso_c``, ``iso_cts``, ``tsv``, ``wudi``, ``ace``) follow FusionBench's
 conventions so that their numbers compare with its tables: their rule (the maths, in
 :mod:`featcal.baselines.spectral`) applies to every 2-D entry of the state dict (on a CLIP ViT the
 position embedding too, not only Linear weights), and every other floating entry gets the
@@ -24,6 +24,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from featcal.baselines import ace as ace_rule
 from featcal.baselines import spectral
 from featcal.util.progress import bar
 
@@ -329,3 +330,28 @@ def wudi(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return _merge_matrices(base, experts, rule, 1.0, desc="wudi", progress=progress)
+
+
+def ace(
+    base: StateDict,
+    experts: Mapping[str, StateDict],
+    scale: float = 1.0,
+    prior: float = ace_rule.PRIOR,
+    ridge: float = ace_rule.RIDGE,
+    refine: float = ace_rule.REFINE,
+    progress: bool = True,
+) -> dict[str, torch.Tensor]:
+    """ACE-Merging (Xu et al., CVPR 2026): per 2-D entry the closed-form merge
+    ``(sum_t tau_t Sigma_t)(sum_t Sigma_t)^-1`` with each task's input covariance ``Sigma_t``
+    estimated from its task vector's rows, normalised, shrunk toward the tasks' mean by ``prior``
+    and given a ``ridge``, then the spectrum moved toward flat by ``refine``
+    (:func:`featcal.baselines.ace.ace_task_vector`, where what is our choice is said);
+    ``theta = theta_0 + scale * tau``, other entries ``theta_0 + scale * mean_i tau_i``. A progress
+    bar over the 2-D entries with ``progress``."""
+    _check_scale("ace", scale)
+    if not (0.0 <= prior <= 1.0 and ridge > 0 and 0.0 <= refine <= 1.0):
+        raise ValueError(
+            f"ace: prior and refine must be in [0, 1] and ridge > 0, got prior={prior}, ridge={ridge}, refine={refine}."
+        )
+    rule = functools.partial(ace_rule.ace_task_vector, prior=prior, ridge=ridge, refine=refine)
+    return _merge_matrices(base, experts, rule, scale, desc="ace", progress=progress)

@@ -33,8 +33,9 @@ from typing import Any, Callable, Mapping
 from torch import nn
 
 from featcal.baselines import adamerging as ada
-from featcal.baselines import esm, fisher, merging
+from featcal.baselines import bmm, esm, fisher, merging
 from featcal.baselines import svc as svc_defaults
+from featcal.baselines.bmm_search import GRANULARITIES, bmm_search
 from featcal.baselines.lot import lot
 from featcal.baselines.params import Param, ParamError, parse_value  # noqa: F401 (the registry's API)
 from featcal.baselines.regmean import regmean, regmean_plusplus
@@ -163,10 +164,10 @@ def _featcal_params() -> tuple[Param, ...]:
     return (*numbers, *FEATCAL_RUN)
 
 
-def _with_data(kind: str, fn: Callable, label: str, ranges=None, choices=None, aliases=()) -> Method:
+def _with_data(kind: str, fn: Callable, label: str, ranges=None, choices=None, aliases=(), helps=None) -> Method:
     """The entry of a data merger, named as its function is, its parameters read from the
     function's signature."""
-    return Method(fn.__name__, kind, fn, label, _params(fn, ranges, choices), aliases=aliases, data_free=False)
+    return Method(fn.__name__, kind, fn, label, _params(fn, ranges, choices, helps), aliases=aliases, data_free=False)
 
 
 def _trained(fn: Callable, label: str, options: type) -> Method:
@@ -186,6 +187,34 @@ SVC_ALPHA = Param(
 # RegMean and its forward-order variant: one data merger each, the same parameters.
 REGMEANS = ((regmean, "RegMean"), (regmean_plusplus, "RegMean++"))
 SCALE = (0.05, 2.0, 0.05)
+# BMM (featcal.baselines.bmm): the prior's strength sigma, relative to the mean eigenvalue of the summed Gram.
+SIGMA = (1e-3, 10.0, 0.25, True, (0.0, 1e6), "prior strength / mean Gram eigenvalue")
+BMM_HELP = {
+    "anchor": "the merge the prior is centred on (with its registry defaults)",
+    "sigma": "the prior's strength, times the mean eigenvalue of sum_i G_i (0: RegMean; large: the anchor)",
+    "trials": "TPE trials after the global sigma (0: no search)",
+    "granularity": "one sigma per Linear of each block group (the paper's) or per block group",
+    "groups": "the blocks in this many runs of consecutive blocks (None: one block each)",
+    "val_fraction": "the share of each task's calibration examples held out to score the trials",
+    "seed": "TPE's seed",
+    "blocks": "dotted path of the blocks, for architectures featcal does not know",
+}
+BMM_CHOICES = {"anchor": tuple(bmm.ANCHORS), "granularity": GRANULARITIES}
+BMM_SEARCH_RANGES = {
+    "sigma": (*SIGMA[:4], (1e-8, 1e6), SIGMA[5]),
+    "val_fraction": (0.05, 0.5, 0.05, False, (0.01, 0.99)),
+}
+ACE_RANGES = {
+    "scale": (0.1, 2.0, 0.05),
+    "prior": (0.0, 1.0, 0.05, False, (0.0, 1.0)),
+    "ridge": (1e-4, 1.0, 0.25, True, (1e-12, 1e6), "ridge / mean covariance eigenvalue"),
+    "refine": (0.0, 1.0, 0.05, False, (0.0, 1.0)),
+}
+ACE_HELP = {
+    "prior": "weight of the collective prior (the tasks' mean covariance)",
+    "ridge": "ridge added to each task's normalised covariance (mean eigenvalue 1)",
+    "refine": "how far the merged task vector's singular values move toward their mean (1: Iso-C's)",
+}
 METHODS: tuple[Method, ...] = (
     Method("average", "merger", merging.average, "Simple averaging", (), app=True),
     Method(
@@ -217,6 +246,14 @@ METHODS: tuple[Method, ...] = (
     ),
     Method("tsv", "merger", merging.tsv, "TSV", _params(merging.tsv, {"scale": (0.1, 2.0, 0.05)}), app=True),
     Method("wudi", "merger", merging.wudi, "WUDI", _params(merging.wudi)),
+    Method("ace", "merger", merging.ace, "ACE-Merging", _params(merging.ace, ACE_RANGES, helps=ACE_HELP)),
+    Method(
+        "bmm_datafree",
+        "merger",
+        bmm.bmm_datafree,
+        "BMM (data-free)",
+        _params(bmm.bmm_datafree, {"sigma": SIGMA}, BMM_CHOICES, BMM_HELP),
+    ),
     *(_with_data("data_merger", fn, label, {"reduce_nondiag": (0.0, 1.0, 0.05)}) for fn, label in REGMEANS),
     _with_data("data_merger", ada.adamerging, "AdaMerging", choices={"granularity": ada.GRANULARITY}),
     dataclasses.replace(
@@ -225,6 +262,8 @@ METHODS: tuple[Method, ...] = (
     ),
     _with_data("data_merger", lot, "LOT Merging", {"rtol": (1e-8, 1e-2, 1.0, True, (1e-12, 0.5), "pinv cut")}),
     _with_data("data_merger", esm.esm, "ESM", {"scale": esm.SCALE_RANGE}, {"recipe": esm.RECIPES}),
+    _with_data("data_merger", bmm.bmm, "BMM", {"sigma": SIGMA}, BMM_CHOICES, helps=BMM_HELP),
+    _with_data("data_merger", bmm_search, "BMM (searched)", BMM_SEARCH_RANGES, BMM_CHOICES, helps=BMM_HELP),
     Method("featcal", "calibrator", calibrate, "FeatCal", _featcal_params(), data_free=False),
     Method("svc", "calibrator", svc, "SVC", (SVC_ALPHA,)),
     _trained(escal, "ESCal", ESCalOptions),

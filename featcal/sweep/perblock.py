@@ -3,15 +3,15 @@
 (``FeatCalConfig.schedule``; ``rho`` stays the anchor's), or per group of consecutive blocks
 (``groups=K``: fewer numbers, so each trial says more), on the validation split.
 
-The search is Bayesian optimisation: optuna's TPE sampler (seeded, ``TuneConfig.seed``) over each
-group's ``log10(lam)``, within :data:`LAM_DECADES` decades of the anchor's lam, and ``alpha``, both
-inside the ranges of :data:`featcal.config.RANGES` (what the app's sliders span). Each trial is one
-instant preview of its schedule from the anchor's kept statistics
-(:class:`featcal.engine.preview.Preview`, which reads each block's setting from
-``FeatCalConfig.setting_at`` as the exact run does), scored on the validation split exactly as
-:func:`featcal.sweep.search.tune` scores a grid point. TPE starts from the anchor itself (its exact
-score, told as a finished trial). :func:`featcal.sweep.search.tune` then confirms the best previews
-by exact runs and keeps the anchor unless one beats it.
+The search is Bayesian optimisation: optuna's TPE sampler (seeded, ``TuneConfig.seed``;
+:func:`featcal.util.tpe.tpe_maximise`, which BMM's outer loop shares) over each group's
+``log10(lam)``, within :data:`LAM_DECADES` decades of the anchor's lam, and ``alpha``, both inside
+the ranges of :data:`featcal.config.RANGES` (what the app's sliders span). Each trial is one instant
+preview of its schedule from the anchor's kept statistics (:class:`featcal.engine.preview.Preview`,
+which reads each block's setting from ``FeatCalConfig.setting_at`` as the exact run does), scored on
+the validation split exactly as :func:`featcal.sweep.search.tune` scores a grid point. TPE starts
+from the anchor itself (its exact score, told as a finished trial). :func:`featcal.sweep.search.tune`
+then confirms the best previews by exact runs and keeps the anchor unless one beats it.
 """
 
 from __future__ import annotations
@@ -22,26 +22,11 @@ import math
 from featcal.config import RANGES
 from featcal.sweep.jobs import Work, val_scores
 from featcal.sweep.space import TuneConfig
-from featcal.util.progress import bar
+from featcal.util.tpe import block_groups, group_name, tpe_maximise
 
 # How far (decades) a group's lam may go from the anchor's: the grid's default span (0.005 to 1
 # around 0.05) and more, without the float32 rounding trouble of lam near 1e-6.
 LAM_DECADES = 2.0
-
-
-def block_groups(blocks: list[int], groups: int | None) -> list[tuple[int, ...]]:
-    """``blocks`` (in order) cut into ``groups`` runs of consecutive blocks, as even as possible
-    (the first ones one block longer); None, or as many groups as blocks or more: one block each."""
-    n = len(blocks)
-    k = n if groups is None else max(1, min(groups, n))
-    sizes = [n // k + (i < n % k) for i in range(k)]
-    starts = [sum(sizes[:i]) for i in range(k)]
-    return [tuple(blocks[a : a + size]) for a, size in zip(starts, sizes)]
-
-
-def group_name(group: tuple[int, ...]) -> str:
-    """``"3"`` for one block, ``"0-3"`` for blocks 0 to 3: a group's name in the table's columns."""
-    return str(group[0]) if len(group) == 1 else f"{group[0]}-{group[-1]}"
 
 
 def space(groups: list[tuple[int, ...]], lam0: float) -> dict:
@@ -70,18 +55,14 @@ def schedule_of(params: dict, groups: list[tuple[int, ...]]) -> dict[int, dict[s
     return out
 
 
-def _tell_anchor(study, dists: dict, groups, anchor: dict) -> None:
-    """The anchor (the global setting in every group) as TPE's first, finished trial, at its exact
-    score: the search starts from the preset (skipped where the preset lies outside the space)."""
-    import optuna
-
+def _anchor_params(groups, anchor: dict) -> dict:
+    """The anchor (the global setting in every group) as a point of the space: TPE's first, finished
+    trial, at its exact score (left out where the preset lies outside the space, e.g. lam = 0)."""
     params = {}
     for g in map(group_name, groups):
         params[f"log10_lam/{g}"] = math.log10(anchor["lam"]) if anchor["lam"] > 0 else -math.inf
         params[f"alpha/{g}"] = anchor["alpha"]
-    if all(dists[k].low <= v <= dists[k].high for k, v in params.items()) and math.isfinite(anchor["exact"]):
-        trial = optuna.trial.create_trial(params=params, distributions=dists, value=anchor["exact"])
-        study.add_trial(trial)
+    return params
 
 
 def per_block_search(work: Work, rows: list[dict], opts: TuneConfig, progress: bool = False) -> None:
@@ -89,34 +70,24 @@ def per_block_search(work: Work, rows: list[dict], opts: TuneConfig, progress: b
     trials after the anchor (``rows[0]``), each one preview of a schedule scored on validation
     data; one row per trial (its schedule, each group's ``lam/<blocks>`` and ``alpha/<blocks>``,
     the preview's scores), the anchor's row given its groups' values too."""
-    import optuna
-
     blocks = sorted({kept.block for kept in work.preview.entries})
     groups = block_groups(blocks, opts.groups)
     anchor = rows[0]
     dists = space(groups, anchor["lam"])
     anchor.update({f"{k}/{group_name(g)}": anchor[k] for g in groups for k in ("lam", "alpha")})
-    said = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)  # not a line per trial; given back below
-    try:
-        study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=opts.seed))
-        _tell_anchor(study, dists, groups, anchor)
-        model = copy.deepcopy(work.preview.template)
-        for _ in bar(range(opts.trials), desc="per-block trials", unit="trial", show=progress):
-            trial = study.ask(dists)
-            schedule = schedule_of(trial.params, groups)
-            at = work.config.with_(schedule=schedule)
-            work.preview.load_into(model, at)
-            scores = val_scores(model, work.val, work.logits, work.kind, work.ref, work.batch_size)
-            score = sum(scores.values()) / len(scores)
-            if math.isfinite(score):
-                study.tell(trial, score)
-            else:  # a diverged preview: TPE leaves it out, the table ranks it last
-                study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            row = {k: anchor[k] for k in ("lam", "rho", "alpha")} | {"point": len(rows), "stage": "tpe"}
-            row |= {f"lam/{group_name(g)}": schedule[g[0]]["lam"] for g in groups}
-            row |= {f"alpha/{group_name(g)}": schedule[g[0]]["alpha"] for g in groups}
-            row |= {"schedule": schedule, "preview": score, **{f"preview/{t}": s for t, s in scores.items()}}
-            rows.append(row)
-    finally:
-        optuna.logging.set_verbosity(said)
+    model = copy.deepcopy(work.preview.template)
+
+    def objective(params: dict) -> float:
+        schedule = schedule_of(params, groups)
+        work.preview.load_into(model, work.config.with_(schedule=schedule))
+        scores = val_scores(model, work.val, work.logits, work.kind, work.ref, work.batch_size)
+        score = sum(scores.values()) / len(scores)
+        row = {k: anchor[k] for k in ("lam", "rho", "alpha")} | {"point": len(rows), "stage": "tpe"}
+        row |= {f"lam/{group_name(g)}": schedule[g[0]]["lam"] for g in groups}
+        row |= {f"alpha/{group_name(g)}": schedule[g[0]]["alpha"] for g in groups}
+        row |= {"schedule": schedule, "preview": score, **{f"preview/{t}": s for t, s in scores.items()}}
+        rows.append(row)
+        return score
+
+    start = (_anchor_params(groups, anchor), anchor["exact"])
+    tpe_maximise(dists, objective, opts.trials, opts.seed, start, progress, desc="per-block trials")

@@ -78,3 +78,21 @@ def test_compare_page_runs_the_chosen_methods(tiny_zoo_dir):
 
     at.selectbox(key="cmp_task").set_value("beta").run()  # another task's drift: from the cache
     assert not at.exception and not at.error
+
+
+def test_compare_page_runs_the_bayesian_and_covariance_rivals(tiny_zoo_dir):
+    """BMM (inner level, searched, data-free) and ACE-Merging come from the registry like every
+    merger: chosen, run and scored beside the others."""
+    at = _page(tiny_zoo_dir)
+    rivals = ["bmm", "bmm_search", "bmm_datafree", "ace"]
+    at.multiselect(key="cmp_mergers").set_value(rivals).run()
+    at.multiselect(key="cmp_cals").set_value([]).run()
+    at.select_slider(key="cmp_n").set_value(16).run()
+    at.button(key="cmp_run").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    scores, cost = at.dataframe[0].value, at.dataframe[1].value
+    assert scores["method"].tolist() == ["experts", "base", *rivals]
+    row = cost.set_index("method")
+    assert int(row.loc["bmm", "n/task"]) == 16 == int(row.loc["bmm_search", "n/task"])
+    assert row.loc["bmm_datafree", "n/task"] == MISSING == row.loc["ace", "n/task"]  # data-free

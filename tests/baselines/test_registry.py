@@ -26,6 +26,8 @@ def test_every_method_is_registered_once_with_its_kind_label_and_parameters():
         "iso_cts",
         "tsv",
         "wudi",
+        "ace",
+        "bmm_datafree",
     }
     assert set(registry.names("data_merger")) == {
         "regmean",
@@ -34,6 +36,8 @@ def test_every_method_is_registered_once_with_its_kind_label_and_parameters():
         "fisher_merging",
         "lot",
         "esm",
+        "bmm",
+        "bmm_search",
     }
     assert registry.names("calibrator") == ["featcal", "svc"]  # FeatCal is one entry, like every other
     assert registry.names("trained") == ["escal", "surgery", "surgery_v2", "probsurgery"]
