@@ -39,7 +39,7 @@ PAGES = {
     "compare-rivals": ("compare", "Run", 3),  # the closed-form rivals too (CHOICES below)
 }
 # multiselects set before the button is pressed: {shot: {label: names to add}}
-CHOICES = {"compare-rivals": {"mergers alone": ["lot", "esm", "regmean"], "calibrators": ["svc"]}}
+CHOICES = {"compare-rivals": {"mergers alone": ["lot", "esm", "bmm", "ace"], "calibrators": ["svc"]}}
 LOAD_MS = 900_000
 
 
