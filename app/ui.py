@@ -146,11 +146,12 @@ def library_warnings(slot, caught: list[tuple[str, int]]) -> None:
 
 def table(df: pd.DataFrame, digits: int = 4, index: bool = True, where=None, **kwargs):
     """``st.dataframe`` of ``df`` as :mod:`app.tables` formats it: numbers rounded and
-    right-aligned, a dash (never "None") for a missing value."""
+    right-aligned, a dash (never "None") for a missing value; a ``column_config`` given is added
+    to those alignments."""
     from app import tables
 
     frame, texts = tables.dashed(df, digits)
-    config = {c: st.column_config.TextColumn(alignment="right") for c in texts}
+    config = {c: st.column_config.TextColumn(alignment="right") for c in texts} | kwargs.pop("column_config", {})
     kwargs.setdefault("width", "stretch")
     kwargs.setdefault("hide_index", not index)
     return (where or st).dataframe(tables.styled(frame, digits), column_config=config, **kwargs)

@@ -140,8 +140,10 @@ COST = {
     "peak_mb": "peak MB",
 }
 cost = summary.assign(model=summary["task_specific"].map(model_kind))
-ui.table(summary[list(SCORES)].rename(columns=SCORES), 2, index=False)  # scores, then cost: nothing cut at 1280 px
-ui.table(cost[list(COST)].rename(columns=COST), 2, index=False)
+# every row, each method's name in full ("ta+svc+featcal (alpha 0.1)"); cost below: nothing cut at 1280 px
+whole = dict(index=False, height="content", column_config={"method": st.column_config.TextColumn(width="medium")})
+ui.table(summary[list(SCORES)].rename(columns=SCORES), 2, **whole)
+ui.table(cost[list(COST)].rename(columns=COST), 2, **whole)
 ui.downloads(summary, "compare_summary", "the summary (every column)")
 ui.downloads(result.accuracy, "compare_accuracy", "the per-task accuracy (tidy)")
 ui.downloads(result.drift, "compare_drift", "the drift per block (tidy)")
