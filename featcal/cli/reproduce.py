@@ -154,6 +154,7 @@ def _context(args, zoo, tasks: int, preset: str, problems: list[str]) -> dict:
         "zoo": zoo.name,
         "zoo_source": str(args.zoo),
         "tasks": tasks,
+        "unscored": zoo.unscored,
         "n": args.n,
         "seed": args.seed,
         "max_test": args.max_test,
@@ -189,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         return dry_run(args, table, planned, problems)
     zoo = zoo_from_args(args)
+    planned = plan.on_zoo(planned, zoo)
     _check_sizes(zoo, planned)
     if args.out:  # again, now that the zoo's own models and data are known: before any row runs
         check_out(args.out, args.force, zoo_inputs(args, zoo))

@@ -27,12 +27,14 @@ Forward passes (:func:`row_passes`) count one example through one whole model as
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from featcal.baselines import registry
 from featcal.reproduce.tables import PaperRow, PaperTable, row_params
+from featcal.zoo.score.lm import LMZoo
 
 REFERENCES = ("experts", "base")
 FEATCAL_FWD = 4.0  # one calibrate over its reference forward passes (benchmarks/README.md, calibration_cost.py)
@@ -53,10 +55,15 @@ class PlannedRow:
     params: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     n: int = 0
     why_not: str = ""
+    skipped: bool = False  # in featcal, but not run on this zoo (``why_not`` says why)
 
     @property
     def runs(self) -> bool:
-        return self.method is not None
+        return self.method is not None and not self.skipped
+
+    @property
+    def status(self) -> str:
+        return "ran" if self.runs else "not run on this zoo" if self.skipped else "not in featcal"
 
     @property
     def reference(self) -> str | None:
@@ -200,3 +207,19 @@ def row_passes(planned: PlannedRow, tasks: int, test_sizes: Mapping[str, int] | 
             calibration += reference
             training += _training_passes(c, planned.params.get(c, {}), planned.n, tasks)
     return Passes(featcal, calibration, training, scoring)
+
+
+def on_zoo(planned: list[PlannedRow], zoo) -> list[PlannedRow]:
+    """``planned`` with the rows this zoo cannot run marked skipped: a trained calibrator (ESCal, Surgery,
+    SurgeryV2, ProbSurgery) trains per-task modules on the features a classification zoo's heads read,
+    and a language-model zoo (:class:`~featcal.zoo.score.lm.LMZoo`) scores replies instead."""
+    if not isinstance(zoo, LMZoo):
+        return planned
+    out = []
+    for p in planned:
+        trained = [c for c in p.chain if registry.get(c).kind == "trained"]
+        if p.runs and trained:
+            why = f"{', '.join(trained)} trains modules on a classification head's features; this zoo scores replies"
+            p = dataclasses.replace(p, skipped=True, why_not=why)
+        out.append(p)
+    return out

@@ -36,7 +36,7 @@ def row_records(table: PaperTable, results: list[RowResult]) -> list[dict[str, A
             {
                 "label": p.row.label,
                 "method": p.method,
-                "status": "ran" if p.runs else "not in featcal",
+                "status": p.status,
                 "why_not": p.why_not,
                 "n": p.n if p.runs and not p.reference else None,
                 "params": {k: dict(v) for k, v in p.params.items()},
@@ -72,7 +72,7 @@ def _summary(table: PaperTable, records: list[dict]) -> list[str]:
     head = ["row", "method", "n"] + [h for c in cols for h in (f"{c}: ours", "paper", "diff")] + ["source"]
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (1 + 3 * len(cols)) + "---|"]
     for rec in records:
-        cells = [rec["label"], rec["method"] or "not in featcal", _num(rec["n"], "{}")]
+        cells = [rec["label"], rec["method"] if rec["status"] == "ran" else rec["status"], _num(rec["n"], "{}")]
         for c in cols:
             cells += [_num(rec["ours"].get(c)), _paper(rec["paper"].get(c)), _num(rec["diff"].get(c), "{:+.2f}")]
         lines.append("| " + " | ".join(cells + [rec["source"]]) + " |")
@@ -100,7 +100,7 @@ def _settings_lines(records: list[dict], preset: str) -> list[str]:
     out = []
     for rec in records:
         if rec["status"] != "ran":
-            out.append(f"- {rec['label']}: not in featcal ({rec['why_not']})")
+            out.append(f"- {rec['label']}: {rec['status']} ({rec['why_not']})")
             continue
         params = "; ".join(f"{m} " + ", ".join(f"{k}={v}" for k, v in p.items()) for m, p in rec["params"].items())
         with_featcal = f"FeatCal preset {preset}" if "featcal" in (rec["method"] or "") else ""
@@ -114,6 +114,12 @@ def markdown(table: PaperTable, records: list[dict], context: Mapping[str, Any])
     device, preset, comparable and problems (why the zoo is not the table's setting)."""
     lines = [f"## {table.source}: {table.name}", "", table.caption, ""]
     lines.append(_context_line(context))
+    if context.get("unscored"):
+        left, n = context["unscored"], context["tasks"]
+        lines.append(
+            f"NOT SCORED: {', '.join(left)} (featcal has no metric for it; merged and calibrated on all the same): "
+            f"our averages are over the other {n - len(left)} tasks, the paper's over all {n}."
+        )
     if not context["comparable"]:
         lines.append(
             f"NOT COMPARABLE: the zoo is not this table's setting ({'; '.join(context['problems'])}); "

@@ -84,6 +84,11 @@ class Zoo:
     def tasks(self) -> list[str]:
         return list(self.experts)
 
+    @property
+    def unscored(self) -> list[str]:
+        """Tasks merged and calibrated on but not scored (a generative zoo's ``scorer: none``)."""
+        return []
+
     def input_paths(self) -> dict[str, str]:
         """``{what: path}`` of the files and directories this zoo was read from (its directory,
         or its spec's models, heads and data): an output must lie apart from all of them."""

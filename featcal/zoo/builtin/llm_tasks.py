@@ -273,15 +273,18 @@ def score_instruction(reply: str, ex: Example) -> float:
 
 @dataclass(frozen=True)
 class Task:
-    """A task: its generator ``make(rng, n)``, its kind (``generate``: scored on a greedy
-    reply of at most ``max_new_tokens``; ``choice``: on the options' log-likelihoods),
-    its score function and the data it needs (``wordnet`` or nothing)."""
+    """A task: its generator ``make(rng, n)`` (None for a spec's task, whose examples are read
+    from its data), its kind (``generate``: scored on a greedy reply of at most ``max_new_tokens``;
+    ``choice``: on the options' log-likelihoods), its score function ``score(answer, example)``
+    (or ``corpus(answers, examples)`` for a set-level metric such as Spearman's), and the data
+    it needs (``wordnet`` or nothing)."""
 
-    make: Callable[[random.Random, int], list[Example]]
+    make: Callable[[random.Random, int], list[Example]] | None
     kind: str
     score: Callable
     max_new_tokens: int = 0
     source: str | None = None
+    corpus: Callable | None = None  # (answers, examples) -> percent, for a metric over the whole set
 
 
 TASKS = {

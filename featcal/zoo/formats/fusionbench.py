@@ -25,6 +25,7 @@ from typing import Mapping
 
 import yaml
 
+from featcal.zoo.formats import lm_pools
 from featcal.zoo.load import classnames
 from featcal.zoo.spec import locate
 from featcal.zoo.spec.parsing import from_dict
@@ -32,6 +33,8 @@ from featcal.zoo.spec.resolve import format_missing, hf_snapshot
 from featcal.zoo.spec.schema import SpecError
 
 POOL_TARGET = "CLIPVisionModelPool"
+LM_POOLS = ("Seq2SeqLMPool", "CausalLMPool")  # read by featcal.zoo.formats.lm_pools
+ENV_DEFAULT = re.compile(r"\$\{[A-Z_][A-Z0-9_]*:-[^}]*\}")  # featcal's own ${VAR:-default} (Hydra never writes :-)
 LORA_TARGET = "load_lora_vision_model_hf"
 DENSE_TARGETS = ("load_fft_vision_model_hf", "CLIPVisionModel.from_pretrained", "CLIPModel.from_pretrained")
 NAME_KEYS = ("pretrained_model_name_or_path", "model_name", "path")
@@ -210,6 +213,23 @@ def from_fusionbench(
     src = str(pool_path)
     roots = config_roots(pool_path, config_dir)
     pool = compose(pool_path, roots)
+    kind = str(pool.get("_target_", "")).rsplit(".", 1)[-1]
+    if kind in LM_POOLS:  # FLAN-T5 / MergeBench language models: a generative spec
+        tp = compose(Path(taskpool).expanduser(), config_roots(Path(taskpool), config_dir)) if taskpool else {}
+        here = Path(root) if root else pool_path.absolute().parent
+        try:
+            spec = lm_pools.lm_spec(
+                src,
+                pool,
+                tp,
+                resolve=lambda v: _interpolated(v, pool),
+                entry_of=lambda ref: _model_entry(ref, here),
+                causal=kind == "CausalLMPool",
+            )
+        except lm_pools.PoolError as err:
+            raise FusionBenchError(str(err)) from None
+        _check_resolved(src, spec)
+        return spec
     _check_target(src, pool)
     models = _mapping(src, pool, "models")
     if "_pretrained_" not in models:
@@ -262,7 +282,8 @@ def _check_target(src: str, pool: Mapping) -> None:
     if target != POOL_TARGET:
         why = ": OpenCLIP pools (pickle_path checkpoints and heads) are not read yet." if "OpenCLIP" in target else "."
         raise FusionBenchError(
-            f"{src}: _target_ {pool['_target_']!r}; featcal reads {POOL_TARGET} pools (Hugging Face CLIP towers){why}"
+            f"{src}: _target_ {pool['_target_']!r}; featcal reads {POOL_TARGET} pools (Hugging Face CLIP towers) and "
+            f"the language-model pools {', '.join(LM_POOLS)}{why}"
         )
 
 
@@ -293,7 +314,7 @@ def _check_resolved(src: str, node, where: str = "") -> None:
     elif isinstance(node, (list, tuple)):
         for i, value in enumerate(node):
             _check_resolved(src, value, f"{where}[{i}]")
-    elif isinstance(node, str) and ("${" in node or node.strip() == "???"):
+    elif isinstance(node, str) and ("${" in ENV_DEFAULT.sub("", node) or node.strip() == "???"):
         raise FusionBenchError(
             f"{src}: {where} would be {node!r}, a Hydra value featcal does not resolve (it names another config "
             "or an override). Write the value itself in the pool or task pool, or give the task pool that sets it."

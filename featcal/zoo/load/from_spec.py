@@ -28,6 +28,7 @@ from featcal.zoo.spec import locate
 from featcal.zoo.spec.parsing import expand, from_dict, parse
 from featcal.zoo.spec.resolve import Missing, MissingResourcesError
 from featcal.zoo.spec.schema import (
+    GENERATIVE,
     SCHEMA,
     DataSpec,
     HeadSpec,
@@ -69,6 +70,11 @@ def load(spec_path: str | os.PathLike | ZooSpec, device: str = "cpu") -> Zoo:
     # 1. Locate everything; fail once, listing all that is missing.
     found = locate.locate_all(spec)
     _check_data_kinds(spec, found)
+    if spec.modality in GENERATIVE:  # decoder LLMs or encoder-decoders, scored on their replies
+        from featcal.zoo.load import generative
+
+        cls, parts = generative.load_parts(spec, found, device=device)
+        return cls(name=spec.name, fmt=spec.format, meta=_meta(spec, found), **parts)
     if spec.modality == "text":  # encoders, tokenizer, text or token data
         from featcal.zoo.load import text as text_spec
 
@@ -117,6 +123,15 @@ def _meta(spec: ZooSpec, found: locate.Found) -> dict:
 
 def _check_data_kinds(spec: ZooSpec, found: locate.Found) -> None:
     """Text and token data go with ``modality: text``, images with the default."""
+    if spec.modality in GENERATIVE:  # tables: the parsing checked the formats a spec states
+        bad = {t: d.format for t, d in found.data.items() if d.format not in ("parquet", "arrow")}
+        if bad:
+            t = next(iter(bad))
+            raise SpecError(
+                f"{spec.source or 'zoo spec'}: data {t!r} ({found.data[t].root}) is {bad[t]} data; "
+                "a generative zoo reads parquet files or a datasets.save_to_disk folder."
+            )
+        return
     for t, d in found.data.items():
         texty = d.format in ("text", "tokens")
         if texty != (spec.modality == "text"):

@@ -26,7 +26,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from featcal.zoo.builtin.llm_tasks import TASKS, Example
+from featcal.zoo.builtin.llm_tasks import TASKS, Example, Task
 from featcal.zoo.core import Zoo
 from featcal.zoo.tokens import TokenRows, as_batch, masked_mean
 
@@ -203,18 +203,19 @@ def choice_logliks(model: nn.Module, tokenizer, examples: Sequence[Example], bat
     return out
 
 
-def replies(model: nn.Module, tokenizer, task: str, examples: Sequence[Example], batch_size: int = 32) -> list:
+def replies(model: nn.Module, tokenizer, task: Task, examples: Sequence[Example], batch_size: int = 32) -> list:
     """The model's answers to ``examples``: reply texts (generate tasks) or option log-likelihoods."""
-    spec = TASKS[task]
-    if spec.kind == "choice":
+    if task.kind == "choice":
         return choice_logliks(model, tokenizer, examples, batch_size)
-    return generate(model, tokenizer, [ex.prompt for ex in examples], spec.max_new_tokens, batch_size)
+    return generate(model, tokenizer, [ex.prompt for ex in examples], task.max_new_tokens, batch_size)
 
 
-def task_score(task: str, answers: Sequence, examples: Sequence[Example]) -> float:
-    """The task's metric in percent over ``examples``."""
-    score = TASKS[task].score
-    return 100.0 * sum(score(a, ex) for a, ex in zip(answers, examples)) / max(len(examples), 1)
+def task_score(task: Task, answers: Sequence, examples: Sequence[Example]) -> float:
+    """The task's metric in percent over ``examples``: the mean of its per-example score, or its
+    metric over the whole set (``task.corpus``, e.g. Spearman's rho)."""
+    if task.corpus is not None:
+        return task.corpus(answers, examples)
+    return 100.0 * sum(task.score(a, ex) for a, ex in zip(answers, examples)) / max(len(examples), 1)
 
 
 # ------------------------------------------------------------------ the zoo
@@ -225,10 +226,13 @@ class LMZoo(Zoo):
     """A zoo of causal-LM experts scored on their replies (see the module docstring).
 
     ``tokenizer`` is the base's; ``examples[task][split]`` the split's :class:`Example` s
-    (the same rows, in the same order, as the split's token inputs)."""
+    (the same rows, in the same order, as the split's token inputs); ``task_table[task]`` how the
+    task is scored (the built-in zoo's :data:`~featcal.zoo.builtin.llm_tasks.TASKS`, or a spec's,
+    :func:`featcal.zoo.score.scorers.task`)."""
 
     tokenizer: object = None
     examples: dict = field(default_factory=dict)
+    task_table: dict = field(default_factory=lambda: dict(TASKS))  # {task: Task}: how each is scored
 
     def score(
         self,
@@ -241,8 +245,19 @@ class LMZoo(Zoo):
         out, batch_size = {}, min(batch_size, 32)  # replies: 32 prompts a batch at most
         for task in list(tasks) if tasks is not None else self.tasks:
             exs = self.examples[task][split][:max_per_task]
-            out[task] = task_score(task, replies(model, self.tokenizer, task, exs, batch_size), exs)
+            how = self.task_table[task]
+            if how.kind == "none":  # merged and calibrated on, not scored (featcal has no metric for it)
+                continue
+            out[task] = task_score(how, self.replies(model, how, exs, batch_size), exs)
         return out
+
+    @property
+    def unscored(self) -> list[str]:
+        return [t for t in self.tasks if self.task_table[t].kind == "none"]
+
+    def replies(self, model: nn.Module, task: Task, examples: Sequence[Example], batch_size: int = 32) -> list:
+        """The model's answers to ``examples`` (:func:`replies`; an encoder-decoder zoo answers its own way)."""
+        return replies(model, self.tokenizer, task, examples, batch_size)
 
     # The app's and the diagnostics' fast view: one teacher-forced step per example.
 

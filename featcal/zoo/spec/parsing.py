@@ -13,11 +13,13 @@ from typing import Any, Mapping
 import yaml
 
 from featcal.zoo.load import classnames
+from featcal.zoo.spec import generative
 from featcal.zoo.spec.schema import (
     DATA_FORMATS,
     DTYPES,
     FEATURES,
     FORMATS,
+    GENERATIVE,
     HEAD_TYPES,
     MODALITIES,
     SCHEMA,
@@ -69,6 +71,9 @@ class _Ctx:
         if unknown:
             raise self.fail(where, f"unknown key(s) {unknown}; allowed: {sorted(SCHEMA[section])}.")
         return dict(obj)
+
+    def int(self, value: Any, where: str, minimum: int = 0) -> int:
+        return _int(self, value, where, minimum)
 
     def path(self, value: Any, where: str) -> str:
         if not isinstance(value, str) or not value:
@@ -278,7 +283,9 @@ def from_dict(raw: Mapping[str, Any], root: str | os.PathLike = ".", source: str
     modality = _choice(ctx, d.get("modality", "image"), MODALITIES, "modality")
     heads = _heads(ctx, d.get("heads"), tasks, defaults)
     data = {t: _data(ctx, t, d["data"][t]) for t in tasks}
-    if modality == "text":
+    if modality in GENERATIVE:
+        generative.check_generative(ctx, d, fmt, data)
+    elif modality == "text":
         _check_text(ctx, fmt, features, heads, data)
     else:
         _check_image(ctx, tasks, heads, data)
@@ -306,6 +313,7 @@ def from_dict(raw: Mapping[str, Any], root: str | os.PathLike = ".", source: str
         modality=modality,
         merged=_model(ctx, d["merged"], defaults, "merged") if d.get("merged") is not None else None,
         tokenizer=_tokenizer(ctx, d.get("tokenizer"), modality),
+        generation=generative.parse_tasks(ctx, d.get("tasks"), tasks, modality),
     )
 
 

@@ -19,7 +19,10 @@ from typing import Mapping
 FORMATS = ("hf", "open_clip")
 HEAD_TYPES = ("zero_shot", "file")
 DATA_FORMATS = ("auto", "image_folder", "arrow", "parquet", "tensors", "text", "tokens")
-MODALITIES = ("image", "text")
+MODALITIES = ("image", "text", "causal_lm", "seq2seq")
+GENERATIVE = ("causal_lm", "seq2seq")  # scored on the model's own text, no heads: the spec's `tasks:` says how
+# The scorers a generative task may name (the functions: featcal.zoo.score.scorers.SCORERS, held equal by a test).
+SCORER_NAMES = ("exact_match", "strict_match", "final_number", "ifeval", "code_pass_at_1", "spearman", "choice", "none")
 TEXT_FORMATS = ("auto", "text", "tokens")
 FEATURES = ("embedding", "projection", "pooled")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -40,7 +43,10 @@ SCHEMA: dict[str, dict[str, str]] = {
         "preprocess": "image size, mean and std (default: from the base model, CLIP's mean/std)",
         "features": "embedding | projection | pooled: what the heads read (default embedding)",
         "dtype": "float32 | float16 | bfloat16 for the models (default float32)",
-        "modality": "image | text: what the models read (default image: CLIP towers; text: an HF text encoder)",
+        "modality": "image | text | causal_lm | seq2seq: what the models are (default image: CLIP towers; text: an "
+        "HF text encoder; causal_lm: a decoder LLM, seq2seq: an encoder-decoder such as FLAN-T5, both scored on "
+        "their greedy replies)",
+        "tasks": "causal_lm / seq2seq: {task: how its examples are prompted and scored} (a task entry)",
         "merged": "optional: your own merged model (a model entry, e.g. a mergekit output), the merger `given`",
         "tokenizer": "text: the directory of the tokenizer the data is tokenised with (default: the base's)",
     },
@@ -72,6 +78,18 @@ SCHEMA: dict[str, dict[str, str]] = {
         "test_split": "name of the split test comes from (default test)",
         "image_column": "image column of an arrow/parquet dataset (default image)",
         "label_column": "label column of an arrow/parquet dataset (default label)",
+    },
+    "task": {
+        "prompt": "the prompt, a template whose {column} fields are filled from each example's columns",
+        "target": "the column holding what the reply is scored against (a.b: a nested field; 'key=col, col2': "
+        "a mapping of several columns, e.g. 'tests=test, entry_point, prompt' for code_pass_at_1)",
+        "labels": "names of an integer target: the reply the label k stands for is labels[k] (GLUE's classes)",
+        "reference": "the column holding the reply calibration reads (default: a text target; else the prompt alone)",
+        "format": "a format for the target's text, e.g. '{:.1f}' (STS-B's scores as FusionBench writes them)",
+        "scorer": "exact_match | strict_match | final_number | ifeval | code_pass_at_1 | spearman | choice | none "
+        "(none: merged and calibrated on, not scored; the tables say so)",
+        "options": "choice: the column holding each example's options (the target is the right one's index)",
+        "max_new_tokens": "the longest greedy reply, in tokens (default 64)",
     },
     "splits": {
         "calib": "examples per task in the calib split, from train (default 256)",
@@ -137,6 +155,24 @@ class DataSpec:
 
 
 @dataclass(frozen=True)
+class GenTaskSpec:
+    """How one task of a generative zoo (``modality: causal_lm | seq2seq``) is prompted and scored:
+    each example's ``prompt`` is the template filled from its columns, its reply is scored by the
+    scorer named ``scorer`` against the ``target`` column (through ``labels`` when it is an integer
+    class), and ``reference`` (default: the target's text) is the reply calibration reads."""
+
+    task: str
+    prompt: str
+    target: str
+    scorer: str
+    labels: tuple[str, ...] = ()
+    reference: str | None = None
+    options: str | None = None
+    max_new_tokens: int = 64
+    format: str | None = None
+
+
+@dataclass(frozen=True)
 class SplitSpec:
     """Split sizes: ``calib`` and ``val`` carved from train (seeded, disjoint), ``test`` from test."""
 
@@ -175,6 +211,7 @@ class ZooSpec:
     modality: str = "image"
     merged: ModelSpec | None = None  # the user's own merged model, if given
     tokenizer: str | None = None  # a text zoo's tokenizer directory, when not the base's
+    generation: Mapping[str, GenTaskSpec] = field(default_factory=lambda: MappingProxyType({}))  # `tasks:`
 
     @property
     def tasks(self) -> list[str]:
