@@ -66,7 +66,7 @@ ZOO_LAYERS = {
         "featcal.zoo.score.ifeval",  # IFEval's instruction checks
         "featcal.zoo.score.replies",  # scorers of generated replies, by name
     ),
-    "schema": ("featcal.zoo.spec.schema", "featcal.zoo.spec.parsing"),
+    "schema": ("featcal.zoo.spec.schema", "featcal.zoo.spec.parsing", "featcal.zoo.spec.generative"),
     "locate": ("featcal.zoo.spec.locate",),
     "load": (
         "featcal.zoo.spec.userspec",  # writes a spec from the user's folders (the app's "Your models")
@@ -82,6 +82,10 @@ ZOO_LAYERS = {
         "featcal.zoo.builtin.llm_tasks",
         "featcal.zoo.score.lm",
         "featcal.zoo.score.harness",  # lm-eval-harness on a language model held in memory
+        "featcal.zoo.score.scorers",  # what a generative zoo's task is scored with, by name
+        "featcal.zoo.score.seq2seq",  # encoder-decoder zoos (FLAN-T5 on GLUE as text)
+        "featcal.zoo.load.generative",  # a spec's causal_lm / seq2seq zoo: models, tokenizer, examples
+        "featcal.zoo.formats.lm_pools",  # FusionBench's Seq2SeqLMPool / CausalLMPool as specs
     ),
     "build": (
         "featcal.zoo.builtin.demo_recipe",

@@ -143,6 +143,7 @@ def glue_standin(hub: Path, n: int = 24) -> None:
 
 # ----------------------------------------------------------------------------- MergeBench Llamas
 
+MERGEBENCH_MODELS = ("Llama-3.2-3B-Instruct", "Llama-3.1-8B-Instruct")
 MERGEBENCH_DATA = {  # repo: (revision, {split: file}) as the hub caches them
     "openai/gsm8k": (
         "main",

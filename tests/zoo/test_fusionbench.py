@@ -20,7 +20,7 @@ from test_zoo_spec import _image, _perturbed_vision, _png, write_hf_cache_model
 
 from featcal.cli.commands import main
 from featcal.zoo import load_any
-from featcal.zoo.formats.fusionbench import FusionBenchError, from_fusionbench
+from featcal.zoo.formats.fusionbench import ENV_DEFAULT, FusionBenchError, from_fusionbench
 
 SHAPES = ["round", "square", "pointy"]
 
@@ -197,9 +197,13 @@ def test_unsupported_pools_are_named(fake_fusionbench, tmp_path):
     pool.write_text(yaml.safe_dump(doc))
     with pytest.raises(FusionBenchError, match="load_l_lora_vision_model_hf is not a model featcal reads"):
         from_fusionbench(pool)
-    doc["_target_"] = "fusion_bench.modelpool.CausalLMPool"
+    doc["_target_"] = "fusion_bench.modelpool.NYUv2ModelPool"
     pool.write_text(yaml.safe_dump(doc))
     with pytest.raises(FusionBenchError, match="featcal reads CLIPVisionModelPool pools"):
+        from_fusionbench(pool)
+    doc["_target_"] = "fusion_bench.modelpool.CausalLMPool"  # read, but its tasks are not MergeBench's domains
+    pool.write_text(yaml.safe_dump(doc))
+    with pytest.raises(FusionBenchError, match="does not read them for a language-model pool"):
         from_fusionbench(pool)
 
 
@@ -210,7 +214,6 @@ def _installed_configs() -> Path | None:
     return Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
 
 
-@pytest.mark.skipif(_installed_configs() is None, reason="fusion-bench's configs are not installed")
 def _refusal_kind(err: FusionBenchError) -> str:
     """A refusal's reason in a few words, for the table: the pool class, or the key it names."""
     why = str(err).split(": ", 1)[1]
@@ -219,6 +222,7 @@ def _refusal_kind(err: FusionBenchError) -> str:
     return "refused: " + why.split(":")[0].split(" has ")[0][:40]
 
 
+@pytest.mark.skipif(_installed_configs() is None, reason="fusion-bench's configs are not installed")
 def test_every_shipped_pool_is_translated_or_refused_never_crashes_or_keeps_hydra(offline_hf, differential_tables):
     """FusionBench 0.2.33's own model pools (all of them) and task pools (each with the TA8 CLIP pool):
     each one gives a spec with no Hydra value left in it, or a FusionBenchError; never a traceback,
@@ -233,7 +237,8 @@ def test_every_shipped_pool_is_translated_or_refused_never_crashes_or_keeps_hydr
             outcome[str(pool.relative_to(root))] = "refused"
             kinds[_refusal_kind(err)] = kinds.get(_refusal_kind(err), 0) + 1
             continue
-        assert "${" not in json.dumps(spec) and "???" not in json.dumps(spec), pool
+        text = ENV_DEFAULT.sub("", json.dumps(spec))  # featcal's own ${VAR:-default} may stay
+        assert "${" not in text and "???" not in text, pool
         assert "OpenCLIP" not in pool.read_text(), pool
         outcome[str(pool.relative_to(root))] = "translated"
     translated = sum(v == "translated" for v in outcome.values())
@@ -255,6 +260,16 @@ def test_every_shipped_pool_is_translated_or_refused_never_crashes_or_keeps_hydr
         outcome["modelpool/CLIPVisionModelPool/clip-vit-base-patch32_robustness_corrupted.yaml"] == "refused"
     )  # ${...corruption} unresolved
     assert outcome["modelpool/CLIPVisionModelPool/_template.yaml"] == "refused"  # models: ???
+    assert outcome["modelpool/Seq2SeqLMPool/_template.yaml"] == "refused"
+    for lm in (
+        "Seq2SeqLMPool/flan-t5-base_glue",
+        "Seq2SeqLMPool/flan-t5-base_glue_lora16",
+        "Seq2SeqLMPool/flan-t5-large_glue_lora16",
+        "CausalLMPool/mergebench/Llama-3.2-3B-Instruct",
+        "CausalLMPool/mergebench/Llama-3.1-8B-Instruct",
+        "CausalLMPool/mergebench/gemma-2-9b-it",
+    ):
+        assert outcome[f"modelpool/{lm}.yaml"] == "translated", lm  # fmt: skip
     clip = root / "modelpool" / "CLIPVisionModelPool" / "clip-vit-base-patch32_TA8.yaml"
     for taskpool in sorted(root.glob("taskpool/**/*.yaml")):
         try:

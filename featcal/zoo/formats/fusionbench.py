@@ -213,23 +213,8 @@ def from_fusionbench(
     src = str(pool_path)
     roots = config_roots(pool_path, config_dir)
     pool = compose(pool_path, roots)
-    kind = str(pool.get("_target_", "")).rsplit(".", 1)[-1]
-    if kind in LM_POOLS:  # FLAN-T5 / MergeBench language models: a generative spec
-        tp = compose(Path(taskpool).expanduser(), config_roots(Path(taskpool), config_dir)) if taskpool else {}
-        here = Path(root) if root else pool_path.absolute().parent
-        try:
-            spec = lm_pools.lm_spec(
-                src,
-                pool,
-                tp,
-                resolve=lambda v: _interpolated(v, pool),
-                entry_of=lambda ref: _model_entry(ref, here),
-                causal=kind == "CausalLMPool",
-            )
-        except lm_pools.PoolError as err:
-            raise FusionBenchError(str(err)) from None
-        _check_resolved(src, spec)
-        return spec
+    if str(pool.get("_target_", "")).rsplit(".", 1)[-1] in LM_POOLS:  # FLAN-T5 / MergeBench: a generative spec
+        return _lm_spec(pool_path, pool, taskpool, config_dir, Path(root) if root else pool_path.absolute().parent)
     _check_target(src, pool)
     models = _mapping(src, pool, "models")
     if "_pretrained_" not in models:
@@ -273,6 +258,24 @@ def from_fusionbench(
         "splits": dict(splits or {"calib": 256, "val": 256, "test": None, "seed": 42}),
     }
     _check_resolved(src, spec)
+    return spec
+
+
+def _lm_spec(pool_path: Path, pool: dict, taskpool, config_dir, here: Path) -> dict:
+    """A Seq2SeqLMPool or CausalLMPool (composed) as a generative spec (:mod:`featcal.zoo.formats.lm_pools`)."""
+    tp = compose(Path(taskpool).expanduser(), config_roots(Path(taskpool), config_dir)) if taskpool else {}
+    try:
+        spec = lm_pools.lm_spec(
+            str(pool_path),
+            pool,
+            tp,
+            resolve=lambda v: _interpolated(v, pool),
+            entry_of=lambda ref: _model_entry(ref, here),
+            causal=str(pool["_target_"]).endswith("CausalLMPool"),
+        )
+    except lm_pools.PoolError as err:
+        raise FusionBenchError(str(err)) from None
+    _check_resolved(str(pool_path), spec)
     return spec
 
 

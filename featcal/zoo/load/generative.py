@@ -24,7 +24,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from featcal.model.loading import as_model
+from featcal.model import lora
+from featcal.model.loading import as_model, load_into
 from featcal.zoo.builtin.llm_tasks import Example
 from featcal.zoo.core import TaskData
 from featcal.zoo.load.data import split_indices
@@ -171,9 +172,15 @@ def load_models(spec: ZooSpec, found: Found, device: str) -> dict[str, nn.Module
         str(found.models["base"]), local_files_only=True, trust_remote_code=False, dtype=dtype
     ).eval()
     out = {"base": base}
+    names = lora.base_names(found.models["base"])  # its directory and, in the HF cache, its hub id
     for role, path in found.models.items():
-        if role != "base":
-            out[role] = as_model(str(path), base, f"{role} ({path})", base=base).to(dtype).eval()
+        if role == "base":
+            continue
+        if lora.is_adapter_dir(path):  # merged as peft merges it, on the base it names
+            sd = lora.LoraAdapter(path, f"{role} ({path})").merged(base.state_dict(), names)
+            out[role] = load_into(base, sd, f"{role} ({path})").eval()
+        else:
+            out[role] = as_model(str(path), base, f"{role} ({path})").to(dtype).eval()
     return {r: m.to(device) for r, m in out.items()}
 
 

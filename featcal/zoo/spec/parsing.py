@@ -289,14 +289,7 @@ def from_dict(raw: Mapping[str, Any], root: str | os.PathLike = ".", source: str
         _check_text(ctx, fmt, features, heads, data)
     else:
         _check_image(ctx, tasks, heads, data)
-    if heads.type == "zero_shot" and features != "embedding":
-        raise ctx.fail(
-            "features",
-            "zero-shot heads read the normalised image embedding; use features: embedding, or give file heads "
-            "(heads: {type: file, path: ...}) for projection or pooled features.",
-        )
-    if features == "pooled" and fmt == "open_clip":
-        raise ctx.fail("features", "open_clip models give the projected embedding; use embedding or projection.")
+    _check_features(ctx, heads, features, fmt)
     name = d.get("name") or (Path(source).stem if source else "zoo")
     return ZooSpec(
         name=str(name),
@@ -315,6 +308,18 @@ def from_dict(raw: Mapping[str, Any], root: str | os.PathLike = ".", source: str
         tokenizer=_tokenizer(ctx, d.get("tokenizer"), modality),
         generation=generative.parse_tasks(ctx, d.get("tasks"), tasks, modality),
     )
+
+
+def _check_features(ctx: _Ctx, heads: HeadSpec, features: str, fmt: str) -> None:
+    """What the heads read must be what the models give."""
+    if heads.type == "zero_shot" and features != "embedding":
+        raise ctx.fail(
+            "features",
+            "zero-shot heads read the normalised image embedding; use features: embedding, or give file heads "
+            "(heads: {type: file, path: ...}) for projection or pooled features.",
+        )
+    if features == "pooled" and fmt == "open_clip":
+        raise ctx.fail("features", "open_clip models give the projected embedding; use embedding or projection.")
 
 
 def _tokenizer(ctx: _Ctx, raw: Any, modality: str) -> str | None:
