@@ -127,9 +127,10 @@ def locate_data(spec: DataSpec) -> tuple[LocatedData | None, Missing | None]:
             where = f"{where} ({why})"
         looked.append(where)
     src = spec.hub or spec.path
-    fix = (hf_fix(spec.hub, "dataset") + "; or " if spec.hub else "") + (
-        f"put it at {spec.path} ({spec.train_split}/ and {spec.test_split}/ class folders, a save_to_disk "
-        "dir, parquet files or .safetensors/.npz)"
+    splits = " and ".join(dict.fromkeys((spec.train_split, spec.test_split)))
+    fix = (hf_fix(spec.hub, "dataset", spec.revision) + "; or " if spec.hub else "") + (
+        f"put it at {spec.path} (its {splits} split(s): parquet files, a save_to_disk dir, class folders of "
+        "images, or a .safetensors/.npz file)"
         if spec.path
         else "give a local `path:`"
     )
@@ -197,7 +198,7 @@ def locate_model(spec: ModelSpec, what: str) -> tuple[Path | None, Missing | Non
         if snap is not None and problem is None:
             return snap, None
         looked.append(where if problem is None else f"{where} ({problem}: incomplete download)")
-        return None, Missing(f"{what}: HF model {spec.id}", tuple(looked), hf_fix(spec.id))
+        return None, Missing(f"{what}: HF model {spec.id}", tuple(looked), hf_fix(spec.id, "model", spec.revision))
     return None, Missing(
         f"{what}: {spec.format} model at {spec.path}",
         tuple(looked),

@@ -79,7 +79,8 @@ def hf_snapshot(repo_id: str, repo_type: str = "model", revision: str | None = N
     return None, f"HF cache {folder} ({why})"
 
 
-def hf_fix(repo_id: str, repo_type: str = "model") -> str:
+def hf_fix(repo_id: str, repo_type: str = "model", revision: str | None = None) -> str:
     """The ``fix`` of a :class:`Missing` HF repo: the download command :func:`format_missing` collects."""
     flag = " --repo-type dataset" if repo_type == "dataset" else ""
+    flag += f" --revision {revision}" if revision not in (None, "main") else ""
     return f"`huggingface-cli download {repo_id}{flag}` on a connected machine (see below)"
