@@ -34,9 +34,21 @@ def load_zoo(source: str, device: str):
     (:func:`featcal.zoo.load_any`; ``~`` and ``$VARS`` in paths are expanded)."""
     from featcal.zoo import load_any
 
+    from featcal.model.arch import resolve_stacks
+
     if not Path(os.path.expandvars(source)).expanduser().exists() and (REPO / source).exists():
         source = str(REPO / source)  # the example specs, from any working directory
-    return load_any(source, progress=False, device=device)
+    zoo = load_any(source, progress=False, device=device)
+    if len(resolve_stacks(zoo.base)) > 1:
+        raise TwoStacksError(
+            f"zoo {zoo.name!r} is an encoder-decoder ({type(zoo.base).__name__}: an encoder and a decoder stack of "
+            "blocks); the app's drift, weights and preview pages read one stack of blocks."
+        )
+    return zoo
+
+
+class TwoStacksError(ValueError):
+    """A zoo of encoder-decoders, which the app's pages do not show (the command line runs it)."""
 
 
 def zoo_needs_build(source: str, ready: set[str]) -> bool:
@@ -123,6 +135,11 @@ def load_error_fix(source: str, exc: BaseException) -> str:
 
     msg = str(exc).lower()
     path = Path(os.path.expandvars(source)).expanduser()
+    if isinstance(exc, TwoStacksError):
+        return (
+            f"Fix: run this zoo from the command line: `featcal calibrate --zoo {source} ...`, `featcal eval`, "
+            "`featcal reproduce` (docs/zoos.md); or pick another zoo in the sidebar."
+        )
     if isinstance(exc, MissingPackagesError):
         return "Fix: install the packages listed above into the app's environment, then pick the zoo again."
     if isinstance(exc, ImportError):
