@@ -110,9 +110,9 @@ def run_calibrate_mergekit(args, recipe, config) -> int:
 
 def add_from_fusionbench(sub) -> None:
     """``featcal zoo from-fusionbench MODELPOOL.yaml [--taskpool TASKPOOL.yaml] --out my-zoo.yaml``."""
-    f = sub.add_parser("from-fusionbench", help="write a zoo spec from a FusionBench CLIP model pool (and task pool)")
-    f.add_argument("modelpool", help="a FusionBench CLIPVisionModelPool YAML")
-    f.add_argument("--taskpool", help="its CLIPVisionModelTaskPool YAML (the test data sets, the text model)")
+    f = sub.add_parser("from-fusionbench", help="write a zoo spec from a FusionBench model pool (and task pool)")
+    f.add_argument("modelpool", help="a FusionBench CLIPVisionModelPool, CausalLMPool or Seq2SeqLMPool YAML")
+    f.add_argument("--taskpool", help="its task pool YAML (CLIP: the test data sets and the text model)")
     f.add_argument("--config-dir", help="FusionBench's config/ folder, for the pools' Hydra defaults (dataset/...)")
     f.add_argument("--out", required=True, help="the zoo spec to write (.yaml)")
     f.add_argument("--force", action="store_true", help="replace an existing --out file")
@@ -127,7 +127,7 @@ def run_from_fusionbench(args) -> int:
     sources = [args.modelpool] + ([args.taskpool] if args.taskpool else [])
     missing = write_spec(spec, args.out, sources, force=args.force)
     print(f"wrote {args.out}: {len(spec['experts'])} experts ({', '.join(spec['experts'])})")
-    text = spec["heads"].get("text_model")
+    text = spec.get("heads", {}).get("text_model")  # a generative zoo has no heads
     if text:
         print(
             f"note: the task pool's CLIP model {text.get('id') or text.get('path')} is not the pool's base "

@@ -66,9 +66,16 @@ def test_the_setting_check_names_what_differs():
     other = setting.setting_problems(s, setting.ZooIdentity("x", "openai/clip-vit-base-patch16", ta8[:6]))
     assert len(other) == 2 and "missing ['dtd', 'mnist']" in other[0] and "clip-vit-base-patch16" in other[1]
     assert "built-in zoo" in setting.setting_problems(s, setting.ZooIdentity("demo", None, None, builtin=True))[0]
-    t5 = get_table("table3-base").setting  # tasks not recorded: the count and the model decide
-    assert setting.setting_problems(t5, setting.ZooIdentity("x", "google/flan-t5-base", tuple("abcdefgh"))) == []
-    assert "local path" in setting.setting_problems(t5, setting.ZooIdentity("x", None, tuple("abcdefgh")))[0]
+    t5 = get_table("table3-base").setting  # GLUE's eight tasks by name, as the shipped spec has them
+    glue = ("cola", "mnli", "mrpc", "qnli", "qqp", "rte", "sst2", "stsb")
+    assert setting.setting_problems(t5, setting.ZooIdentity("x", "google/flan-t5-base", glue)) == []
+    assert (
+        "missing ['cola'"
+        in setting.setting_problems(t5, setting.ZooIdentity("x", "google/flan-t5-base", tuple("abcdefgh")))[0]
+    )
+    llama = get_table("table4-3b").setting
+    domains = ("instruction", "math", "coding", "multilingual", "safety")
+    assert setting.setting_problems(llama, setting.ZooIdentity("x", "meta-llama/Llama-3.2-3B-Instruct", domains)) == []
 
 
 def test_a_shipped_spec_is_read_without_loading():

@@ -232,3 +232,16 @@ def test_a_causal_lm_zoo_without_a_chat_template_is_refused_by_name(mergebench):
         extra.unlink()
     with pytest.raises(ValueError, match="no chat template"):
         from_spec.load(ZOOS / "mergebench-llama-3.2-3b-instruct.yaml")
+
+
+def test_from_fusionbench_writes_a_generative_spec_that_loads(mergebench, tmp_path, capsys):
+    root = _fb_configs()
+    if root is None:
+        pytest.skip("fusion-bench's configs are not installed")
+    out = tmp_path / "mb.yaml"
+    pool = root / "modelpool" / "CausalLMPool" / "mergebench" / f"{MERGEBENCH}.yaml"
+    assert main(["zoo", "from-fusionbench", str(pool), "--out", str(out)]) == 0
+    assert "5 experts (instruction, math, coding, multilingual, safety)" in capsys.readouterr().out
+    written = parse(out)
+    assert dict(written.generation) == dict(parse(ZOOS / "mergebench-llama-3.2-3b-instruct.yaml").generation)
+    assert type(from_spec.load(written)).__name__ == "LMZoo"
