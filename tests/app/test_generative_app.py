@@ -24,11 +24,7 @@ PAGES = ("drift", "calibrate", "weights", "tune", "studies", "export", "compare"
 
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("FEATCAL_DATA", str(tmp_path / "data"))
-    return tmp_path / "hf" / "hub"
+    return gh.offline_cache(tmp_path, monkeypatch)
 
 
 def _open(spec: str, out: Path) -> AppTest:

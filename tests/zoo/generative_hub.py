@@ -27,6 +27,15 @@ CHAT = (
 )
 
 
+def offline_cache(tmp_path: Path, monkeypatch) -> Path:
+    """An HF cache of the test's own (``$HF_HOME``), offline, and ``$FEATCAL_DATA`` beside it; its hub folder."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("FEATCAL_DATA", str(tmp_path / "data"))
+    return tmp_path / "hf" / "hub"
+
+
 def snapshot(hub: Path, repo_id: str, kind: str = "model", revision: str = "main") -> Path:
     """The snapshot folder of ``repo_id`` in the HF cache at ``hub`` (``refs/<revision>`` pointing at it)."""
     commit = hashlib.sha1(f"{repo_id}@{revision}".encode()).hexdigest()

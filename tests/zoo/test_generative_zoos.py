@@ -34,12 +34,7 @@ def _fb_configs() -> Path | None:
 
 @pytest.fixture
 def offline_hf(tmp_path, monkeypatch):
-    """An HF cache of the test's own, offline; $FEATCAL_DATA beside it."""
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("FEATCAL_DATA", str(tmp_path / "data"))
-    return tmp_path / "hf" / "hub"
+    return gh.offline_cache(tmp_path, monkeypatch)
 
 
 # ----------------------------------------------------------------------------- the spec
@@ -133,6 +128,16 @@ def test_shipped_specs_parse_and_fusionbenchs_pools_translate_to_them():
 # ----------------------------------------------------------------------------- FLAN-T5 on GLUE
 
 
+def _ta_then_featcal(zoo, preset: str):
+    """``(merged, calibrated, report)``: Task Arithmetic 0.3, then FeatCal at ``preset`` on 8 examples per task."""
+    merged = zoo.merged("task_arithmetic", scale=0.3)
+    data = zoo.calib_data(8)
+    model, report = calibrate(
+        merged, base=zoo.base, experts=zoo.experts, calib_data=data, config=preset_config(preset), progress=False
+    )
+    return merged, model, report
+
+
 @pytest.fixture
 def flan_t5_base(offline_hf):
     gh.t5_standin(offline_hf, "google/flan-t5-base", {t: f"tanganke/flan-t5-base_glue-{t}" for t in gh.GLUE_ROWS})
@@ -151,11 +156,7 @@ def test_flan_t5_glue_end_to_end_on_the_shipped_spec(flan_t5_base, capsys):
     assert set(batch) == {"input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask"}
     assert (batch["decoder_input_ids"][:, 0] == 0).all()  # T5's decoder starts from its start token
     assert preset_for_zoo(zoo) == "flan-t5"
-    merged = zoo.merged("task_arithmetic", scale=0.3)
-    model, report = calibrate(
-        merged, base=zoo.base, experts=zoo.experts, calib_data=zoo.calib_data(8), config=preset_config("flan-t5"),
-        progress=False,
-    )  # fmt: skip
+    merged, model, report = _ta_then_featcal(zoo, "flan-t5")
     assert report.blocks_path == "encoder.block+decoder.block"
     assert not torch.equal(
         model.encoder.block[0].layer[0].SelfAttention.q.weight, merged.encoder.block[0].layer[0].SelfAttention.q.weight
@@ -209,11 +210,7 @@ def test_mergebench_end_to_end_on_the_shipped_spec(mergebench, capsys):
     arc = zoo.examples["multilingual"]["test"][0]
     assert arc.options == ("red", "blue", "green") and arc.label == 1 and arc.answer == "blue"
     assert preset_for_zoo(zoo) == "llama-3b"
-    merged = zoo.merged("task_arithmetic", scale=0.3)
-    model, report = calibrate(
-        merged, base=zoo.base, experts=zoo.experts, calib_data=zoo.calib_data(8), config=preset_config("llama-3b"),
-        progress=False,
-    )  # fmt: skip
+    merged, model, report = _ta_then_featcal(zoo, "llama-3b")
     assert report.summary()
     scores = zoo.score(model, max_per_task=2)
     assert set(scores) == {"instruction", "math", "coding", "multilingual"}  # safety: merged, not scored
