@@ -159,7 +159,10 @@ MERGEBENCH_DATA = {  # repo: (revision, {split: file}) as the hub caches them
         {"train": "main/train-00000-of-00001.parquet", "test": "main/test-00000-of-00001.parquet"},
     ),
     "google/IFEval": ("refs/convert/parquet", {"train": "default/train/0000.parquet"}),
-    "evalplus/humanevalplus": ("main", {"test": "data/test-00000-of-00001.parquet"}),
+    "google-research-datasets/mbpp": (
+        "main",
+        {"train": "full/train-00000-of-00001.parquet", "test": "full/test-00000-of-00001.parquet"},
+    ),
     "allenai/ai2_arc": (
         "main",
         {"train": "ARC-Challenge/train-00000-of-00001.parquet", "test": "ARC-Challenge/test-00000-of-00001.parquet"},
@@ -180,13 +183,14 @@ def _ifeval(i: int) -> dict:
     }
 
 
-def _humaneval(i: int) -> dict:
+def _mbpp(i: int) -> dict:
     return {
-        "task_id": f"HumanEval/{i}",
-        "prompt": f"def f{i}(x):\n",
-        "canonical_solution": "    return x + 1\n",
-        "entry_point": f"f{i}",
-        "test": "def check(candidate):\n    assert candidate(1) == 2\n",
+        "task_id": i,
+        "text": f"write a function f{i} of x that returns x + 1",
+        "code": f"def f{i}(x):\n    return x + 1",
+        "test_list": [f"assert f{i}(1) == 2", f"assert f{i}(2) == 3"],
+        "test_setup_code": "",
+        "challenge_test_list": [],
     }
 
 
@@ -199,7 +203,12 @@ def _arc(i: int) -> dict:
     }
 
 
-ROWS = {"openai/gsm8k": _gsm8k, "google/IFEval": _ifeval, "evalplus/humanevalplus": _humaneval, "allenai/ai2_arc": _arc}
+ROWS = {
+    "openai/gsm8k": _gsm8k,
+    "google/IFEval": _ifeval,
+    "google-research-datasets/mbpp": _mbpp,
+    "allenai/ai2_arc": _arc,
+}
 
 
 def mergebench_data(hub: Path, local: Path, n: int = 24) -> None:

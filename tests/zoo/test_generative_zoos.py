@@ -203,10 +203,12 @@ def test_mergebench_end_to_end_on_the_shipped_spec(mergebench, capsys):
     zoo = from_spec.load(ZOOS / "mergebench-llama-3.2-3b-instruct.yaml")
     assert type(zoo).__name__ == "LMZoo" and zoo.unscored == ["safety"]
     assert {s: len(v) for s, v in zoo.examples["instruction"].items()} == {"calib": 256, "val": 32, "test": 12}
+    assert {s: len(v) for s, v in zoo.examples["coding"].items()} == {"calib": 256, "val": 32, "test": 300}
     math = zoo.examples["math"]["test"][0]
     assert math.target.endswith("#### 1") and math.answer == math.target
     code = zoo.examples["coding"]["test"][0]
-    assert set(code.target) == {"tests", "entry_point", "prompt"} and code.answer == "    return x + 1\n"
+    assert code.target == {"tests": ["assert f0(1) == 2", "assert f0(2) == 3"]} and code.answer.startswith("def f0(x)")
+    assert scorers.task(zoo_spec_task("coding")).score(code.answer, code) == 1.0  # the reference passes, in the sandbox
     arc = zoo.examples["multilingual"]["test"][0]
     assert arc.options == ("red", "blue", "green") and arc.label == 1 and arc.answer == "blue"
     assert preset_for_zoo(zoo) == "llama-3b"
@@ -218,6 +220,10 @@ def test_mergebench_end_to_end_on_the_shipped_spec(mergebench, capsys):
     out = capsys.readouterr().out
     assert "| Task Arithmetic + FeatCal | ta+featcal | 8 |" in out and "62.1" in out
     assert "NOT SCORED: safety" in out and "other 4 tasks" in out
+
+
+def zoo_spec_task(task: str):
+    return parse(ZOOS / "mergebench-llama-3.2-3b-instruct.yaml").generation[task]
 
 
 def test_a_causal_lm_zoo_without_a_chat_template_is_refused_by_name(mergebench):

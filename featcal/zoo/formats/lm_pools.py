@@ -94,9 +94,9 @@ MERGEBENCH: dict[str, tuple[dict, dict]] = {
          "max_new_tokens": 512},
     ),
     "coding": (
-        {"hub": "evalplus/humanevalplus", "train_split": "test", "test_split": "test"},
-        {"prompt": "Complete the following Python function.\n\n{prompt}", "target": "tests=test, entry_point, prompt",
-         "reference": "canonical_solution", "scorer": "code_pass_at_1", "max_new_tokens": 512},
+        {"hub": "google-research-datasets/mbpp", "subset": "full"},
+        {"prompt": "{text}\nYour code should pass these tests:\n{test_list}", "target": "tests=test_list",
+         "reference": "code", "scorer": "code_pass_at_1", "max_new_tokens": 512},
     ),
     "multilingual": (
         {"hub": "allenai/ai2_arc", "subset": "ARC-Challenge"},

@@ -164,16 +164,20 @@ def _tests_imports(tests: str) -> tuple[str, ...]:
 
 
 def _code_target(target) -> tuple[str, str | None, str | None]:
-    if not isinstance(target, Mapping) or not isinstance(target.get("tests"), str):
+    """``(tests, entry_point, prompt)``; ``tests`` may be a list of lines (MBPP's ``test_list`` asserts)."""
+    tests = target.get("tests") if isinstance(target, Mapping) else None
+    if isinstance(tests, (list, tuple)) and tests and all(isinstance(t, str) for t in tests):
+        tests = "\n".join(tests)
+    if not isinstance(tests, str):
         raise ValueError(
-            f"a code target is {{'tests': str, 'entry_point': str?, 'prompt': str?}}, got {target!r:.200}."
+            f"a code target is {{'tests': str or [str], 'entry_point': str?, 'prompt': str?}}, got {target!r:.200}."
         )
     entry, prompt = target.get("entry_point"), target.get("prompt")
     if entry is not None and not (isinstance(entry, str) and entry.isidentifier()):
         raise ValueError(f"a code target's entry_point must be a Python name, got {entry!r}.")
     if prompt is not None and not isinstance(prompt, str):
         raise ValueError(f"a code target's prompt must be text, got {type(prompt).__name__}.")
-    return target["tests"], entry, prompt
+    return tests, entry, prompt
 
 
 def _outside_stdlib(tests: str) -> tuple[str, ...]:
@@ -216,7 +220,7 @@ def program(reply: str, target) -> str:
 def code_pass_at_1(reply: str, target) -> float:
     """1.0 when the reply's code passes the target's tests in the sandbox (pass@1 of one greedy reply)."""
     check_code_targets([target])  # the module look-up is cached: one probe per set of modules
-    extra = _outside_stdlib(target["tests"])
+    extra = _outside_stdlib(_code_target(target)[0])
     return float(sandbox.run(program(reply, target), CODE_LIMITS, site_packages=bool(extra)).passed)
 
 
