@@ -32,9 +32,8 @@ def device() -> str:
 def load_zoo(source: str, device: str):
     """``demo`` / ``demo-fashion`` / a spec YAML / a zoo directory -> ``Zoo`` on ``device``
     (:func:`featcal.zoo.load_any`; ``~`` and ``$VARS`` in paths are expanded)."""
-    from featcal.zoo import load_any
-
     from featcal.model.arch import resolve_stacks
+    from featcal.zoo import load_any
 
     if not Path(os.path.expandvars(source)).expanduser().exists() and (REPO / source).exists():
         source = str(REPO / source)  # the example specs, from any working directory

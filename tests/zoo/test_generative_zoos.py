@@ -248,3 +248,17 @@ def test_from_fusionbench_writes_a_generative_spec_that_loads(mergebench, tmp_pa
     written = parse(out)
     assert dict(written.generation) == dict(parse(ZOOS / "mergebench-llama-3.2-3b-instruct.yaml").generation)
     assert type(from_spec.load(written)).__name__ == "LMZoo"
+
+
+def test_zoo_info_lists_every_missing_model_and_data_set_with_its_download_line(offline_hf, capsys):
+    assert main(["zoo", "info", "--zoo", str(ZOOS / "mergebench-llama-3.2-3b-instruct.yaml")]) != 0
+    out = capsys.readouterr()
+    text = out.out + out.err
+    for line in (
+        "huggingface-cli download meta-llama/Llama-3.2-3B-Instruct",
+        *(f"huggingface-cli download MergeBench/Llama-3.2-3B-Instruct_{d}" for d in DOMAINS),
+        "huggingface-cli download google/IFEval --repo-type dataset --revision refs/convert/parquet",
+        "huggingface-cli download google-research-datasets/mbpp --repo-type dataset",
+        "mergebench-safety",
+    ):
+        assert line in text, line

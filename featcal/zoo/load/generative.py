@@ -135,13 +135,22 @@ def _examples(rows: list[dict], task: GenTaskSpec, where: str) -> list[Example]:
     return [example(r, task, f"{where}, row {i}") for i, r in enumerate(rows)]
 
 
+def _draw(where: str, n_train: int, n_test: int, test: int | None, s) -> dict:
+    """:func:`split_indices` for one task, its refusal naming the task's data (a one-split set such as
+    HumanEval+'s 164 problems cannot give 256 calibration examples and a test)."""
+    try:
+        return split_indices(n_train, n_test, s.calib, s.val, test, s.seed)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+
+
 def task_examples(spec: ZooSpec, task: str, located: LocatedData) -> dict[str, list[Example]]:
     """``{calib, val, test}`` examples of one task (see the module docstring for the splits)."""
     d, s, gen = spec.data[task], spec.splits, spec.generation[task]
     where = f"data {task!r} ({located.root})"
     train = _examples(read_rows(located, d.train_split), gen, where)
     if d.train_split == d.test_split:  # one split: calib and val first, test from what is left
-        idx = split_indices(len(train), 0, s.calib, s.val, 0, s.seed)
+        idx = _draw(where, len(train), 0, 0, s)
         taken = set(idx.get("calib", [])) | set(idx.get("val", []))
         rest = [i for i in range(len(train)) if i not in taken][: s.test]
         if not rest:
@@ -151,7 +160,7 @@ def task_examples(spec: ZooSpec, task: str, located: LocatedData) -> dict[str, l
             parts["val"] = [train[i] for i in idx["val"]]
     else:
         test = _examples(read_rows(located, d.test_split), gen, where)
-        idx = split_indices(len(train), len(test), s.calib, s.val, s.test, s.seed)
+        idx = _draw(where, len(train), len(test), s.test, s)
         parts = {name: [(test if name == "test" else train)[i] for i in ids] for name, ids in idx.items()}
     for name, exs in parts.items():
         scorers.check_targets(gen, exs)
