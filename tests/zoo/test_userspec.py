@@ -216,9 +216,11 @@ def test_the_worked_example_in_docs_zoos_md_is_a_valid_spec(tmp_path):
     from featcal.zoo.spec import parsing, schema
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "zoos.md").read_text()
-    example, text = re.findall(r"^```yaml\n(.*?)^```$", doc, flags=re.S | re.M)
+    example, text, generative = re.findall(r"^```yaml\n(.*?)^```$", doc, flags=re.S | re.M)
     spec = parsing.from_dict(yaml.safe_load(example), root=tmp_path, source="zoos.md")
     assert list(spec.tasks) == ["flowers", "stanford-cars"]
     assert set(yaml.safe_load(example)) <= set(schema.SCHEMA["zoo"])  # every key it shows is documented
     spec = parsing.from_dict(yaml.safe_load(text), root=tmp_path, source="zoos.md")  # the text zoo's
     assert spec.modality == "text" and spec.preprocess.max_length == 64 and list(spec.tasks) == ["reviews", "topics"]
+    spec = parsing.from_dict(yaml.safe_load(generative), root=tmp_path, source="zoos.md")  # the decoder LLM's
+    assert spec.modality == "causal_lm" and spec.generation["code"].scorer == "code_pass_at_1"

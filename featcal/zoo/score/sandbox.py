@@ -60,6 +60,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 
 from featcal.zoo.score import sandbox_child as child
@@ -296,7 +297,20 @@ def _wait(proc: subprocess.Popen, timeout_s: float) -> bool:
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
+    _until_gone(proc.pid)
     return timed_out
+
+
+def _until_gone(group: int, patience_s: float = 30.0) -> None:
+    """Wait (at most ``patience_s``) until no process of the killed group is left: a killed child takes
+    a moment to be torn down and reaped, longer on a loaded machine, and the caller then removes its folder."""
+    end = time.monotonic() + patience_s
+    while time.monotonic() < end:
+        try:
+            os.killpg(group, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.02)
 
 
 def _tail(output, size: int) -> str:
