@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import warnings
 from pathlib import Path
 
@@ -43,7 +44,7 @@ from featcal.cli.common import (
     zoo_from_args,
     zoo_inputs,
 )
-from featcal.config import FLOAT64_PRESETS, PRESETS, RANGES, preset_config
+from featcal.config import FLOAT64_PRESETS, PRESETS, RANGES, preset_config, preset_for_zoo
 from featcal.sweep import studies
 from featcal.sweep.search import Grid, TuneConfig, holdout_report, tune_zoo
 from featcal.util import outdir
@@ -106,11 +107,21 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _featcal_config(args):
     """The anchor: the preset (:data:`featcal.config.PRESETS`) with the ``--lam/--rho/--alpha``
     and ``--stats-dtype`` given (float64 statistics for the presets whose lam needs them,
-    :func:`featcal.config.preset_config`)."""
+    :func:`featcal.config.preset_config`). ``args.preset`` unset (before :func:`_zoo_preset`):
+    ``clip``, only to check the values given before a zoo is loaded."""
     given = {k: getattr(args, k) for k in ("lam", "rho", "alpha") if getattr(args, k) is not None}
     if getattr(args, "stats_dtype", None) is not None:
         given["stats_dtype"] = getattr(torch, args.stats_dtype)
-    return preset_config(args.preset, **given)
+    return preset_config(args.preset or "clip", **given)
+
+
+def _zoo_preset(args, zoo) -> None:
+    """Set ``args.preset`` to the zoo's own unless the user chose one (:func:`featcal.config.preset_for_zoo`,
+    as the app and ``featcal compare`` choose: llama-3b on an LLM zoo, whose first token is no class
+    token for CLIP's token weights, CLIP elsewhere); say which on stderr."""
+    if args.preset is None:
+        args.preset = preset_for_zoo(zoo)
+        print(f"featcal: preset {args.preset!r} (this zoo's; --preset to choose another)", file=sys.stderr)
 
 
 class _Preset(argparse.Action):
@@ -132,11 +143,12 @@ def _anchor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--preset",
         choices=(*PRESETS, "default"),
-        default="clip",
+        default=None,
         action=_Preset,
         metavar="{" + ",".join(PRESETS) + "}",
-        help="the paper's setting to start from (featcal.config.PRESETS): clip (lam 0.05, rho 2, alpha 0.3 and the "
-        "CLIP preset's last-block token weights, default), flan-t5, llama-3b, llama-8b, or none (FeatCalConfig(): "
+        help="the paper's setting to start from (featcal.config.PRESETS; default: the zoo's own, as the app and "
+        "compare choose: llama-3b on an LLM zoo, else clip): clip (lam 0.05, rho 2, alpha 0.3 and the "
+        "CLIP preset's last-block token weights), flan-t5, llama-3b, llama-8b, or none (FeatCalConfig(): "
         "the same numbers as clip without token weights, e.g. for mean-pooled text models)",
     )
     p.add_argument(
@@ -215,6 +227,7 @@ def run_tune(args: argparse.Namespace) -> int:
     grid = Grid.parse(args.grid) if args.grid else None
     check_out(args.out, args.force, zoo_inputs(args))
     zoo = zoo_from_args(args)
+    _zoo_preset(args, zoo)
     res = tune_zoo(
         zoo,
         method=args.merge,
@@ -319,11 +332,13 @@ def add_study_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run_study(args: argparse.Namespace) -> int:
-    cfg = _featcal_config(args)
+    _featcal_config(args)  # bad values fail before the zoo loads
     for m in (args.merge, *args.mergers):
         check_merge_method(m)
     check_out(args.out, args.force, zoo_inputs(args))
     zoo = zoo_from_args(args)
+    _zoo_preset(args, zoo)
+    cfg = _featcal_config(args)
     figs = _figures()
     with collected_warnings() as caught:  # listed after the table, not printed between the bars
         rows, summary, fig, name = _study(args, zoo, cfg, figs)

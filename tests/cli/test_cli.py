@@ -368,6 +368,33 @@ def test_tune_and_study_take_the_llama_preset_and_float64_statistics():
     assert _featcal_config(llama).stats_dtype == torch.float32  # a user's choice kept
 
 
+def test_tune_and_study_without_preset_take_the_zoos_own(capsys):
+    """No ``--preset``: the zoo's (featcal.config.preset_for_zoo, as the app and ``featcal compare``):
+    llama-3b with float64 statistics on an LLM zoo, not CLIP's token weights on its first token; a
+    preset given is kept."""
+    import argparse
+    from types import SimpleNamespace
+
+    from featcal.cli.sweep import _featcal_config, _zoo_preset, add_study_arguments, add_tune_arguments
+    from featcal.config import preset_config
+    from tiny import tiny_hf_clip, tiny_llama
+
+    llm, clip = SimpleNamespace(base=tiny_llama()), SimpleNamespace(base=tiny_hf_clip())
+    for add, extra in ((add_tune_arguments, []), (add_study_arguments, ["sample-efficiency"])):
+        p = add(argparse.ArgumentParser())
+        args = p.parse_args([*extra, "--out", "x"])
+        _zoo_preset(args, llm)
+        assert args.preset == "llama-3b" and _featcal_config(args) == preset_config("llama-3b")
+        assert _featcal_config(args).stats_dtype == torch.float64
+        args = p.parse_args([*extra, "--out", "x"])
+        _zoo_preset(args, clip)
+        assert _featcal_config(args) == preset_config("clip")
+        chosen = p.parse_args([*extra, "--preset", "none", "--out", "x"])
+        _zoo_preset(chosen, llm)
+        assert chosen.preset == "none"
+    assert "preset 'llama-3b' (this zoo's" in capsys.readouterr().err
+
+
 def test_tune_and_study_read_the_one_table_of_presets(capsys):
     """``featcal tune --preset`` offers featcal.config.PRESETS, each the config ``featcal calibrate
     --preset`` makes; ``default`` (tune's old name for ``none``) still works, with a warning."""
