@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -42,7 +43,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from diagnostics.compare_table import SUMMARY_COLUMNS, average, examples_read, label, summary_row
+from diagnostics.compare_table import SUMMARY_COLUMNS, average, examples_read, further_than_base, label, summary_row
 from diagnostics.compare_table import gap_closed as gap_closed  # re-exported: the table's own names
 from diagnostics.compare_table import markdown as markdown
 from diagnostics.drift import drift_table
@@ -375,8 +376,15 @@ def compare(
     merger_accs, ta = _gap_starts(zoo, results[len(REFERENCES) :], options, cache)
     experts = average(results[0].accuracy)
     rows = [summary_row(r, ta, merger_accs, experts) for r in results]
+    summary = pd.DataFrame(rows, columns=SUMMARY_COLUMNS).astype({"n_per_task": "Int64"})
+    for failed in further_than_base(summary):
+        warnings.warn(
+            f"compare: {failed}: no better than the pretrained model and far from the experts' outputs; the "
+            "merge failed on this zoo (check the method's parameters), so its scores do not measure the method.",
+            stacklevel=2,
+        )
     return Comparison(
-        summary=pd.DataFrame(rows, columns=SUMMARY_COLUMNS).astype({"n_per_task": "Int64"}),
+        summary=summary,
         accuracy=_tidy(
             results, lambda r: pd.DataFrame({"task": list(r.accuracy), "accuracy": list(r.accuracy.values())})
         ),

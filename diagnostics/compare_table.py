@@ -110,6 +110,23 @@ def summary_row(r, ta: float, merger_accs: Mapping[str, float], experts: float) 
     }
 
 
+def further_than_base(summary: pd.DataFrame, factor: float = 2.0) -> list[str]:
+    """The methods that did no better than the pretrained base (mean accuracy at most the base's) while
+    their outputs are more than ``factor`` times as far from the experts' (mean KL): a merge that failed
+    on this zoo, whose scores measure the failure, not the method."""
+    base = summary[summary["method"] == "base"]
+    if base.empty or not base[["kl", "accuracy"]].notna().all(axis=None):
+        return []
+    kl, acc = float(base["kl"].iloc[0]), float(base["accuracy"].iloc[0])
+    rows = summary[
+        ~summary["method"].isin(["experts", "base"]) & (summary["kl"] > factor * kl) & (summary["accuracy"] <= acc)
+    ]
+    return [
+        f"{m} (accuracy {a:.1f} against the base's {acc:.1f}, KL {k:.3g} against its {kl:.3g})"
+        for m, a, k in zip(rows["method"], rows["accuracy"], rows["kl"])
+    ]
+
+
 def average(accs: Mapping[str, float]) -> float:
     return float(sum(accs.values()) / len(accs))
 

@@ -85,3 +85,22 @@ def test_svc_runs_at_fusion_benchs_alpha_after_its_merger(zoo, summary):
     assert summary.loc["ta+svc", "accuracy"] == pytest.approx(table.average(evaluate(model, zoo)))
     given = cmp.run_method(zoo, "ta+svc", cmp.CompareOptions(n=16, calibrator_params={"svc": {"alpha": 1.0}}))
     assert given.label == "ta+svc (alpha 1)"
+
+
+def test_a_method_further_from_the_experts_than_the_base_is_flagged():
+    """A merge no better than the pretrained model and far from the experts' outputs (ESM at its image
+    recipe on SmolLM2: accuracy 9.0 as the base's, KL 18.1 against its 3.8) is named, so compare warns
+    instead of reporting its scores as the method's."""
+    import pandas as pd
+
+    from diagnostics.compare_table import further_than_base
+
+    summary = pd.DataFrame(
+        {
+            "method": ["experts", "base", "ta", "esm", "ta+featcal", "ta+svc"],
+            "kl": [0.0, 3.8, 1.0, 18.1, 0.5, 8.0],
+            "accuracy": [45.5, 9.0, 31.0, 9.0, 46.0, 30.0],
+        }
+    )
+    assert [m.split(" ")[0] for m in further_than_base(summary)] == ["esm"]  # ta+svc: far, but better than base
+    assert further_than_base(summary[summary["method"] != "base"]) == []  # no base row: nothing to hold to
