@@ -358,15 +358,22 @@ def base_names(path: str | os.PathLike | None = None, model=None) -> list[str]:
     if path is not None:
         p = Path(path).expanduser().absolute()
         out.append(str(p))
-        if p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--"):
-            out.append(p.parent.parent.name.removeprefix("models--").replace("--", "/"))
         cfg = p / "config.json"
         if cfg.is_file():
             out.append(json.loads(cfg.read_text()).get("_name_or_path") or "")
     if model is not None:
         out.append(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
         out.append(getattr(model, "name_or_path", "") or "")
-    return [n for n in out if n]
+    return [n for name in out if name for n in (name, _hub_id(name)) if n]
+
+
+def _hub_id(name: str) -> str:
+    """The HF id of a Hugging Face cache snapshot path ``.../models--ORG--NAME/snapshots/REV`` ("" otherwise):
+    a base loaded from the cache is named by its path, its adapters by the id."""
+    p = Path(name)
+    if p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--"):
+        return p.parent.parent.name.removeprefix("models--").replace("--", "/")
+    return ""
 
 
 # ------------------------------------------------------------------ streamed

@@ -113,8 +113,9 @@ def _label_names(features: Mapping | None, label_column: str) -> list[str] | Non
     return list(names) if names else None
 
 
-def _arrow_split(split_dir: Path, spec: DataSpec) -> _Split:
-    """A split written by ``datasets.save_to_disk``: Arrow stream files, read memory-mapped."""
+def arrow_tables(split_dir: Path) -> list:
+    """The Arrow tables of a split written by ``datasets.save_to_disk`` (stream or file format),
+    read memory-mapped."""
     import pyarrow as pa
 
     state = json.loads((split_dir / "state.json").read_text())
@@ -125,7 +126,14 @@ def _arrow_split(split_dir: Path, spec: DataSpec) -> _Split:
             tables.append(pa.ipc.open_stream(src).read_all())
         except pa.ArrowInvalid:
             tables.append(pa.ipc.open_file(src).read_all())
-    table = pa.concat_tables(tables)
+    return tables
+
+
+def _arrow_split(split_dir: Path, spec: DataSpec) -> _Split:
+    """A split written by ``datasets.save_to_disk``: Arrow stream files, read memory-mapped."""
+    import pyarrow as pa
+
+    table = pa.concat_tables(arrow_tables(split_dir))
     info = split_dir / "dataset_info.json"
     features = json.loads(info.read_text()).get("features") if info.is_file() else None
     return _table_split(table, spec, _label_names(features, spec.label_column), split_dir)

@@ -17,18 +17,16 @@ encoder and the reference reply as the decoder's target (:mod:`featcal.zoo.score
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 from torch import nn
 
-from featcal.model import lora
-from featcal.model.loading import as_model, load_into
+from featcal.model.loading import as_model
 from featcal.zoo.builtin.llm_tasks import Example
 from featcal.zoo.core import TaskData
-from featcal.zoo.load.data import split_indices
+from featcal.zoo.load.data import arrow_tables, split_indices
 from featcal.zoo.load.loaders import _DTYPES
 from featcal.zoo.load.text import load_tokenizer
 from featcal.zoo.score import scorers
@@ -54,14 +52,7 @@ def read_rows(located: LocatedData, split: str) -> list[dict]:
     if located.format == "parquet":
         tables = [pq.read_table(str(f)) for f in parquet_files(root, split)]
     elif located.format == "arrow":
-        state = json.loads((root / split / "state.json").read_text())
-        tables = []
-        for f in state["_data_files"]:
-            src = pa.memory_map(str(root / split / f["filename"]))
-            try:
-                tables.append(pa.ipc.open_stream(src).read_all())
-            except pa.ArrowInvalid:
-                tables.append(pa.ipc.open_file(src).read_all())
+        tables = arrow_tables(root / split)
     else:
         raise ValueError(f"{root}: {located.format} data; a generative zoo reads parquet or save_to_disk tables.")
     if not tables:
@@ -181,15 +172,9 @@ def load_models(spec: ZooSpec, found: Found, device: str) -> dict[str, nn.Module
         str(found.models["base"]), local_files_only=True, trust_remote_code=False, dtype=dtype
     ).eval()
     out = {"base": base}
-    names = lora.base_names(found.models["base"])  # its directory and, in the HF cache, its hub id
     for role, path in found.models.items():
-        if role == "base":
-            continue
-        if lora.is_adapter_dir(path):  # merged as peft merges it, on the base it names
-            sd = lora.LoraAdapter(path, f"{role} ({path})").merged(base.state_dict(), names)
-            out[role] = load_into(base, sd, f"{role} ({path})").eval()
-        else:
-            out[role] = as_model(str(path), base, f"{role} ({path})").to(dtype).eval()
+        if role != "base":  # a LoRA adapter is merged onto the base as peft merges it
+            out[role] = as_model(str(path), base, f"{role} ({path})", base=base).to(dtype).eval()
     return {r: m.to(device) for r, m in out.items()}
 
 
