@@ -13,7 +13,8 @@ decomposition per block (on the first ``drift_n`` test examples per task), and w
 (:mod:`diagnostics.compare_table`): one model or modules per task, the examples per task it
 read, the numbers it adds, its forward time over the merged model's (``repeats`` timed calls),
 its merge and calibration seconds and its peak memory. SVC's ``alpha`` defaults to FusionBench's
-after the chain's merger (:data:`featcal.baselines.svc.ALPHA_AFTER`).
+after the chain's merger (:data:`featcal.baselines.svc.ALPHA_AFTER`). Merging and calibrating are
+:mod:`featcal.baselines.runner`'s, as ``featcal reproduce``'s are; the scoring is this module's.
 
 Usage::
 
@@ -33,8 +34,6 @@ per setting (method, its parameters, ``n``, seed, test sizes) in a dict
 from __future__ import annotations
 
 import copy
-import dataclasses
-import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -48,19 +47,14 @@ from diagnostics.compare_table import gap_closed as gap_closed  # re-exported: t
 from diagnostics.compare_table import markdown as markdown
 from diagnostics.drift import drift_table
 from diagnostics.output import output_drift
-from featcal import FeatCalConfig, calibrate
-from featcal.baselines import registry
-from featcal.baselines.svc import svc
+from featcal.baselines import registry, runner
 from featcal.baselines.trained.calibrators import forward_seconds
-from featcal.config import preset_config, preset_for_zoo
 from featcal.model.streams import device_of
-from featcal.util.memory import PeakMemory
 from featcal.util.progress import bar
 from featcal.zoo.core import evaluate
 from featcal.zoo.tokens import as_batch
 
 ALIASES = registry.ALIASES  # ta -> task_arithmetic, fisher -> fisher_merging
-CALIBRATORS: dict[str, Callable] = {n: registry.get(n).fn for n in registry.names("calibrator", "trained")}
 TRAINED = tuple(registry.names("trained"))
 REFERENCES = ("experts", "base")
 GAP_REFERENCE = "task_arithmetic"  # the gap to the experts is measured from Task Arithmetic
@@ -200,25 +194,6 @@ def _zoo_key(zoo) -> tuple:
     return (zoo.name, str(zoo.meta.get("content_sha256", "")), id(zoo))
 
 
-def _frozen(params: Mapping | None) -> tuple:
-    return tuple(sorted((k, repr(v)) for k, v in (params or {}).items()))
-
-
-def _merge(zoo, merger: str, data, params: dict, progress: bool) -> nn.Module:
-    """The merged model: a data-free merger's, or a data-using one's on ``data``."""
-    if registry.get(merger).kind != "data_merger":
-        return zoo.merged(merger, **params)
-    return registry.merge_with_data(
-        merger,
-        base=zoo.base,
-        experts=zoo.experts,
-        calib_data=data,
-        logits=registry.zoo_logits(zoo),
-        progress=progress,
-        **params,
-    )
-
-
 def run_method(
     zoo, spec: str, options: CompareOptions = CompareOptions(), *, cache: dict | None = None, progress: bool = False
 ) -> MethodResult:
@@ -237,48 +212,28 @@ def run_method(
     mp = dict(o.merger_params.get(merger, {}))
     cps = {c: dict(o.calibrator_params.get(c, {})) for c in chain}
     cache = CACHE if cache is None else cache
-    frozen_cps = tuple((c, _frozen(p)) for c, p in cps.items())
-    key = (_zoo_key(zoo), merger, _frozen(mp), cal, frozen_cps, o.n, o.seed, o.max_test, o.drift_n)
+    frozen_cps = tuple((c, runner.params_key(p)) for c, p in cps.items())
+    key = (_zoo_key(zoo), merger, runner.params_key(mp), cal, frozen_cps, o.n, o.seed, o.max_test, o.drift_n)
     key += (o.overhead_batch, o.repeats)
     if key in cache:
         return cache[key]
     data = zoo.calib_data(o.n, seed=o.seed)
-    result = MethodResult(method_name(merger, cal), merger, cal, {}, pd.DataFrame(), pd.DataFrame())
-    result.label = label(result.method, merger, cps)
-    result.task_specific = any(registry.get(c).task_specific for c in chain)
-    result.n_per_task = examples_read({merger: mp, **cps}, data)
-    with PeakMemory() as peak:
-        t0 = time.perf_counter()
-        merged = _merge(zoo, merger, data, mp, progress)
-        result.merge_seconds = time.perf_counter() - t0
-        models = _calibrate_chain(zoo, merger, chain, merged, data, cps, result, progress)
-    result.peak_mb, result.peak_gpu_mb = peak.mb, peak.gpu_mb
-    result.forward_ratio = 1.0 if not chain else _forward_ratio(zoo, models[zoo.tasks[0]], merged, o)
-    result.accuracy, result.output, result.drift = _score(zoo, models, test_batches(zoo, o.drift_n), o.max_test)
+    merged, models, costs = runner.run(zoo, merger, chain, data, {merger: mp, **cps}, progress=progress)
+    method = method_name(merger, cal)
+    forward_ratio = 1.0 if not chain else _forward_ratio(zoo, models[zoo.tasks[0]], merged, o)
+    result = MethodResult(
+        method,
+        merger,
+        cal,
+        *_score(zoo, models, test_batches(zoo, o.drift_n), o.max_test),
+        label=label(method, merger, cps),
+        task_specific=any(registry.get(c).task_specific for c in chain),
+        n_per_task=examples_read({merger: mp, **cps}, data),
+        forward_ratio=forward_ratio,
+        **vars(costs),
+    )
     cache[key] = result
     return result
-
-
-def _calibrate_chain(zoo, merger, chain, merged, data, cps, result, progress) -> dict:
-    """Each task's model after the calibrators of ``chain`` in order (``cps``: their parameters),
-    on ``merged``; their seconds and the numbers they add (counted) go into ``result``."""
-    models = {t: merged for t in zoo.tasks}
-    for c in chain:
-        t0 = time.perf_counter()
-        if c in TRAINED:
-            models = _trained(zoo, c, models[zoo.tasks[0]], data, cps[c], result, progress)
-        else:
-            model = _calibrated(zoo, c, models[zoo.tasks[0]], data, dict(cps[c]), progress, merger)
-            models = {t: model for t in zoo.tasks}
-            result.calib_seconds += time.perf_counter() - t0
-    if chain and not result.task_specific:
-        added = _numel(models[zoo.tasks[0]]) - _numel(merged)
-        result.added = {"trained": added, "stored": added, "fraction": added / _numel(merged)}
-    return models
-
-
-def _numel(model: nn.Module) -> int:
-    return sum(v.numel() for v in model.state_dict().values())
 
 
 def _forward_ratio(zoo, model: nn.Module, merged: nn.Module, o: CompareOptions) -> float:
@@ -291,36 +246,6 @@ def _forward_ratio(zoo, model: nn.Module, merged: nn.Module, o: CompareOptions) 
         merged = copy.deepcopy(merged).to(device_of(model))
     seconds = forward_seconds({"produced": model, "merged": merged}, probe, o.repeats)
     return seconds["produced"] / seconds["merged"]
-
-
-def _calibrated(zoo, name: str, merged: nn.Module, data, params: dict, progress: bool, merger: str) -> nn.Module:
-    """One model for every task: FeatCal on the calibration data, or SVC (data-free; ``alpha``
-    by default FusionBench's after ``merger``)."""
-    if name == "svc":
-        experts = {t: m.state_dict() for t, m in zoo.experts.items()}
-        sd = svc(merged.state_dict(), zoo.base.state_dict(), experts, merger=merger, **params)
-        model = copy.deepcopy(merged)
-        model.load_state_dict(sd)
-        return model.eval()
-    config = params.pop("config", None) or preset_config(preset_for_zoo(zoo))
-    fields = {f.name for f in dataclasses.fields(FeatCalConfig)}
-    config = config.with_(**{k: params.pop(k) for k in list(params) if k in fields})
-    params.setdefault("progress", progress)
-    model, _ = calibrate(merged, base=zoo.base, experts=zoo.experts, calib_data=data, config=config, **params)
-    return model
-
-
-def _trained(zoo, name, merged, data, params, result, progress) -> dict[str, nn.Module]:
-    """Each task's model with its own trained modules (``params``: fields of the method's options);
-    fills the added numbers (counted on the modules) and the training seconds into ``result``."""
-    opts = registry.get(name).options(**{"progress": progress, **params})
-    with torch.enable_grad():  # trained by gradient descent, even when called under no_grad (an app's lock)
-        trained = CALIBRATORS[name](merged, zoo.experts, data, opts)
-    result.calib_seconds += trained.training_seconds
-    added = trained.added_parameters
-    first = added["per_task"][zoo.tasks[0]]
-    result.added = {"trained": first["trained"], "stored": first["stored"], "fraction": added["stored_fraction"]}
-    return {t: trained.for_task(t) for t in zoo.tasks}
 
 
 def _score(zoo, models: Mapping[str, nn.Module], drift_data: Mapping, max_test: int | None):

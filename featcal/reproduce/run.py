@@ -6,33 +6,28 @@ all), as :mod:`diagnostics.compare` does; only the scores and the costs are kept
 compares numbers with the paper's, not drift). Consecutive rows on the same merge (``ta``,
 ``ta+featcal``, ``ta+surgery``) share one merged model.
 
-- a data-free merger: :meth:`featcal.zoo.Zoo.merged`; a data-using one:
-  :func:`featcal.baselines.registry.merge_with_data` on the calibration data;
-- FeatCal: :func:`featcal.calibrate` with the table's preset (:data:`featcal.config.PRESETS`) and the
-  row's changes to it (``lam``, ``rho``, ``alpha``, ...); SVC on the weights; a trained calibrator
-  (ESCal, Surgery, SurgeryV2, ProbSurgery) with its options, each task then scored with its own modules;
-- ``experts``: each task's expert on its task; ``base``: the pretrained model.
+A method row merges and calibrates as ``featcal compare`` does (:mod:`featcal.baselines.runner`),
+FeatCal from the table's preset (:data:`featcal.config.PRESETS`) with the row's changes to it
+(``lam``, ``rho``, ``alpha``, ...); after a trained calibrator (ESCal, Surgery, SurgeryV2,
+ProbSurgery) each task is scored with its own modules. ``experts``: each task's expert on its task;
+``base``: the pretrained model.
 
-A row's ``merge_seconds`` and ``calib_seconds`` are wall clock (scoring excluded: the paper's
-efficiency table times the calibration after Task Arithmetic, final evaluation excluded).
+A row's ``merge_seconds`` and ``calib_seconds`` are :class:`featcal.baselines.runner.Costs`'s: wall
+clock, a trained calibrator's its training seconds, scoring excluded (the paper's efficiency table
+times the calibration after Task Arithmetic, final evaluation excluded).
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import time
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-import torch
 from torch import nn
 
-from featcal.baselines import registry
-from featcal.config import FeatCalConfig, preset_config
+from featcal.baselines import registry, runner
 from featcal.reproduce.plan import PlannedRow
 from featcal.reproduce.tables import AVG
-from featcal.util.memory import PeakMemory
 from featcal.util.progress import bar
 from featcal.zoo.core import evaluate
 
@@ -60,58 +55,6 @@ class RowResult:
         return {**self.scores, AVG: sum(self.scores.values()) / len(self.scores)}
 
 
-def _frozen(params: Mapping | None) -> tuple:
-    return tuple(sorted((k, repr(v)) for k, v in (params or {}).items()))
-
-
-def _merge(zoo, row: PlannedRow, data, progress: bool) -> nn.Module:
-    params = dict(row.params.get(row.merger, {}))
-    if registry.get(row.merger).kind != "data_merger":
-        return zoo.merged(row.merger, **params)
-    logits = registry.zoo_logits(zoo)
-    return registry.merge_with_data(
-        row.merger, base=zoo.base, experts=zoo.experts, calib_data=data, logits=logits, progress=progress, **params
-    )
-
-
-def _featcal(zoo, model: nn.Module, data, params: dict, preset: str, progress: bool) -> nn.Module:
-    """FeatCal on ``model`` with ``preset`` and the row's changes to it."""
-    fields = {f.name for f in dataclasses.fields(FeatCalConfig)}
-    config = preset_config(preset).with_(**{k: params.pop(k) for k in list(params) if k in fields})
-    calibrated, _ = registry.get("featcal").fn(
-        model, base=zoo.base, experts=zoo.experts, calib_data=data, config=config, progress=progress, **params
-    )
-    return calibrated
-
-
-def _svc(zoo, model: nn.Module, params: dict, merger: str) -> nn.Module:
-    experts = {t: m.state_dict() for t, m in zoo.experts.items()}
-    sd = registry.get("svc").fn(model.state_dict(), zoo.base.state_dict(), experts, merger=merger, **params)
-    out = copy.deepcopy(model)
-    out.load_state_dict(sd)
-    return out.eval()
-
-
-def _chain(zoo, row: PlannedRow, merged: nn.Module, data, preset: str, progress: bool) -> dict[str, nn.Module]:
-    """Each task's model after the row's calibrators, in order, on ``merged``."""
-    models = {t: merged for t in zoo.tasks}
-    for name in row.chain:
-        params = dict(row.params.get(name, {}))
-        current = models[zoo.tasks[0]]
-        if name == "featcal":
-            model = _featcal(zoo, current, data, params, preset, progress)
-        elif name == "svc":
-            model = _svc(zoo, current, params, row.merger)
-        else:
-            method = registry.get(name)
-            opts = method.options(**{"progress": progress, **params})
-            with torch.enable_grad():  # trained by gradient descent, even when called under no_grad
-                trained = method.fn(current, zoo.experts, data, opts)
-            return {t: trained.for_task(t) for t in zoo.tasks}
-        models = {t: model for t in zoo.tasks}
-    return models
-
-
 def _score(zoo, models: Mapping[str, nn.Module], max_test: int | None) -> dict[str, float]:
     """Each task's score with its model (one call for all tasks when one model serves them all)."""
     distinct = {id(m) for m in models.values()}
@@ -136,14 +79,12 @@ def run_row(zoo, row: PlannedRow, *, data: Callable, merged: Callable, preset: s
         result.scores = _score(zoo, {t: zoo.base for t in zoo.tasks}, max_test)
         return result
     calib = data(row.n)
-    with PeakMemory() as peak:
-        t0 = time.perf_counter()
-        model = merged(row, calib)
-        result.merge_seconds = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        models = _chain(zoo, row, model, calib, preset, progress)
-        result.calib_seconds = time.perf_counter() - t0
-    result.peak_mb, result.peak_gpu_mb = peak.mb, peak.gpu_mb
+    shared = functools.partial(merged, row, calib)
+    _, models, costs = runner.run(
+        zoo, row.merger, row.chain, calib, row.params, preset=preset, progress=progress, get_merged=shared
+    )
+    result.merge_seconds, result.calib_seconds = costs.merge_seconds, costs.calib_seconds
+    result.peak_mb, result.peak_gpu_mb = costs.peak_mb, costs.peak_gpu_mb
     result.scores = _score(zoo, models, max_test)
     return result
 
@@ -169,10 +110,10 @@ def run_rows(
 
     def merged(row: PlannedRow, calib) -> nn.Module:
         with_data = registry.get(row.merger).kind == "data_merger"
-        key = (row.merger, _frozen(row.params.get(row.merger)), row.n if with_data else None)
+        key = (row.merger, runner.params_key(row.params.get(row.merger)), row.n if with_data else None)
         if key not in kept:
             kept.clear()  # one merged model held at a time
-            kept[key] = _merge(zoo, row, calib, progress)
+            kept[key] = runner.merge(zoo, row.merger, calib, row.params.get(row.merger), progress)
         return kept[key]
 
     out = []

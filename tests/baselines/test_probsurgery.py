@@ -128,7 +128,7 @@ def test_runs_through_the_registry_on_the_tiny_clip_zoo_with_modules_per_task(zo
     assert {k: method.defaults[k] for k in ("rank", "steps", "lr", "batch", "kl_weight")} == dict(
         rank=128, steps=5000, lr=1e-3, batch=16, kl_weight=1e-4
     )  # the authors' (run.py, run_ProbSurgery.py)
-    assert "probsurgery" in cmp.TRAINED and cmp.CALIBRATORS["probsurgery"] is probsurgery
+    assert "probsurgery" in cmp.TRAINED and registry.get("probsurgery").fn is probsurgery
     params = registry.parse_param_items(["probsurgery.steps=3", "probsurgery.rank=4"])["probsurgery"]
     cal = method.fn(
         zoo.merged("task_arithmetic"), zoo.experts, zoo.calib_data(8), method.options(**params, progress=False)

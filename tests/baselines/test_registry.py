@@ -102,7 +102,8 @@ def test_featcal_reads_the_one_table_of_ranges():
 def test_the_public_names_are_derived_from_it():
     assert featcal.MERGERS == {n: registry.get(n).fn for n in registry.names("merger")}
     assert featcal.MERGERS_WITH_DATA == {n: registry.get(n).fn for n in registry.names("data_merger")}
-    assert set(cmp.CALIBRATORS) == {"featcal", "svc", "escal", "surgery", "surgery_v2", "probsurgery"}
+    calibrators = {"featcal", "svc", "escal", "surgery", "surgery_v2", "probsurgery"}
+    assert set(registry.names("calibrator", "trained")) == calibrators
     assert cmp.TRAINED == ("escal", "surgery", "surgery_v2", "probsurgery")
     assert registry.get("TA") is registry.get("task_arithmetic") and registry.get("fisher").name == "fisher_merging"
 

@@ -124,7 +124,7 @@ def test_a_zoo_nobody_chose_a_preset_for_takes_its_own_with_float64_at_lam_1e_5(
 
 
 def test_compare_calibrates_a_zoo_at_its_preset(monkeypatch):
-    from diagnostics import compare as cmp
+    from featcal.baselines import runner  # compare's FeatCal, given no preset
 
     seen = {}
 
@@ -132,8 +132,8 @@ def test_compare_calibrates_a_zoo_at_its_preset(monkeypatch):
         seen.update(kw)
         return merged, None
 
-    monkeypatch.setattr(cmp, "calibrate", fake_calibrate)
+    monkeypatch.setattr(runner, "calibrate", fake_calibrate)
     model = _tiny_llama()
-    zoo = type("Zoo", (), {"base": model, "experts": {}})()
-    cmp._calibrated(zoo, "featcal", model, {}, {"lam": 0.1}, progress=False, merger="task_arithmetic")
+    zoo = type("Zoo", (), {"base": model, "experts": {}, "tasks": ["t"]})()
+    runner.run_chain(zoo, "task_arithmetic", ["featcal"], model, {}, {"featcal": {"lam": 0.1}})
     assert seen["config"] == FeatCalConfig.llama("3b", lam=0.1, stats_dtype=torch.float64)
