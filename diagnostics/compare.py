@@ -55,7 +55,7 @@ from featcal.zoo.core import evaluate
 from featcal.zoo.tokens import as_batch
 
 ALIASES = registry.ALIASES  # ta -> task_arithmetic, fisher -> fisher_merging
-TRAINED = tuple(registry.names("trained"))
+TRAINED = runner.TRAINED  # escal, surgery, surgery_v2, probsurgery
 REFERENCES = ("experts", "base")
 GAP_REFERENCE = "task_arithmetic"  # the gap to the experts is measured from Task Arithmetic
 DRIFT_METRICS = ("drift_rel", "mismatch_rel", "propagation_rel")
@@ -146,19 +146,9 @@ def parse_method(spec: str) -> tuple[str, str]:
 
     A method is a merger (data-free or data-using) followed by calibrators applied in order:
     any of ``featcal`` and ``svc``, and at most one trained calibrator, last (its task-specific
-    modules are what each task is scored with)."""
-    merger, *cals = [part.strip() for part in spec.strip().lower().split("+")]
-    try:
-        merger = registry.get(merger, "merger", "data_merger").name
-        cals = [registry.get(c, "calibrator", "trained").name for c in cals]
-    except ValueError as e:
-        raise ValueError(f"method {spec!r}: {e}") from None
-    trained = [i for i, c in enumerate(cals) if c in TRAINED]
-    if trained and (len(trained) > 1 or trained[0] != len(cals) - 1):
-        raise ValueError(f"method {spec!r}: a trained calibrator ({', '.join(TRAINED)}) must come last, once.")
-    if len(set(cals)) != len(cals):
-        raise ValueError(f"method {spec!r}: a calibrator appears twice.")
-    return merger, "+".join(cals)
+    modules are what each task is scored with); :func:`featcal.baselines.runner.parse_method`."""
+    merger, chain = runner.parse_method(spec)
+    return merger, "+".join(chain)
 
 
 def allowed_params(name: str) -> list[str]:

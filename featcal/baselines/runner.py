@@ -36,6 +36,7 @@ from featcal.engine.run import calibrate
 from featcal.util.memory import PeakMemory
 
 CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(FeatCalConfig))
+TRAINED = tuple(registry.names("trained"))
 
 
 @dataclass
@@ -58,6 +59,30 @@ def params_key(params: Mapping | None) -> tuple:
     """A hashable key of one method's parameters (sorted names, values by ``repr``): what a cache
     of merged models or results is keyed by."""
     return tuple(sorted((k, repr(v)) for k, v in (params or {}).items()))
+
+
+def parse_method(spec: str) -> tuple[str, tuple[str, ...]]:
+    """``"ta+svc+featcal"`` -> ``("task_arithmetic", ("svc", "featcal"))`` (registry names; any
+    case, aliases): a merger, data-free or data-using, then the calibrators in order
+    (:func:`check_chain`). A ``ValueError`` names the method and what is wrong."""
+    merger, *calibrators = [part.strip() for part in spec.strip().lower().split("+")]
+    try:
+        return registry.get(merger, "merger", "data_merger").name, check_chain(calibrators)
+    except ValueError as e:
+        raise ValueError(f"method {spec!r}: {e}") from None
+
+
+def check_chain(chain: Sequence[str]) -> tuple[str, ...]:
+    """``chain``'s calibrators by their registry names, or a ``ValueError`` for an unknown one, one
+    that appears twice, or a trained one anywhere but last (each task is then scored with its own
+    modules: nothing can follow)."""
+    names = tuple(registry.get(c, "calibrator", "trained").name for c in chain)
+    trained = [i for i, c in enumerate(names) if c in TRAINED]
+    if trained and (len(trained) > 1 or trained[0] != len(names) - 1):
+        raise ValueError(f"a trained calibrator ({', '.join(TRAINED)}) must come last, once.")
+    if len(set(names)) != len(names):
+        raise ValueError("a calibrator appears twice.")
+    return names
 
 
 def merge(zoo, merger: str, calib_data, params: Mapping | None = None, progress: bool = False) -> nn.Module:
@@ -87,17 +112,15 @@ def run_chain(
     ``merged``, which came from ``merger``; with the chain's seconds and the numbers it adds
     (:class:`Costs`, merge and memory left unmeasured). ``params``: each calibrator's (featcal's may
     hold ``config``, a :class:`featcal.FeatCalConfig`, else it starts from ``preset``, by default
-    the zoo's). A name that is not a calibrator, or a trained calibrator before the end of the
-    chain, is a ``ValueError``; the models given are never changed."""
+    the zoo's). A chain :func:`check_chain` refuses is refused before any work; the models given
+    are never changed."""
     params = params or {}
     costs = Costs()
     model, models = merged, None
-    for i, name in enumerate(chain):
-        method = registry.get(name, "calibrator", "trained")
-        own = dict(params.get(method.name, {}))
+    for name in check_chain(chain):
+        method = registry.get(name)
+        own = dict(params.get(name, {}))
         if method.kind == "trained":
-            if i != len(chain) - 1:
-                raise ValueError(f"a trained calibrator ({method.name}) must come last in the chain {'+'.join(chain)}.")
             opts = method.options(**{"progress": progress, **own})
             with torch.enable_grad():  # trained by gradient descent, even when called under no_grad (an app's lock)
                 trained = method.fn(model, zoo.experts, calib_data, opts)
@@ -108,7 +131,7 @@ def run_chain(
             models = {t: trained.for_task(t) for t in zoo.tasks}
             continue
         t0 = time.perf_counter()
-        if method.name == "svc":
+        if name == "svc":
             model = _svc(zoo, model, own, merger)
         else:
             model = _featcal(zoo, model, calib_data, own, preset, progress)

@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from featcal.baselines import registry
+from featcal.baselines import registry, runner
 from featcal.reproduce.tables import PaperRow, PaperTable, row_params
 from featcal.zoo.score.lm import LMZoo
 
@@ -74,23 +74,12 @@ class PlannedRow:
 def parse_method(spec: str) -> tuple[str, tuple[str, ...]]:
     """``"ta+svc+featcal"`` -> ``("task_arithmetic", ("svc", "featcal"))``; ``"experts"`` -> ``("experts", ())``.
 
-    A merger (data-free or data-using), then calibrators in order: ``featcal`` and ``svc`` any
-    number of times once each, a trained one (ESCal, Surgery, SurgeryV2, ProbSurgery) last, once.
-    A ``ValueError`` names what is wrong."""
-    first, *cals = [part.strip() for part in spec.strip().lower().split("+")]
-    if first in REFERENCES and not cals:
-        return first, ()
-    try:
-        merger = registry.get(first, "merger", "data_merger").name
-        chain = tuple(registry.get(c, "calibrator", "trained").name for c in cals)
-    except ValueError as e:
-        raise ValueError(f"method {spec!r}: {e}") from None
-    trained = [i for i, c in enumerate(chain) if registry.get(c).kind == "trained"]
-    if trained and (len(trained) > 1 or trained[0] != len(chain) - 1):
-        raise ValueError(f"method {spec!r}: a trained calibrator must come last, once.")
-    if len(set(chain)) != len(chain):
-        raise ValueError(f"method {spec!r}: a calibrator appears twice.")
-    return merger, chain
+    A reference row, or a merger (data-free or data-using) then calibrators in order, as ``featcal
+    compare`` reads them (:func:`featcal.baselines.runner.parse_method`: ``featcal`` and ``svc`` once
+    each, a trained one last, once). A ``ValueError`` names what is wrong."""
+    if spec.strip().lower() in REFERENCES:
+        return spec.strip().lower(), ()
+    return runner.parse_method(spec)
 
 
 def canonical(merger: str, chain: tuple[str, ...]) -> str:

@@ -125,8 +125,13 @@ def test_a_chain_it_cannot_run_is_refused(zoo, data):
         runner.run_chain(zoo, "task_arithmetic", ["ties"], merged, data)
     with pytest.raises(ValueError, match="unknown calibrator 'wemoe'"):
         runner.run_chain(zoo, "task_arithmetic", ["svc", "wemoe"], merged, data)
-    with pytest.raises(ValueError, match=r"a trained calibrator \(surgery\) must come last"):
+    with pytest.raises(ValueError, match="a trained calibrator .* must come last, once"):
         runner.run_chain(zoo, "task_arithmetic", ["surgery", "featcal"], merged, data)
+    with pytest.raises(ValueError, match="appears twice"):
+        runner.run_chain(zoo, "task_arithmetic", ["svc", "SVC"], merged, data)
+    assert runner.parse_method("TA+SVC+FeatCal") == ("task_arithmetic", ("svc", "featcal"))
+    with pytest.raises(ValueError, match="method 'ta\\+escal\\+surgery': a trained calibrator"):
+        runner.parse_method("ta+escal+surgery")
 
 
 def test_run_uses_a_shared_merged_model_and_keeps_each_methods_params_apart(zoo, data):
