@@ -115,32 +115,20 @@ def run_chain(
     the zoo's). A chain :func:`check_chain` refuses is refused before any work; the models given
     are never changed."""
     params = params or {}
-    costs = Costs()
-    model, models = merged, None
+    model, costs = merged, Costs()
     for name in check_chain(chain):
-        method = registry.get(name)
         own = dict(params.get(name, {}))
-        if method.kind == "trained":
-            opts = method.options(**{"progress": progress, **own})
-            with torch.enable_grad():  # trained by gradient descent, even when called under no_grad (an app's lock)
-                trained = method.fn(model, zoo.experts, calib_data, opts)
-            costs.calib_seconds += trained.training_seconds
-            added = trained.added_parameters
-            first = added["per_task"][zoo.tasks[0]]
-            costs.added = {"trained": first["trained"], "stored": first["stored"], "fraction": added["stored_fraction"]}
-            models = {t: trained.for_task(t) for t in zoo.tasks}
-            continue
+        if name in TRAINED:  # last (check_chain): each task then gets its own modules
+            return _trained(zoo, name, model, calib_data, own, costs, progress)
         t0 = time.perf_counter()
         if name == "svc":
             model = _svc(zoo, model, own, merger)
         else:
             model = _featcal(zoo, model, calib_data, own, preset, progress)
         costs.calib_seconds += time.perf_counter() - t0
-    if models is None:
-        added = _numel(model) - _numel(merged)
-        costs.added = {"trained": added, "stored": added, "fraction": added / _numel(merged)}
-        models = {t: model for t in zoo.tasks}
-    return models, costs
+    added = _numel(model) - _numel(merged)
+    costs.added = {"trained": added, "stored": added, "fraction": added / _numel(merged)}
+    return {t: model for t in zoo.tasks}, costs
 
 
 def run(
@@ -184,6 +172,20 @@ def _svc(zoo, model: nn.Module, params: dict, merger: str) -> nn.Module:
     out = copy.deepcopy(model)
     out.load_state_dict(sd)
     return out.eval()
+
+
+def _trained(zoo, name: str, model: nn.Module, calib_data, params: dict, costs: Costs, progress: bool):
+    """A trained calibrator on ``model`` (``params``: fields of its options): each task's model with
+    its own modules, and ``costs`` with its training seconds and the numbers one task's modules add."""
+    method = registry.get(name)
+    opts = method.options(**{"progress": progress, **params})
+    with torch.enable_grad():  # trained by gradient descent, even when called under no_grad (an app's lock)
+        trained = method.fn(model, zoo.experts, calib_data, opts)
+    costs.calib_seconds += trained.training_seconds
+    added = trained.added_parameters
+    first = added["per_task"][zoo.tasks[0]]
+    costs.added = {"trained": first["trained"], "stored": first["stored"], "fraction": added["stored_fraction"]}
+    return {t: trained.for_task(t) for t in zoo.tasks}, costs
 
 
 def _numel(model: nn.Module) -> int:
