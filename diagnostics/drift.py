@@ -193,7 +193,7 @@ def streams_while(
     stacks = resolve_stacks(model, blocks)
     keep = _keeper(offload)
     results: dict[str, list] = {}
-    calls: dict[str, list[list[BlockCall]]] = {}
+    calls: dict[str, dict[int, list[list[BlockCall]]]] = {}  # task -> stack -> its calls per block
     seen: dict = {}  # one batch's block-0 call and block outputs of each stack, from the hooks
 
     def first(s: int):
@@ -236,12 +236,18 @@ def streams_while(
                         for l in range(len(blks)):
                             call = call.after(seen[s, l])  # what block l hands on, as the forward did
                             per_block[l + 1].append(call.with_hidden(keep(call.hidden)))
-                results[task] = outs
-                calls[task] = [calls_l for s in sorted(per_stack) for calls_l in per_stack[s]]
+                results[task], calls[task] = outs, per_stack
     finally:
         for h in handles:
             h.remove()
-    return results, ExpertStreams(STACK_SEP.join(stacks[s][0] for s in ran or range(len(stacks))), calls)
+    ran = ran or list(range(len(stacks)))  # (no batch at all: every stack, each empty)
+
+    def joined(per_stack: dict) -> list[list[BlockCall]]:
+        """A task's calls, the stacks one after the other (a task without batches: empty lists)."""
+        return [c for s in ran for c in per_stack.get(s, [[] for _ in range(len(stacks[s][1]) + 1)])]
+
+    held = ExpertStreams(STACK_SEP.join(stacks[s][0] for s in ran), {t: joined(p) for t, p in calls.items()})
+    return results, held
 
 
 def _checked_inputs(model, experts, data, blocks, tokens, expert_cache, model_cache) -> tuple[list, list[_Stack]]:
