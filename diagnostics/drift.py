@@ -53,8 +53,8 @@ def _keeper(offload: bool):
 @dataclass(frozen=True)
 class _Stack:
     """One stack of blocks as the drift pass visits it: the model's blocks and each expert's,
-    and where the stack starts in the table's block numbers and in kept streams (whose per-task
-    lists hold each stack's ``blocks + 1`` calls after the previous stack's)."""
+    and the table's number of its first block (where it starts in kept streams, whose per-task
+    lists hold each stack's ``blocks + 1`` calls after the previous stack's: :func:`_kept_calls`)."""
 
     path: str
     blocks: nn.ModuleList
