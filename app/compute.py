@@ -68,19 +68,23 @@ def expert_trace(budget: int | None = None):
     return ExpertTrace(max_bytes=keep_budget() if budget is None else budget)
 
 
-def _stream_size(zoo, data: dict) -> tuple[float, int, int]:
-    """``(bytes of one example's hidden state, examples in data, blocks)``, from one stem run."""
-    from featcal.model.arch import resolve_blocks
+def _stream_size(zoo, data: dict) -> float:
+    """Bytes the experts' streams on ``data`` take at every block of every stack (one
+    expert's stem runs on the first batch give each stack's bytes per example)."""
+    from featcal.model.arch import resolve_stacks
     from featcal.model.streams import catch_block_inputs
     from featcal.model.validate import batch_len
 
     task = zoo.tasks[0]
     expert = zoo.experts[task]
-    _, blocks = resolve_blocks(expert)
     first = data[task][0]
-    h = catch_block_inputs(expert, blocks[0], first).hidden
-    per_example = h.numel() * h.element_size() / max(batch_len(first), 1)
-    return per_example, sum(batch_len(b) for batches in data.values() for b in batches), len(blocks)
+    examples = sum(batch_len(b) for batches in data.values() for b in batches)
+    total = 0.0
+    for _, blocks in resolve_stacks(expert):  # an encoder-decoder: the encoder's, then the decoder's
+        h = catch_block_inputs(expert, blocks[0], first).hidden
+        per_example = h.numel() * h.element_size() / max(batch_len(first), 1)
+        total += per_example * examples * (len(blocks) + 1)
+    return total
 
 
 def prepare_preview(preview) -> None:
@@ -255,8 +259,7 @@ def expert_streams(zoo, data: dict, budget: int | None = None):
     anything else runs)."""
     from diagnostics import expert_streams as streams
 
-    per_example, examples, blocks = _stream_size(zoo, data)
-    if per_example * examples * (blocks + 1) > (keep_budget() if budget is None else budget):
+    if _stream_size(zoo, data) > (keep_budget() if budget is None else budget):
         return None
     return streams(zoo.experts, data)
 

@@ -5,10 +5,22 @@ DataFrames (no Streamlit, no model), built from plain dicts as in :mod:`app.figu
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import pandas as pd
 import plotly.graph_objects as go
 
-from app.figures.base import TASK_COLORS, TICKS, _figure, _heatmap, _title, block_task_grid, label
+from app.figures.base import (
+    TASK_COLORS,
+    TICKS,
+    _figure,
+    _heatmap,
+    _title,
+    block_axis,
+    block_label,
+    block_task_grid,
+    label,
+)
 
 # The views (diagnostics.weights.block_table's metrics): short name (colour bar, axis), what
 # it is (title), colour scale, fixed range or None.
@@ -39,9 +51,10 @@ def view_title(metric: str) -> str:
     return VIEWS[metric][1] if metric in VIEWS else label(metric)
 
 
-def view_heatmap(blocks: pd.DataFrame, metric: str, title: str) -> go.Figure:
+def view_heatmap(blocks: pd.DataFrame, metric: str, title: str, names: Sequence[str] | None = None) -> go.Figure:
     """``block x task`` heatmap of one weight view. Shares and overlaps use their whole range
-    [0, 1] (never saturating); the cosine is centred at 0 on its largest magnitude."""
+    [0, 1] (never saturating); the cosine is centred at 0 on its largest magnitude. ``names``:
+    the blocks' names (:func:`~featcal.sweep.figures.block_axis`), else their numbers."""
     grid = block_task_grid(blocks, metric)
     name, _, scale, fixed = VIEWS[metric]
     trace = {"colorscale": scale, "colorbar": {"title": {"text": name, "side": "right"}, "thickness": 12}}
@@ -51,12 +64,15 @@ def view_heatmap(blocks: pd.DataFrame, metric: str, title: str) -> go.Figure:
     elif metric == "cosine_others":
         top = float(grid.abs().max().max()) if grid.size else 1.0
         trace.update(zmid=0.0, zmin=-top, zmax=top)
-    return _heatmap(grid, title, name, trace)
+    return _heatmap(grid, title, name, trace, names=names)
 
 
-def conflict_and_drift(blocks: pd.DataFrame, drift: pd.DataFrame, metric: str = "drift_rel") -> go.Figure:
+def conflict_and_drift(
+    blocks: pd.DataFrame, drift: pd.DataFrame, metric: str = "drift_rel", names: Sequence[str] | None = None
+) -> go.Figure:
     """Per block: TIES's sign-conflict share over every task (bars, left axis from 0) and the
-    mean over tasks of the drift ``metric`` (line, right axis from 0)."""
+    mean over tasks of the drift ``metric`` (line, right axis from 0); ``names``: the blocks'
+    names on the axis (:func:`~featcal.sweep.figures.block_axis`)."""
     conflict = blocks[(blocks.metric == "sign_conflict")].groupby("block")["value"].mean()
     feat = drift[(drift.metric == metric) & (drift.block >= 0)].groupby("block")["value"].mean()
     data = [
@@ -66,7 +82,8 @@ def conflict_and_drift(blocks: pd.DataFrame, drift: pd.DataFrame, metric: str = 
             "y": conflict.tolist(),
             "name": "sign conflicts (share of entries, TIES trim)",
             "marker": {"color": "#f97316"},
-            "hovertemplate": "block %{x}<br>sign conflicts %{y:.3f}<extra></extra>",
+            "customdata": [block_label(int(b), names) for b in conflict.index],
+            "hovertemplate": "%{customdata}<br>sign conflicts %{y:.3f}<extra></extra>",
         },
         {
             "type": "scatter",
@@ -76,14 +93,15 @@ def conflict_and_drift(blocks: pd.DataFrame, drift: pd.DataFrame, metric: str = 
             "yaxis": "y2",
             "name": f"merged model: {label(metric)} (mean over tasks)",
             "line": {"color": "#111827"},
-            "hovertemplate": "block %{x}<br>drift %{y:.4f}<extra></extra>",
+            "customdata": [block_label(int(b), names) for b in feat.index],
+            "hovertemplate": "%{customdata}<br>drift %{y:.4f}<extra></extra>",
         },
     ]
     return _figure(
         data,
         {
             "title": _title("sign conflicts vs drift, per block"),
-            "xaxis": {"title": {"text": "block"}, "dtick": 1},
+            "xaxis": block_axis(names),
             "yaxis": {"title": {"text": "sign-conflict share"}, "rangemode": "tozero", "tickformat": TICKS},
             "yaxis2": {
                 "title": {"text": label(metric)},
@@ -97,9 +115,12 @@ def conflict_and_drift(blocks: pd.DataFrame, drift: pd.DataFrame, metric: str = 
     )
 
 
-def view_vs_drift(wide: pd.DataFrame, metric: str, target: str = "drift_rel") -> go.Figure:
+def view_vs_drift(
+    wide: pd.DataFrame, metric: str, target: str = "drift_rel", names: Sequence[str] | None = None
+) -> go.Figure:
     """One point per (task, block) of :func:`diagnostics.weights.beside_drift`'s table: the
-    weight view ``metric`` across, the drift ``target`` up; one colour per task."""
+    weight view ``metric`` across, the drift ``target`` up; one colour per task, each point
+    marked with its block's number (hovered: its name in ``names``)."""
     data = []
     for i, (task, sel) in enumerate(wide.groupby("task", sort=False)):
         data.append(
@@ -113,7 +134,8 @@ def view_vs_drift(wide: pd.DataFrame, metric: str, target: str = "drift_rel") ->
                 "textfont": {"size": 9},
                 "name": task,
                 "marker": {"color": TASK_COLORS[i % len(TASK_COLORS)], "size": 8},
-                "hovertemplate": f"{task}" + ", block %{text}<br>%{x:.4f} → drift %{y:.4f}<extra></extra>",
+                "customdata": [block_label(int(b), names) for b in sel.block],
+                "hovertemplate": f"{task}" + ", %{customdata}<br>%{x:.4f} → drift %{y:.4f}<extra></extra>",
             }
         )
     return _figure(

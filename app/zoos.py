@@ -32,22 +32,22 @@ def device() -> str:
 def load_zoo(source: str, device: str):
     """``demo`` / ``demo-fashion`` / a spec YAML / a zoo directory -> ``Zoo`` on ``device``
     (:func:`featcal.zoo.load_any`; ``~`` and ``$VARS`` in paths are expanded)."""
-    from featcal.model.arch import resolve_stacks
     from featcal.zoo import load_any
 
     if not Path(os.path.expandvars(source)).expanduser().exists() and (REPO / source).exists():
         source = str(REPO / source)  # the example specs, from any working directory
-    zoo = load_any(source, progress=False, device=device)
-    if len(resolve_stacks(zoo.base)) > 1:
-        raise TwoStacksError(
-            f"zoo {zoo.name!r} is an encoder-decoder ({type(zoo.base).__name__}: an encoder and a decoder stack of "
-            "blocks); the app's drift, weights and preview pages read one stack of blocks."
-        )
-    return zoo
+    return load_any(source, progress=False, device=device)
 
 
-class TwoStacksError(ValueError):
-    """A zoo of encoder-decoders, which the app's pages do not show (the command line runs it)."""
+def block_names(zoo) -> list[str] | None:
+    """The names the pages give the zoo's blocks: None where its model has one stack of blocks
+    (they are numbered, 0 to L - 1), else every block's name in forward order, at the block
+    numbers of the tables (:func:`featcal.model.arch.block_names`: ``encoder.block.0`` ...
+    ``decoder.block.0`` ...), so that an encoder's blocks are told from a decoder's."""
+    from featcal.model.arch import block_names as names_of
+    from featcal.model.arch import resolve_stacks
+
+    return names_of(zoo.base) if len(resolve_stacks(zoo.base)) > 1 else None
 
 
 def zoo_needs_build(source: str, ready: set[str]) -> bool:
@@ -134,11 +134,6 @@ def load_error_fix(source: str, exc: BaseException) -> str:
 
     msg = str(exc).lower()
     path = Path(os.path.expandvars(source)).expanduser()
-    if isinstance(exc, TwoStacksError):
-        return (
-            f"Fix: run this zoo from the command line: `featcal calibrate --zoo {source} ...`, `featcal eval`, "
-            "`featcal reproduce` (docs/zoos.md); or pick another zoo in the sidebar."
-        )
     if isinstance(exc, MissingPackagesError):
         return "Fix: install the packages listed above into the app's environment, then pick the zoo again."
     if isinstance(exc, ImportError):

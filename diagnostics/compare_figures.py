@@ -4,10 +4,12 @@ page shows them, ``featcal compare --out`` writes them as HTML). Needs plotly.""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import pandas as pd
 import plotly.graph_objects as go
 
-from featcal.sweep.figures import CYCLE, LAYOUT
+from featcal.sweep.figures import CYCLE, LAYOUT, block_axis
 
 REFERENCE_STYLE = {"experts": ("#111827", "dash"), "base": ("#9ca3af", "dot")}
 
@@ -61,9 +63,10 @@ def accuracy_bars(accuracy: pd.DataFrame) -> go.Figure:
     return go.Figure({"data": data, "layout": layout})
 
 
-def drift_lines(drift: pd.DataFrame, task: str) -> go.Figure:
+def drift_lines(drift: pd.DataFrame, task: str, names: Sequence[str] | None = None) -> go.Figure:
     """For one task, per block, each method's relative drift from the expert (solid) and its
-    local-mismatch part (dotted): where each method's features leave the expert's."""
+    local-mismatch part (dotted): where each method's features leave the expert's. ``names``:
+    the blocks' names on the axis (an encoder-decoder's: :func:`featcal.model.arch.block_names`)."""
     df = drift[drift["task"] == task]
     methods = [m for m in dict.fromkeys(df["method"]) if m != "experts"]
     colors = {**_colors([m for m in methods if m != "base"]), "base": REFERENCE_STYLE["base"][0]}
@@ -89,7 +92,7 @@ def drift_lines(drift: pd.DataFrame, task: str) -> go.Figure:
             "text": f"Drift from the expert per block, task {task} (dotted: local mismatch)",
             "font": {"size": 15},
         },
-        "xaxis": {"title": "block", "dtick": 1},
+        "xaxis": block_axis(names),
         "yaxis": {"title": "|e| / |h_expert|", "rangemode": "tozero"},
     }
     return go.Figure({"data": data, "layout": layout})

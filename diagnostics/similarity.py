@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from featcal.model.arch import resolve_blocks
+from featcal.model.arch import block_names
 
 WHOLE = -1  # ``block`` value of a whole-model measurement (all parameters, final features)
 EPS = 1e-12
@@ -131,13 +131,22 @@ class DotSums:
 # ----------------------------------------------------------------------------- task vectors
 
 
-def block_of(name: str, blocks_path: str) -> int | None:
-    """The block index of parameter ``name`` (``<blocks_path>.<i>.``...), else ``None``."""
-    prefix = blocks_path + "."
-    if not name.startswith(prefix):
-        return None
-    head = name[len(prefix) :].split(".", 1)[0]
-    return int(head) if head.isdigit() else None
+def block_numbers(model: nn.Module, blocks: str | None = None) -> dict[str, int]:
+    """``{block name: its number}`` for every block of every stack, in forward order
+    (:func:`featcal.model.arch.block_names`: an encoder-decoder's decoder blocks numbered after
+    its encoder's), for :func:`block_of`."""
+    return {name: n for n, name in enumerate(block_names(model, blocks))}
+
+
+def block_of(name: str, numbers: Mapping[str, int]) -> int | None:
+    """The number of the block holding parameter ``name`` (``<block name>.``..., ``numbers``:
+    :func:`block_numbers`), else ``None`` (a stem's or a head's parameter)."""
+    parts = name.split(".")
+    for k in range(1, len(parts)):
+        block = numbers.get(".".join(parts[:k]))
+        if block is not None:
+            return block
+    return None
 
 
 @torch.no_grad()
@@ -154,16 +163,17 @@ def task_vector_cosine(
     - ``task_vector_norm`` = ``|tau|``, ``expert_task_vector_norm`` = ``|tau_i|``.
 
     Rows with ``block = -1`` (:data:`WHOLE`) use every floating entry (stem and head
-    too); rows with ``block = l`` use the entries named ``<blocks_path>.<l>.*``.
+    too); rows with ``block = l`` use block l's (:func:`block_of`; an encoder-decoder's
+    decoder blocks are numbered after its encoder's).
     A cosine with a zero task vector is NaN (e.g. the base model itself).
 
     Returns a tidy DataFrame: ``task``, ``block``, ``metric``, ``value``.
     """
-    path, blks = resolve_blocks(model, blocks)
+    numbers = block_numbers(model, blocks)
     theta, theta0 = model.state_dict(), base.state_dict()
     thetas = {task: expert.state_dict() for task, expert in experts.items()}
     whole = {task: DotSums() for task in thetas}
-    per_block = {task: [DotSums() for _ in blks] for task in thetas}
+    per_block = {task: [DotSums() for _ in numbers] for task in thetas}
     for name, w in theta.items():  # parameters outside, tasks inside: tau once
         if not torch.is_floating_point(w):
             continue
@@ -176,12 +186,12 @@ def task_vector_cosine(
         w0 = theta0[name].to(w.device, torch.float64)
         tau = (w.double() - w0).reshape(-1)
         aa = float(tau @ tau)
-        l = block_of(name, path)
+        l = block_of(name, numbers)
         for task, theta_i in thetas.items():
             tau_i = (theta_i[name].to(w.device, torch.float64) - w0).reshape(-1)
             ab, bb = float(tau @ tau_i), float(tau_i @ tau_i)
             whole[task].add_sums(ab, aa, bb)
-            if l is not None and l < len(blks):
+            if l is not None:
                 per_block[task][l].add_sums(ab, aa, bb)
     rows = []
     for task in thetas:
@@ -201,17 +211,17 @@ def task_vector_matrix(base: nn.Module, models: Mapping[str, nn.Module], blocks:
 
     How aligned the experts' weight changes are: near 0 they are nearly orthogonal (merging
     interferes little in weight space), positive they pull the same way. Rows with ``block =
-    -1`` (:data:`WHOLE`) use every floating entry, rows with ``block = l`` the entries named
-    ``<blocks_path>.<l>.*``; the diagonal is 1 (NaN for a zero task vector).
+    -1`` (:data:`WHOLE`) use every floating entry, rows with ``block = l`` block l's
+    (:func:`block_of`); the diagonal is 1 (NaN for a zero task vector).
 
     Returns a tidy DataFrame: ``task``, ``other``, ``block``, ``value`` (both orders of a pair).
     """
     names = list(models)
     first = models[names[0]] if names else base
-    path, blks = resolve_blocks(first, blocks)
+    numbers = block_numbers(first, blocks)
     theta0 = base.state_dict()
     thetas = {name: m.state_dict() for name, m in models.items()}
-    n, nb = len(names), len(blks)
+    n, nb = len(names), len(numbers)
     gram = torch.zeros(nb + 1, n, n, dtype=torch.float64)  # [0]: whole model, [1 + l]: block l
     for key, w0 in theta0.items():
         if not torch.is_floating_point(w0):
@@ -225,8 +235,8 @@ def task_vector_matrix(base: nn.Module, models: Mapping[str, nn.Module], blocks:
         taus = torch.stack([thetas[name][key].to(w0.device, torch.float64).reshape(-1) - w0 for name in names])
         g = taus @ taus.T  # (n, n) dot products of this entry's task vectors
         gram[0] += g.cpu()
-        l = block_of(key, path)
-        if l is not None and l < nb:
+        l = block_of(key, numbers)
+        if l is not None:
             gram[1 + l] += g.cpu()
     norms = gram.diagonal(dim1=1, dim2=2).clamp_min(0).sqrt()  # (nb + 1, n)
     den = norms.unsqueeze(2) * norms.unsqueeze(1)  # (nb + 1, n, n)

@@ -26,9 +26,8 @@ import pandas as pd
 import torch
 from torch import nn
 
-from diagnostics.similarity import EPS, block_of
+from diagnostics.similarity import EPS, block_numbers, block_of
 from featcal.baselines.merging import _trim_top  # TIES's trim step, as the merger does it
-from featcal.model.arch import resolve_blocks
 
 ALL = "all tasks"  # ``task`` of a measurement over every task at once
 DENSITY = 0.2  # TIES's default trim density (featcal.baselines.merging.ties)
@@ -91,20 +90,22 @@ def block_tensors(
     base: nn.Module, experts: Mapping[str, nn.Module], blocks: str | None = None
 ) -> Iterator[tuple[int, str, torch.Tensor]]:
     """``(block, name within the block, taus (n_tasks, *shape))`` for every floating tensor
-    inside the blocks, in the base's order (experts in ``experts``' order)."""
+    inside the blocks, in the base's order (experts in ``experts``' order); blocks numbered in
+    forward order over every stack (:func:`diagnostics.similarity.block_numbers`)."""
     first = next(iter(experts.values()))
-    path, blks = resolve_blocks(first, blocks)
+    numbers = block_numbers(first, blocks)
+    names = list(numbers)
     thetas = [m.state_dict() for m in experts.values()]
     for name, w0 in base.state_dict().items():
-        b = block_of(name, path)
-        if b is None or b >= len(blks) or not torch.is_floating_point(w0):
+        b = block_of(name, numbers)
+        if b is None or not torch.is_floating_point(w0):
             continue
         missing = [t for t, th in zip(experts, thetas) if name not in th]
         if missing:
             raise ValueError(f"parameter {name!r} of the base is missing from expert {missing[0]!r}.")
         w0 = w0.double()
         taus = torch.stack([th[name].to(w0.device).double() - w0 for th in thetas])
-        yield b, name[len(path) + 1 :].split(".", 1)[1], taus
+        yield b, name[len(names[b]) + 1 :], taus
 
 
 def _other_mean(mat: torch.Tensor, i: int) -> float:

@@ -5,13 +5,14 @@ dicts (see :mod:`app.figures`)."""
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from featcal.sweep.figures import LAYOUT, title_layout  # one layout for the app's and the command line's figures
+# One layout (and one axis of blocks) for the app's and the command line's figures.
+from featcal.sweep.figures import LAYOUT, block_axis, block_label, title_layout
 
 # One colour per quantity, the same in every figure.
 COLORS = {
@@ -127,11 +128,14 @@ def _axis(text: str, **kw) -> dict:
 TASK_COLORS = ("#2563eb", "#16a34a", "#f97316", "#0891b2", "#db2777", "#7c3aed", "#a16207", "#4b5563", "#dc2626")
 
 
-def _heatmap(grid: pd.DataFrame, title: str, name: str, trace: dict, fmt: str = ".4f") -> go.Figure:
+def _heatmap(
+    grid: pd.DataFrame, title: str, name: str, trace: dict, fmt: str = ".4f", names: Sequence[str] | None = None
+) -> go.Figure:
     """``grid`` (block x task) as a heatmap whose every cell is clickable over its whole area:
     plotly reports no clicks (selections) on heatmap cells, so near-invisible bars, one per
     cell and exactly its size, lie over them and carry the hover and the click (the click's
-    ``customdata`` is ``[block, value]``, its ``x`` the task)."""
+    ``customdata`` is ``[block, value, the block's label]``, its ``x`` the task). ``names``:
+    the blocks' names (:func:`~featcal.sweep.figures.block_axis`), else their numbers."""
     heat = {
         "type": "heatmap",
         "z": grid.values.tolist(),
@@ -147,17 +151,15 @@ def _heatmap(grid: pd.DataFrame, title: str, name: str, trace: dict, fmt: str = 
         "y": [1.0] * len(tasks),
         "base": [int(b) - 0.5 for b in grid.index for _ in grid.columns],
         "width": 1.0,
-        "customdata": [[int(b), v] for b, row in zip(grid.index, grid.values.tolist()) for v in row],
+        "customdata": [
+            [int(b), v, block_label(int(b), names)] for b, row in zip(grid.index, grid.values.tolist()) for v in row
+        ],
         "showlegend": False,
         "name": "cells",
         "marker": {"color": "#000", "opacity": 0.01, "line": {"width": 0}},
         "selected": {"marker": {"opacity": 0.01}},
         "unselected": {"marker": {"opacity": 0.01}},
-        "hovertemplate": "task %{x}<br>block %{customdata[0]}<br>"
-        + name
-        + " %{customdata[1]:"
-        + fmt
-        + "}<extra></extra>",
+        "hovertemplate": "task %{x}<br>%{customdata[2]}<br>" + name + " %{customdata[1]:" + fmt + "}<extra></extra>",
     }
     return _figure(
         [heat, cells],
@@ -165,7 +167,7 @@ def _heatmap(grid: pd.DataFrame, title: str, name: str, trace: dict, fmt: str = 
             "title": _title(title),
             "clickmode": "event+select",
             "barmode": "overlay",
-            "yaxis": {"title": {"text": "block"}, "dtick": 1, "autorange": "reversed", "zeroline": False},
+            "yaxis": block_axis(names, autorange="reversed", zeroline=False),
             "xaxis": {"title": {"text": "task"}},
             "height": max(450, 18 * len(grid.index) + 150),  # a 30-block LLM: a readable row per block
         },

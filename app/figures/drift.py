@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -17,6 +19,8 @@ from app.figures.base import (
     _heatmap,
     _task_bars,
     _title,
+    block_axis,
+    block_label,
     block_task_grid,
     label,
     per_block,
@@ -31,16 +35,18 @@ def drift_decomposition(
     norm_range: tuple[float, float] | None = None,
     selected_block: int | None = None,
     reference: tuple[str, pd.DataFrame] | None = None,
+    names: Sequence[str] | None = None,
 ) -> go.Figure:
     """Per block: the squared drift split additively, ``|e|^2 = <e, m> + <e, p>``, as stacked
     bars (left axis), and the norms ``|e|``, ``|m|``, ``|p|`` as lines (right axis; norms do
     not add). Means over rows, and over tasks unless ``task`` is given. ``reference``:
     ``(name, drift frame)`` of another model (the merged one) whose ``|e|^2`` is drawn as a
-    short red dash over each bar and whose ``|e|`` as a grey dashed line."""
+    short red dash over each bar and whose ``|e|`` as a grey dashed line. ``names``: the
+    blocks' names on the axis (:func:`~featcal.sweep.figures.block_axis`), else their numbers."""
     data = _squared_bars(per_block(df, SQUARED, task), selected_block) + _norm_lines(per_block(df, NORMS, task))
     if reference is not None:
         data += _reference_marks(*reference, task)
-    return _figure(data, _bars_and_norms_layout(title, sq_range, norm_range))
+    return _figure(data, _bars_and_norms_layout(title, sq_range, norm_range, names))
 
 
 def _squared_bars(sq: pd.DataFrame, selected_block: int | None) -> list[dict]:
@@ -122,7 +128,10 @@ def _reference_marks(name: str, ref: pd.DataFrame, task: str | None) -> list[dic
 
 
 def _bars_and_norms_layout(
-    title: str, sq_range: tuple[float, float] | None, norm_range: tuple[float, float] | None
+    title: str,
+    sq_range: tuple[float, float] | None,
+    norm_range: tuple[float, float] | None,
+    names: Sequence[str] | None = None,
 ) -> dict:
     """Squared drift on the left axis (stacked bars, clickable blocks), norms on the right."""
     return {
@@ -130,7 +139,7 @@ def _bars_and_norms_layout(
         "barmode": "relative",
         "clickmode": "event+select",
         "hovermode": "x unified",  # one box: every series of the block under the pointer
-        "xaxis": {"title": {"text": "block"}, "dtick": 1, "hoverformat": "d"},
+        "xaxis": block_axis(names, hoverformat="d"),
         "yaxis": _axis("squared drift |e|² (mean over tokens)", range=sq_range),
         "yaxis2": {
             "title": {"text": "norm (mean over tokens)"},
@@ -147,16 +156,21 @@ def _bars_and_norms_layout(
 
 
 def drift_heatmap(
-    df: pd.DataFrame, title: str, metric: str = "drift_rel", z_range: tuple[float, float] | None = None
+    df: pd.DataFrame,
+    title: str,
+    metric: str = "drift_rel",
+    z_range: tuple[float, float] | None = None,
+    names: Sequence[str] | None = None,
 ) -> go.Figure:
-    """``block x task`` heatmap of one drift metric (default: relative drift ``|e| / |h_exp|``)."""
+    """``block x task`` heatmap of one drift metric (default: relative drift ``|e| / |h_exp|``);
+    ``names``: the blocks' names (:func:`~featcal.sweep.figures.block_axis`)."""
     trace = {
         "colorscale": "Reds",
         "colorbar": {"title": {"text": label(metric), "side": "right"}, "thickness": 12, "tickformat": TICKS},
     }
     if z_range is not None:
         trace.update(zmin=z_range[0], zmax=z_range[1])
-    return _heatmap(block_task_grid(df, metric), title, label(metric), trace)
+    return _heatmap(block_task_grid(df, metric), title, label(metric), trace, names=names)
 
 
 def drift_difference(after: pd.DataFrame, before: pd.DataFrame, metric: str = "drift_rel") -> pd.DataFrame:
@@ -166,7 +180,11 @@ def drift_difference(after: pd.DataFrame, before: pd.DataFrame, metric: str = "d
 
 
 def drift_difference_heatmap(
-    after: pd.DataFrame, before: pd.DataFrame, title: str, metric: str = "drift_rel"
+    after: pd.DataFrame,
+    before: pd.DataFrame,
+    title: str,
+    metric: str = "drift_rel",
+    names: Sequence[str] | None = None,
 ) -> go.Figure:
     """``block x task`` heatmap of ``after`` minus ``before`` (:func:`drift_difference`) in
     diverging colours centred at 0: blue where the drift fell (calibration helps), red where
@@ -180,24 +198,30 @@ def drift_difference_heatmap(
         "zmax": top,
         "colorbar": {"title": {"text": f"Δ {label(metric)}", "side": "right"}, "thickness": 12, "tickformat": TICKS},
     }
-    return _heatmap(diff, title, f"Δ {label(metric)}", trace, fmt="+.4f")
+    return _heatmap(diff, title, f"Δ {label(metric)}", trace, fmt="+.4f", names=names)
 
 
-def block_by_task(frames: dict[str, pd.DataFrame], block: int, metric: str = "drift_rel") -> go.Figure:
-    """Drill-down at one block: ``metric`` per task, one bar group per model."""
+def block_by_task(
+    frames: dict[str, pd.DataFrame], block: int, metric: str = "drift_rel", names: Sequence[str] | None = None
+) -> go.Figure:
+    """Drill-down at one block: ``metric`` per task, one bar group per model; the block named as
+    in ``names`` (:func:`~featcal.sweep.figures.block_label`)."""
     data = _task_bars(frames, metric, block, label(metric))
     return _figure(
         data,
         {
-            "title": _title(f"block {block}: {label(metric)} per task"),
+            "title": _title(f"{block_label(block, names)}: {label(metric)} per task"),
             "barmode": "group",
             "yaxis": _axis(label(metric), rangemode="tozero"),
         },
     )
 
 
-def task_by_block(frames: dict[str, pd.DataFrame], task: str, metric: str = "drift_rel") -> go.Figure:
-    """Drill-down for one task: ``metric`` per block, one line per model."""
+def task_by_block(
+    frames: dict[str, pd.DataFrame], task: str, metric: str = "drift_rel", names: Sequence[str] | None = None
+) -> go.Figure:
+    """Drill-down for one task: ``metric`` per block, one line per model (``names``: the
+    blocks' names on the axis)."""
     data = []
     for name, df in frames.items():
         sel = df[(df.metric == metric) & (df.task == task) & (df.block >= 0)].sort_values("block")
@@ -216,7 +240,7 @@ def task_by_block(frames: dict[str, pd.DataFrame], task: str, metric: str = "dri
         {
             "title": _title(f"task {task}: {label(metric)} per block"),
             "hovermode": "x unified",
-            "xaxis": {"title": {"text": "block"}, "dtick": 1},
+            "xaxis": block_axis(names),
             "yaxis": _axis(label(metric), rangemode="tozero"),
         },
     )

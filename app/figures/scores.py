@@ -3,10 +3,12 @@ the calibration's residual per block."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import pandas as pd
 import plotly.graph_objects as go
 
-from app.figures.base import COLORS, _axis, _figure, _title
+from app.figures.base import COLORS, _axis, _figure, _title, block_axis
 
 
 def task_accuracy_table(before: pd.DataFrame, after: pd.DataFrame, name: str) -> str:
@@ -58,8 +60,11 @@ def accuracy_bars(acc: pd.DataFrame, title: str = "accuracy per task (%)") -> go
     )
 
 
-def residuals(modules: pd.DataFrame, title: str = "relative residual per module") -> go.Figure:
-    """``report.to_frame()``: mean relative residual per block, before vs after calibration."""
+def residuals(
+    modules: pd.DataFrame, title: str = "relative residual per module", names: Sequence[str] | None = None
+) -> go.Figure:
+    """``report.to_frame()``: mean relative residual per block, before vs after calibration
+    (``names``: the blocks' names on the axis, :func:`~featcal.sweep.figures.block_axis`)."""
     g = modules.groupby("block")[["residual_before", "residual_after"]].mean()
     blocks = [int(b) for b in g.index]
     data = [
@@ -83,7 +88,7 @@ def residuals(modules: pd.DataFrame, title: str = "relative residual per module"
         {
             "title": _title(title),
             "barmode": "group",
-            "xaxis": {"title": {"text": "block"}, "dtick": 1},
+            "xaxis": block_axis(names),
             "yaxis": _axis("mean relative residual", rangemode="tozero"),
         },
     )

@@ -3,17 +3,31 @@ task vectors' cosines (between experts, and with each model's displacement)."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from app.figures.base import TASK_COLORS, TICKS, _axis, _figure, _task_bars, _title, block_task_grid
+from app.figures.base import (
+    TASK_COLORS,
+    TICKS,
+    _axis,
+    _figure,
+    _task_bars,
+    _title,
+    block_axis,
+    block_task_grid,
+)
 
 
-def expert_cosine_per_block(frames: dict[str, pd.DataFrame], title: str) -> go.Figure:
+def expert_cosine_per_block(
+    frames: dict[str, pd.DataFrame], title: str, names: Sequence[str] | None = None
+) -> go.Figure:
     """Per block and task, the cosine of the model's pooled block output with the expert's
     (the drift tables' ``expert_cosine``): one colour per task, one dash per model
-    (``frames``: ``{model name: drift table}``, the first drawn dashed)."""
+    (``frames``: ``{model name: drift table}``, the first drawn dashed); ``names``: the blocks'
+    names on the axis (:func:`~featcal.sweep.figures.block_axis`)."""
     data = []
     for k, (name, df) in enumerate(frames.items()):
         grid = block_task_grid(df, "expert_cosine")
@@ -37,7 +51,7 @@ def expert_cosine_per_block(frames: dict[str, pd.DataFrame], title: str) -> go.F
         {
             "title": _title(title),
             "hovermode": "x unified",
-            "xaxis": {"title": {"text": "block"}, "dtick": 1},
+            "xaxis": block_axis(names),
             "yaxis": _axis("expert cosine of the block output"),
         },
     )

@@ -133,6 +133,7 @@ def show_drift(kind: str, drift: pd.DataFrame, merged_drift: pd.DataFrame) -> No
         sq_range=rng,
         norm_range=nrng,
         reference=("merged", merged_drift),
+        names=zoos.block_names(zoo),
     )
     slots.draw("drift", st, "plotly_chart", fig)
 
@@ -148,7 +149,9 @@ def show_cosines(kind: str, drift: pd.DataFrame, sc: dict, merged: tuple) -> Non
         left,
         "plotly_chart",
         figures.expert_cosine_per_block(
-            {"merged": merged_drift, name: drift}, f"expert cosine per block<br><sup>{name} solid, merged dotted</sup>"
+            {"merged": merged_drift, name: drift},
+            f"expert cosine per block<br><sup>{name} solid, merged dotted</sup>",
+            zoos.block_names(zoo),
         ),
     )
     slots.draw(
@@ -259,7 +262,7 @@ with ui.status(f"Running exact forward-order FeatCal: {cal.label}…", status_sl
 
 box = st.expander("relative residual per module (before → after)", key="cal_residuals_open", on_change="rerun")
 if box.open:
-    box.plotly_chart(figures.residuals(run.report.to_frame()), key="cal_residuals")
+    box.plotly_chart(figures.residuals(run.report.to_frame(), names=zoos.block_names(zoo)), key="cal_residuals")
     for w in run.report.warnings:
         box.warning(w)
 
@@ -268,16 +271,16 @@ st.subheader("Task vectors of the experts")
 tv = state.expert_task_vectors(source, fp)
 c1, c2 = st.columns([1, 1])
 blocks_tv = sorted(int(b) for b in tv.block.unique())
-tv_block = c2.selectbox(
-    "over",
-    blocks_tv,
-    format_func=lambda b: "the whole model" if b < 0 else f"block {b}",
-    key="cal_tv_block",
-)
+
+
+def tv_over(block: int) -> str:
+    """What the task-vector cosines are taken over: the whole model, or one block."""
+    return "the whole model" if block < 0 else figures.block_label(block, zoos.block_names(zoo))
+
+
+tv_block = c2.selectbox("over", blocks_tv, format_func=tv_over, key="cal_tv_block")
 c1.plotly_chart(
-    figures.task_vector_matrix_heatmap(
-        tv, tv_block, f"cos(τ_i, τ_j), {'whole model' if tv_block < 0 else f'block {tv_block}'}"
-    ),
+    figures.task_vector_matrix_heatmap(tv, tv_block, f"cos(τ_i, τ_j), {tv_over(tv_block)}"),
     key="cal_tv_matrix",
 )
 c2.markdown(

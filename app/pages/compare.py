@@ -163,7 +163,7 @@ with out_tab:
     ui.table(out.loc[summary["method"]], 3)
 with drift_tab:
     task = st.selectbox("task", zoo.tasks, key="cmp_task")
-    fig = figs.drift_lines(result.drift, task)
+    fig = figs.drift_lines(result.drift, task, zoos.block_names(zoo))
     st.plotly_chart(fig, key="cmp_drift")
     st.download_button("Figure (HTML)", figures.to_html(fig), f"compare_drift_{task}.html")
     st.caption(

@@ -15,6 +15,7 @@ zoo, source = state.active_zoo(), state.active_source()
 fp = state.fingerprint(source)
 merger = controls.current_merger()
 cal = controls.current_calibration(zoos.split_size(zoo, "calib"))
+names = zoos.block_names(zoo)  # an encoder-decoder's blocks by name (encoder.block.3, decoder.block.0)
 ALL = "mean over tasks"
 METRICS = {
     k: figures.label(k) for k in ("drift_rel", "drift", "drift_sq_mismatch_share", "mismatch_rel", "propagation_rel")
@@ -115,14 +116,14 @@ for col, (name, df) in zip(cols, frames.items()):
     with col:
         st.plotly_chart(
             figures.drift_decomposition(
-                df, f"{name}: drift per block ({task})", one, sq, nm, selected_block=drill_block
+                df, f"{name}: drift per block ({task})", one, sq, nm, selected_block=drill_block, names=names
             ),
             key=f"drift_dec_{name}",
             on_select="rerun",
             selection_mode="points",
         )
         st.plotly_chart(
-            figures.drift_heatmap(df, f"{name}: {METRICS[metric]}", metric, zr),
+            figures.drift_heatmap(df, f"{name}: {METRICS[metric]}", metric, zr, names),
             key=f"drift_hm_{name}",
             on_select="rerun",
             selection_mode="points",
@@ -130,7 +131,7 @@ for col, (name, df) in zip(cols, frames.items()):
 
 left, right = st.columns(2)
 left.plotly_chart(
-    figures.drift_difference_heatmap(d_cal, d_mer, f"calibrated minus merged: {METRICS[metric]}", metric),
+    figures.drift_difference_heatmap(d_cal, d_mer, f"calibrated minus merged: {METRICS[metric]}", metric, names),
     key="drift_hm_diff",
     on_select="rerun",
     selection_mode="points",
@@ -145,10 +146,12 @@ right.markdown(
 st.subheader("Drill down")
 st.caption("Click a bar (block) or a heatmap cell (task and block) above, or pick here.")
 d1, d2 = st.columns(2)
-block = d1.selectbox("block", blocks, key="drill_block", on_change=chose_drill)
+block = d1.selectbox(
+    "block", blocks, key="drill_block", on_change=chose_drill, format_func=lambda b: figures.block_label(b, names)
+)
 dtask = d2.selectbox("task", zoo.tasks, key="drill_task", on_change=chose_drill)
-d1.plotly_chart(figures.block_by_task(frames, block, metric), key="drift_block")
-d2.plotly_chart(figures.task_by_block(frames, dtask, metric), key="drift_taskfig")
+d1.plotly_chart(figures.block_by_task(frames, block, metric, names), key="drift_block")
+d2.plotly_chart(figures.task_by_block(frames, dtask, metric, names), key="drift_taskfig")
 tidy = pd.concat([d.assign(model=name) for name, d in frames.items()], ignore_index=True)
 with st.expander("tables"):
     st.dataframe(tidy[tidy.block == block], hide_index=True)

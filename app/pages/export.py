@@ -104,19 +104,22 @@ st.download_button(
 st.subheader("Figures")
 sq = figures.value_range([d_mer, d_cal], figures.SQUARED, stacked=True)
 nm = figures.value_range([d_mer, d_cal], figures.NORMS)
+names = zoos.block_names(zoo)  # an encoder-decoder's blocks by name (encoder.block.3, decoder.block.0)
 FIGS = {
-    "drift-merged": lambda: figures.drift_decomposition(d_mer, "merged: drift per block", sq_range=sq, norm_range=nm),
-    "drift-calibrated": lambda: figures.drift_decomposition(
-        d_cal, "calibrated: drift per block", sq_range=sq, norm_range=nm
+    "drift-merged": lambda: figures.drift_decomposition(
+        d_mer, "merged: drift per block", sq_range=sq, norm_range=nm, names=names
     ),
-    "heatmap-merged": lambda: figures.drift_heatmap(d_mer, "merged: relative drift"),
-    "heatmap-calibrated": lambda: figures.drift_heatmap(d_cal, "calibrated: relative drift"),
+    "drift-calibrated": lambda: figures.drift_decomposition(
+        d_cal, "calibrated: drift per block", sq_range=sq, norm_range=nm, names=names
+    ),
+    "heatmap-merged": lambda: figures.drift_heatmap(d_mer, "merged: relative drift", names=names),
+    "heatmap-calibrated": lambda: figures.drift_heatmap(d_cal, "calibrated: relative drift", names=names),
     "accuracy": lambda: figures.accuracy_bars(
         compute.accuracy_frame(
             {"merged": mer_scores["output"], "calibrated": cal_scores["output"]}, expert_from="merged"
         )
     ),
-    "residuals": lambda: figures.residuals(run.report.to_frame()),
+    "residuals": lambda: figures.residuals(run.report.to_frame(), names=names),
 }
 name = st.selectbox("figure", list(FIGS), key="export_fig")
 fig = FIGS[name]()

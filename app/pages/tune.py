@@ -177,7 +177,11 @@ m2.metric(
 m3.metric(f"val {res.score}, paper setting", f"{b['anchor_score']:.3f}{unit}")
 if per_block:  # the schedule and every trial
     if b["schedule"]:
-        rows = [{"block": blk, "λ": v["lam"], "ρ": b["rho"], "α": v["alpha"]} for blk, v in b["schedule"].items()]
+        names = zoos.block_names(zoo)  # an encoder-decoder's blocks by name (encoder.block.3, decoder.block.0)
+        rows = [
+            {"block": blk if names is None else names[int(blk)], "λ": v["lam"], "ρ": b["rho"], "α": v["alpha"]}
+            for blk, v in b["schedule"].items()
+        ]
         ui.table(pd.DataFrame(rows), 4, index=False)
     st.subheader("Every trial")
     ui.table(res.table, 4, index=False)

@@ -6,7 +6,7 @@ weights conflict. The maths is :mod:`diagnostics.weights`; the figures
 
 import streamlit as st
 
-from app import controls, figures, state, ui
+from app import controls, figures, state, ui, zoos
 from app import weight_figures as wf
 from app.settings import ModelRef
 from diagnostics.weights import DENSITY, TOP_K, beside_drift, correlations
@@ -14,6 +14,7 @@ from diagnostics.weights import DENSITY, TOP_K, beside_drift, correlations
 zoo, source = state.active_zoo(), state.active_source()
 fp = state.fingerprint(source)
 merger = controls.current_merger()
+names = zoos.block_names(zoo)  # an encoder-decoder's blocks by name (encoder.block.3, decoder.block.0)
 
 st.title("Weights")
 st.caption(
@@ -36,11 +37,11 @@ metric = st.segmented_control(
 )
 metric = metric or "sign_against"
 left, right = st.columns(2)
-left.plotly_chart(wf.view_heatmap(per_block, metric, wf.view_title(metric)), key="w_heat")
-right.plotly_chart(figures.drift_heatmap(drift, "feature drift of the merged model"), key="w_drift")
+left.plotly_chart(wf.view_heatmap(per_block, metric, wf.view_title(metric), names), key="w_heat")
+right.plotly_chart(figures.drift_heatmap(drift, "feature drift of the merged model", names=names), key="w_drift")
 left, right = st.columns(2)
-left.plotly_chart(wf.conflict_and_drift(per_block, drift), key="w_conflict")
-right.plotly_chart(wf.view_vs_drift(wide, metric), key="w_scatter")
+left.plotly_chart(wf.conflict_and_drift(per_block, drift, names=names), key="w_conflict")
+right.plotly_chart(wf.view_vs_drift(wide, metric, names=names), key="w_scatter")
 right.caption(
     "Spearman rank correlation of each weight view with the relative drift over every (task, block): "
     + ", ".join(f"{wf.view_label(r.view)} **{r.spearman:+.2f}**" for r in corr.itertuples())
@@ -50,7 +51,7 @@ right.caption(
 
 st.subheader("Per tensor")
 blocks = sorted(int(b) for b in per_layer.block.unique())
-block = st.selectbox("block", blocks, key="w_block", format_func=lambda b: f"block {b}")
+block = st.selectbox("block", blocks, key="w_block", format_func=lambda b: figures.block_label(b, names))
 sel = per_layer[per_layer.block == block]
 layers = list(dict.fromkeys(sel.layer))
 table = (
@@ -62,7 +63,8 @@ table = (
     .reindex(layers)
 )
 st.caption(
-    f"Per tensor of block {block}: TIES's sign-conflict share over every task, then per task: {wf.view_title(metric)}."
+    f"Per tensor of {figures.block_label(block, names)}: TIES's sign-conflict share over every task, "
+    f"then per task: {wf.view_title(metric)}."
 )
 ui.table(table, 4)
 

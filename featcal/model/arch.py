@@ -178,6 +178,14 @@ def resolve_stacks(model: nn.Module, blocks: str | None = None) -> list[tuple[st
 STACK_SEP = "+"  # joins the paths of several stacks into one ``blocks_path`` (reports, previews)
 
 
+def block_names(model: nn.Module, blocks: str | None = None) -> list[str]:
+    """Every block's name, in forward order over every stack of :func:`resolve_stacks`: the
+    module path of block ``i`` of stack ``path`` is ``f"{path}.{i}"`` (``encoder.block.3``, then
+    ``decoder.block.0``). Position ``n`` in the list is block ``n`` as a report, a schedule and
+    the diagnostics' tables number the blocks (a decoder's after the encoder's)."""
+    return [f"{path}.{i}" for path, blks in resolve_stacks(model, blocks) for i in range(len(blks))]
+
+
 def all_blocks(model: nn.Module, blocks_path: str) -> list[nn.Module]:
     """The blocks of every stack named in ``blocks_path`` (paths joined by :data:`STACK_SEP`),
     one list in forward order: the block numbers of a report over several stacks."""

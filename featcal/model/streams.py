@@ -163,7 +163,10 @@ def call_model(model: nn.Module, batch: Any) -> Any:
 @dataclass
 class ExpertStreams:
     """Every task's stream of one model at every block of a stack: ``calls[task][l][b]`` is the
-    call that block ``l`` gets on batch ``b`` (``l = L``: the last block's output). What the
+    call that block ``l`` gets on batch ``b`` (``l = L``: the last block's output); of several
+    stacks (an encoder-decoder's, ``blocks`` their paths joined by
+    :data:`~featcal.model.arch.STACK_SEP`), each stack's ``L + 1`` calls after the previous
+    stack's. What the
     diagnostics need of the experts (:func:`diagnostics.expert_streams`), of a diagnosed model
     (:func:`diagnostics.streams_while`), and what :class:`featcal.ExpertTrace` keeps of the
     experts between calibrations. Holds ``tasks x batches x (blocks + 1)`` hidden states."""

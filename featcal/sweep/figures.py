@@ -51,6 +51,22 @@ def title_layout(text: str, size: int = 15) -> dict:
     }
 
 
+def block_axis(names: Sequence[str] | None = None, **kw) -> dict:
+    """An axis of blocks, one tick each: their numbers, or ``names`` at them (a model of several
+    stacks: :func:`featcal.model.arch.block_names`, ``encoder.block.3`` ... ``decoder.block.0``,
+    which tell an encoder's blocks from a decoder's). ``kw``: more of the axis' settings."""
+    axis = {"title": {"text": "block"}, "dtick": 1, **kw}
+    if names is not None:
+        axis.update(tickmode="array", tickvals=list(range(len(names))), ticktext=list(names))
+    return axis
+
+
+def block_label(block: int, names: Sequence[str] | None = None) -> str:
+    """``block`` as a figure's title or hover names it: ``block 3``, or its name in ``names``
+    (:func:`block_axis`)."""
+    return f"block {block}" if names is None else names[block]
+
+
 def tick(value: float) -> str:
     """An axis label for a grid value: three significant digits (a refined grid's values are
     not round)."""

@@ -160,6 +160,43 @@ def test_drift_figures_from_a_tidy_frame():
     assert "<html" in figures.to_html(fig)[:200].lower()
 
 
+def test_named_blocks_label_the_axes_the_hovers_and_the_titles():
+    """An encoder-decoder's block names (app.zoos.block_names) at the blocks' numbers: the axes'
+    ticks, the heatmap's hover, the drill-down's title; the clicks still give the number."""
+    from app import figures
+
+    df = _drift_frame()  # blocks 0-2
+    names = ["encoder.block.0", "encoder.block.1", "decoder.block.0"]
+    hm = figures.drift_heatmap(df, "t", names=names)
+    assert list(hm.layout.yaxis.tickvals) == [0, 1, 2] and list(hm.layout.yaxis.ticktext) == names
+    assert [c[0] for c in hm.data[1].customdata] == [0, 0, 1, 1, 2, 2]  # what a click reads
+    assert [c[2] for c in hm.data[1].customdata] == [n for n in names for _ in range(2)]
+    assert list(figures.drift_decomposition(df, "t", names=names).layout.xaxis.ticktext) == names
+    frames = {"merged": df}
+    assert figures.block_by_task(frames, 2, names=names).layout.title.text.startswith("decoder.block.0:")
+    assert list(figures.task_by_block(frames, "a", names=names).layout.xaxis.ticktext) == names
+    plain = figures.drift_heatmap(df, "t")  # one stack: the numbers, as before
+    assert plain.layout.yaxis.ticktext is None and plain.data[1].customdata[0][2] == "block 0"
+
+
+def test_the_block_names_of_a_zoo_tell_its_stacks_apart():
+    """None for a model of one stack (numbered blocks); an encoder-decoder's names in forward order."""
+    from app.zoos import block_names
+    from tiny import ToyModel, tiny_t5
+
+    class Zoo:
+        def __init__(self, base):
+            self.base = base
+
+    assert block_names(Zoo(ToyModel())) is None
+    assert block_names(Zoo(tiny_t5(0, layers=2))) == [
+        "encoder.block.0",
+        "encoder.block.1",
+        "decoder.block.0",
+        "decoder.block.1",
+    ]
+
+
 def test_the_difference_heatmap_is_calibrated_minus_merged_centred_at_zero():
     from app import figures
 

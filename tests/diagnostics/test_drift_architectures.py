@@ -94,3 +94,73 @@ def test_cached_streams_give_the_same_table(case):
         model_cache=own,
     )
     pd.testing.assert_frame_equal(plain, cached, rtol=1e-6, atol=1e-9)
+
+
+# ----------------------------------------------------------------------------- both stacks of T5
+
+
+@pytest.fixture(scope="module")
+def t5():
+    model = tiny.tiny_t5(0, layers=2)
+    return model, tiny.perturbed(model, 0.05, 1), tiny.t5_batches()
+
+
+def test_an_encoder_decoder_is_diagnosed_stack_by_stack_in_forward_order(t5):
+    """Without blocks=, both stacks: the encoder's blocks 0-1, then the decoder's numbered 2-3
+    (as featcal.model.arch.block_names names them), each equal to the table of its stack alone."""
+    from featcal.model.arch import block_names
+
+    model, expert, batches = t5
+    data = {"a": batches}
+    both = drift_table(model, {"a": expert}, data)
+    enc = drift_table(model, {"a": expert}, data, blocks="encoder.block")
+    dec = drift_table(model, {"a": expert}, data, blocks="decoder.block").assign(block=lambda d: d.block + 2)
+    assert block_names(model) == ["encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1"]
+    assert sorted(both.block.unique()) == [0, 1, 2, 3]
+    pd.testing.assert_frame_equal(both, pd.concat([enc, dec], ignore_index=True), rtol=1e-6, atol=1e-9)
+    assert (both[both.metric == "drift_rel"].value > 0).all()
+
+
+def test_cached_streams_of_both_stacks_give_the_same_table(t5):
+    """The experts' streams of both stacks, and the model's kept while running it whole or its
+    encoder alone (the seq2seq zoo's features: the decoder's stream is then run by the table)."""
+    from diagnostics import expert_streams
+    from diagnostics.drift import streams_while
+    from featcal.model.streams import call_model
+
+    model, expert, batches = t5
+    data = {"a": batches}
+    plain = drift_table(model, {"a": expert}, data)
+    cache = expert_streams({"a": expert}, data)
+    assert cache.blocks == "encoder.block+decoder.block" and len(cache.calls["a"]) == 3 + 3
+
+    def encoder_only(m, b):
+        return m.get_encoder()(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+
+    for fn, held in ((call_model, "encoder.block+decoder.block"), (encoder_only, "encoder.block")):
+        _, own = streams_while(model, data, fn)
+        assert own.blocks == held
+        cached = drift_table(model, {"a": expert}, data, expert_cache=cache, model_cache=own)
+        pd.testing.assert_frame_equal(plain, cached, rtol=1e-6, atol=1e-9)
+
+
+def test_task_vectors_are_read_per_block_of_both_stacks(t5):
+    """Per-block task-vector cosines and weight views number the decoder's blocks after the
+    encoder's; block 2 is decoder.block.0, summed here by hand from its parameters."""
+    from diagnostics import task_vector_cosine
+    from diagnostics.weights import weight_table
+
+    model, expert, _ = t5
+    other = tiny.perturbed(model, 0.05, 2)
+    tv = task_vector_cosine(other, model, {"a": expert})
+    cos = tv[tv.metric == "task_vector_cosine"].set_index("block").value
+    assert sorted(cos.index) == [-1, 0, 1, 2, 3]
+    sd, sd0, sde = other.state_dict(), model.state_dict(), expert.state_dict()
+    names = [n for n in sd0 if n.startswith("decoder.block.0.")]
+    tau = torch.cat([(sd[n].double() - sd0[n].double()).reshape(-1) for n in names])
+    tau_e = torch.cat([(sde[n].double() - sd0[n].double()).reshape(-1) for n in names])
+    assert cos[2] == pytest.approx(float(tau @ tau_e / (tau.norm() * tau_e.norm())), rel=1e-9)
+    layers = weight_table(model, {"a": expert, "b": other})
+    dec0 = layers[(layers.block == 2) & (layers.task == "a") & (layers.metric == "tau_sq")]
+    assert sorted(dec0.layer) == sorted(n[len("decoder.block.0.") :] for n in names)
+    assert dec0.value.sum() == pytest.approx(float(tau_e @ tau_e), rel=1e-9)

@@ -164,3 +164,27 @@ def test_a_preview_pickles_and_copies_with_its_previews():
         assert other._lock is not preview._lock
         for (_, _, W, b), (_, _, W0, b0) in zip(other.params(at), preview.params(at)):
             assert torch.equal(W, W0) and (b is None or torch.equal(b, b0))
+
+
+def test_a_preview_covers_both_stacks_of_an_encoder_decoder():
+    """T5: the preview writes the decoder's blocks (numbered after the encoder's) as well as the
+    encoder's. At the run's own setting it is the run; at another, the encoder's first block is
+    the exact run's (its features do not depend on the setting) and every block of both stacks moved."""
+    base, experts, merged, data = tiny.text_zoo(tiny.tiny_t5, lambda seed: tiny.t5_batches(n=6, batch=2, seed=seed))
+    cfg = FeatCalConfig.flan_t5(lam=1e-3, stats_dtype=torch.float64)
+    cal, report = calibrate(
+        merged, base=base, experts=experts, calib_data=data, config=cfg, keep_stats=True, progress=False
+    )
+    assert report.blocks_path == "encoder.block+decoder.block"
+    same = report.preview()
+    assert all(torch.allclose(v, same.state_dict()[k], atol=1e-5) for k, v in cal.state_dict().items())
+    other = report.preview(lam=0.5, alpha=0.8)
+    exact, _ = calibrate(
+        merged, base=base, experts=experts, calib_data=data, config=cfg.with_(lam=0.5, alpha=0.8), progress=False
+    )
+    q = "layer.0.SelfAttention.q.weight"
+    first = other.encoder.block[0].get_parameter(q)
+    assert torch.allclose(first, exact.encoder.block[0].get_parameter(q), atol=1e-5)
+    for stack in ("encoder.block", "decoder.block"):
+        for moved, run in zip(other.get_submodule(stack), cal.get_submodule(stack)):
+            assert not torch.allclose(moved.get_parameter(q), run.get_parameter(q), atol=1e-6), stack
