@@ -116,7 +116,7 @@ def per_task(value, experts: Mapping, what: str) -> list[float]:
 
 def _column(values: list[float], taus: torch.Tensor) -> torch.Tensor:
     """Per-task values shaped to broadcast against ``taus`` (n_tasks, *shape)."""
-    return torch.tensor(values, dtype=taus.dtype).reshape(-1, *([1] * (taus.dim() - 1)))
+    return torch.tensor(values, dtype=taus.dtype, device=taus.device).reshape(-1, *([1] * (taus.dim() - 1)))
 
 
 def task_arithmetic(

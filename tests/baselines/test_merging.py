@@ -279,3 +279,25 @@ def test_a_non_finite_weight_is_refused_not_merged(method, bad):
     experts = {"a": {"w": torch.ones(4, 4)}, "b": {"w": -torch.ones(4, 4)}}
     with pytest.raises(ValueError, match=r"weights: \{'a': (nan|inf)\} is not a finite number"):
         merge(method, base, experts, weights={"a": bad, "b": 1.0})
+
+
+def test_per_task_weights_sit_on_the_task_vectors_device():
+    """Task Arithmetic's weights column is made on the task vectors' device: made on the CPU it
+    failed the first merge of a zoo held on a GPU (found on an H200). The meta device stands in."""
+    from featcal.baselines.merging import _column
+
+    taus = torch.empty(3, 4, 5, device="meta")
+    w = _column([1.0, 0.5, 0.25], taus)
+    assert w.device == taus.device and w.shape == (3, 1, 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("method", sorted(MERGERS))
+def test_each_merger_on_the_gpu_equals_its_cpu_result(method):
+    base, experts = _sds()
+    cpu = merge(method, base, experts)
+    on = lambda sd: {k: v.cuda() for k, v in sd.items()}  # noqa: E731
+    gpu = merge(method, on(base), {t: on(e) for t, e in experts.items()})
+    for k, v in cpu.items():
+        assert gpu[k].device.type == "cuda"
+        torch.testing.assert_close(gpu[k].cpu(), v, rtol=1e-4, atol=1e-5)
