@@ -98,7 +98,7 @@ def check_generative(ctx, raw: Mapping, fmt: str, data: Mapping[str, DataSpec]) 
     """A generative zoo: HF models, no heads, no image or text-zoo keys, tables for data."""
     if fmt != "hf":
         raise ctx.fail("format", "a generative zoo's models are HF save_pretrained directories: use format: hf.")
-    extra = [k for k in ("heads", "features", "preprocess", "tokenizer") if k in raw]
+    extra = [k for k in ("heads", "features", "preprocess") if k in raw]
     if extra:
         raise ctx.fail(
             extra[0], "a generative zoo is scored on its replies (no heads, image or text features); remove it."

@@ -22,7 +22,10 @@ DATA_FORMATS = ("auto", "image_folder", "arrow", "parquet", "tensors", "text", "
 MODALITIES = ("image", "text", "causal_lm", "seq2seq")
 GENERATIVE = ("causal_lm", "seq2seq")  # scored on the model's own text, no heads: the spec's `tasks:` says how
 # The scorers a generative task may name (the functions: featcal.zoo.score.scorers.SCORERS, held equal by a test).
-SCORER_NAMES = ("exact_match", "strict_match", "final_number", "ifeval", "code_pass_at_1", "spearman", "choice", "none")
+SCORER_NAMES = (
+    *("exact_match", "strict_match", "final_number", "ifeval", "code_pass_at_1", "spearman", "choice", "none"),
+    *("answer_is_number", "first_line", "constraint"),  # the built-in smollm2 zoo's tasks'
+)
 TEXT_FORMATS = ("auto", "text", "tokens")
 FEATURES = ("embedding", "projection", "pooled")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -91,7 +94,8 @@ SCHEMA: dict[str, dict[str, str]] = {
         "reference": "the column holding the reply calibration reads (default: a text target; else the prompt alone)",
         "format": "a format for the target's text, e.g. '{:.1f}' (STS-B's scores as FusionBench writes them)",
         "scorer": "exact_match | strict_match | final_number | ifeval | code_pass_at_1 | spearman | choice | none "
-        "(none: merged and calibrated on, not scored; the tables say so)",
+        "(none: merged and calibrated on, not scored; the tables say so) | answer_is_number | first_line | constraint "
+        "(the built-in smollm2 zoo's)",
         "options": "choice: the column holding each example's options (the target is the right one's index)",
         "max_new_tokens": "the longest greedy reply, in tokens (default 64)",
     },
