@@ -115,7 +115,8 @@ def load(path: str | os.PathLike, verify: bool = True, device: str = "cpu") -> L
     if SPEC not in read_meta(path).get("files", {}):
         add_spec(path)
     zoo = from_spec.load(path / SPEC, device=device)
-    zoo.meta = {**zoo.meta, **read_meta(path), "path": str(path)}
+    inputs = {"the zoo": str(path), **zoo.meta.get("inputs", {})}  # an output lies apart from the whole directory
+    zoo.meta = {**zoo.meta, **read_meta(path), "path": str(path), "inputs": inputs}
     return zoo
 
 
