@@ -206,6 +206,7 @@ def score_choice(logliks: Sequence[float], ex: Example) -> float:
 # ------------------------------------------------------------------ instruction following
 
 END_WORDS = ("indeed", "today", "friend", "always", "done")
+CONSTRAINT_KINDS = ("upper", "words", "end", "json")
 KEYS = ("answer", "definition", "meaning", "text")
 
 
@@ -262,7 +263,7 @@ def follows(reply: str, constraint: dict) -> bool:
         except ValueError:
             return False
         return isinstance(doc, dict) and constraint["key"] in doc
-    raise ValueError(f"unknown constraint kind {kind!r}; expected upper, words, end or json.")
+    raise ValueError(f"unknown constraint kind {kind!r}; expected one of {list(CONSTRAINT_KINDS)}.")
 
 
 def score_instruction(reply: str, target: str) -> float:
@@ -276,9 +277,6 @@ def check_constraints(targets: Sequence) -> None:
         doc = json.loads(t) if isinstance(t, str) else None
         if not isinstance(doc, dict) or doc.get("kind") not in CONSTRAINT_KINDS:
             raise ValueError(f"target {t!r} is not a constraint's JSON text of kind {list(CONSTRAINT_KINDS)}")
-
-
-CONSTRAINT_KINDS = ("upper", "words", "end", "json")
 
 
 # ------------------------------------------------------------------ the table of tasks
