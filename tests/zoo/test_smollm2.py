@@ -289,3 +289,18 @@ def test_a_folder_in_the_way_of_the_spec_is_refused_and_left_alone(micro_dir, tm
         lm_dir.add_spec(old)
     assert mine.read_text() == "my notes" and sorted(p.name for p in mine.parent.iterdir()) == ["notes.txt"]
     assert lm_dir.SPEC not in (old / "meta.json").read_text()
+
+
+@pytest.mark.slow
+def test_a_cache_featcal_may_not_write_to_says_what_its_first_load_needs(micro_dir, tmp_path, monkeypatch):
+    from featcal.zoo.load import lm_dir
+
+    old = _as_before_specs(micro_dir, tmp_path / "v3")
+
+    def refused(path, files):
+        raise PermissionError(13, "Permission denied", str(path / "spec"))
+
+    monkeypatch.setattr(lm_dir, "_put_spec_dir", refused)
+    with pytest.raises(PermissionError, match=r"built before zoos had a spec.*write access.*--rebuild"):
+        lm_dir.add_spec(old)
+    assert lm_dir.SPEC not in (old / "meta.json").read_text()

@@ -127,6 +127,17 @@ def add_spec(path: str | os.PathLike) -> None:
     """Write the spec and tables of a zoo directory from before specs, from its ``examples.json``
     (see the module docstring); nothing when another process did it meanwhile."""
     path = Path(path)
+    try:
+        _add_spec(path)
+    except PermissionError as err:
+        raise PermissionError(
+            f"{path}: this LLM zoo was built before zoos had a spec, and featcal adds one (spec/, from its "
+            f"{OLD_EXAMPLES}) on its first load, which needs write access there ({err}). Load it once as a user "
+            "who may write there, or rebuild it (featcal zoo build smollm2 --rebuild)."
+        ) from None
+
+
+def _add_spec(path: Path) -> None:
     with outdir.output_lock(path, wait=True):
         meta = read_meta(path)
         if SPEC in meta.get("files", {}):
