@@ -61,7 +61,7 @@ class LMRecipe:
 
     tasks: tuple[str, ...] = ("arithmetic", "python", "wordnet", "instructions")
     sizes: dict = field(default_factory=lambda: {"train": 480, "calib": 64, "val": 64, "test": 200})
-    max_len: int = 112  # tokens per chat sequence (the longest example has 101)
+    max_len: int = 112  # tokens per training sequence (the longest example has 101; the spec's examples load whole)
     steps: int = 30
     task_steps: dict = field(default_factory=dict)  # {task: steps} where a task needs other than ``steps``
     batch_size: int = 6
