@@ -120,6 +120,24 @@ def mark(root: str | os.PathLike, kind: str, listed: bool = True) -> None:
     (root / MARKER).write_text(json.dumps(doc, indent=1) + "\n")
 
 
+def add_listed(root: str | os.PathLike, names: list[str]) -> None:
+    """Record files featcal has just added to a directory it wrote (relative ``names``) in that
+    directory's marker, so that they count as featcal's (and the directory stays replaceable); only
+    those names are added, never what else may lie there. A directory without a listing marker is left
+    as it is. The marker is replaced in one rename."""
+    root = Path(root)
+    try:
+        doc = json.loads((root / MARKER).read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(doc, dict) or not isinstance(doc.get("files"), list):
+        return
+    doc["files"] = sorted(set(doc["files"]) | set(names))
+    tmp = root.parent / f".{root.name}.marker-{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, root / MARKER)
+
+
 # What featcal writes, by kind, in a directory it fills as it goes. Its marker lists no files (an older
 # featcal's sweep folder, a streamed run's work directory), so only these names (fnmatch patterns of
 # the path inside it) count as featcal's there; anything else is the user's and is never deleted.

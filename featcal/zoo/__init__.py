@@ -33,7 +33,7 @@ from featcal.zoo.builtin.realtext import load_realtext, realtext_path
 from featcal.zoo.core import SPLITS, TaskData, Zoo, evaluate
 from featcal.zoo.formats import fusionbench
 from featcal.zoo.io import OutputExistsError, load_model, save_model
-from featcal.zoo.load import from_spec
+from featcal.zoo.load import from_spec, lm_dir
 from featcal.zoo.score.scores import average, expert_accuracies, normalized, summary, write_scores
 from featcal.zoo.store import is_zoo_dir, read_zoo_dir
 
@@ -85,7 +85,8 @@ def load_any(name_or_path: str | os.PathLike, progress: bool = True, rebuild: bo
     - ``smollm2``: the LLM zoo (:mod:`featcal.zoo.builtin.smollm2`, likewise);
     - a ``.yaml`` / ``.yml`` file: a spec of real models (:func:`featcal.zoo.load.from_spec.load`), or a
       FusionBench CLIP model pool (:mod:`featcal.zoo.formats.fusionbench`);
-    - a directory in the demo's layout (``meta.json`` of kind ``featcal-zoo``).
+    - a directory in the demo's layout (``meta.json`` of kind ``featcal-zoo``); an LLM zoo's (the
+      smollm2 build's) through the spec in it (:mod:`featcal.zoo.load.lm_dir`).
 
     ``~`` and ``$VARS`` in a path are expanded. ``rebuild`` applies to the built-in
     zoos only; ``progress`` shows their build's progress bars. Raises ``FileNotFoundError``
@@ -104,7 +105,7 @@ def load_any(name_or_path: str | os.PathLike, progress: bool = True, rebuild: bo
             return _on(from_spec.load(fusionbench.pool_spec(path), device=device), device)
         return _on(from_spec.load(path, device=device), device)
     if path.is_dir() and is_zoo_dir(path):
-        return _on(read_zoo_dir(path), device)
+        return _on(lm_dir.load(path, device=device) if lm_dir.is_lm_dir(path) else read_zoo_dir(path), device)
     what = "is a directory but not a featcal zoo (no meta.json)" if path.is_dir() else "does not exist"
     raise FileNotFoundError(
         f"zoo {key!r} {what}; give {', '.join(repr(n) for n in [*NAMES, *BUILT])}, a .yaml spec, or a zoo directory."

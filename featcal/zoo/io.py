@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Iterator, Mapping
 
 from featcal.model.export import MAX_SHARD_BYTES, drift_summary, model_name, write_hub_files
@@ -316,7 +316,13 @@ def tree_sha256(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> tuple
         for p in sorted(root.rglob("*"))
         if p.is_file() and p.relative_to(root).as_posix() not in exclude
     }
+    return files_digest(files), files
+
+
+def files_digest(files: Mapping[str, str]) -> str:
+    """The digest :func:`tree_sha256` gives a tree of ``{relative path: sha256}`` (in path order,
+    folder by folder), so files added to a hashed tree can be recorded without hashing it all again."""
     h = hashlib.sha256()
-    for rel, digest in files.items():
-        h.update(f"{rel}\0{digest}\n".encode())
-    return h.hexdigest(), files
+    for rel in sorted(files, key=lambda r: PurePosixPath(r).parts):
+        h.update(f"{rel}\0{files[rel]}\n".encode())
+    return h.hexdigest()

@@ -11,6 +11,10 @@
                                  (text zoos: ``x`` (n, L) int32 token ids and ``mask`` (n, L) uint8)
     <zoo>/tokenizer/             text zoos: the tokenizer the token ids come from
 
+An LLM zoo (``meta["scoring"] == "lm"``, the built-in smollm2) keeps its examples as a generative
+zoo spec and its tables instead of data.npz and heads (``spec/``: :mod:`featcal.zoo.load.lm_dir`,
+which loads it; :func:`read_zoo_dir` refuses it, naming that loader).
+
 ``meta["content_sha256"]`` is the sha256 over the paths and sha256s of every
 file except ``meta.json``; :func:`read_zoo_dir` checks it, so a corrupted
 cache is reported rather than silently used. Any directory in this layout can
@@ -36,7 +40,7 @@ from featcal.model.allowed import check_model_kwargs, library_model_class
 from featcal.util import outdir
 from featcal.zoo.core import SPLITS, TaskData, Zoo
 from featcal.zoo.io import atomic_dir, quiet_transformers, tree_sha256
-from featcal.zoo.score.lm import EXAMPLES, LMZoo, lm_mean_hidden, read_examples
+from featcal.zoo.score.lm import lm_mean_hidden
 from featcal.zoo.tokens import TokenRows, as_batch, masked_mean
 
 KIND = "featcal-zoo"
@@ -108,6 +112,8 @@ def write_zoo_dir(
     ``storage_dtype="float16"`` stores the models at half the size (the loader casts
     them back to float32, so the loaded zoo *is* the rounded one; heads stay float32).
     ``extra_files``: ``{relative name: text or bytes}`` written beside (and hashed with) the rest.
+    Without ``heads`` or ``arrays`` (an LLM zoo: its examples are in ``extra_files``), no
+    heads.safetensors or data.npz is written.
     """
     from safetensors.torch import save_file
 
@@ -119,13 +125,13 @@ def write_zoo_dir(
         _save_model(base, tmp / "base", storage_dtype)
         for task, model in experts.items():
             _save_model(model, tmp / "experts" / task, storage_dtype)
-        save_file(
-            {f"{t}.{k}": v.detach().contiguous().float() for t, h in heads.items() for k, v in h.state_dict().items()},
-            str(tmp / "heads.safetensors"),
-        )
+        if heads:
+            tensors = {f"{t}.{k}": v.detach().float() for t, h in heads.items() for k, v in h.state_dict().items()}
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "heads.safetensors"))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp / "tokenizer"))
-        save_npz(tmp / "data.npz", _flat_arrays(arrays))
+        if arrays:
+            save_npz(tmp / "data.npz", _flat_arrays(arrays))
         _write_files(tmp, extra_files or {})
         digest, files = tree_sha256(tmp)
         meta = {
@@ -138,7 +144,7 @@ def write_zoo_dir(
             "storage_dtype": storage_dtype,
             **({"inputs": "tokens"} if tokenizer is not None else {"pixels": {"mean": 0.5, "std": 0.5}}),
             "tasks": {
-                t: {"classes": list(classes[t]), "sizes": {s: int(len(arrays[t][s][1])) for s in arrays[t]}}
+                t: {"classes": list(classes[t]), "sizes": {s: int(len(y)) for s, (_, y) in arrays.get(t, {}).items()}}
                 for t in experts
             },
             "content_sha256": digest,
@@ -236,9 +242,14 @@ def read_zoo_dir(path: str | os.PathLike, verify: bool = True) -> Zoo:
     path = Path(path)
     if not is_zoo_dir(path):
         raise FileNotFoundError(f"{str(path)!r} is not a featcal zoo directory (no {META} of kind {KIND!r}).")
+    meta = read_meta(path)
+    if meta.get("scoring") == "lm":
+        raise ValueError(
+            f"{str(path)!r} is an LLM zoo, loaded through its spec: use featcal.zoo.load_any({str(path)!r}) "
+            "(or featcal.zoo.load.lm_dir.load)."
+        )
     if verify:
         verify_zoo_dir(path)
-    meta = read_meta(path)
     # meta.json is data: its class and keyword arguments pass allow-lists, and no code is run.
     cls = library_model_class(meta["model_class"], f"zoo {str(path)!r}: meta.json's model_class")
     kw = check_model_kwargs(meta.get("model_kwargs", {}), f"zoo {str(path)!r}: meta.json's model_kwargs")
@@ -246,8 +257,7 @@ def read_zoo_dir(path: str | os.PathLike, verify: bool = True) -> Zoo:
     with quiet_transformers():
         base = _load_model(cls, path / "base", meta, kw)
         experts = {t: _load_model(cls, path / "experts" / t, meta, kw) for t in meta["tasks"]}
-    lm = meta.get("scoring") == "lm"  # an LLM zoo has no heads
-    heads = _read_heads(load_file(str(path / "heads.safetensors")), [] if lm else meta["tasks"])
+    heads = _read_heads(load_file(str(path / "heads.safetensors")), meta["tasks"])
     pix = meta.get("pixels", {"mean": 0.5, "std": 0.5})
     data: dict[str, TaskData] = {}
     with np.load(path / "data.npz") as npz:
@@ -262,18 +272,7 @@ def read_zoo_dir(path: str | os.PathLike, verify: bool = True) -> Zoo:
             }
             data[task] = TaskData(task, list(info["classes"]), splits)
     meta = {**meta, "path": str(path)}
-    if lm:  # scored on its replies
-        from transformers import AutoTokenizer
-
-        extra = {
-            "tokenizer": AutoTokenizer.from_pretrained(
-                str(path / "tokenizer"), local_files_only=True, trust_remote_code=False
-            ),
-            "examples": read_examples(path / EXAMPLES),
-        }
-    else:
-        extra = {}
-    return (LMZoo if extra else Zoo)(
+    return Zoo(
         name=meta["name"],
         base=base,
         experts=experts,
@@ -282,7 +281,6 @@ def read_zoo_dir(path: str | os.PathLike, verify: bool = True) -> Zoo:
         features=FEATURES[meta["features"]],
         fmt=meta.get("fmt", "hf"),
         meta=meta,
-        **extra,
     )
 
 

@@ -85,6 +85,7 @@ ZOO_LAYERS = {
         "featcal.zoo.score.scorers",  # what a generative zoo's task is scored with, by name
         "featcal.zoo.score.seq2seq",  # encoder-decoder zoos (FLAN-T5 on GLUE as text)
         "featcal.zoo.load.generative",  # a spec's causal_lm / seq2seq zoo: models, tokenizer, examples
+        "featcal.zoo.load.lm_dir",  # an LLM zoo's directory: its spec and tables (the built-in smollm2)
         "featcal.zoo.formats.lm_pools",  # FusionBench's Seq2SeqLMPool / CausalLMPool as specs
     ),
     "build": (

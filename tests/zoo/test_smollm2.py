@@ -6,6 +6,7 @@ where the model's package (or gguf, accelerate, peft, WordNet) is absent."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,6 +54,7 @@ def test_loads_as_a_zoo_and_scores_replies(micro):
     from featcal.zoo.score.lm import LMZoo
 
     assert isinstance(micro, LMZoo) and micro.tasks == ["python", "wordnet"]
+    assert micro.input_paths()["the zoo"] == micro.meta["path"]  # an output lies apart from the whole directory
     assert micro.base.config.num_hidden_layers == 2 and micro.base.config.tie_word_embeddings
     scores = evaluate(micro.merged("task_arithmetic", scale=0.3), micro)
     assert set(scores) == {"python", "wordnet"} and all(0.0 <= v <= 100.0 for v in scores.values())
@@ -167,3 +169,138 @@ def test_tune_runs_on_the_llm_zoo(micro):
     grid = Grid(lam=(1e-3, 1.0), rho=(0.5,), alpha=(0.15,))
     res = tune_zoo(micro, n_calib=4, val_per_task=4, grid=grid, n_confirm=1, config=None)
     assert res.best is not None and len(res.table) >= 2
+
+
+# ------------------------------------------------------------------ the zoo is a spec
+
+
+@pytest.mark.slow
+def test_the_written_spec_passes_the_validator_and_names_the_directorys_own_files(micro_dir):
+    from featcal.zoo.load import from_spec, lm_dir
+    from featcal.zoo.spec.parsing import parse
+
+    spec = parse(micro_dir / lm_dir.SPEC)
+    assert spec.modality == "causal_lm" and spec.tasks == ["python", "wordnet"]
+    assert Path(spec.base.path).resolve() == (micro_dir / "base").resolve()
+    assert Path(spec.experts["python"].path).resolve() == (micro_dir / "experts" / "python").resolve()
+    assert Path(spec.tokenizer).resolve() == (micro_dir / "tokenizer").resolve()
+    for t in spec.tasks:
+        d = spec.data[t]
+        assert (d.calib_split, d.val_split, d.test_split, d.format) == ("calib", "val", "test", "parquet")
+        assert Path(d.path).resolve() == (micro_dir / "spec" / "data" / t).resolve()
+    assert spec.generation["python"].scorer == "first_line" and spec.generation["wordnet"].scorer == "choice"
+    assert from_spec.check(spec) == []  # everything it names is there
+    assert not (micro_dir / "examples.json").exists() and not (micro_dir / "data.npz").exists()
+
+
+@pytest.mark.slow
+def test_the_tables_hold_the_examples_the_generators_make_for_the_recipes_seed(micro):
+    """The spec's tables are the recipe's generated examples, in their order (what the zoo loaded
+    before it was a spec), and their token rows are those the recipe encodes (its max_len cuts nothing)."""
+    from featcal.zoo.builtin.llm_tasks import make_splits
+    from featcal.zoo.score.lm import encode_chats
+
+    recipe = smollm2.micro_recipe()
+    for task in micro.tasks:
+        made = make_splits(task, recipe.sizes, recipe.seed)
+        for split in ("calib", "val", "test"):
+            assert micro.examples[task][split] == made[split], (task, split)
+            rows, _ = encode_chats(micro.tokenizer, made[split], recipe.max_len)
+            x, labels = micro.data[task].splits[split]
+            assert torch.equal(x.input_ids, rows.input_ids) and torch.equal(x.attention_mask, rows.attention_mask)
+            assert labels.tolist() == [ex.label for ex in made[split]]
+        assert micro.task_table[task].kind == ("choice" if task == "wordnet" else "generate")
+
+
+@pytest.mark.slow
+def test_read_zoo_dir_names_the_loader_of_an_llm_zoo(micro_dir):
+    from featcal.zoo.store import read_zoo_dir
+
+    with pytest.raises(ValueError, match=r"LLM zoo, loaded through its spec: use featcal\.zoo\.load_any"):
+        read_zoo_dir(micro_dir)
+
+
+def _as_before_specs(micro_dir, where):
+    """A copy of the micro zoo in the layout of a cache from before specs (smollm2 v3): no spec/,
+    the examples in examples.json (the old format: an instruction's constraint in its own field),
+    meta.json and the marker recording exactly those files."""
+    import json
+    import shutil
+
+    from featcal.util import outdir
+    from featcal.zoo.io import tree_sha256
+    from featcal.zoo.load import lm_dir
+    from featcal.zoo.load.generative import read_rows
+    from featcal.zoo.spec.locate import LocatedData
+
+    shutil.copytree(micro_dir, where)
+    spec = where / lm_dir.SPEC_DIR
+    doc = {}
+    for task in sorted(p.name for p in (spec / "data").iterdir()):
+        located = LocatedData(None, "parquet", spec / "data" / task)
+        doc[task] = {s: [{**r, "constraint": {}} for r in read_rows(located, s)] for s in ("calib", "val", "test")}
+    shutil.rmtree(spec)
+    (where / lm_dir.OLD_EXAMPLES).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    meta = json.loads((where / "meta.json").read_text())
+    meta["content_sha256"], meta["files"] = tree_sha256(where, exclude=("meta.json", outdir.MARKER))
+    (where / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    outdir.mark(where, "zoo")
+    return where
+
+
+@pytest.mark.slow
+def test_a_cache_from_before_specs_gets_its_spec_from_its_examples_without_retraining(micro, micro_dir, tmp_path):
+    import json
+
+    from featcal.util.outdir import check_replaceable
+    from featcal.zoo import load_any
+    from featcal.zoo.load import lm_dir
+    from featcal.zoo.store import read_meta, verify_zoo_dir
+
+    old = _as_before_specs(micro_dir, tmp_path / "v3")
+    models = {p: p.stat().st_mtime_ns for p in (old / "experts").rglob("*") if p.is_file()}
+    zoo = load_any(str(old))
+    for task in micro.tasks:
+        assert zoo.examples[task] == micro.examples[task]
+        for split in ("calib", "val", "test"):
+            assert torch.equal(zoo.data[task].splits[split][0].input_ids, micro.data[task].splits[split][0].input_ids)
+    # only spec/ was added; the records name it, so the cache verifies and a rebuild may replace it
+    assert {p: p.stat().st_mtime_ns for p in (old / "experts").rglob("*") if p.is_file()} == models
+    for rel in lm_dir.spec_files("smollm2", micro.examples):
+        assert (old / rel).read_bytes() == (micro_dir / rel).read_bytes()  # what a fresh build writes
+    meta = read_meta(old)
+    assert lm_dir.SPEC in meta["files"] and meta["spec_added"]["from"] == "examples.json"
+    verify_zoo_dir(old)
+    check_replaceable(old)
+    assert lm_dir.SPEC in json.loads((old / ".featcal-output.json").read_text())["files"]
+    load_any(str(old))  # a second load reads the spec it finds
+    assert read_meta(old) == meta
+
+
+@pytest.mark.slow
+def test_a_folder_in_the_way_of_the_spec_is_refused_and_left_alone(micro_dir, tmp_path):
+    from featcal.zoo.load import lm_dir
+
+    old = _as_before_specs(micro_dir, tmp_path / "v3")
+    mine = old / "spec" / "notes.txt"
+    mine.parent.mkdir()
+    mine.write_text("my notes")
+    with pytest.raises(FileExistsError, match=r"spec is in the way.*Move it away"):
+        lm_dir.add_spec(old)
+    assert mine.read_text() == "my notes" and sorted(p.name for p in mine.parent.iterdir()) == ["notes.txt"]
+    assert lm_dir.SPEC not in (old / "meta.json").read_text()
+
+
+@pytest.mark.slow
+def test_a_cache_featcal_may_not_write_to_says_what_its_first_load_needs(micro_dir, tmp_path, monkeypatch):
+    from featcal.zoo.load import lm_dir
+
+    old = _as_before_specs(micro_dir, tmp_path / "v3")
+
+    def refused(path, files):
+        raise PermissionError(13, "Permission denied", str(path / "spec"))
+
+    monkeypatch.setattr(lm_dir, "_put_spec_dir", refused)
+    with pytest.raises(PermissionError, match=r"built before zoos had a spec.*write access.*--rebuild"):
+        lm_dir.add_spec(old)
+    assert lm_dir.SPEC not in (old / "meta.json").read_text()

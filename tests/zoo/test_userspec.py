@@ -216,7 +216,7 @@ def test_the_worked_example_in_docs_zoos_md_is_a_valid_spec(tmp_path):
     from featcal.zoo.spec import parsing, schema
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "zoos.md").read_text()
-    example, text, generative = re.findall(r"^```yaml\n(.*?)^```$", doc, flags=re.S | re.M)
+    example, text, generative, ready = re.findall(r"^```yaml\n(.*?)^```$", doc, flags=re.S | re.M)
     spec = parsing.from_dict(yaml.safe_load(example), root=tmp_path, source="zoos.md")
     assert list(spec.tasks) == ["flowers", "stanford-cars"]
     assert set(yaml.safe_load(example)) <= set(schema.SCHEMA["zoo"])  # every key it shows is documented
@@ -224,3 +224,6 @@ def test_the_worked_example_in_docs_zoos_md_is_a_valid_spec(tmp_path):
     assert spec.modality == "text" and spec.preprocess.max_length == 64 and list(spec.tasks) == ["reviews", "topics"]
     spec = parsing.from_dict(yaml.safe_load(generative), root=tmp_path, source="zoos.md")  # the decoder LLM's
     assert spec.modality == "causal_lm" and spec.generation["code"].scorer == "code_pass_at_1"
+    spec = parsing.from_dict(yaml.safe_load(ready), root=tmp_path, source="zoos.md")  # ready-made calib and val
+    assert (spec.data["math"].calib_split, spec.data["math"].val_split) == ("my_calib", "my_val")
+    assert spec.data["math"].splits_read == ("test", "my_calib", "my_val")  # no train split read

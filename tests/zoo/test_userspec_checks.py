@@ -161,7 +161,7 @@ def test_a_text_zoo_without_tokenizer_files_says_so_and_takes_a_tokenizer_direct
     assert spec["tokenizer"] == str(kept)
     zoo = userspec.load_checked(spec, root / "words.yaml")
     assert zoo.data["colour"].classes == ["blue", "red"]
-    with pytest.raises(userspec.UserSpecError, match="only a text zoo tokenises"):
+    with pytest.raises(userspec.UserSpecError, match="an image zoo tokenises nothing"):
         data = userspec.find_tasks(write_user_models(tmp_path / "img") / "data")
         userspec.user_spec(
             "img",

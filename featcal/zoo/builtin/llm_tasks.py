@@ -15,9 +15,11 @@ Every example is generated offline with a seed, or read from WordNet 3.0 (Debian
   (capital letters only, exactly N words, end with a given word, JSON with a given key);
   scored by whether the reply meets the constraint.
 
-An example is a :class:`Example`; :data:`TASKS` maps a task's name to its generator, how it
-is scored and how long a reply may be. Scores are pure functions of the reply (or of the
-option log-likelihoods) and the example, so the tests check them on hand-made answers.
+An example is a :class:`Example`; :data:`TASKS` maps a task's name to its generator and its entry
+in the zoo spec the smollm2 recipe writes (how a row of its table is prompted and scored: the
+scorers below, by the names :mod:`featcal.zoo.score.scorers` gives them). Scores are pure functions
+of the reply (or of the option log-likelihoods) and the target, so the tests check them on
+hand-made answers.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ import math
 import operator
 import random
 import re
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 
 from featcal.zoo.builtin import text_data
 
@@ -36,32 +38,24 @@ from featcal.zoo.builtin import text_data
 @dataclass(frozen=True)
 class Example:
     """One prompt (the user's turn), the reference reply (fine-tuning and calibration
-    target) and what scores it: ``target`` (the exact answer), ``options`` and ``label``
-    (multiple choice), or ``constraint`` (instruction following)."""
+    target) and what scores it: ``target`` (the exact answer; an instruction's constraint as
+    JSON text; a spec task's structured target), ``options`` and ``label`` (multiple choice)."""
 
     prompt: str
     answer: str
-    target: str = ""
+    target: Any = ""
     options: tuple[str, ...] = ()
     label: int = -1
-    constraint: dict = field(default_factory=dict)
 
-    def to_dict(self) -> dict:
+    def row(self) -> dict:
+        """The example as a row of a task's table (what a spec's task entry reads back)."""
         return {
             "prompt": self.prompt,
             "answer": self.answer,
             "target": self.target,
             "options": list(self.options),
             "label": self.label,
-            "constraint": dict(self.constraint),
         }
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Example":
-        return cls(
-            d["prompt"], d["answer"], d.get("target", ""), tuple(d.get("options", ())), d.get("label", -1),
-            dict(d.get("constraint", {})),
-        )  # fmt: skip
 
 
 # ------------------------------------------------------------------ arithmetic
@@ -109,8 +103,9 @@ def final_number(reply: str) -> str | None:
     return str(int(float(picked))) if float(picked).is_integer() else picked
 
 
-def score_arithmetic(reply: str, ex: Example) -> float:
-    return float(final_number(reply) == ex.target)
+def score_arithmetic(reply: str, target: str) -> float:
+    """1 when the reply's final number (:func:`final_number`) is the target."""
+    return float(final_number(reply) == target)
 
 
 # ------------------------------------------------------------------ python expressions
@@ -159,8 +154,9 @@ def first_line(reply: str) -> str:
     return line.rstrip(".").strip("`").strip().rstrip(".").strip()
 
 
-def score_python(reply: str, ex: Example) -> float:
-    return float(first_line(reply) == ex.target)
+def score_python(reply: str, target: str) -> float:
+    """1 when the reply's first line (:func:`first_line`) is the target."""
+    return float(first_line(reply) == target)
 
 
 # ------------------------------------------------------------------ WordNet
@@ -210,6 +206,7 @@ def score_choice(logliks: Sequence[float], ex: Example) -> float:
 # ------------------------------------------------------------------ instruction following
 
 END_WORDS = ("indeed", "today", "friend", "always", "done")
+CONSTRAINT_KINDS = ("upper", "words", "end", "json")
 KEYS = ("answer", "definition", "meaning", "text")
 
 
@@ -236,8 +233,13 @@ def instructions(rng: random.Random, n: int) -> list[Example]:
                 json.dumps({key: gloss}),
                 {"kind": "json", "key": key},
             )
-        out.append(Example(f"{ask} {rule}", reply, constraint=c))
+        out.append(Example(f"{ask} {rule}", reply, target=constraint_text(c)))
     return out
+
+
+def constraint_text(constraint: Mapping) -> str:
+    """An instruction's constraint as its example's target: JSON text (one column of a table)."""
+    return json.dumps(dict(constraint), sort_keys=True)
 
 
 def _words(text: str) -> list[str]:
@@ -261,11 +263,20 @@ def follows(reply: str, constraint: dict) -> bool:
         except ValueError:
             return False
         return isinstance(doc, dict) and constraint["key"] in doc
-    raise ValueError(f"unknown constraint kind {kind!r}; expected upper, words, end or json.")
+    raise ValueError(f"unknown constraint kind {kind!r}; expected one of {list(CONSTRAINT_KINDS)}.")
 
 
-def score_instruction(reply: str, ex: Example) -> float:
-    return float(follows(reply, ex.constraint))
+def score_instruction(reply: str, target: str) -> float:
+    """1 when the reply meets the constraint that ``target`` holds as JSON text (:func:`constraint_text`)."""
+    return float(follows(reply, json.loads(target)))
+
+
+def check_constraints(targets: Sequence) -> None:
+    """Refuse a target that is not a constraint's JSON text of a known kind (before any reply)."""
+    for t in targets:
+        doc = json.loads(t) if isinstance(t, str) else None
+        if not isinstance(doc, dict) or doc.get("kind") not in CONSTRAINT_KINDS:
+            raise ValueError(f"target {t!r} is not a constraint's JSON text of kind {list(CONSTRAINT_KINDS)}")
 
 
 # ------------------------------------------------------------------ the table of tasks
@@ -273,25 +284,34 @@ def score_instruction(reply: str, ex: Example) -> float:
 
 @dataclass(frozen=True)
 class Task:
-    """A task: its generator ``make(rng, n)`` (None for a spec's task, whose examples are read
-    from its data), its kind (``generate``: scored on a greedy reply of at most ``max_new_tokens``;
-    ``choice``: on the options' log-likelihoods), its score function ``score(answer, example)``
-    (or ``corpus(answers, examples)`` for a set-level metric such as Spearman's), and the data
-    it needs (``wordnet`` or nothing)."""
+    """How a task is scored: its kind (``generate``: on a greedy reply of at most
+    ``max_new_tokens``; ``choice``: on the options' log-likelihoods; ``none``: not scored), its
+    score function ``score(answer, example)`` (or ``corpus(answers, examples)`` for a set-level
+    metric such as Spearman's). :func:`featcal.zoo.score.scorers.task` makes one from a spec's entry."""
 
-    make: Callable[[random.Random, int], list[Example]] | None
     kind: str
-    score: Callable
+    score: Callable | None
     max_new_tokens: int = 0
-    source: str | None = None
     corpus: Callable | None = None  # (answers, examples) -> percent, for a metric over the whole set
 
 
+@dataclass(frozen=True)
+class Builtin:
+    """A built-in task: its generator ``make(rng, n)``, the data it needs (``wordnet`` or
+    nothing), and its entry in the zoo spec the recipe writes (the spec's ``tasks.<task>``: how a
+    row of its table, :meth:`Example.row`, is prompted and scored)."""
+
+    make: Callable[[random.Random, int], list[Example]]
+    entry: Mapping[str, Any]
+    source: str | None = None
+
+
+_ROW = {"prompt": "{prompt}", "target": "target", "reference": "answer"}  # the table's columns, as Example.row
 TASKS = {
-    "arithmetic": Task(arithmetic, "generate", score_arithmetic, max_new_tokens=12),
-    "python": Task(python_expressions, "generate", score_python, max_new_tokens=8),
-    "wordnet": Task(wordnet_choice, "choice", score_choice, source="wordnet"),
-    "instructions": Task(instructions, "generate", score_instruction, max_new_tokens=32, source="wordnet"),
+    "arithmetic": Builtin(arithmetic, {**_ROW, "scorer": "answer_is_number", "max_new_tokens": 12}),
+    "python": Builtin(python_expressions, {**_ROW, "scorer": "first_line", "max_new_tokens": 8}),
+    "wordnet": Builtin(wordnet_choice, {**_ROW, "options": "options", "scorer": "choice"}, source="wordnet"),
+    "instructions": Builtin(instructions, {**_ROW, "scorer": "constraint", "max_new_tokens": 32}, source="wordnet"),
 }
 
 

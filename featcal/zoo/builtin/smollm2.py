@@ -12,8 +12,11 @@ task's ``train`` split (the loss on the reply's tokens only; AdamW; seeded batch
 which every CPU runs at full speed: bfloat16 autocast is 2-3x faster on CPUs with native
 bfloat16 but about 10x slower on those without), then
 merged into a dense ``save_pretrained`` model; the adapters are kept too, under
-``adapters/<task>/`` (peft's layout). ``load_smollm2()`` builds on first use into
-``<cache>/zoos/smollm2-<version>/`` (atomically; a cache from another recipe is rebuilt).
+``adapters/<task>/`` (peft's layout). The calib, val and test examples are written as a zoo spec
+(``modality: causal_lm``) and its tables beside the models (``spec/``, :mod:`featcal.zoo.load.lm_dir`),
+and the zoo loads through that spec, as a user's spec loads. ``load_smollm2()`` builds on first use
+into ``<cache>/zoos/smollm2-<version>/`` (atomically; a cache from another recipe is rebuilt; one of
+this version written before specs gets its spec from its examples, without retraining).
 """
 
 from __future__ import annotations
@@ -40,10 +43,10 @@ from featcal.util.progress import Progress, Tracker, note
 from featcal.zoo.builtin import text_data
 from featcal.zoo.builtin.demo import _default_threads, _torch_threads, cache_dir
 from featcal.zoo.builtin.llm_tasks import TASKS
-from featcal.zoo.core import SPLITS, Zoo
 from featcal.zoo.io import offline, quiet_transformers
-from featcal.zoo.score.lm import encode_chats, examples_json
-from featcal.zoo.store import is_zoo_dir, read_meta, read_zoo_dir, write_zoo_dir
+from featcal.zoo.load import lm_dir
+from featcal.zoo.score.lm import LMZoo, encode_chats
+from featcal.zoo.store import is_zoo_dir, read_meta, write_zoo_dir
 
 SMOLLM2_VERSION = "3"  # 3: float32 fine-tuning (2: bfloat16 autocast; 1: wordnet options as letters)
 NAME = "smollm2"
@@ -58,7 +61,7 @@ class LMRecipe:
 
     tasks: tuple[str, ...] = ("arithmetic", "python", "wordnet", "instructions")
     sizes: dict = field(default_factory=lambda: {"train": 480, "calib": 64, "val": 64, "test": 200})
-    max_len: int = 112  # tokens per chat sequence (the longest example has 101)
+    max_len: int = 112  # tokens per training sequence (the longest example has 101; the spec's examples load whole)
     steps: int = 30
     task_steps: dict = field(default_factory=dict)  # {task: steps} where a task needs other than ``steps``
     batch_size: int = 6
@@ -229,10 +232,10 @@ def needs_build() -> bool:
     return not is_zoo_dir(path) or read_meta(path).get("recipe_sha256") != LMRecipe().sha256()
 
 
-def load_smollm2(rebuild: bool = False, progress: bool = True, verify: bool = True, on_step=None) -> Zoo:
+def load_smollm2(rebuild: bool = False, progress: bool = True, verify: bool = True, on_step=None) -> LMZoo:
     """The SmolLM2 zoo, built and cached on first use (:func:`missing_packages` says what it
-    needs; ``on_step`` gets the build's :class:`~featcal.util.progress.Progress`)."""
-    return read_zoo_dir(ensure_built(rebuild, progress, on_step), verify=verify)
+    needs; ``on_step`` gets the build's :class:`~featcal.util.progress.Progress`), loaded through its spec."""
+    return lm_dir.load(ensure_built(rebuild, progress, on_step), verify=verify)
 
 
 def ensure_built(rebuild: bool = False, progress: bool = True, on_step=None) -> Path:
@@ -280,7 +283,7 @@ def _build(path: Path, recipe: LMRecipe, progress: bool, force: bool, threads: i
     t0 = time.perf_counter()
     track = Tracker(sum(recipe.steps_for(t) for t in recipe.tasks), on_step=on_step, show=progress)
     tokenizer, base = load_base(recipe.layers)
-    experts, arrays, classes, examples, files = {}, {}, {}, {}, {}
+    experts, examples, files = {}, {}, {}
     for task in recipe.tasks:
         splits = make_splits(task, recipe.sizes, recipe.seed)
         rows, reply = encode_chats(tokenizer, splits["train"], recipe.max_len)
@@ -288,14 +291,14 @@ def _build(path: Path, recipe: LMRecipe, progress: bool, force: bool, threads: i
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             experts[task], peft_model = finetune(base, rows, reply, recipe, task, track)
         files.update(adapter_files(peft_model, task))
-        classes[task] = []  # scored on replies, not over classes
-        examples[task] = {s: splits[s] for s in SPLITS}
-        arrays[task] = {s: (encode_chats(tokenizer, splits[s], recipe.max_len)[0], _labels(splits[s])) for s in SPLITS}
+        examples[task] = {s: splits[s] for s in lm_dir.SPLITS}
+    files.update(lm_dir.spec_files(NAME, examples))
     meta = {
         "recipe": asdict(recipe),
         "recipe_sha256": recipe.sha256(),
         "version": SMOLLM2_VERSION,
-        "scoring": "lm",
+        "scoring": "lm",  # scored on its replies, as its spec (spec/zoo.yaml) says
+        "tasks": {t: {"classes": [], "sizes": {s: len(exs) for s, exs in examples[t].items()}} for t in recipe.tasks},
         "sources": {
             "base": f"PyPI {MODEL_PACKAGE} ({GGUF_FILE}, de-quantised to float32)",
             "wordnet": "Debian wordnet-base",
@@ -304,17 +307,12 @@ def _build(path: Path, recipe: LMRecipe, progress: bool, force: bool, threads: i
         "build_seconds": round(time.perf_counter() - t0, 1),
         "built_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
-    files["examples.json"] = examples_json(examples)
     try:
         return write_zoo_dir(
-            path, name=NAME, base=base, experts=experts, heads={}, arrays=arrays, classes=classes,
+            path, name=NAME, base=base, experts=experts, heads={}, arrays={}, classes={t: [] for t in experts},
             features="lm_mean_hidden", extra_meta=meta, force=force, tokenizer=tokenizer, extra_files=files,
         )  # fmt: skip
     except FileExistsError:
         if not force and is_zoo_dir(path):
             return Path(path)
         raise
-
-
-def _labels(examples) -> torch.Tensor:
-    return torch.tensor([ex.label for ex in examples], dtype=torch.long)

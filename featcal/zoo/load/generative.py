@@ -10,9 +10,13 @@ target the scorer reads, the reference reply calibration reads.
 
 Splits: ``calib`` and ``val`` are drawn (seeded, disjoint) from the train split and ``test`` from the
 test split; a data set with one split only (MATH-500, IFEval, HumanEval) names it as both, and then
-test is what calib and val left. A decoder LLM's inputs are the chat-formatted prompt plus the
-reference reply (:func:`featcal.zoo.score.lm.encode_chats`); an encoder-decoder's are the prompt for the
-encoder and the reference reply as the decoder's target (:mod:`featcal.zoo.score.seq2seq`).
+test is what calib and val left. A data entry's ``calib_split`` / ``val_split`` name ready-made splits
+instead (a calibration set of one's own; the built-in smollm2 zoo's generated ones): each is used as
+given, every row in its order, and nothing is drawn for it.
+
+A decoder LLM's inputs are the chat-formatted prompt plus the reference reply
+(:func:`featcal.zoo.score.lm.encode_chats`); an encoder-decoder's are the prompt for the encoder and the
+reference reply as the decoder's target (:mod:`featcal.zoo.score.seq2seq`).
 """
 
 from __future__ import annotations
@@ -126,36 +130,44 @@ def _examples(rows: list[dict], task: GenTaskSpec, where: str) -> list[Example]:
     return [example(r, task, f"{where}, row {i}") for i, r in enumerate(rows)]
 
 
-def _draw(where: str, n_train: int, n_test: int, test: int | None, s) -> dict:
+def _draw(where: str, n_train: int, n_test: int, calib: int, val: int, s) -> dict:
     """:func:`split_indices` for one task, its refusal naming the task's data (a one-split set such as
     HumanEval+'s 164 problems cannot give 256 calibration examples and a test)."""
     try:
-        return split_indices(n_train, n_test, s.calib, s.val, test, s.seed)
+        return split_indices(n_train, n_test, calib, val, s.test, s.seed)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
 
 
 def task_examples(spec: ZooSpec, task: str, located: LocatedData) -> dict[str, list[Example]]:
-    """``{calib, val, test}`` examples of one task (see the module docstring for the splits)."""
+    """``{calib, val, test}`` examples of one task (see the module docstring for the splits): a
+    ready-made ``calib_split`` / ``val_split`` as given, the others drawn."""
     d, s, gen = spec.data[task], spec.splits, spec.generation[task]
     where = f"data {task!r} ({located.root})"
-    train = _examples(read_rows(located, d.train_split), gen, where)
+
+    def rows(split: str) -> list[Example]:
+        return _examples(read_rows(located, split), gen, where)
+
+    parts = {name: rows(split) for name, split in (("calib", d.calib_split), ("val", d.val_split)) if split}
+    calib, val = (0 if name in parts else n for name, n in (("calib", s.calib), ("val", s.val)))
+    train = rows(d.train_split) if calib or val else []
     if d.train_split == d.test_split:  # one split: calib and val first, test from what is left
-        idx = _draw(where, len(train), 0, 0, s)
+        train = train or rows(d.test_split)
+        idx = _draw(where, len(train), 0, calib, val, s) if calib or val else {}
         taken = set(idx.get("calib", [])) | set(idx.get("val", []))
         rest = [i for i in range(len(train)) if i not in taken][: s.test]
         if not rest:
             raise ValueError(f"{where}: {len(train)} rows, all in calib and val; lower splits.calib / splits.val.")
-        parts = {"calib": [train[i] for i in idx["calib"]], "test": [train[i] for i in rest]}
-        if "val" in idx:
-            parts["val"] = [train[i] for i in idx["val"]]
+        parts["test"] = [train[i] for i in rest]
+        drawn = {name: [train[i] for i in ids] for name, ids in idx.items() if name != "test"}
     else:
-        test = _examples(read_rows(located, d.test_split), gen, where)
-        idx = _draw(where, len(train), len(test), s.test, s)
-        parts = {name: [(test if name == "test" else train)[i] for i in ids] for name, ids in idx.items()}
-    for name, exs in parts.items():
+        test = rows(d.test_split)
+        idx = _draw(where, len(train), len(test), calib, val, s)
+        drawn = {name: [(test if name == "test" else train)[i] for i in ids] for name, ids in idx.items()}
+    parts.update({name: exs for name, exs in drawn.items() if name not in parts})
+    for exs in parts.values():
         scorers.check_targets(gen, exs)
-    return parts
+    return {name: parts[name] for name in ("calib", "val", "test") if name in parts}
 
 
 # ------------------------------------------------------------------ models
@@ -183,7 +195,7 @@ def load_models(spec: ZooSpec, found: Found, device: str) -> dict[str, nn.Module
 
 def load_parts(spec: ZooSpec, found: Found, device: str = "cpu") -> tuple[type, dict]:
     """``(zoo class, its keywords but name and meta)``: an :class:`LMZoo` or a :class:`Seq2SeqZoo`."""
-    tokenizer = load_tokenizer(Path(found.models["base"]))
+    tokenizer = load_tokenizer(Path(spec.tokenizer or found.models["base"]))
     if spec.modality == "causal_lm" and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"{found.models['base']}: the tokenizer has no chat template; a causal_lm zoo prompts an instruction-"

@@ -18,15 +18,13 @@ the reference reply's first token instead, what the teacher-forced view predicts
 from __future__ import annotations
 
 import contextlib
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
 from torch import nn
 
-from featcal.zoo.builtin.llm_tasks import TASKS, Example, Task
+from featcal.zoo.builtin.llm_tasks import Example, Task
 from featcal.zoo.core import Zoo
 from featcal.zoo.tokens import TokenRows, as_batch, masked_mean
 
@@ -227,12 +225,12 @@ class LMZoo(Zoo):
 
     ``tokenizer`` is the base's; ``examples[task][split]`` the split's :class:`Example` s
     (the same rows, in the same order, as the split's token inputs); ``task_table[task]`` how the
-    task is scored (the built-in zoo's :data:`~featcal.zoo.builtin.llm_tasks.TASKS`, or a spec's,
-    :func:`featcal.zoo.score.scorers.task`)."""
+    task is scored (from its spec's entry, :func:`featcal.zoo.score.scorers.task`; the built-in
+    zoo is a spec too)."""
 
     tokenizer: object = None
     examples: dict = field(default_factory=dict)
-    task_table: dict = field(default_factory=lambda: dict(TASKS))  # {task: Task}: how each is scored
+    task_table: dict = field(default_factory=dict)  # {task: Task}: how each is scored
 
     def score(
         self,
@@ -307,19 +305,6 @@ def _assistant_header(tokenizer) -> list[int]:
     with_header = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     without = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
     return tokenizer(with_header[len(without) :], add_special_tokens=False)["input_ids"]
-
-
-EXAMPLES = "examples.json"  # in an LLM zoo's directory: {task: {split: [Example as a dict]}}
-
-
-def examples_json(examples: Mapping[str, Mapping[str, Sequence[Example]]]) -> str:
-    doc = {t: {s: [ex.to_dict() for ex in exs] for s, exs in splits.items()} for t, splits in examples.items()}
-    return json.dumps(doc, indent=1, sort_keys=True) + "\n"
-
-
-def read_examples(path) -> dict[str, dict[str, list[Example]]]:
-    doc = json.loads(Path(path).read_text())
-    return {t: {s: [Example.from_dict(d) for d in exs] for s, exs in splits.items()} for t, splits in doc.items()}
 
 
 def lm_mean_hidden(model: nn.Module, inputs) -> torch.Tensor:

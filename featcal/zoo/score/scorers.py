@@ -13,7 +13,12 @@ A spec's task names its scorer (``scorer: exact_match``); :func:`task` turns the
 - ``choice``: no reply; the option whose tokens are likeliest as the reply is the model's answer (ARC's
   way, :func:`~featcal.zoo.builtin.llm_tasks.score_choice`);
 - ``none``: the task's expert is merged and its examples calibrate, but nothing scores it (a domain
-  whose metric featcal does not have, as MergeBench's safety judge): it is left out of the scores.
+  whose metric featcal does not have, as MergeBench's safety judge): it is left out of the scores;
+- the built-in smollm2 zoo's own (:mod:`featcal.zoo.builtin.llm_tasks`, the spec its recipe writes names
+  them): ``answer_is_number`` (the number after the reply's last "answer is", else its last number,
+  equal to the target's text), ``first_line`` (the reply's first line, backticks and a final period
+  stripped, equal to the target), ``constraint`` (the reply meets the constraint the target holds as
+  JSON text: capital letters only, exactly N words, a given last word, JSON with a given key).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from featcal.zoo.builtin import llm_tasks
 from featcal.zoo.builtin.llm_tasks import Example, Task, score_choice
 from featcal.zoo.score import replies
 from featcal.zoo.spec.schema import GenTaskSpec
@@ -81,18 +87,21 @@ SCORERS["strict_match"] = ("generate", strict_match)
 SCORERS["spearman"] = ("generate", None)
 SCORERS["choice"] = ("choice", None)
 SCORERS["none"] = ("none", None)
+SCORERS["answer_is_number"] = ("generate", llm_tasks.score_arithmetic)
+SCORERS["first_line"] = ("generate", llm_tasks.score_python)
+SCORERS["constraint"] = ("generate", llm_tasks.score_instruction)
 
 
 def task(spec: GenTaskSpec) -> Task:
     """The scoring :class:`Task` of a spec's task entry."""
     kind, fn = SCORERS[spec.scorer]
     if spec.scorer == "choice":
-        return Task(None, "choice", score_choice)
+        return Task("choice", score_choice)
     if spec.scorer == "none":
-        return Task(None, "none", None)
+        return Task("none", None)
     if spec.scorer == "spearman":
-        return Task(None, kind, None, spec.max_new_tokens, corpus=spearman)
-    return Task(None, kind, lambda reply, ex: fn(reply, ex.target), spec.max_new_tokens)
+        return Task(kind, None, spec.max_new_tokens, corpus=spearman)
+    return Task(kind, lambda reply, ex: fn(reply, ex.target), spec.max_new_tokens)
 
 
 def check_targets(spec: GenTaskSpec, examples: Sequence[Example]) -> None:
@@ -108,7 +117,9 @@ def check_targets(spec: GenTaskSpec, examples: Sequence[Example]) -> None:
                 replies.final_number("0", t)  # raises on a target with no number
         elif spec.scorer == "spearman":
             [float(t) for t in targets]
-        elif spec.scorer == "strict_match":
+        elif spec.scorer == "constraint":
+            llm_tasks.check_constraints(targets)
+        elif spec.scorer in ("strict_match", "answer_is_number", "first_line"):
             bad = [t for t in targets if not isinstance(t, str)]
             if bad:
                 raise ValueError(f"a target {bad[0]!r} is not text")

@@ -14,8 +14,8 @@ its examples become prompts and how a reply is scored (a :class:`~featcal.zoo.sp
 
 Checked here, before anything loads: every task has one entry, every key is known, the scorer is
 one featcal has (:data:`~featcal.zoo.spec.schema.SCORER_NAMES`), a ``choice`` task names its
-``options`` column, and the data are tables (parquet or
-``datasets.save_to_disk`` arrow) whose columns the prompt can read.
+``options`` column, the data are tables (parquet or ``datasets.save_to_disk`` arrow) whose columns
+the prompt can read, and a ready-made ``calib_split`` / ``val_split`` overlaps no other split.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def check_generative(ctx, raw: Mapping, fmt: str, data: Mapping[str, DataSpec]) 
     """A generative zoo: HF models, no heads, no image or text-zoo keys, tables for data."""
     if fmt != "hf":
         raise ctx.fail("format", "a generative zoo's models are HF save_pretrained directories: use format: hf.")
-    extra = [k for k in ("heads", "features", "preprocess", "tokenizer") if k in raw]
+    extra = [k for k in ("heads", "features", "preprocess") if k in raw]
     if extra:
         raise ctx.fail(
             extra[0], "a generative zoo is scored on its replies (no heads, image or text features); remove it."
@@ -106,3 +106,25 @@ def check_generative(ctx, raw: Mapping, fmt: str, data: Mapping[str, DataSpec]) 
     for t, e in data.items():
         if e.format not in TABLE_FORMATS:
             raise ctx.fail(f"data.{t}.format", f"a generative zoo reads tables: one of {list(TABLE_FORMATS)}.")
+        _check_named_splits(ctx, t, e)
+
+
+def _check_named_splits(ctx, task: str, e: DataSpec) -> None:
+    """A ready-made calib or val split must be a split of its own: not the test split, not the other
+    named one, and not the train split while the other of calib and val is drawn from it (the
+    examples would overlap)."""
+    others = {"test_split": e.test_split}
+    if e.calib_split is None or e.val_split is None:
+        others["train_split"] = e.train_split
+    for key in ("calib_split", "val_split"):
+        name = getattr(e, key)
+        if name is None:
+            continue
+        clash = [k for k, v in others.items() if v == name]
+        if clash:
+            raise ctx.fail(
+                f"data.{task}.{key}",
+                f"{name!r} is also the {clash[0]}: their examples would overlap. Name a split of its own "
+                f"(e.g. {key.split('_')[0]!r}), or remove {key} to draw it from the train split.",
+            )
+        others[key] = name

@@ -52,8 +52,8 @@ class LocatedData:
 
 
 def _detect_format(root: Path, spec: DataSpec) -> tuple[str | None, str]:
-    """``(format, '')`` for a usable dataset at ``root``, else ``(None, why not)``."""
-    splits = (spec.train_split, spec.test_split)
+    """``(format, '')`` for a usable dataset at ``root`` (every split it reads there), else ``(None, why not)``."""
+    splits = spec.splits_read
     if root.is_file():
         if root.suffix in (".safetensors", ".npz"):
             return ("tokens" if f"{spec.train_split}_input_ids" in tensor_keys(root) else "tensors"), ""
@@ -69,7 +69,9 @@ def _detect_format(root: Path, spec: DataSpec) -> tuple[str | None, str]:
         return ("arrow", "") if not absent else (None, f"datasets.save_to_disk dir without split(s) {absent}")
     if any(root.rglob("*.parquet")):
         absent = [s for s in splits if not parquet_files(root, s)]
-        return ("parquet", "") if not absent else (None, f"parquet files, none for split(s) {absent}")
+        there = sorted({p.stem.split("-")[0] for p in root.rglob("*.parquet")})
+        why = f"parquet files, none for split(s) {absent} (file names begin {there})"
+        return ("parquet", "") if not absent else (None, why)
     if all((root / s).is_dir() for s in splits):
         return "image_folder", ""
     return None, (
@@ -127,13 +129,16 @@ def locate_data(spec: DataSpec) -> tuple[LocatedData | None, Missing | None]:
             where = f"{where} ({why})"
         looked.append(where)
     src = spec.hub or spec.path
-    splits = " and ".join(dict.fromkeys((spec.train_split, spec.test_split)))
+    splits = " and ".join(spec.splits_read)
     fix = (hf_fix(spec.hub, "dataset", spec.revision) + "; or " if spec.hub else "") + (
         f"put it at {spec.path} (its {splits} split(s): parquet files, a save_to_disk dir, class folders of "
         "images, or a .safetensors/.npz file)"
         if spec.path
         else "give a local `path:`"
     )
+    named = [f"{k}: {getattr(spec, k)}" for k in ("calib_split", "val_split") if getattr(spec, k) is not None]
+    if named:
+        fix += f"; or fix {', '.join(named)} in the spec to name a split the data has"
     return None, Missing(f"data {spec.task!r}: {src}", tuple(looked), fix)
 
 

@@ -200,12 +200,11 @@ def _data(ctx: _Ctx, task: str, raw: Any) -> DataSpec:
     if not d.get("path") and not d.get("hub"):
         raise ctx.fail(where, "give `path` (a local dataset) and/or `hub` (an HF dataset id in the cache).")
     fmt = _choice(ctx, d.get("format", "auto"), DATA_FORMATS, f"{where}.format")
-    for key in ("train_split", "test_split", "image_column", "label_column", "hub", "revision", "subset"):
-        if key in d and not isinstance(d[key], str):
-            raise ctx.fail(f"{where}.{key}", f"expected a string, got {d[key]!r}.")
-    kw = {
-        k: d[k] for k in ("train_split", "test_split", "image_column", "label_column", "revision", "subset") if k in d
-    }
+    named = ("train_split", "test_split", "calib_split", "val_split", "image_column", "label_column")
+    for key in (*named, "hub", "revision", "subset"):
+        if key in d and (not isinstance(d[key], str) or not d[key]):
+            raise ctx.fail(f"{where}.{key}", f"expected a non-empty string, got {d[key]!r}.")
+    kw = {k: d[k] for k in (*named, "revision", "subset") if k in d}
     return DataSpec(
         task=task,
         path=ctx.path(d["path"], f"{where}.path") if d.get("path") else None,
@@ -285,9 +284,11 @@ def from_dict(raw: Mapping[str, Any], root: str | os.PathLike = ".", source: str
     data = {t: _data(ctx, t, d["data"][t]) for t in tasks}
     if modality in GENERATIVE:
         generative.check_generative(ctx, d, fmt, data)
-    elif modality == "text":
-        _check_text(ctx, fmt, features, heads, data)
     else:
+        _no_named_splits(ctx, data)
+    if modality == "text":
+        _check_text(ctx, fmt, features, heads, data)
+    elif modality not in GENERATIVE:
         _check_image(ctx, tasks, heads, data)
     _check_features(ctx, heads, features, fmt)
     name = d.get("name") or (Path(source).stem if source else "zoo")
@@ -323,10 +324,24 @@ def _check_features(ctx: _Ctx, heads: HeadSpec, features: str, fmt: str) -> None
 
 
 def _tokenizer(ctx: _Ctx, raw: Any, modality: str) -> str | None:
-    """A text zoo's tokenizer directory (None: the base's)."""
-    if raw is not None and modality != "text":
-        raise ctx.fail("tokenizer", "only a text zoo tokenises its data; remove `tokenizer` (or set `modality: text`).")
+    """A text or generative zoo's tokenizer directory (None: the base's)."""
+    if raw is not None and modality not in ("text", *GENERATIVE):
+        raise ctx.fail(
+            "tokenizer", "an image zoo tokenises nothing; remove `tokenizer` (or set the modality of your models)."
+        )
     return None if raw is None else ctx.path(raw, "tokenizer")
+
+
+def _no_named_splits(ctx: _Ctx, data: Mapping[str, DataSpec]) -> None:
+    """Ready-made calib / val splits are tables of a generative zoo's examples; other zoos draw theirs."""
+    for t, e in data.items():
+        key = "calib_split" if e.calib_split is not None else "val_split" if e.val_split is not None else None
+        if key:
+            raise ctx.fail(
+                f"data.{t}.{key}",
+                "only a generative zoo (modality causal_lm or seq2seq) reads ready-made calib / val splits; "
+                "remove it (splits.calib / splits.val draw them from the train split).",
+            )
 
 
 def _check_image(ctx: _Ctx, tasks: list[str], heads: HeadSpec, data: Mapping[str, DataSpec]) -> None:

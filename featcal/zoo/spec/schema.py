@@ -22,7 +22,10 @@ DATA_FORMATS = ("auto", "image_folder", "arrow", "parquet", "tensors", "text", "
 MODALITIES = ("image", "text", "causal_lm", "seq2seq")
 GENERATIVE = ("causal_lm", "seq2seq")  # scored on the model's own text, no heads: the spec's `tasks:` says how
 # The scorers a generative task may name (the functions: featcal.zoo.score.scorers.SCORERS, held equal by a test).
-SCORER_NAMES = ("exact_match", "strict_match", "final_number", "ifeval", "code_pass_at_1", "spearman", "choice", "none")
+SCORER_NAMES = (
+    *("exact_match", "strict_match", "final_number", "ifeval", "code_pass_at_1", "spearman", "choice", "none"),
+    *("answer_is_number", "first_line", "constraint"),  # the built-in smollm2 zoo's tasks'
+)
 TEXT_FORMATS = ("auto", "text", "tokens")
 FEATURES = ("embedding", "projection", "pooled")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -48,7 +51,8 @@ SCHEMA: dict[str, dict[str, str]] = {
         "their greedy replies)",
         "tasks": "causal_lm / seq2seq: {task: how its examples are prompted and scored} (a task entry)",
         "merged": "optional: your own merged model (a model entry, e.g. a mergekit output), the merger `given`",
-        "tokenizer": "text: the directory of the tokenizer the data is tokenised with (default: the base's)",
+        "tokenizer": "text, causal_lm, seq2seq: the directory of the tokenizer the data is tokenised with "
+        "(default: the base's)",
     },
     "model": {
         "path": "local directory (HF save_pretrained; an expert's may be a PEFT LoRA adapter) or file (open_clip)",
@@ -76,6 +80,9 @@ SCHEMA: dict[str, dict[str, str]] = {
         "format": "auto | image_folder | arrow | parquet | tensors | text | tokens (default auto: detected)",
         "train_split": "name of the split calib and val are carved from (default train)",
         "test_split": "name of the split test comes from (default test)",
+        "calib_split": "causal_lm / seq2seq: name of a ready-made calib split, used as given (every row, in "
+        "order; nothing drawn from train)",
+        "val_split": "causal_lm / seq2seq: name of a ready-made val split, used as given (as calib_split)",
         "image_column": "image column of an arrow/parquet dataset (default image)",
         "label_column": "label column of an arrow/parquet dataset (default label)",
     },
@@ -87,13 +94,15 @@ SCHEMA: dict[str, dict[str, str]] = {
         "reference": "the column holding the reply calibration reads (default: a text target; else the prompt alone)",
         "format": "a format for the target's text, e.g. '{:.1f}' (STS-B's scores as FusionBench writes them)",
         "scorer": "exact_match | strict_match | final_number | ifeval | code_pass_at_1 | spearman | choice | none "
-        "(none: merged and calibrated on, not scored; the tables say so)",
+        "(none: merged and calibrated on, not scored; the tables say so) | answer_is_number | first_line | constraint "
+        "(the built-in smollm2 zoo's)",
         "options": "choice: the column holding each example's options (the target is the right one's index)",
         "max_new_tokens": "the longest greedy reply, in tokens (default 64)",
     },
     "splits": {
-        "calib": "examples per task in the calib split, from train (default 256)",
-        "val": "examples per task in the val split, from train, disjoint from calib (default 256)",
+        "calib": "examples per task in the calib split, from train (default 256; not for a data entry's calib_split)",
+        "val": "examples per task in the val split, from train, disjoint from calib (default 256; not for a "
+        "data entry's val_split)",
         "test": "examples per task in the test split (default null: all of test)",
         "seed": "seed of the split draws (default 42)",
     },
@@ -152,6 +161,16 @@ class DataSpec:
     test_split: str = "test"
     image_column: str = "image"
     label_column: str = "label"
+    calib_split: str | None = None  # a ready-made calib split (a generative zoo's table), used as given
+    val_split: str | None = None  # likewise for val
+
+    @property
+    def splits_read(self) -> tuple[str, ...]:
+        """The splits this entry reads: the train split while calib or val is drawn from it, the
+        test split, and the named calib and val splits (each once, in that order)."""
+        drawn = self.calib_split is None or self.val_split is None
+        names = ([self.train_split] if drawn else []) + [self.test_split, self.calib_split, self.val_split]
+        return tuple(dict.fromkeys(n for n in names if n is not None))
 
 
 @dataclass(frozen=True)
@@ -174,7 +193,8 @@ class GenTaskSpec:
 
 @dataclass(frozen=True)
 class SplitSpec:
-    """Split sizes: ``calib`` and ``val`` carved from train (seeded, disjoint), ``test`` from test."""
+    """Split sizes: ``calib`` and ``val`` carved from train (seeded, disjoint), ``test`` from test
+    (a data entry's ``calib_split`` / ``val_split`` replace the draw: those tables are used whole)."""
 
     calib: int = 256
     val: int = 256
@@ -210,7 +230,7 @@ class ZooSpec:
     source: str | None = None
     modality: str = "image"
     merged: ModelSpec | None = None  # the user's own merged model, if given
-    tokenizer: str | None = None  # a text zoo's tokenizer directory, when not the base's
+    tokenizer: str | None = None  # a text or generative zoo's tokenizer directory, when not the base's
     generation: Mapping[str, GenTaskSpec] = field(default_factory=lambda: MappingProxyType({}))  # `tasks:`
 
     @property
