@@ -180,21 +180,9 @@ def expert_streams(
 
 
 @torch.no_grad()
-def streams_while(
-    model: nn.Module, data: Mapping[str, list], fn, blocks: str | None = None, offload: bool = False
-) -> tuple[dict[str, list], ExpertStreams]:
-    """Call ``fn(model, batch)`` on every batch of ``data`` (reading its features, say) and
-    keep the model's stream at every block on the way: ``({task: [fn's result per batch]},
-    streams)``, the streams as :func:`expert_streams` keeps an expert's. Given to
-    :func:`drift_table` as ``model_cache``, they spare the diagnosed model's blocks their
-    pass over its own stream (one block call in three). ``fn`` must run every block of a
-    stack once; the streams hold the stacks it ran (an encoder-decoder's encoder features run
-    its encoder alone: :func:`drift_table` runs the decoder's own stream itself)."""
-    stacks = resolve_stacks(model, blocks)
-    keep = _keeper(offload)
-    results: dict[str, list] = {}
-    calls: dict[str, dict[int, list[list[BlockCall]]]] = {}  # task -> stack -> its calls per block
-    seen: dict = {}  # one batch's block-0 call and block outputs of each stack, from the hooks
+def _recording_hooks(stacks, seen: dict) -> list:
+    """Hooks that record, for each stack ``s``, its first block's call as ``seen[s, "call"]``
+    (``(args, kwargs)``, the first of a batch) and block ``l``'s output as ``seen[s, l]``."""
 
     def first(s: int):
         def hook(_mod, args, kwargs):
@@ -212,6 +200,25 @@ def streams_while(
     for s, (_, blks) in enumerate(stacks):
         handles.append(blks[0].register_forward_pre_hook(first(s), with_kwargs=True))
         handles += [blk.register_forward_hook(after(s, l)) for l, blk in enumerate(blks)]
+    return handles
+
+
+def streams_while(
+    model: nn.Module, data: Mapping[str, list], fn, blocks: str | None = None, offload: bool = False
+) -> tuple[dict[str, list], ExpertStreams]:
+    """Call ``fn(model, batch)`` on every batch of ``data`` (reading its features, say) and
+    keep the model's stream at every block on the way: ``({task: [fn's result per batch]},
+    streams)``, the streams as :func:`expert_streams` keeps an expert's. Given to
+    :func:`drift_table` as ``model_cache``, they spare the diagnosed model's blocks their
+    pass over its own stream (one block call in three). ``fn`` must run every block of a
+    stack once; the streams hold the stacks it ran (an encoder-decoder's encoder features run
+    its encoder alone: :func:`drift_table` runs the decoder's own stream itself)."""
+    stacks = resolve_stacks(model, blocks)
+    keep = _keeper(offload)
+    results: dict[str, list] = {}
+    calls: dict[str, dict[int, list[list[BlockCall]]]] = {}  # task -> stack -> its calls per block
+    seen: dict = {}  # one batch's block-0 call and block outputs of each stack, from the hooks
+    handles = _recording_hooks(stacks, seen)
     ran = None  # the stacks fn runs through, the same on every batch
     try:
         with eval_mode(model):
