@@ -119,7 +119,11 @@ def source_path(name_or_path: str | os.PathLike) -> Path | None:
     key = str(name_or_path)
     if key in NAMES:
         return demo_path(NAMES[key])
-    if key in BUILT:
+    if key == "smollm2":
+        from featcal.zoo.builtin.smollm2 import smollm2_path
+
+        return smollm2_path()
+    if key == "real-text":
         return realtext_path()
     path = Path(os.path.expandvars(key)).expanduser()
     return path if path.exists() else None

@@ -304,3 +304,13 @@ def test_a_cache_featcal_may_not_write_to_says_what_its_first_load_needs(micro_d
     with pytest.raises(PermissionError, match=r"built before zoos had a spec.*write access.*--rebuild"):
         lm_dir.add_spec(old)
     assert lm_dir.SPEC not in (old / "meta.json").read_text()
+
+
+def test_source_path_names_each_built_in_zoos_own_cache(monkeypatch, tmp_path):
+    """An output is kept apart from what it reads: ``smollm2`` named the real text zoo's cache."""
+    from featcal.zoo import source_path
+    from featcal.zoo.builtin.realtext import realtext_path
+
+    monkeypatch.setenv("FEATCAL_CACHE", str(tmp_path))
+    assert source_path("smollm2") == smollm2.smollm2_path() == tmp_path / "zoos" / f"smollm2-{smollm2.SMOLLM2_VERSION}"
+    assert source_path("real-text") == realtext_path() != source_path("smollm2")
