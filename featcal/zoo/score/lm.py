@@ -141,9 +141,12 @@ def option_logliks(model: nn.Module, tokenizer, prompt: str, options: Sequence[s
     return out
 
 
-def _pad(rows: Sequence[Sequence[int]], pad: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ids, mask)`` of token rows padded to the longest, on the left or the right."""
-    width = max(len(r) for r in rows)
+def pad_rows(
+    rows: Sequence[Sequence[int]], pad: int, left: bool = False, min_width: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, mask)`` of token rows padded to the longest (at least ``min_width``), on the left
+    or the right."""
+    width = max(min_width, *(len(r) for r in rows))
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, r in enumerate(rows):
@@ -158,7 +161,7 @@ def _batch_logliks(model: nn.Module, prompts: list[list[int]], options: list[lis
     tokenised options: the prompts once (left-padded, their key/value cache kept), then every
     option after its prompt's cache in one forward (right-padded)."""
     dev, k = _device(model), len(options[0])
-    ids, mask = _pad(prompts, pad, left=True)
+    ids, mask = pad_rows(prompts, pad, left=True)
     ids, mask = ids.to(dev), mask.to(dev)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=True, logits_to_keep=1)
     first = out.logits[:, -1].double().log_softmax(-1)  # (b, V): predicts each option's first token
@@ -168,7 +171,7 @@ def _batch_logliks(model: nn.Module, prompts: list[list[int]], options: list[lis
     if longest > 1:  # the options' later tokens, each predicted from the one before it
         cache = out.cache
         cache.batch_repeat_interleave(k)
-        oid, omask = _pad([o[:-1] or [pad] for o in flat], pad, left=False)
+        oid, omask = pad_rows([o[:-1] or [pad] for o in flat], pad)
         omask = omask * torch.tensor([len(o) > 1 for o in flat]).unsqueeze(1)
         start = mask.sum(1).repeat_interleave(k).unsqueeze(1).cpu()
         full = torch.cat([mask.repeat_interleave(k, 0), omask.to(dev)], 1)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from featcal.zoo.builtin.llm_tasks import Example, Task
-from featcal.zoo.score.lm import LMZoo, _by_length, _device
+from featcal.zoo.score.lm import LMZoo, _by_length, _device, pad_rows
 from featcal.zoo.tokens import TokenRows, as_batch, masked_mean
 
 
@@ -67,15 +67,6 @@ class Seq2SeqRows(TokenRows):
         }
 
 
-def _pad_rows(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(1, max(len(r) for r in rows))
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r, dtype=torch.long), 1
-    return ids, mask
-
-
 def encode_pairs(
     tokenizer, examples: Sequence[Example], max_source: int, max_target: int, start_id: int
 ) -> Seq2SeqRows:
@@ -83,8 +74,8 @@ def encode_pairs(
     ``start_id`` is the decoder's start token (``config.decoder_start_token_id``)."""
     src = [tokenizer(ex.prompt, truncation=True, max_length=max_source)["input_ids"] for ex in examples]
     tgt = [tokenizer(ex.answer, truncation=True, max_length=max_target)["input_ids"] for ex in examples]
-    ids, mask = _pad_rows(src, tokenizer.pad_token_id)
-    labels, label_mask = _pad_rows(tgt, tokenizer.pad_token_id)
+    ids, mask = pad_rows(src, tokenizer.pad_token_id, min_width=1)
+    labels, label_mask = pad_rows(tgt, tokenizer.pad_token_id, min_width=1)  # an empty reply still has a first label
     return Seq2SeqRows(ids, mask, labels, label_mask, start_id)
 
 
