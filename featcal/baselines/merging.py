@@ -244,16 +244,17 @@ def _merge_matrices(
     scale: float = 1.0,
     desc: str = "",
     progress: bool = False,
+    averaged: Callable[[str], bool] = lambda _key: False,
 ) -> dict[str, torch.Tensor]:
-    """``theta = theta_0 + scale * rule(taus)`` for every 2-D entry (``taus``: ``(T, m, n)``) and
-    ``theta_0 + scale * mean_i tau_i`` for every other floating entry; a progress bar over
-    the 2-D entries with ``progress``."""
+    """``theta = theta_0 + scale * rule(taus)`` for every 2-D entry (``taus``: ``(T, m, n)``) but
+    those whose name ``averaged`` picks, and ``theta_0 + scale * mean_i tau_i`` for every other
+    floating entry; a progress bar over the 2-D entries with ``progress``."""
     _check_compatible(base, experts)
-    n_matrices = sum(1 for v in base.values() if torch.is_floating_point(v) and v.dim() == 2)
+    n_matrices = sum(1 for k, v in base.items() if torch.is_floating_point(v) and v.dim() == 2 and not averaged(k))
     with bar(total=n_matrices, desc=desc, unit="matrix", show=progress) as b:
 
-        def combine(_key: str, taus: torch.Tensor) -> torch.Tensor:
-            if taus.dim() != 3:
+        def combine(key: str, taus: torch.Tensor) -> torch.Tensor:
+            if taus.dim() != 3 or averaged(key):
                 return scale * taus.mean(0)
             b.update()
             return scale * rule(taus)
@@ -336,22 +337,26 @@ def ace(
     base: StateDict,
     experts: Mapping[str, StateDict],
     scale: float = 1.0,
-    prior: float = ace_rule.PRIOR,
-    ridge: float = ace_rule.RIDGE,
-    refine: float = ace_rule.REFINE,
+    eps: float = ace_rule.EPS,
+    k_frac: float = ace_rule.K_FRAC,
+    threshold: float = ace_rule.THRESHOLD,
     progress: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """ACE-Merging (Xu et al., CVPR 2026): per 2-D entry the closed-form merge
-    ``(sum_t tau_t Sigma_t)(sum_t Sigma_t)^-1`` with each task's input covariance ``Sigma_t``
-    estimated from its task vector's rows, normalised, shrunk toward the tasks' mean by ``prior``
-    and given a ``ridge``, then the spectrum moved toward flat by ``refine``
-    (:func:`featcal.baselines.ace.ace_task_vector`, where what is our choice is said);
-    ``theta = theta_0 + scale * tau``, other entries ``theta_0 + scale * mean_i tau_i``. A progress
-    bar over the 2-D entries with ``progress``."""
+    """ACE-Merging (Xu et al., CVPR 2026) as its authors run it: per 2-D entry the closed form
+    ``(sum_t C_t Sigma_t)(sum_t Sigma_t + prior)^-1`` with each task's input covariance estimated
+    from its centred task vector ``C_t``, trace-normalised and followed by spectral refinement when
+    the tasks' update sizes are heterogeneous (``gamma > threshold``)
+    (:func:`featcal.baselines.ace.ace_task_vector`); ``theta = theta_0 + scale * tau``. Every other
+    entry, and any 2-D one named ``*text_projection*`` (theirs), ``theta_0 + scale * mean_i tau_i``.
+    Defaults theirs: ``scale`` 1.0 (their ``scaling_coefficient``), ``eps`` 0.01, ``k_frac`` 0.3,
+    ``threshold`` 0.3. A progress bar over the 2-D entries with ``progress``."""
     _check_scale("ace", scale)
-    if not (0.0 <= prior <= 1.0 and ridge > 0 and 0.0 <= refine <= 1.0):
+    if not (eps > 0 and 0.0 <= k_frac <= 1.0 and math.isfinite(threshold)):
         raise ValueError(
-            f"ace: prior and refine must be in [0, 1] and ridge > 0, got prior={prior}, ridge={ridge}, refine={refine}."
+            f"ace: eps must be > 0, k_frac in [0, 1] and threshold finite, got eps={eps}, k_frac={k_frac}, "
+            f"threshold={threshold}."
         )
-    rule = functools.partial(ace_rule.ace_task_vector, prior=prior, ridge=ridge, refine=refine)
-    return _merge_matrices(base, experts, rule, scale, desc="ace", progress=progress)
+    rule = functools.partial(ace_rule.ace_task_vector, eps=eps, k_frac=k_frac, threshold=threshold)
+    return _merge_matrices(
+        base, experts, rule, scale, desc="ace", progress=progress, averaged=ace_rule.averaged_by_name
+    )

@@ -206,14 +206,16 @@ BMM_SEARCH_RANGES = {
 }
 ACE_RANGES = {
     "scale": (0.1, 2.0, 0.05),
-    "prior": (0.0, 1.0, 0.05, False, (0.0, 1.0)),
-    "ridge": (1e-4, 1.0, 0.25, True, (1e-12, 1e6), "ridge / mean covariance eigenvalue"),
-    "refine": (0.0, 1.0, 0.05, False, (0.0, 1.0)),
+    "eps": (1e-4, 1.0, 0.25, True, (1e-12, 1e6), "ridge on each task's covariance"),
+    "k_frac": (0.0, 1.0, 0.05, False, (0.0, 1.0)),
+    "threshold": (0.0, 2.0, 0.05, False, (-1e6, 1e6)),
 }
 ACE_HELP = {
-    "prior": "weight of the collective prior (the tasks' mean covariance)",
-    "ridge": "ridge added to each task's normalised covariance (mean eigenvalue 1)",
-    "refine": "how far the merged task vector's singular values move toward their mean (1: Iso-C's)",
+    "eps": "ridge on each task's covariance (divided by its trace when the tasks are heterogeneous); the authors' 0.01",
+    "k_frac": "share of the singular directions spectral refinement lifts to their mean singular value; "
+    "the authors' 0.3",
+    "threshold": "gamma (variance over squared mean of the tasks' log squared update norms) above which the "
+    "tasks count as heterogeneous: trace normalisation and spectral refinement; the authors' 0.3",
 }
 METHODS: tuple[Method, ...] = (
     Method("average", "merger", merging.average, "Simple averaging", (), app=True),
