@@ -179,6 +179,28 @@ def test_named_blocks_label_the_axes_the_hovers_and_the_titles():
     assert plain.layout.yaxis.ticktext is None and plain.data[1].customdata[0][2] == "block 0"
 
 
+def test_line_charts_over_named_blocks_leave_room_for_the_first_and_last_names():
+    """A line chart's axis ended at its first and last points, where plotly hid the last long
+    name (``decoder.block.1`` was missing under the Drift page's per-block line and the Calibrate
+    page's expert cosines): a named axis spans half a block past both ends; a heatmap's reversed
+    axis, and a numbered one, keep plotly's own range."""
+    from app import figures
+
+    df = _drift_frame().assign(metric=lambda d: d.metric.replace("drift_rel", "expert_cosine"))
+    names = ["encoder.block.0", "encoder.block.1", "decoder.block.0"]
+    frames = {"merged": _drift_frame(), "calibrated": _drift_frame()}
+    charts = {
+        "drift per block": figures.task_by_block(frames, "a", names=names),
+        "expert cosine": figures.expert_cosine_per_block({"merged": df}, "t", names=names),
+    }
+    for title, fig in charts.items():
+        assert tuple(fig.layout.xaxis.range) == (-0.5, len(names) - 0.5), title
+        assert list(fig.layout.xaxis.ticktext) == names, title
+    heatmap = figures.drift_heatmap(_drift_frame(), "t", names=names).layout.yaxis
+    assert heatmap.range is None and heatmap.autorange == "reversed"
+    assert figures.task_by_block(frames, "a").layout.xaxis.range is None
+
+
 def test_the_block_names_of_a_zoo_tell_its_stacks_apart():
     """None for a model of one stack (numbered blocks); an encoder-decoder's names in forward order."""
     from app.zoos import block_names
@@ -444,3 +466,17 @@ def test_two_zoo_loads_at_once_run_one_after_the_other(monkeypatch):
     assert zoos.load_zoo("second", "cpu") == "second"
     first.join(60)
     assert most[0] == 1
+
+
+def test_the_weights_scatter_marks_tell_an_encoders_blocks_from_a_decoders():
+    """Each point of the Weights page's scatter is marked with its block: ``e1`` / ``d0`` on an
+    encoder-decoder (its ``b2`` was the first decoder block), ``b2`` on a model of one stack."""
+    from app import weight_figures as wf
+
+    wide = pd.DataFrame(
+        {"task": ["a"] * 3, "block": [0, 1, 2], "sign_against": [0.1, 0.2, 0.3], "drift_rel": [0.2, 0.1, 0.3]}
+    )
+    names = ["encoder.block.0", "encoder.block.1", "decoder.block.0"]
+    named = wf.view_vs_drift(wide, "sign_against", names=names).data[0]
+    assert list(named.text) == ["e0", "e1", "d0"] and list(named.customdata) == names
+    assert list(wf.view_vs_drift(wide, "sign_against").data[0].text) == ["b0", "b1", "b2"]
