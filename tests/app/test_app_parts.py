@@ -398,6 +398,19 @@ def test_the_live_note_says_how_many_test_examples_and_why_fewer_on_an_llm(tiny_
     assert f"first {n} test examples per task;" in note and "language model" not in note
     monkeypatch.setattr(compute, "live_test", lambda _zoo: 3)  # as on an LLM zoo
     assert "first 3 test examples per task (fewer on a language model" in state.live_note(zoo)
+    assert "first token" not in note
+
+
+def test_the_live_note_of_a_language_model_zoo_says_its_accuracy_is_the_replys_first_token(monkeypatch):
+    """On an encoder-decoder (or decoder) zoo the live accuracy is the reply's first token, the
+    Compare page's the whole generated reply: on the FLAN-T5 stand-in 22% against 0%, so the note says which."""
+    from app import state, zoos
+    from featcal.zoo.score.seq2seq import Seq2SeqZoo
+
+    monkeypatch.setattr(zoos, "split_size", lambda zoo, split: 4)
+    note = state.live_note(object.__new__(Seq2SeqZoo))  # (live_note reads only the zoo's kind and test size)
+    assert "first 4 test examples per task" in note
+    assert "the reply's first token is the reference's" in note and "Compare page" in note
 
 
 def test_a_long_exact_run_shows_its_blocks_and_the_time_left():
