@@ -3,7 +3,7 @@ test_browser.py): the FLAN-T5 GLUE spec on its stand-in (tests/zoo/generative_hu
 random T5 under the real hub ids in a Hugging Face cache of the test's own), opened from a
 shared link. Every block-axis chart shows the blocks of both stacks, each name drawn (plotly
 hid a line chart's last name, ``decoder.block.1``, that ran past the figure); no exception box.
-The screenshot goes to artifacts/screenshots/drift-t5.png (docs/img/drift-t5.png is a copy)."""
+The screenshot goes to artifacts/screenshots/drift-t5.png (docs/img/drift-t5.png is one such, resized)."""
 
 from __future__ import annotations
 
