@@ -351,12 +351,24 @@ def live_test(source: str) -> int:
 
 
 def live_note(zoo) -> str:
+    """What the live scores are computed on. On a language-model zoo (decoder or encoder-decoder)
+    its accuracy is the reply's first token (:meth:`featcal.zoo.score.lm.LMZoo.logits`), not the
+    whole reply scored as the Compare page and the paper score it: the two differ (on a random
+    stand-in, 22% here and 0% there), so the note says which this is."""
+    from featcal.zoo.score.lm import LMZoo
+
     live = compute.live_test(zoo)
     n = min(live, zoos.split_size(zoo, "test"))
     fewer = " (fewer on a language model: each is a pass of the whole model)" if live < compute.LIVE_TEST else ""
+    first = (
+        " Accuracy here: the reply's first token is the reference's (the Compare page scores the whole generated "
+        "reply, with each task's metric)."
+        if isinstance(zoo, LMZoo)
+        else ""
+    )
     return (
         f"Live view: accuracy, KL and agreement on the first {n} test examples per task{fewer}; drift and "
-        f"cosines on {DIAG_N} held-out examples per task. Full-test-set evaluation on demand."
+        f"cosines on {DIAG_N} held-out examples per task. Full-test-set evaluation on demand.{first}"
     )
 
 

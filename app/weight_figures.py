@@ -42,6 +42,16 @@ VIEWS = {
 }
 
 
+def block_mark(block: int, names: Sequence[str] | None = None) -> str:
+    """A point's short mark for its block: ``b3``; on a model of several stacks the stack's
+    initial and the block's number in it (``encoder.block.1`` -> ``e1``, ``decoder.block.0`` ->
+    ``d0``): ``b2`` did not tell the first decoder block from an encoder's."""
+    if names is None:
+        return f"b{block}"
+    name = names[block]
+    return f"{name[0]}{name.rsplit('.', 1)[-1]}"
+
+
 def view_label(metric: str) -> str:
     """The short name of a weight view (of a drift metric otherwise)."""
     return VIEWS[metric][0] if metric in VIEWS else label(metric)
@@ -120,7 +130,7 @@ def view_vs_drift(
 ) -> go.Figure:
     """One point per (task, block) of :func:`diagnostics.weights.beside_drift`'s table: the
     weight view ``metric`` across, the drift ``target`` up; one colour per task, each point
-    marked with its block's number (hovered: its name in ``names``)."""
+    marked with its block's short mark (:func:`block_mark`; hovered: its name in ``names``)."""
     data = []
     for i, (task, sel) in enumerate(wide.groupby("task", sort=False)):
         data.append(
@@ -129,7 +139,7 @@ def view_vs_drift(
                 "mode": "markers+text",
                 "x": sel[metric].tolist(),
                 "y": sel[target].tolist(),
-                "text": [f"b{int(b)}" for b in sel.block],
+                "text": [block_mark(int(b), names) for b in sel.block],
                 "textposition": "top center",
                 "textfont": {"size": 9},
                 "name": task,

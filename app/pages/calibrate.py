@@ -15,6 +15,8 @@ import streamlit as st
 from app import ahead, compute, controls, figures, settings, state, tables, ui, zoos
 from app.settings import AppCal, ModelRef
 
+NOTES_AT = "listed under the residual per module, below"  # where the page shows an exact run's notes
+
 zoo, source = state.active_zoo(), state.active_source()
 fp = state.fingerprint(source)
 merger = controls.current_merger()
@@ -22,7 +24,8 @@ merger = controls.current_merger()
 st.title("Calibrate")
 st.caption(
     f"Merged model: **{merger.label}** (change it on the Zoo page). "
-    "FeatCal re-solves every Linear and LayerNorm of every block in forward order, in closed form."
+    "FeatCal re-solves every Linear (and LayerNorm, when its switch below is on) of every block in forward "
+    "order, in closed form."
 )
 applied = st.session_state.pop(controls.APPLIED, None)
 if applied:
@@ -249,7 +252,7 @@ with ui.status(f"Running exact forward-order FeatCal: {cal.label}…", status_sl
         cal_scores,
         merged_summary,
         cal_drift,
-        f"{cal.label} · {run.report.summary()}",
+        f"{cal.label} · {run.report.summary(notes_at=NOTES_AT)}",
         (merged_scores, merged_drift),
     )
     st.session_state["_cal_shown"] = cal.label
@@ -265,6 +268,8 @@ if box.open:
     box.plotly_chart(figures.residuals(run.report.to_frame(), names=zoos.block_names(zoo)), key="cal_residuals")
     for w in run.report.warnings:
         box.warning(w)
+    for n in run.report.notes:
+        box.caption(f"Note: {zoos.plain(n)}")
 
 # 4. The experts' task vectors (constant for a zoo) and the tables to take away.
 st.subheader("Task vectors of the experts")

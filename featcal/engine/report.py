@@ -104,11 +104,13 @@ class CalibrationReport:
         self.warnings = [w for w in self.warnings if not w.startswith(RESIDUAL_ROSE)] + [msg]
         return msg
 
-    def summary(self) -> str:
+    def summary(self, notes_at: str = "report.notes") -> str:
+        """One line: modules, blocks, tasks, seconds, the mean relative residual before -> after,
+        and how many notes there are, read at ``notes_at`` (the app names where it shows them)."""
         if not self.modules:
             return "nothing calibrated"
         before, after = self.mean_residuals()
-        notes = f" ({len(self.notes)} note{'s' * (len(self.notes) != 1)}: report.notes)" if self.notes else ""
+        notes = f" ({len(self.notes)} note{'s' * (len(self.notes) != 1)}: {notes_at})" if self.notes else ""
         return (
             f"{len(self.modules)} modules in {len(self.blocks)} blocks, {len(self.tasks)} tasks, "
             f"{self.seconds:.2f} s; mean relative residual {before:.4f} -> {after:.4f}{notes}"

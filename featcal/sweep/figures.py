@@ -54,10 +54,16 @@ def title_layout(text: str, size: int = 15) -> dict:
 def block_axis(names: Sequence[str] | None = None, **kw) -> dict:
     """An axis of blocks, one tick each: their numbers, or ``names`` at them (a model of several
     stacks: :func:`featcal.model.arch.block_names`, ``encoder.block.3`` ... ``decoder.block.0``,
-    which tell an encoder's blocks from a decoder's). ``kw``: more of the axis' settings."""
+    which tell an encoder's blocks from a decoder's). ``kw``: more of the axis' settings.
+
+    Named, the axis spans half a block past the first and the last (unless ``kw`` sets its
+    range): a line chart's own range ends at its first and last points, and plotly hides a tick
+    label that would run past the figure, so a long last name (``decoder.block.1``) went missing."""
     axis = {"title": {"text": "block"}, "dtick": 1, **kw}
     if names is not None:
         axis.update(tickmode="array", tickvals=list(range(len(names))), ticktext=list(names))
+        if "range" not in kw and "autorange" not in kw:
+            axis["range"] = [-0.5, len(names) - 0.5]
     return axis
 
 

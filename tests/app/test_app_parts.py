@@ -179,6 +179,28 @@ def test_named_blocks_label_the_axes_the_hovers_and_the_titles():
     assert plain.layout.yaxis.ticktext is None and plain.data[1].customdata[0][2] == "block 0"
 
 
+def test_line_charts_over_named_blocks_leave_room_for_the_first_and_last_names():
+    """A line chart's axis ended at its first and last points, where plotly hid the last long
+    name (``decoder.block.1`` was missing under the Drift page's per-block line and the Calibrate
+    page's expert cosines): a named axis spans half a block past both ends; a heatmap's reversed
+    axis, and a numbered one, keep plotly's own range."""
+    from app import figures
+
+    df = _drift_frame().assign(metric=lambda d: d.metric.replace("drift_rel", "expert_cosine"))
+    names = ["encoder.block.0", "encoder.block.1", "decoder.block.0"]
+    frames = {"merged": _drift_frame(), "calibrated": _drift_frame()}
+    charts = {
+        "drift per block": figures.task_by_block(frames, "a", names=names),
+        "expert cosine": figures.expert_cosine_per_block({"merged": df}, "t", names=names),
+    }
+    for title, fig in charts.items():
+        assert tuple(fig.layout.xaxis.range) == (-0.5, len(names) - 0.5), title
+        assert list(fig.layout.xaxis.ticktext) == names, title
+    heatmap = figures.drift_heatmap(_drift_frame(), "t", names=names).layout.yaxis
+    assert heatmap.range is None and heatmap.autorange == "reversed"
+    assert figures.task_by_block(frames, "a").layout.xaxis.range is None
+
+
 def test_the_block_names_of_a_zoo_tell_its_stacks_apart():
     """None for a model of one stack (numbered blocks); an encoder-decoder's names in forward order."""
     from app.zoos import block_names
@@ -376,6 +398,19 @@ def test_the_live_note_says_how_many_test_examples_and_why_fewer_on_an_llm(tiny_
     assert f"first {n} test examples per task;" in note and "language model" not in note
     monkeypatch.setattr(compute, "live_test", lambda _zoo: 3)  # as on an LLM zoo
     assert "first 3 test examples per task (fewer on a language model" in state.live_note(zoo)
+    assert "first token" not in note
+
+
+def test_the_live_note_of_a_language_model_zoo_says_its_accuracy_is_the_replys_first_token(monkeypatch):
+    """On an encoder-decoder (or decoder) zoo the live accuracy is the reply's first token, the
+    Compare page's the whole generated reply: on the FLAN-T5 stand-in 22% against 0%, so the note says which."""
+    from app import state, zoos
+    from featcal.zoo.score.seq2seq import Seq2SeqZoo
+
+    monkeypatch.setattr(zoos, "split_size", lambda zoo, split: 4)
+    note = state.live_note(object.__new__(Seq2SeqZoo))  # (live_note reads only the zoo's kind and test size)
+    assert "first 4 test examples per task" in note
+    assert "the reply's first token is the reference's" in note and "Compare page" in note
 
 
 def test_a_long_exact_run_shows_its_blocks_and_the_time_left():
@@ -412,3 +447,49 @@ def test_a_zoo_that_does_not_load_is_explained_in_wrapping_text():
     assert "```" not in md and "Could not load zoo `my_zoo.yaml`" in md
     assert r"/data/\_\_models\_\_/svhn" in md and r"\(\$5 of disk\)" in md  # escaped, not emphasis or maths
     assert md.count("  \n") == 1 and "Fix: see the `fix:` lines above" in md
+
+
+def test_two_zoo_loads_at_once_run_one_after_the_other(monkeypatch):
+    """A zoo picked while another still loads waits for it: two loads side by side imported
+    transformers' lazy submodules from two threads, and the second failed on a cold start
+    ("cannot import name 'AutoTokenizer' from 'transformers'")."""
+    import threading
+
+    import featcal.zoo
+    from app import zoos
+
+    entered, active, most = threading.Event(), [0], [0]
+    guard = threading.Lock()
+
+    def fake_load(source, progress, device):
+        with guard:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        if source == "first":
+            entered.set()
+            threading.Event().wait(1.0)  # room for the second load to start beside this one
+        with guard:
+            active[0] -= 1
+        return source
+
+    monkeypatch.setattr(featcal.zoo, "load_any", fake_load)
+    first = threading.Thread(target=zoos.load_zoo, args=("first", "cpu"))
+    first.start()
+    assert entered.wait(60)
+    assert zoos.load_zoo("second", "cpu") == "second"
+    first.join(60)
+    assert most[0] == 1
+
+
+def test_the_weights_scatter_marks_tell_an_encoders_blocks_from_a_decoders():
+    """Each point of the Weights page's scatter is marked with its block: ``e1`` / ``d0`` on an
+    encoder-decoder (its ``b2`` was the first decoder block), ``b2`` on a model of one stack."""
+    from app import weight_figures as wf
+
+    wide = pd.DataFrame(
+        {"task": ["a"] * 3, "block": [0, 1, 2], "sign_against": [0.1, 0.2, 0.3], "drift_rel": [0.2, 0.1, 0.3]}
+    )
+    names = ["encoder.block.0", "encoder.block.1", "decoder.block.0"]
+    named = wf.view_vs_drift(wide, "sign_against", names=names).data[0]
+    assert list(named.text) == ["e0", "e1", "d0"] and list(named.customdata) == names
+    assert list(wf.view_vs_drift(wide, "sign_against").data[0].text) == ["b0", "b1", "b2"]

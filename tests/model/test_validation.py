@@ -103,6 +103,8 @@ def test_few_rows_is_noted_once_not_warned(zoo):
     assert not [w for w in rec if "fewer than" in str(w.message)]
     assert [n for n in report.notes if "fewer than its input width" in n] == report.notes and len(report.notes) == 1
     assert not [w for w in report.warnings if "fewer than" in w]
+    assert report.summary().endswith("(1 note: report.notes)")  # where a library user reads them
+    assert report.summary(notes_at="below").endswith("(1 note: below)")  # where the app shows them
 
 
 def test_failed_run_leaves_inputs_untouched(zoo):
