@@ -13,10 +13,21 @@ factors are concatenated and each replaced by its polar factor times its mean si
 Every Linear of one kind (``mlp.fc1`` of every block, ...) is then rescaled by
 ``(||D_l|| / mean_l ||D_l||)^2`` (:func:`layer_balance`), and ``theta = theta_0 + scale * D``.
 
-``recipe`` picks the authors' two scripts. ``"vit"`` (their CLIP ViT code, the default) also
+``recipe`` picks the authors' two scripts. ``"vit"`` (their CLIP ViT code) also
 weights each task by ``(||D_i|| / mean_j ||D_j||)^2`` and each input column of ``V_cat`` by
 ``(c_j / mean c)^2`` (``c_j`` its norm), and doubles ``D``; ``"roberta"`` (their RoBERTa code)
-does neither. Every other entry is merged as the authors do: 2-D entries outside the blocks'
+does neither. ``"auto"`` (the default) is the ViT script except on a decoder-only language model
+(a Llama, a GPT-2: :func:`is_decoder_lm`), where it is the RoBERTa script: on the LLM zoo
+``smollm2`` (30 blocks, LoRA experts) the ViT script's doubling and squared inter-column scaling
+make each Linear's update 2 to 8 times Task Arithmetic's, and its squared inter-layer scaling
+widens that to up to 59 times in some blocks: at scale 1 (and 0.5, 0.25) the merged model is
+broken, and only a scale near 0.1, which the authors' labelled validation search would have to
+find, brings it back to TA's level; the RoBERTa script stays near TA's size there and, at scale
+1, scores 29.5 against TA's 31.0 (the ViT script: 9.0, the base's level; docs/comparison.md, the
+LLM zoo). Asked for explicitly on such a model, ``"vit"`` runs
+and warns.
+
+Every other entry is merged as the authors do: 2-D entries outside the blocks'
 Linears (embeddings, projections, heads) by TSV (:func:`featcal.baselines.merging.tsv`), the rest
 (biases, norms, convolutions) by the experts' mean; ``scale`` multiplies all of it (the authors
 search it on labelled validation data: [0, 2] for ViT, [0, 5] for RoBERTa; 1.0 before it).
@@ -39,6 +50,7 @@ Usage::
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Mapping
 
 import torch
@@ -53,7 +65,7 @@ from featcal.model.modes import eval_mode
 from featcal.model.streams import catch_block_inputs, device_of
 from featcal.util.progress import bar
 
-RECIPES = ("vit", "roberta")
+RECIPES = ("auto", "vit", "roberta")
 # scale's slider spans the ViT script's search interval, [0, 2]; a run takes up to RoBERTa's 5.
 SCALE_RANGE = (0.05, 2.0, 0.05, False, (0.0, 5.0), "the authors search [0, 2] (ViT), [0, 5] (RoBERTa)")
 EIGEN_POWER = 0.15  # the exponent of the eigenvalue weights (both of the authors' scripts)
@@ -150,10 +162,39 @@ def layer_balance(deltas: list[torch.Tensor], power: float = NORM_POWER) -> list
 # ---------------------------------------------------------------------------- the plumbing
 
 
+def is_decoder_lm(model: nn.Module) -> bool:
+    """Whether ``model`` is a decoder-only language model (HF ``...ForCausalLM``, GPT-2's
+    ``LMHeadModel``: it generates and is not an encoder-decoder), the kind neither of the
+    authors' scripts was written for."""
+    can_generate = getattr(model, "can_generate", None)
+    config = getattr(model, "config", None)
+    return bool(callable(can_generate) and can_generate() and not getattr(config, "is_encoder_decoder", False))
+
+
+def resolve_recipe(recipe: str, model: nn.Module) -> str:
+    """The script ``recipe`` names on ``model``: ``"auto"`` is ``"roberta"`` on a decoder-only LM
+    (:func:`is_decoder_lm`; the ViT script's scalings break it, module docstring) and ``"vit"``
+    elsewhere; ``"vit"`` on a decoder-only LM warns and runs."""
+    decoder = is_decoder_lm(model)
+    if recipe == "auto":
+        return "roberta" if decoder else "vit"
+    if recipe == "vit" and decoder:
+        warnings.warn(
+            f"esm: recipe 'vit' (the authors' CLIP ViT script) on a decoder-only LM ({type(model).__name__}): "
+            "its doubling and squared inter-column and inter-layer scalings made updates up to 59x Task "
+            "Arithmetic's on the smollm2 zoo and broke the merge at scale 1 (only about 0.1 recovered; "
+            "docs/comparison.md); recipe 'auto' or 'roberta' uses the authors' RoBERTa script.",
+            stacklevel=3,
+        )
+    return recipe
+
+
 def _check(experts: Mapping[str, nn.Module], calib_data: Mapping[str, list], scale: float, recipe: str) -> None:
     check_calib(experts, calib_data, "ESM")
     if recipe not in RECIPES:
-        raise ValueError(f"esm: recipe must be one of {', '.join(RECIPES)} (the authors' scripts), got {recipe!r}.")
+        raise ValueError(
+            f"esm: recipe must be one of {', '.join(RECIPES)} (auto or one of the authors' scripts), got {recipe!r}."
+        )
     if not 0.0 <= scale:
         raise ValueError(f"esm: scale must be >= 0 (it multiplies the merged task vector), got {scale}.")
 
@@ -213,7 +254,7 @@ def esm(
     experts: Mapping[str, nn.Module],
     calib_data: Mapping[str, list],
     scale: float = 1.0,
-    recipe: str = "vit",
+    recipe: str = "auto",
     blocks: str | None = None,
     progress: bool = True,
 ) -> nn.Module:
@@ -221,9 +262,11 @@ def esm(
     displacement on its own task's ``calib_data`` batches (32 examples a task in the paper), then
     balanced across the blocks (module docstring); 2-D entries outside them by TSV, the rest the
     experts' mean; ``theta = theta_0 + scale * tau`` throughout. ``recipe``: ``"vit"`` or
-    ``"roberta"``, the authors' two scripts. ``blocks``: the dotted path of the blocks when featcal
-    does not find them (an encoder-decoder without it: both stacks)."""
+    ``"roberta"``, the authors' two scripts, or ``"auto"`` (:func:`resolve_recipe`: the RoBERTa
+    script on a decoder-only LM, the ViT script elsewhere). ``blocks``: the dotted path of the
+    blocks when featcal does not find them (an encoder-decoder without it: both stacks)."""
     _check(experts, calib_data, scale, recipe)
+    recipe = resolve_recipe(recipe, base)
     model = copy.deepcopy(base).eval()
     solved: dict[str, list] = {}  # weight name -> [(block, target, W_0 + scale * D)] (q/k/v: three)
     with eval_mode(base, *experts.values()):

@@ -187,6 +187,10 @@ SVC_ALPHA = Param(
 # RegMean and its forward-order variant: one data merger each, the same parameters.
 REGMEANS = ((regmean, "RegMean"), (regmean_plusplus, "RegMean++"))
 SCALE = (0.05, 2.0, 0.05)
+ESM_HELP = {
+    "recipe": "the authors' script: vit (CLIP ViTs), roberta (GLUE); auto: roberta on a decoder-only LM "
+    "(the ViT script's scalings break it), vit elsewhere"
+}
 # BMM (featcal.baselines.bmm): the prior's strength sigma, relative to the mean eigenvalue of the summed Gram.
 SIGMA = (1e-3, 10.0, 0.25, True, (0.0, 1e6), "prior strength / mean Gram eigenvalue")
 BMM_HELP = {
@@ -263,7 +267,7 @@ METHODS: tuple[Method, ...] = (
         examples_cap="n_examples",
     ),
     _with_data("data_merger", lot, "LOT Merging", {"rtol": (1e-8, 1e-2, 1.0, True, (1e-12, 0.5), "pinv cut")}),
-    _with_data("data_merger", esm.esm, "ESM", {"scale": esm.SCALE_RANGE}, {"recipe": esm.RECIPES}),
+    _with_data("data_merger", esm.esm, "ESM", {"scale": esm.SCALE_RANGE}, {"recipe": esm.RECIPES}, helps=ESM_HELP),
     _with_data("data_merger", bmm.bmm, "BMM", {"sigma": SIGMA}, BMM_CHOICES, helps=BMM_HELP),
     _with_data("data_merger", bmm_search, "BMM (searched)", BMM_SEARCH_RANGES, BMM_CHOICES, helps=BMM_HELP),
     Method("featcal", "calibrator", calibrate, "FeatCal", _featcal_params(), data_free=False),

@@ -3,13 +3,14 @@ the authors' update from an SVD of each task's stacked output displacements, its
 property, every architecture through the registry, and bad parameters refused by name."""
 
 import copy
+import warnings
 
 import pytest
 import torch
 
 import tiny
 from featcal import merge, merge_with_data
-from featcal.baselines.esm import esm_task_vector
+from featcal.baselines.esm import esm_task_vector, is_decoder_lm
 from featcal.baselines.registry import ParamError, get
 from featcal.model.arch import block_targets, resolve_stacks
 
@@ -106,7 +107,7 @@ def test_the_order_of_the_tasks_does_not_matter():
 def test_runs_through_the_registry_on_every_architecture(kind):
     base, experts, _, data = tiny.any_zoo(kind)
     m = get("esm", "data_merger")
-    assert (m.kind, m.label, m.defaults) == ("data_merger", "ESM", {"scale": 1.0, "recipe": "vit", "blocks": None})
+    assert (m.kind, m.label, m.defaults) == ("data_merger", "ESM", {"scale": 1.0, "recipe": "auto", "blocks": None})
     out = merge_with_data("esm", base=base, experts=experts, calib_data=data, progress=False).state_dict()
     sds = [e.state_dict() for e in experts.values()]
     solved = {
@@ -129,7 +130,7 @@ def test_runs_through_the_registry_on_every_architecture(kind):
 
 def test_bad_parameters_are_refused_by_name():
     base, experts, _, data = tiny.zoo("toy")
-    with pytest.raises(ParamError, match=r"esm: parameter 'recipe' takes one of vit, roberta, got 'bert'"):
+    with pytest.raises(ParamError, match=r"esm: parameter 'recipe' takes one of auto, vit, roberta, got 'bert'"):
         merge_with_data("esm", base=base, experts=experts, calib_data=data, recipe="bert")
     with pytest.raises(ParamError, match=r"esm: parameter 'scale' takes a number in \[0, 5\]"):
         merge_with_data("esm", base=base, experts=experts, calib_data=data, scale=9.0)
@@ -139,7 +140,7 @@ def test_bad_parameters_are_refused_by_name():
         merge_with_data("esm", base=base, experts=experts, calib_data={"t0": data["t0"]})
     from featcal.baselines.esm import esm
 
-    with pytest.raises(ValueError, match=r"esm: recipe must be one of vit, roberta"):
+    with pytest.raises(ValueError, match=r"esm: recipe must be one of auto, vit, roberta"):
         esm(base=base, experts=experts, calib_data=data, recipe="vit2")
     with pytest.raises(ValueError, match=r"esm: scale must be >= 0"):
         esm(base=base, experts=experts, calib_data=data, scale=-1.0)
@@ -163,3 +164,40 @@ def test_vit_recipe_merges_open_clip_attention_as_the_authors_code():
         assert torch.allclose(vit[k].double(), want, atol=1e-5), k
     k = "transformer.resblocks.0.attn.in_proj_weight"
     assert not torch.allclose(vit[k], rob.state_dict()[k], atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["toy", "hf_clip", "open_clip", "bert", "t5", "llama"])
+def test_auto_recipe_is_roberta_on_a_decoder_lm_and_vit_elsewhere(kind):
+    """The default recipe ``auto``: the authors' RoBERTa script on a decoder-only LM (the ViT
+    script's doubling and squared column and layer scalings broke the merge of the smollm2 zoo),
+    the ViT script on every other architecture (CLIP towers, encoders, T5), as before."""
+    base, experts, _, data = tiny.any_zoo(kind)
+    decoder = kind == "llama"
+    assert is_decoder_lm(base) is decoder
+    auto = merge_with_data("esm", base=base, experts=experts, calib_data=data, progress=False).state_dict()
+    same = "roberta" if decoder else "vit"
+    want = merge_with_data("esm", base=base, experts=experts, calib_data=data, recipe=same, progress=False)
+    for k, v in want.state_dict().items():
+        assert torch.equal(auto[k], v), k
+    other = "vit" if decoder else "roberta"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the ViT script's warning on a decoder LM (next test)
+        not_want = merge_with_data("esm", base=base, experts=experts, calib_data=data, recipe=other, progress=False)
+    differ = [k for k, v in not_want.state_dict().items() if not torch.allclose(auto[k], v, atol=1e-6)]
+    assert differ  # the two scripts merge these tiny models differently: the default picked one
+
+
+def test_vit_recipe_on_a_decoder_lm_warns_and_runs_as_asked():
+    """Asked for explicitly on a decoder-only LM, the ViT script is what runs (doubled, balanced:
+    not the RoBERTa script's result), with a warning naming the recipe and the model; on an
+    encoder (BERT) it runs without one."""
+    base, experts, _, data = tiny.any_zoo("llama")
+    with pytest.warns(UserWarning, match=r"esm: recipe 'vit' .* on a decoder-only LM \(LlamaForCausalLM\)"):
+        vit = merge_with_data("esm", base=base, experts=experts, calib_data=data, recipe="vit", progress=False)
+    rob = merge_with_data("esm", base=base, experts=experts, calib_data=data, recipe="roberta", progress=False)
+    k = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(vit.state_dict()[k], rob.state_dict()[k], atol=1e-6)
+    base, experts, _, data = tiny.any_zoo("bert")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        merge_with_data("esm", base=base, experts=experts, calib_data=data, recipe="vit", progress=False)
