@@ -226,7 +226,8 @@ def dare(
     gen = torch.Generator().manual_seed(seed)
 
     def combine(_key: str, taus: torch.Tensor) -> torch.Tensor:
-        kept = taus * (torch.rand(taus.shape, generator=gen) >= _column(ps, taus)).to(taus.dtype)
+        coins = torch.rand(taus.shape, generator=gen).to(taus.device)  # drawn on the CPU: the same masks on any device
+        kept = taus * (coins >= _column(ps, taus)).to(taus.dtype)
         if rescale == "inverse":
             kept = kept / _column([1.0 - p for p in ps], taus)
         elif rescale == "l1":
