@@ -105,7 +105,8 @@ def learn_coefficients(
     expert_params = {t: dict(m.named_parameters()) for t, m in experts.items()}
     taus = {n: torch.stack([expert_params[t][n].detach() - t0 for t in tasks]) for n, t0 in theta_0.items()}
     shape = (len(tasks),) if granularity == "task" else (len(tasks), len(theta_0))
-    lam = torch.full(shape, float(init), dtype=torch.float32, requires_grad=True)
+    device = next(iter(theta_0.values())).device  # the coefficients live beside the weights they mix
+    lam = torch.full(shape, float(init), dtype=torch.float32, device=device, requires_grad=True)
     opt = torch.optim.Adam([lam], lr=lr)
     head = _Head(copy.deepcopy(base).requires_grad_(False), logits)
     gen = torch.Generator().manual_seed(seed)

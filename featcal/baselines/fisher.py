@@ -45,10 +45,11 @@ def fisher_weighted_average(
     """``{name: merged}`` from ``params[name]`` (one tensor per expert) and each expert's
     diagonal Fisher ``fishers[i][name]`` (module docstring)."""
     T = len(fishers)
+    device = next(iter(params.values()))[0].device  # the experts' weights' device (a GPU's too)
     s = (
-        torch.full((T,), 1.0 / T, dtype=torch.float64)
+        torch.full((T,), 1.0 / T, dtype=torch.float64, device=device)
         if scaling is None
-        else torch.tensor(scaling, dtype=torch.float64)
+        else torch.tensor(scaling, dtype=torch.float64, device=device)
     )
     if s.shape != (T,):
         raise ValueError(f"scaling must give one number per expert ({T}), got {list(scaling)}.")

@@ -146,3 +146,26 @@ def test_fisher_merging_of_one_task_gives_that_expert():
         assert torch.allclose(v, experts["t0"].state_dict()[k], atol=1e-5), k
     with pytest.raises(ValueError, match="logits"):
         fisher_merging(base=base, experts=experts, calib_data=data)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_the_gpu_adamerging_and_fisher_equal_their_cpu_results():
+    """Their coefficients and scalings are made on the weights' device (both were made on the CPU)."""
+    base, experts, data, _ = _setup()
+    heads = {t: nn.Linear(32, 4).requires_grad_(False) for t in experts}
+
+    def logits_on(device):
+        hs = {t: copy.deepcopy(h).to(device) for t, h in heads.items()}
+        return lambda model, task, batch: hs[task](model(pixel_values=batch).pooler_output)
+
+    kw = dict(granularity="task", steps=5, lr=5e-2, batch=4, progress=False, seed=1)
+    cpu = learn_coefficients(base, experts, data, logits_on("cpu"), **kw)
+    on = {t: copy.deepcopy(m).cuda() for t, m in experts.items()}
+    gpu_data = {t: [b.cuda() for b in bs] for t, bs in data.items()}
+    gpu = learn_coefficients(copy.deepcopy(base).cuda(), on, gpu_data, logits_on("cuda"), **kw)
+    torch.testing.assert_close(gpu.weights.cpu(), cpu.weights, rtol=1e-3, atol=1e-5)
+    params = {"w": [torch.randn(3, 2), torch.randn(3, 2)]}
+    fishers = [{"w": torch.rand(3, 2)}, {"w": torch.rand(3, 2)}]
+    want = fisher_weighted_average(params, fishers)["w"]
+    got = fisher_weighted_average({"w": [v.cuda() for v in params["w"]]}, [{"w": f["w"].cuda()} for f in fishers])
+    torch.testing.assert_close(got["w"].cpu(), want)
