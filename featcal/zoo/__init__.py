@@ -3,7 +3,7 @@
     from featcal.zoo import load_any, load_demo
     zoo = load_demo()                    # the embedded demo, built offline on first use
     zoo = load_any("demo-fashion")       # plus two Fashion-MNIST tasks (apt: dataset-fashion-mnist)
-    zoo = load_any("real-text")          # a real MiniLM text encoder on real text tasks (packages: README)
+    zoo = load_any("real-text")          # a real MiniLM text encoder on real text tasks (packages: docs/install.md)
     zoo = load_any("smollm2")            # SmolLM2-135M-Instruct and four LoRA experts (an LLM zoo)
     zoo = load_any("assets/zoos/clip-vit-b32-ta8.yaml")   # real models, from a YAML spec
     zoo = load_any("path/to/zoo-dir")    # any directory in the demo's on-disk layout
