@@ -132,7 +132,7 @@ def write_zoo_dir(
             tokenizer.save_pretrained(str(tmp / "tokenizer"))
         if arrays:
             save_npz(tmp / "data.npz", _flat_arrays(arrays))
-        _write_files(tmp, extra_files or {})
+        write_files(tmp, extra_files or {})
         digest, files = tree_sha256(tmp)
         meta = {
             "kind": KIND,
@@ -172,7 +172,7 @@ def _flat_arrays(arrays: Mapping[str, Mapping[str, tuple]]) -> dict[str, np.ndar
     return flat
 
 
-def _write_files(root: Path, files: Mapping[str, str | bytes]) -> None:
+def write_files(root: Path, files: Mapping[str, str | bytes]) -> None:
     """``{relative name: text or bytes}`` written under ``root`` (folders made as needed)."""
     for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -37,10 +37,10 @@ import yaml
 
 from featcal.util import outdir
 from featcal.zoo.builtin.llm_tasks import TASKS, Example, constraint_text
-from featcal.zoo.io import files_digest
+from featcal.zoo.io import files_digest, write_json
 from featcal.zoo.load import from_spec
 from featcal.zoo.score.lm import LMZoo
-from featcal.zoo.store import META, is_zoo_dir, read_meta, verify_zoo_dir
+from featcal.zoo.store import META, is_zoo_dir, read_meta, verify_zoo_dir, write_files
 
 SPEC_DIR = "spec"
 SPEC = f"{SPEC_DIR}/zoo.yaml"
@@ -183,10 +183,7 @@ def _put_spec_dir(path: Path, files: Mapping[str, bytes]) -> None:
     tmp = path.parent / f".{path.name}.{SPEC_DIR}-{os.getpid()}.tmp"
     tmp.mkdir()
     try:
-        for rel, data in files.items():
-            dest = tmp / Path(rel).relative_to(SPEC_DIR)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_bytes(data)
+        write_files(tmp, {Path(rel).relative_to(SPEC_DIR).as_posix(): data for rel, data in files.items()})
         os.replace(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -195,7 +192,7 @@ def _put_spec_dir(path: Path, files: Mapping[str, bytes]) -> None:
 
 def _record(path: Path, meta: dict, added: Mapping[str, str]) -> None:
     """meta.json with the ``added`` files (``{path: sha256}``) in its file list and content hash,
-    replaced in one rename."""
+    replaced in one rename (:func:`featcal.zoo.io.write_json`)."""
     files = {**meta["files"], **added}
     meta = {
         **meta,
@@ -207,6 +204,4 @@ def _record(path: Path, meta: dict, added: Mapping[str, str]) -> None:
             "at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         },
     }
-    tmp = path.parent / f".{path.name}.{META}-{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(tmp, path / META)
+    write_json(path / META, meta)
