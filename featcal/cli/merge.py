@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-from featcal.baselines.registry import MERGERS_WITH_DATA, merge_with_data, zoo_logits
+from featcal.baselines import runner
+from featcal.baselines.registry import MERGERS_WITH_DATA
 from featcal.cli.common import (
     UserError,
     add_common,
@@ -55,20 +56,10 @@ def run_merge(args) -> int:
     with output_lock(args.out):
         zoo = zoo_from_args(args)
         info = {"zoo": args.zoo, "method": args.method, "params": params}
+        data = zoo.calib_data(args.n_per_task, seed=args.seed, batch_size=args.batch_size) if with_data else None
+        model = runner.merge(zoo, args.method, data, params, progress=not args.quiet)
         if with_data:
-            data = zoo.calib_data(args.n_per_task, seed=args.seed, batch_size=args.batch_size)
-            model = merge_with_data(
-                args.method,
-                base=zoo.base,
-                experts=zoo.experts,
-                calib_data=data,
-                logits=zoo_logits(zoo),
-                progress=not args.quiet,
-                **params,
-            )
             info.update(n_per_task=args.n_per_task, seed=args.seed, batch_size=args.batch_size)
-        else:
-            model = zoo.merged(args.method, **params)
         out = write_output(args, zoo, model, "merge.json", info, scored={args.method: model})
     print(f"wrote {out}")
     return 0
