@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -38,6 +39,14 @@ RUN_MS = 1_800_000  # stops a hang only
 METRIC = '[data-testid="stMetricValue"]'
 RUNNING = '[data-testid="stStatusWidget"]'
 VIEW = {"width": 1500, "height": 2600}  # tall: Streamlit scrolls inside the page, screenshots show the viewport
+
+
+# ``streamlit run`` with every thread's stack dumped to the server's log on SIGUSR1 (what a test that
+# waited in vain shows: :func:`explain_wait`).
+SERVE = (
+    "import faulthandler, signal, sys; faulthandler.register(signal.SIGUSR1, all_threads=True); "
+    "from streamlit.web.cli import main; sys.argv[0] = 'streamlit'; main()"
+)
 
 
 def _free_port() -> int:
@@ -84,8 +93,8 @@ def start_server(tmp_path_factory, env: dict):
     log = tmp_path_factory.mktemp("server") / "streamlit.log"
     cmd = [
         sys.executable,
-        "-m",
-        "streamlit",
+        "-c",
+        SERVE,
         "run",
         str(REPO / "app" / "streamlit_app.py"),
         "--server.address",
@@ -170,6 +179,36 @@ def _nudge(page, label: str, key: str, presses: int) -> float:
     _idle(page)
     assert _metrics(page) != before
     return seconds
+
+
+def server_log(proc, stacks: bool = True) -> str:
+    """The end of the server's log (its stdout), after it dumped every thread's stack when
+    ``stacks`` and it still runs (:data:`SERVE`)."""
+    log = Path(os.readlink(f"/proc/{proc.pid}/fd/1")) if proc.poll() is None else None
+    if log is None:
+        return f"(the server exited with code {proc.returncode})"
+    if stacks:
+        os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(2)
+    return log.read_text()[-15000:]
+
+
+def explain_wait(page, proc, condition: str, timeout: int, arg=None) -> None:
+    """``page.wait_for_function(condition)``; on a timeout, a failure that shows what the page
+    showed (its text and any exception, and a screenshot in SHOTS) and what the server's threads
+    were doing, rather than the bare timeout."""
+    from playwright.sync_api import TimeoutError as WaitedInVain
+
+    try:
+        page.wait_for_function(condition, arg=arg, timeout=timeout)
+    except WaitedInVain:
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / "waited-in-vain.png"), full_page=True)
+        text = page.locator("body").inner_text()[-5000:]
+        pytest.fail(
+            f"waited {timeout // 1000} s in vain for {condition}\n--- the page showed:\n{text}"
+            f"\n--- the server's log and threads:\n{server_log(proc)}"
+        )
 
 
 def _no_exception(page) -> None:

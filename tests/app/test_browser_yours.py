@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_browser import LOAD_MS, SHOTS, _idle, _open, browser, server  # noqa: F401 (fixtures)
+from test_browser import LOAD_MS, SHOTS, _idle, _open, browser, explain_wait, server  # noqa: F401 (fixtures)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "zoo"))  # the zoo tests' tiny models
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -30,6 +30,8 @@ FIELDS = {
     "folder": "save the YAML in (default: featcal's cache)",
 }
 ERROR = '[data-testid="stAlertContentError"]'
+EXCEPTION = '[data-testid="stException"]'
+TINY_MS = 600_000  # stops a hang only: the form's zoos are tiny models, loaded in seconds
 SUCCESS = '[data-testid="stAlertContentSuccess"]'
 
 
@@ -38,9 +40,21 @@ def _fill(page, values: dict) -> None:
         page.get_by_label(FIELDS[key], exact=True).fill(value)
 
 
-def _submit(page) -> None:
+def _submit(page, server, zoo: str | None = None) -> None:  # noqa: F811
+    """Press the form's button and wait for what it leads to: the Zoo page of the zoo named
+    ``zoo``, or (no ``zoo``) a new refusal. Either way an exception on the page, or a refusal
+    where a zoo page was due, fails at once with its text; a wait in vain fails with the page's
+    text and the server's threads (:func:`test_browser.explain_wait`)."""
+    page.evaluate(f"document.querySelectorAll('{ERROR}').forEach(e => e.dataset.before = '1')")
     page.get_by_role("button", name="Write the zoo YAML and open it").click()
-    _idle(page, LOAD_MS)
+    refused = f"[...document.querySelectorAll('{ERROR}')].some(e => !e.dataset.before)"
+    crashed = f"document.querySelector('{EXCEPTION}') !== null"
+    opened = f"[...document.querySelectorAll('h1')].some(e => e.innerText.startsWith('Zoo · {zoo}'))"
+    explain_wait(page, server[1], " || ".join([opened, refused, crashed] if zoo else [refused, crashed]), TINY_MS)
+    _idle(page, TINY_MS)
+    assert page.locator(EXCEPTION).count() == 0, page.locator(EXCEPTION).first.inner_text()
+    if zoo is not None:
+        assert page.locator(ERROR).count() == 0, page.locator(ERROR).first.inner_text()
 
 
 def _shot(page, tmp_path: Path, name: str) -> None:
@@ -71,13 +85,6 @@ def _form(browser, server, tmp_path):  # noqa: F811
     return context, page
 
 
-def _zoo_page(page, name: str) -> None:
-    page.wait_for_function(
-        f"[...document.querySelectorAll('h1')].some(e => e.innerText.startsWith('Zoo · {name}'))", timeout=LOAD_MS
-    )
-    _idle(page, LOAD_MS)
-
-
 def test_a_clip_model_base_ends_on_its_zoo_page(server, browser, tmp_path):  # noqa: F811
     from test_userspec import write_user_models
 
@@ -85,8 +92,7 @@ def test_a_clip_model_base_ends_on_its_zoo_page(server, browser, tmp_path):  # n
     context, page = _form(browser, server, tmp_path)
     _fill(page, {"name": "tiny-mine", **{k: str(root / k) for k in ("base", "data", "experts")}})
     _fill(page, {"folder": str(tmp_path / "zoos")})
-    _submit(page)
-    _zoo_page(page, "tiny-mine")
+    _submit(page, server, "tiny-mine")
     assert (tmp_path / "zoos" / "tiny-mine.yaml").is_file()
     assert "tiny-mine" in page.title()  # the tab names the zoo
     assert page.locator('[data-testid="stCode"]').first.inner_text().count("experts:") == 1  # the YAML, to keep
@@ -102,7 +108,7 @@ def test_a_clip_vision_base_is_refused_whole_then_loads_with_pooled_features(ser
     context, page = _form(browser, server, tmp_path)
     _fill(page, {"name": "tiny-vis", **{k: str(root / k) for k in ("base", "data", "experts")}})
     _fill(page, {"folder": str(tmp_path / "zoos")})
-    _submit(page)
+    _submit(page, server)
     text = _whole(page, ERROR)
     assert "visual_projection" in text and "features: pooled" in text and text.rstrip().endswith(").")
     assert not (tmp_path / "zoos" / "tiny-vis.yaml").exists()
@@ -113,8 +119,7 @@ def test_a_clip_vision_base_is_refused_whole_then_loads_with_pooled_features(ser
     page.get_by_role("option", name="pooled").wait_for()
     page.keyboard.press("Enter")  # (the zoo page of tiny-vis below shows it was taken)
     _fill(page, {"heads": str(root / "heads.safetensors")})
-    _submit(page)
-    _zoo_page(page, "tiny-vis")
+    _submit(page, server, "tiny-vis")
     assert (tmp_path / "zoos" / "tiny-vis.yaml").is_file()
     assert "Preset clip" in _whole(page, SUCCESS)  # shown in the shot, with the YAML under it
     _shot(page, tmp_path, "yours-clip-vision-pooled")
@@ -127,7 +132,7 @@ def test_a_llama_with_a_peft_adapter_ends_on_the_featcal_calibrate_command(serve
     root = write_llama_models(tmp_path / "llama")
     context, page = _form(browser, server, tmp_path)
     _fill(page, {"name": "tiny-llama", **{k: str(root / k) for k in ("base", "data", "experts")}})
-    _submit(page)
+    _submit(page, server)
     text = _whole(page, ERROR)
     assert "generative language model" in text and "another architecture" not in text
     command = _whole(page, '[data-testid="stCode"]')
