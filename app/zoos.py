@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import threading
 from pathlib import Path
 
 import pandas as pd
@@ -24,13 +23,6 @@ FIX_SPEC = (
     "or of a zoo directory (one holding meta.json)."
 )
 
-# One zoo load at a time in the server process. Two loads at once (a user picks another zoo in the
-# sidebar while the first page's zoo still loads: Streamlit starts the new run before the old one
-# stops) import transformers' lazily loaded submodules from two threads, and transformers' lazy
-# module is not thread-safe: on a cold start the second load failed with "cannot import name
-# 'AutoTokenizer' from 'transformers'" (or read a T5 expert without its tied embeddings).
-LOADING = threading.Lock()
-
 
 def device() -> str:
     """The GPU when there is one, else the CPU."""
@@ -39,14 +31,13 @@ def device() -> str:
 
 def load_zoo(source: str, device: str):
     """``demo`` / ``demo-fashion`` / a spec YAML / a zoo directory -> ``Zoo`` on ``device``
-    (:func:`featcal.zoo.load_any`; ``~`` and ``$VARS`` in paths are expanded), one load at a
-    time (:data:`LOADING`: a second waits for the first)."""
+    (:func:`featcal.zoo.load_any`; ``~`` and ``$VARS`` in paths are expanded; one load at a
+    time: a zoo picked while another loads waits for it)."""
     from featcal.zoo import load_any
 
     if not Path(os.path.expandvars(source)).expanduser().exists() and (REPO / source).exists():
         source = str(REPO / source)  # the example specs, from any working directory
-    with LOADING:
-        return load_any(source, progress=False, device=device)
+    return load_any(source, progress=False, device=device)
 
 
 def block_names(zoo) -> list[str] | None:

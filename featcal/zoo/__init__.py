@@ -32,7 +32,7 @@ from featcal.zoo.builtin.demo import DEMO_VERSION, build_demo, cache_dir, demo_p
 from featcal.zoo.builtin.realtext import load_realtext, realtext_path
 from featcal.zoo.core import SPLITS, TaskData, Zoo, evaluate
 from featcal.zoo.formats import fusionbench
-from featcal.zoo.io import OutputExistsError, load_model, save_model
+from featcal.zoo.io import OutputExistsError, load_model, one_load_at_a_time, save_model
 from featcal.zoo.load import from_spec, lm_dir
 from featcal.zoo.score.scores import average, expert_accuracies, normalized, summary, write_scores
 from featcal.zoo.store import is_zoo_dir, read_zoo_dir
@@ -77,6 +77,7 @@ NAMES = {"demo": "default", "demo-fashion": "fashion"}
 BUILT = {"real-text": load_realtext, "smollm2": _load_smollm2}
 
 
+@one_load_at_a_time
 def load_any(name_or_path: str | os.PathLike, progress: bool = True, rebuild: bool = False, device: str = "cpu") -> Zoo:
     """A zoo from a name or a path, its models and heads on ``device`` in eval mode:
 
@@ -90,7 +91,8 @@ def load_any(name_or_path: str | os.PathLike, progress: bool = True, rebuild: bo
 
     ``~`` and ``$VARS`` in a path are expanded. ``rebuild`` applies to the built-in
     zoos only; ``progress`` shows their build's progress bars. Raises ``FileNotFoundError``
-    naming the accepted forms when nothing matches.
+    naming the accepted forms when nothing matches. Safe from several threads: one load runs
+    at a time (:func:`featcal.zoo.io.one_load_at_a_time`).
     """
     key = str(name_or_path)
     if key in NAMES:

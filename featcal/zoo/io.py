@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path, PurePosixPath
 from typing import Iterator, Mapping
 
@@ -90,6 +92,25 @@ def _current_umask() -> int:
     except OSError:
         pass
     return 0o022
+
+
+# One zoo load at a time in a process. Two loads side by side (the app: a zoo picked in the sidebar while
+# another still loads; a user's own threads) import transformers' lazily loaded submodules from two
+# threads, and transformers' lazy module is not thread-safe: on a cold start the second load failed with
+# "cannot import name 'AutoTokenizer' from 'transformers'" (or read a T5 expert without its tied
+# embeddings); and :func:`offline` sets a process-wide variable. Reentrant: a load may call another.
+_LOADS = threading.RLock()
+
+
+def one_load_at_a_time(load):
+    """``load`` made to wait for any other zoo load of this process to finish first (:data:`_LOADS`)."""
+
+    @functools.wraps(load)
+    def serialised(*args, **kwargs):
+        with _LOADS:
+            return load(*args, **kwargs)
+
+    return serialised
 
 
 @contextlib.contextmanager

@@ -250,35 +250,3 @@ def test_a_zoo_that_does_not_load_is_explained_in_wrapping_text():
     assert "```" not in md and "Could not load zoo `my_zoo.yaml`" in md
     assert r"/data/\_\_models\_\_/svhn" in md and r"\(\$5 of disk\)" in md  # escaped, not emphasis or maths
     assert md.count("  \n") == 1 and "Fix: see the `fix:` lines above" in md
-
-
-def test_two_zoo_loads_at_once_run_one_after_the_other(monkeypatch):
-    """A zoo picked while another still loads waits for it: two loads side by side imported
-    transformers' lazy submodules from two threads, and the second failed on a cold start
-    ("cannot import name 'AutoTokenizer' from 'transformers'")."""
-    import threading
-
-    import featcal.zoo
-    from app import zoos
-
-    entered, active, most = threading.Event(), [0], [0]
-    guard = threading.Lock()
-
-    def fake_load(source, progress, device):
-        with guard:
-            active[0] += 1
-            most[0] = max(most[0], active[0])
-        if source == "first":
-            entered.set()
-            threading.Event().wait(1.0)  # room for the second load to start beside this one
-        with guard:
-            active[0] -= 1
-        return source
-
-    monkeypatch.setattr(featcal.zoo, "load_any", fake_load)
-    first = threading.Thread(target=zoos.load_zoo, args=("first", "cpu"))
-    first.start()
-    assert entered.wait(60)
-    assert zoos.load_zoo("second", "cpu") == "second"
-    first.join(60)
-    assert most[0] == 1

@@ -143,3 +143,40 @@ def test_saved_tree_has_plain_permissions(tmp_path):
     umask = io._current_umask()
     assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0o700
     assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_zoo_loads_from_two_threads_run_one_after_the_other(monkeypatch):
+    """A zoo load started while another runs (the app: a zoo picked while the first page's
+    still loads) waits for it, through load_any and the Your-models check alike: two loads side
+    by side imported transformers' lazy submodules from two threads, and the second failed on a
+    cold start ("cannot import name 'AutoTokenizer' from 'transformers')."""
+    import threading
+
+    import featcal.zoo
+    from featcal.zoo.load import from_spec
+    from featcal.zoo.spec import parsing, userspec
+
+    entered, active, most = threading.Event(), [0], [0]
+    guard = threading.Lock()
+
+    def slow_load(name):
+        with guard:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        if name == "first":
+            entered.set()
+            threading.Event().wait(1.0)  # room for the second load to start beside this one
+        with guard:
+            active[0] -= 1
+        return name
+
+    monkeypatch.setattr(featcal.zoo, "load_demo", lambda **kw: slow_load("first"))
+    monkeypatch.setattr(featcal.zoo, "_on", lambda zoo, device: zoo)
+    monkeypatch.setattr(parsing, "from_dict", lambda spec, root, source: spec)
+    monkeypatch.setattr(from_spec, "load", lambda spec, device: slow_load(spec))
+    first = threading.Thread(target=featcal.zoo.load_any, args=("demo",))
+    first.start()
+    assert entered.wait(60)
+    assert userspec.load_checked("second", "/nowhere/zoo.yaml") == "second"
+    first.join(60)
+    assert not first.is_alive() and most[0] == 1

@@ -29,6 +29,7 @@ from typing import Mapping
 import yaml
 
 from featcal.model import lora
+from featcal.zoo.io import one_load_at_a_time
 from featcal.zoo.spec import locate, parsing, schema
 
 HEADER = "# featcal zoo spec, written by featcal's app (docs/zoos.md documents every key)\n"
@@ -286,6 +287,7 @@ def write_spec(path: str | os.PathLike, text: str) -> Path:
 # ----------------------------------------------------------------------------- before writing
 
 
+@one_load_at_a_time
 def load_checked(spec: dict, path: str | os.PathLike, device: str = "cpu"):
     """The :class:`~featcal.zoo.core.Zoo` that ``spec`` makes once written to ``path``, loaded by the
     zoo loader itself (:func:`featcal.zoo.load.from_spec.load`, which the app and every command run on the
