@@ -330,7 +330,7 @@ def start_heldout(source: str, fp: str, ref: ModelRef) -> Future:
 
 @st.cache_data(max_entries=8, show_spinner=False)
 def zoo_tables(source: str, fp: str) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The zoo's models (role, parameters, MB) and tasks (classes, split sizes)."""
+    """The zoo's models (role, parameters, MB) and tasks (classes or scorer, split sizes)."""
     zoo = _zoo(source, device())
     return zoos.zoo_models(zoo), zoos.zoo_tasks(zoo)
 

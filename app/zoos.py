@@ -204,11 +204,11 @@ def zoo_models(zoo) -> pd.DataFrame:
 
 
 def zoo_tasks(zoo) -> pd.DataFrame:
-    """One row per task: classes and split sizes. *Belongs in featcal.zoo*."""
-    rows = []
-    for t in zoo.tasks:
-        row = {"task": t, "classes": len(zoo.data[t].classes)}
-        for split in zoo.data[t].splits:
-            row[split] = len(zoo.split(t, split)[1])
-        rows.append(row)
-    return pd.DataFrame(rows)
+    """One row per task: its classes (a generative zoo's: its scorer, :meth:`featcal.zoo.Zoo.task_facts`)
+    and split sizes."""
+    return pd.DataFrame(
+        [
+            {"task": t, **zoo.task_facts(t), **{s: len(zoo.split(t, s)[1]) for s in zoo.data[t].splits}}
+            for t in zoo.tasks
+        ]
+    )

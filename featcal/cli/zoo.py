@@ -70,4 +70,5 @@ def _print_zoo_info(zoo, seconds: float, built_now: bool = False) -> None:
     print(f"  {'built' if built_now else 'loaded'} in     {seconds:.1f} s")
     for task in zoo.tasks:
         sizes = ", ".join(f"{s} {len(zoo.split(task, s)[1])}" for s in zoo.data[task].splits)
-        print(f"  {task:14s}{len(zoo.data[task].classes):3d} classes  ({sizes})")
+        facts = ", ".join(f"{k} {v}" for k, v in zoo.task_facts(task).items() if v is not None)
+        print(f"  {task:14s}{facts}  ({sizes})")

@@ -89,6 +89,11 @@ class Zoo:
         """Tasks merged and calibrated on but not scored (a generative zoo's ``scorer: none``)."""
         return []
 
+    def task_facts(self, task: str) -> dict:
+        """What a table of the zoo's tasks shows of ``task`` beside its split sizes: its classes
+        (a generative zoo's task: how its replies are scored, :meth:`LMZoo.task_facts`)."""
+        return {"classes": len(self.data[task].classes)}
+
     def input_paths(self) -> dict[str, str]:
         """``{what: path}`` of the files and directories this zoo was read from (its directory,
         or its spec's models, heads and data): an output must lie apart from all of them."""

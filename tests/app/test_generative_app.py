@@ -95,6 +95,16 @@ def test_every_page_runs_on_the_flan_t5_zoo(flan_t5):
         assert at.title and at.title[0].value, page
 
 
+def test_the_zoo_page_names_each_tasks_scorer_not_its_classes(flan_t5):
+    """A generative zoo's tasks have no classes: the Tasks table says how each is scored instead."""
+    at = _ok(flan_t5.switch_page("pages/zoo.py").run())
+    doc = yaml.safe_load((ROOT / "assets" / "zoos" / "flan-t5-base-glue.yaml").read_text())
+    tasks = next(d.value for d in at.dataframe if "test" in d.value.columns)  # the Tasks table: split sizes
+    assert "classes" not in tasks.columns
+    assert dict(zip(tasks.task, tasks.scorer)) == {t: e["scorer"] for t, e in doc["tasks"].items()}
+    assert (tasks["reply tokens"] > 0).all()
+
+
 def test_the_drift_page_shows_the_encoder_blocks_then_the_decoder_blocks(flan_t5):
     """Both stacks, in forward order and named, in every chart and picker; a decoder block's
     table holds finite drift of both models, nonzero for the merged one."""

@@ -220,6 +220,10 @@ def test_mergebench_end_to_end_on_the_shipped_spec(mergebench, capsys):
     out = capsys.readouterr().out
     assert "| Task Arithmetic + FeatCal | ta+featcal | 8 |" in out and "62.1" in out
     assert "NOT SCORED: safety" in out and "other 4 tasks" in out
+    assert main(["zoo", "info", "--zoo", str(ZOOS / "mergebench-llama-3.2-3b-instruct.yaml")]) == 0
+    info = capsys.readouterr().out  # each task's scorer in place of classes (none: 0 classes)
+    assert "classes" not in info and "scorer code_pass_at_1, reply tokens 512" in info
+    assert "multilingual  scorer choice  (" in info and "safety        scorer none  (" in info
 
 
 def zoo_spec_task(task: str):

@@ -287,12 +287,14 @@ class Task:
     """How a task is scored: its kind (``generate``: on a greedy reply of at most
     ``max_new_tokens``; ``choice``: on the options' log-likelihoods; ``none``: not scored), its
     score function ``score(answer, example)`` (or ``corpus(answers, examples)`` for a set-level
-    metric such as Spearman's). :func:`featcal.zoo.score.scorers.task` makes one from a spec's entry."""
+    metric such as Spearman's), and the spec's name of its scorer (``scorer``, what tables show).
+    :func:`featcal.zoo.score.scorers.task` makes one from a spec's entry."""
 
     kind: str
     score: Callable | None
     max_new_tokens: int = 0
     corpus: Callable | None = None  # (answers, examples) -> percent, for a metric over the whole set
+    scorer: str = ""
 
 
 @dataclass(frozen=True)

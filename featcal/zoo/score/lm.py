@@ -256,6 +256,12 @@ class LMZoo(Zoo):
     def unscored(self) -> list[str]:
         return [t for t in self.tasks if self.task_table[t].kind == "none"]
 
+    def task_facts(self, task: str) -> dict:
+        """The task's scorer (the spec's name) and its replies' length limit (None: a choice task's
+        options are scored, nothing is generated), in place of classes."""
+        how = self.task_table[task]
+        return {"scorer": how.scorer, "reply tokens": how.max_new_tokens or None}
+
     def replies(self, model: nn.Module, task: Task, examples: Sequence[Example], batch_size: int = 32) -> list:
         """The model's answers to ``examples`` (:func:`replies`; an encoder-decoder zoo answers its own way)."""
         return replies(model, self.tokenizer, task, examples, batch_size)

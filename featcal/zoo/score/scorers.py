@@ -96,12 +96,12 @@ def task(spec: GenTaskSpec) -> Task:
     """The scoring :class:`Task` of a spec's task entry."""
     kind, fn = SCORERS[spec.scorer]
     if spec.scorer == "choice":
-        return Task("choice", score_choice)
+        return Task("choice", score_choice, scorer="choice")
     if spec.scorer == "none":
-        return Task("none", None)
+        return Task("none", None, scorer="none")
     if spec.scorer == "spearman":
-        return Task(kind, None, spec.max_new_tokens, corpus=spearman)
-    return Task(kind, lambda reply, ex: fn(reply, ex.target), spec.max_new_tokens)
+        return Task(kind, None, spec.max_new_tokens, corpus=spearman, scorer="spearman")
+    return Task(kind, lambda reply, ex: fn(reply, ex.target), spec.max_new_tokens, scorer=spec.scorer)
 
 
 def check_targets(spec: GenTaskSpec, examples: Sequence[Example]) -> None:
