@@ -75,7 +75,15 @@ n_calib = zoos.split_size(zoo, "calib")
 d1, d2, d3 = st.columns(3)
 budgets = [b for b in (8, 16, 32, 64, 128, 256) if b <= n_calib] or [n_calib]
 n = d1.select_slider("calibration examples per task", budgets, min(64, budgets[-1]), key="cmp_n")
-max_test = d2.select_slider("test examples per task", [50, 100, 200, "all"], 100, key="cmp_test")
+n_test = max(len(zoo.split(t, "test")[1]) for t in zoo.tasks)
+test_sizes = [*(b for b in (50, 100, 200) if b < n_test), "all"]  # a limit only where it cuts a split
+max_test = d2.select_slider(
+    "test examples per task",
+    test_sizes,
+    100 if 100 in test_sizes else "all",
+    key="cmp_test",
+    help=f"The first examples of each task's test split; all: every example (at most {n_test} per task here).",
+)
 max_test = None if max_test == "all" else int(max_test)
 
 cal_params: dict[str, dict] = {}

@@ -42,6 +42,19 @@ def test_trained_calibrators_default_to_their_authors_schedules(tiny_zoo_dir):
     assert steps.value < registry.get("surgery").length.default
 
 
+def test_test_examples_offered_are_limits_that_cut_a_split(tiny_zoo_dir):
+    """Only limits below the largest test split are offered, then all (the default where 100 is not)."""
+    from featcal.zoo import load_any
+
+    zoo = load_any(tiny_zoo_dir, progress=False)
+    largest = max(len(zoo.split(t, "test")[1]) for t in zoo.tasks)
+    slider = _page(tiny_zoo_dir).select_slider(key="cmp_test")
+    limits = [int(o) for o in slider.options[:-1]]
+    assert slider.options[-1] == "all" and all(b < largest for b in limits)
+    assert [b for b in (50, 100, 200) if b < largest] == limits
+    assert slider.value == ("100" if 100 in limits else "all")
+
+
 def test_compare_page_runs_the_chosen_methods(tiny_zoo_dir):
     at = _page(tiny_zoo_dir)
     assert not at.dataframe  # nothing runs before Run
