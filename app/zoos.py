@@ -41,14 +41,11 @@ def load_zoo(source: str, device: str):
 
 
 def block_names(zoo) -> list[str] | None:
-    """The names the pages give the zoo's blocks: None where its model has one stack of blocks
-    (they are numbered, 0 to L - 1), else every block's name in forward order, at the block
-    numbers of the tables (:func:`featcal.model.arch.block_names`: ``encoder.block.0`` ...
-    ``decoder.block.0`` ...), so that an encoder's blocks are told from a decoder's."""
-    from featcal.model.arch import block_names as names_of
-    from featcal.model.arch import resolve_stacks
+    """The names the pages give the zoo's blocks (:func:`featcal.model.arch.block_axis_names`): None
+    for one stack of blocks, else every block's name in forward order, at the tables' block numbers."""
+    from featcal.model.arch import block_axis_names
 
-    return names_of(zoo.base) if len(resolve_stacks(zoo.base)) > 1 else None
+    return block_axis_names(zoo.base)
 
 
 def zoo_needs_build(source: str, ready: set[str]) -> bool:

@@ -13,6 +13,7 @@ from pathlib import Path
 from diagnostics import compare as cmp
 from featcal.baselines import registry
 from featcal.cli.common import UserError, add_common, add_zoo, check_out, zoo_from_args, zoo_inputs
+from featcal.model.arch import block_axis_names
 from featcal.zoo.io import atomic_dir
 
 DEFAULT_METHODS = "ta,ties,iso_c,regmean_plusplus,ta+featcal,iso_c+featcal,ta+escal,ta+surgery,ta+surgery_v2"
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     print(cmp.markdown(result.summary))
     print(notes(zoo, args))
     if args.out:
-        write(result, Path(args.out), args.force)
+        write(result, Path(args.out), args.force, block_axis_names(zoo.base))
         print(f"wrote {args.out}")
     return 0
 
@@ -130,21 +131,22 @@ def notes(zoo, args: argparse.Namespace) -> str:
     )
 
 
-def write(result: cmp.Comparison, out: Path, force: bool) -> None:
+def write(result: cmp.Comparison, out: Path, force: bool, names: list[str] | None = None) -> None:
     """The tables as CSV, the settings as JSON and the figures in one HTML file, written to a
     temporary folder first and then moved to ``out`` (no half-written output; an old ``out``
-    replaced only if featcal wrote it, :func:`featcal.zoo.io.atomic_dir`)."""
+    replaced only if featcal wrote it, :func:`featcal.zoo.io.atomic_dir`). ``names``: the blocks'
+    names on the drift charts' axis (:func:`featcal.model.arch.block_axis_names`; None: numbered)."""
     with atomic_dir(out, force=force, kind="comparison") as tmp:
-        _write_into(result, tmp)
+        _write_into(result, tmp, names)
 
 
-def _write_into(result: cmp.Comparison, tmp: Path) -> None:
+def _write_into(result: cmp.Comparison, tmp: Path, names: list[str] | None) -> None:
     from diagnostics import compare_figures as figs
 
     for name in ("summary", "accuracy", "output", "drift"):
         getattr(result, name).to_csv(tmp / f"{name}.csv", index=False)
     (tmp / "settings.json").write_text(json.dumps(result.settings, indent=2, default=str))
     figures = [figs.accuracy_bars(result.accuracy), figs.output_scatter(result.summary)]
-    figures += [figs.drift_lines(result.drift, t) for t in dict.fromkeys(result.drift["task"])]
+    figures += [figs.drift_lines(result.drift, t, names) for t in dict.fromkeys(result.drift["task"])]
     html = [f.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figures)]
     (tmp / "figures.html").write_text("<html><body>\n" + "\n".join(html) + "\n</body></html>\n")

@@ -186,6 +186,13 @@ def block_names(model: nn.Module, blocks: str | None = None) -> list[str]:
     return [f"{path}.{i}" for path, blks in resolve_stacks(model, blocks) for i in range(len(blks))]
 
 
+def block_axis_names(model: nn.Module) -> list[str] | None:
+    """The names a figure's block axis gives ``model``'s blocks: None where it has one stack (the
+    blocks are numbered, 0 to L - 1), else :func:`block_names`, so that an encoder's blocks are told
+    from a decoder's (``encoder.block.3``, ``decoder.block.0``)."""
+    return block_names(model) if len(resolve_stacks(model)) > 1 else None
+
+
 def all_blocks(model: nn.Module, blocks_path: str) -> list[nn.Module]:
     """The blocks of every stack named in ``blocks_path`` (paths joined by :data:`STACK_SEP`),
     one list in forward order: the block numbers of a report over several stacks."""

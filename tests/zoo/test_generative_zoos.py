@@ -145,7 +145,7 @@ def flan_t5_base(offline_hf):
     return offline_hf
 
 
-def test_flan_t5_glue_end_to_end_on_the_shipped_spec(flan_t5_base, capsys):
+def test_flan_t5_glue_end_to_end_on_the_shipped_spec(flan_t5_base, capsys, tmp_path):
     zoo = from_spec.load(ZOOS / "flan-t5-base-glue.yaml")
     assert type(zoo).__name__ == "Seq2SeqZoo" and zoo.tasks == list(gh.GLUE_ROWS)
     assert {s: len(v) for s, v in zoo.examples["cola"].items()} == {"calib": 256, "val": 32, "test": 300}
@@ -167,6 +167,11 @@ def test_flan_t5_glue_end_to_end_on_the_shipped_spec(flan_t5_base, capsys):
     out = capsys.readouterr().out
     assert "| Task Arithmetic + FeatCal | ta+featcal | 8 |" in out and "85.2" in out
     assert "| Surgery | not run on this zoo |" in out and "NOT COMPARABLE" not in out
+    cmp = tmp_path / "cmp"  # compare's figures name both stacks' blocks, as the app's do
+    argv = ["compare", "--zoo", str(ZOOS / "flan-t5-base-glue.yaml"), "--methods", "ta,ta+featcal", "--n", "8"]
+    assert main([*argv, "--max-test", "2", "--repeats", "0", "--out", str(cmp), "-q"]) == 0
+    html = (cmp / "figures.html").read_text()
+    assert all(f'"{name}"' in html for name in ("encoder.block.0", "encoder.block.1", "decoder.block.0"))
 
 
 def test_lora_16_experts_are_merged_as_peft_merges_them(offline_hf):
