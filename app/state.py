@@ -350,26 +350,43 @@ def live_test(source: str) -> int:
     return compute.live_test(_zoo(source, device()))
 
 
-def live_note(zoo) -> str:
-    """What the live scores are computed on. On a language-model zoo (decoder or encoder-decoder)
-    its accuracy is the reply's first token (:meth:`featcal.zoo.score.lm.LMZoo.logits`), not the
-    whole reply scored as the Compare page and the paper score it: the two differ (on a random
-    stand-in, 22% here and 0% there), so the note says which this is."""
-    from featcal.zoo.score.lm import LMZoo
-
+def live_note(zoo, full: str | None = None) -> str:
+    """What the live scores are computed on (``full``: the caption of a full-split score instead),
+    then :func:`accuracy_note`."""
+    if full is not None:
+        return full + accuracy_note(zoo)
     live = compute.live_test(zoo)
     n = min(live, zoos.split_size(zoo, "test"))
     fewer = " (fewer on a language model: each is a pass of the whole model)" if live < compute.LIVE_TEST else ""
-    first = (
-        " Accuracy here: the reply's first token is the reference's (the Compare page scores the whole generated "
-        "reply, with each task's metric)."
-        if isinstance(zoo, LMZoo)
-        else ""
-    )
     return (
         f"Live view: accuracy, KL and agreement on the first {n} test examples per task{fewer}; drift and "
-        f"cosines on {DIAG_N} held-out examples per task. Full-test-set evaluation on demand.{first}"
+        f"cosines on {DIAG_N} held-out examples per task. Full-test-set evaluation on demand.{accuracy_note(zoo)}"
     )
+
+
+def accuracy_note(zoo) -> str:
+    """On a language-model zoo (decoder or encoder-decoder) the pages' accuracy, on a live subset or
+    a full split alike, is the reply's first token (:meth:`featcal.zoo.score.lm.LMZoo.logits`), not the
+    whole reply scored as the Compare page and the paper score it: the two differ (on a random
+    stand-in, 22% here and 0% there), so every page that shows it says which it is. Empty elsewhere."""
+    from featcal.zoo.score.lm import LMZoo
+
+    if not isinstance(zoo, LMZoo):
+        return ""
+    return (
+        " Accuracy here: the reply's first token is the reference's (the Compare page scores the whole generated "
+        "reply, with each task's metric)."
+    )
+
+
+def compare_score_note(zoo) -> str:
+    """What the Compare page's scores are: test accuracy, or on a language-model zoo each task's
+    metric on the whole greedy reply (:meth:`featcal.zoo.score.lm.LMZoo.score`)."""
+    from featcal.zoo.score.lm import LMZoo
+
+    if isinstance(zoo, LMZoo):
+        return "Average test score: each task's metric on the whole generated reply (not the first token)"
+    return "Average test accuracy"
 
 
 def short_hash(*parts) -> str:

@@ -119,7 +119,7 @@ summary = result.summary
 
 st.subheader("Summary")
 st.caption(
-    "Average test accuracy; gap closed = 100·(acc − start)/(experts − start), from Task Arithmetic and "
+    f"{state.compare_score_note(zoo)}; gap closed = 100·(acc − start)/(experts − start), from Task Arithmetic and "
     "from the method's own merger; KL(expert ‖ model) and top-1 agreement with the experts. Cost: one model "
     "for every task or modules per task; n/task: calibration examples per task it read (blank: data-free); "
     "+trained / +stored / +/model: numbers added per task (counted), as a share of the model; fwd ×: forward "
