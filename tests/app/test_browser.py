@@ -37,6 +37,7 @@ ARGS = [
 LOAD_MS = 1_800_000  # stops a hang only: the first page may build the demo zoo (minutes, once per machine)
 RUN_MS = 1_800_000  # stops a hang only
 METRIC = '[data-testid="stMetricValue"]'
+EXCEPTION = '[data-testid="stException"]'
 RUNNING = '[data-testid="stStatusWidget"]'
 VIEW = {"width": 1500, "height": 2600}  # tall: Streamlit scrolls inside the page, screenshots show the viewport
 
@@ -148,10 +149,14 @@ def _idle(page, timeout: int = RUN_MS) -> None:
     page.wait_for_function("!document.querySelector('[data-stale=\"true\"]')", timeout=timeout)
 
 
-def _open(context, url: str, ready: str = METRIC):
+def _open(context, url: str, ready: str = METRIC, proc=None):
+    """A new page at ``url``, once ``ready`` is on it and the run is over; an exception on the
+    page instead fails at once with its text (a wait in vain, with the server's threads when
+    ``proc`` is given: :func:`explain_wait`)."""
     page = context.new_page()
     page.goto(url)
-    page.wait_for_selector(ready, timeout=LOAD_MS)
+    explain_wait(page, proc, f"document.querySelector('{ready}') || document.querySelector('{EXCEPTION}')", LOAD_MS)
+    _no_exception(page)
     _idle(page, LOAD_MS)
     return page
 
@@ -183,11 +188,11 @@ def _nudge(page, label: str, key: str, presses: int) -> float:
 
 def server_log(proc, stacks: bool = True) -> str:
     """The end of the server's log (its stdout), after it dumped every thread's stack when
-    ``stacks`` and it still runs (:data:`SERVE`)."""
+    ``stacks``, it still runs and it was started to (:data:`SERVE`; to another, SIGUSR1 is fatal)."""
     log = Path(os.readlink(f"/proc/{proc.pid}/fd/1")) if proc.poll() is None else None
     if log is None:
         return f"(the server exited with code {proc.returncode})"
-    if stacks:
+    if stacks and SERVE in proc.args:
         os.kill(proc.pid, signal.SIGUSR1)
         time.sleep(2)
     return log.read_text()[-15000:]
@@ -196,7 +201,7 @@ def server_log(proc, stacks: bool = True) -> str:
 def explain_wait(page, proc, condition: str, timeout: int, arg=None) -> None:
     """``page.wait_for_function(condition)``; on a timeout, a failure that shows what the page
     showed (its text and any exception, and a screenshot in SHOTS) and what the server's threads
-    were doing, rather than the bare timeout."""
+    were doing (``proc``: the server, when the test has it), rather than the bare timeout."""
     from playwright.sync_api import TimeoutError as WaitedInVain
 
     try:
@@ -205,16 +210,12 @@ def explain_wait(page, proc, condition: str, timeout: int, arg=None) -> None:
         SHOTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(SHOTS / "waited-in-vain.png"), full_page=True)
         text = page.locator("body").inner_text()[-5000:]
-        pytest.fail(
-            f"waited {timeout // 1000} s in vain for {condition}\n--- the page showed:\n{text}"
-            f"\n--- the server's log and threads:\n{server_log(proc)}"
-        )
+        server = "" if proc is None else f"\n--- the server's log and threads:\n{server_log(proc)}"
+        pytest.fail(f"waited {timeout // 1000} s in vain for {condition}\n--- the page showed:\n{text}{server}")
 
 
 def _no_exception(page) -> None:
-    assert page.locator('[data-testid="stException"]').count() == 0, page.locator(
-        '[data-testid="stException"]'
-    ).first.inner_text()
+    assert page.locator(EXCEPTION).count() == 0, page.locator(EXCEPTION).first.inner_text()
 
 
 def test_pages_render(server, browser):

@@ -12,7 +12,19 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_browser import ARGS, CHROMIUM, LOAD_MS, METRIC, REPO, _free_port, _idle, wait_healthy
+from test_browser import (
+    ARGS,
+    CHROMIUM,
+    EXCEPTION,
+    LOAD_MS,
+    METRIC,
+    REPO,
+    _free_port,
+    _idle,
+    _no_exception,
+    explain_wait,
+    wait_healthy,
+)
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -45,7 +57,10 @@ def test_a_zoo_build_shows_its_stage_step_and_time_left(tmp_path):
             page = browser.new_page(viewport={"width": 1280, "height": 1000})
             page.add_init_script(f"({SAMPLER})()")
             page.goto(url)
-            page.wait_for_selector(METRIC, timeout=LOAD_MS)
+            explain_wait(
+                page, proc, f"document.querySelector('{METRIC}') || document.querySelector('{EXCEPTION}')", LOAD_MS
+            )
+            _no_exception(page)
             _idle(page, LOAD_MS)
             texts = [s["text"] for s in page.evaluate("window.progress")]
             title = page.title()

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_browser import LOAD_MS, SHOTS, _idle, _open, browser, explain_wait, server  # noqa: F401 (fixtures)
+from test_browser import EXCEPTION, SHOTS, _idle, _open, browser, explain_wait, server  # noqa: F401 (fixtures)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "zoo"))  # the zoo tests' tiny models
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -30,7 +30,6 @@ FIELDS = {
     "folder": "save the YAML in (default: featcal's cache)",
 }
 ERROR = '[data-testid="stAlertContentError"]'
-EXCEPTION = '[data-testid="stException"]'
 TINY_MS = 600_000  # stops a hang only: the form's zoos are tiny models, loaded in seconds
 SUCCESS = '[data-testid="stAlertContentSuccess"]'
 
@@ -80,7 +79,7 @@ def _whole(page, selector: str) -> str:
 
 def _form(browser, server, tmp_path):  # noqa: F811
     context = browser.new_context(viewport={"width": WIDTH, "height": 1400})
-    page = _open(context, server[0])
+    page = _open(context, server[0], proc=server[1])
     page.get_by_text("Your models").first.click()
     return context, page
 
