@@ -148,26 +148,31 @@ def task_examples(spec: ZooSpec, task: str, located: LocatedData) -> dict[str, l
     def rows(split: str) -> list[Example]:
         return _examples(read_rows(located, split), gen, where)
 
-    parts = {name: rows(split) for name, split in (("calib", d.calib_split), ("val", d.val_split)) if split}
-    calib, val = (0 if name in parts else n for name, n in (("calib", s.calib), ("val", s.val)))
-    train = rows(d.train_split) if calib or val else []
+    given = {name: rows(split) for name, split in (("calib", d.calib_split), ("val", d.val_split)) if split}
+    calib, val = (0 if "calib" in given else s.calib), (0 if "val" in given else s.val)
     if d.train_split == d.test_split:  # one split: calib and val first, test from what is left
-        train = train or rows(d.test_split)
-        idx = _draw(where, len(train), 0, calib, val, s) if calib or val else {}
-        taken = set(idx.get("calib", [])) | set(idx.get("val", []))
-        rest = [i for i in range(len(train)) if i not in taken][: s.test]
-        if not rest:
-            raise ValueError(f"{where}: {len(train)} rows, all in calib and val; lower splits.calib / splits.val.")
-        parts["test"] = [train[i] for i in rest]
-        drawn = {name: [train[i] for i in ids] for name, ids in idx.items() if name != "test"}
+        drawn = _drawn_from_one(where, rows(d.test_split), calib, val, s)
     else:
+        train = rows(d.train_split) if calib or val else []
         test = rows(d.test_split)
         idx = _draw(where, len(train), len(test), calib, val, s)
         drawn = {name: [(test if name == "test" else train)[i] for i in ids] for name, ids in idx.items()}
-    parts.update({name: exs for name, exs in drawn.items() if name not in parts})
+    parts = {**drawn, **given}
     for exs in parts.values():
         scorers.check_targets(gen, exs)
     return {name: parts[name] for name in ("calib", "val", "test") if name in parts}
+
+
+def _drawn_from_one(where: str, rows: list[Example], calib: int, val: int, s) -> dict[str, list[Example]]:
+    """A one-split data set's ``calib`` and ``val`` drawn from its rows, and ``test`` the first
+    ``splits.test`` of the rows they left (refused when they leave none)."""
+    idx = _draw(where, len(rows), 0, calib, val, s) if calib or val else {}
+    picked = {name: [rows[i] for i in idx[name]] for name in ("calib", "val") if name in idx}
+    taken = {i for name in picked for i in idx[name]}
+    rest = [row for i, row in enumerate(rows) if i not in taken][: s.test]
+    if not rest:
+        raise ValueError(f"{where}: {len(rows)} rows, all in calib and val; lower splits.calib / splits.val.")
+    return {**picked, "test": rest}
 
 
 # ------------------------------------------------------------------ models
