@@ -100,3 +100,18 @@ def test_a_zoo_that_draws_its_splits_refuses_them():
     }
     with pytest.raises(SpecError, match=r"data\.mnist\.calib_split: only a generative zoo"):
         from_dict(spec)
+
+
+def test_a_one_split_set_gives_test_what_calib_and_val_leave_and_refuses_when_they_leave_none():
+    from types import SimpleNamespace
+
+    from featcal.zoo.load.generative import _drawn_from_one
+
+    rows = [f"row {i}" for i in range(6)]
+    parts = _drawn_from_one("data 'x'", rows, 2, 1, SimpleNamespace(test=None, seed=0))
+    assert len(parts["calib"]) == 2 and len(parts["val"]) == 1
+    assert sorted(parts["calib"] + parts["val"] + parts["test"]) == rows  # disjoint, nothing lost
+    assert parts["test"] == [r for r in rows if r not in parts["calib"] + parts["val"]]  # in the data's order
+    assert len(_drawn_from_one("data 'x'", rows, 2, 1, SimpleNamespace(test=2, seed=0))["test"]) == 2
+    with pytest.raises(ValueError, match=r"data 'x'.*6 rows, all in calib and val; lower splits.calib"):
+        _drawn_from_one("data 'x'", rows, 4, 2, SimpleNamespace(test=None, seed=0))
