@@ -70,6 +70,7 @@ def zoo_picker() -> str:
     opened = st.session_state.pop(OPEN_ZOO, None)
     if opened is not None:  # a zoo spec just written (Zoo page, "Your models"): set before the widgets exist
         st.session_state["zoo"], st.session_state["zoo_path"] = OTHER, opened
+        _path_to_url(opened)
     pick = st.sidebar.selectbox(
         "Zoo",
         choices,
@@ -88,6 +89,20 @@ def zoo_picker() -> str:
         placeholder="~/zoos/my-zoo.yaml",
     )
     return path.strip()
+
+
+def _path_to_url(path: str) -> None:
+    """Put the opened zoo's path in the page's URL, so that a reload or a shared link opens it. Streamlit
+    writes a bound widget's value set by code to the URL only when the widget existed on the run before;
+    the path box did not (the sidebar showed a built-in zoo), so the URL said ``zoo=other`` without a
+    path and a reload showed "No zoo selected". Set directly, unless the box is bound already (it
+    existed: Streamlit writes it then)."""
+    from streamlit.errors import StreamlitAPIException
+
+    try:
+        st.query_params["zoo_path"] = path
+    except StreamlitAPIException:  # bound to the path box of the run before: its value reaches the URL
+        pass
 
 
 # ----------------------------------------------------------------------------- merger

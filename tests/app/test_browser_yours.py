@@ -1,8 +1,8 @@
 """The Zoo page's Your models flow in a real browser at 1280 px wide (issue 40): a tiny CLIPModel
-base ends on the Zoo page of the new zoo, a CLIPVisionModel base on a refusal naming the fields to
-change and then (features pooled, a heads file) on its Zoo page, a tiny Llama with a PEFT adapter
-on the featcal calibrate command; each refusal is shown whole, not cut at the page's edge.
-Screenshots go to the test's tmp dir and artifacts/screenshots/ (and /work/briefs/shots/ when
+base ends on the Zoo page of the new zoo (and a reload opens it again), a CLIPVisionModel base on a
+refusal naming the fields to change and then (features pooled, a heads file) on its Zoo page, a
+tiny Llama with a PEFT adapter on the featcal calibrate command; each refusal is shown whole, not
+cut at the page's edge. Screenshots go to the test's tmp dir and artifacts/screenshots/ (and /work/briefs/shots/ when
 that folder exists, for a reviewer)."""
 
 from __future__ import annotations
@@ -97,6 +97,11 @@ def test_a_clip_model_base_ends_on_its_zoo_page(server, browser, tmp_path):  # n
     assert page.locator('[data-testid="stCode"]').first.inner_text().count("experts:") == 1  # the YAML, to keep
     assert "Preset clip" in _whole(page, SUCCESS)
     _shot(page, tmp_path, "yours-clip-model")
+    assert "zoo_path=" in page.url  # the URL holds the new zoo: a reload (or the link) opens it again
+    page.reload()
+    opened = "[...document.querySelectorAll('h1')].some(e => e.innerText.startsWith('Zoo · tiny-mine'))"
+    explain_wait(page, server[1], f"{opened} || document.querySelector('{ERROR}') !== null", TINY_MS)
+    assert page.locator(ERROR).count() == 0, page.locator(ERROR).first.inner_text()
     context.close()
 
 
