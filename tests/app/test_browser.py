@@ -142,11 +142,12 @@ def browser(server):
     yield from launch_browser()
 
 
-def _idle(page, timeout: int = RUN_MS) -> None:
-    """Wait until the script run is over: the 'running' widget gone and no stale element."""
+def _idle(page, timeout: int = RUN_MS, proc=None) -> None:
+    """Wait until the script run is over: the 'running' widget gone and no stale element (a wait in
+    vain shows the page, and the server's threads when ``proc`` is given: :func:`explain_wait`)."""
     page.wait_for_timeout(300)
-    page.wait_for_function(f"!document.querySelector('{RUNNING}')", timeout=timeout)
-    page.wait_for_function("!document.querySelector('[data-stale=\"true\"]')", timeout=timeout)
+    explain_wait(page, proc, f"!document.querySelector('{RUNNING}')", timeout)
+    explain_wait(page, proc, "!document.querySelector('[data-stale=\"true\"]')", timeout)
 
 
 def _open(context, url: str, ready: str = METRIC, proc=None):
@@ -157,7 +158,7 @@ def _open(context, url: str, ready: str = METRIC, proc=None):
     page.goto(url)
     explain_wait(page, proc, f"document.querySelector('{ready}') || document.querySelector('{EXCEPTION}')", LOAD_MS)
     _no_exception(page)
-    _idle(page, LOAD_MS)
+    _idle(page, LOAD_MS, proc)
     return page
 
 

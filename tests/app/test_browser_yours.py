@@ -50,7 +50,7 @@ def _submit(page, server, zoo: str | None = None) -> None:  # noqa: F811
     crashed = f"document.querySelector('{EXCEPTION}') !== null"
     opened = f"[...document.querySelectorAll('h1')].some(e => e.innerText.startsWith('Zoo · {zoo}'))"
     explain_wait(page, server[1], " || ".join([opened, refused, crashed] if zoo else [refused, crashed]), TINY_MS)
-    _idle(page, TINY_MS)
+    _idle(page, TINY_MS, server[1])
     assert page.locator(EXCEPTION).count() == 0, page.locator(EXCEPTION).first.inner_text()
     if zoo is not None:
         assert page.locator(ERROR).count() == 0, page.locator(ERROR).first.inner_text()
