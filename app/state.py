@@ -350,11 +350,8 @@ def live_test(source: str) -> int:
     return compute.live_test(_zoo(source, device()))
 
 
-def live_note(zoo, full: str | None = None) -> str:
-    """What the live scores are computed on (``full``: the caption of a full-split score instead),
-    then :func:`accuracy_note`."""
-    if full is not None:
-        return full + accuracy_note(zoo)
+def live_note(zoo) -> str:
+    """What the live scores are computed on, then :func:`accuracy_note`."""
     live = compute.live_test(zoo)
     n = min(live, zoos.split_size(zoo, "test"))
     fewer = " (fewer on a language model: each is a pass of the whole model)" if live < compute.LIVE_TEST else ""

@@ -45,7 +45,8 @@ full = full.toggle(
     key="cal_full_eval",
     help="Score the exact result on every test example (slower; the preview stays live).",
 )
-note.caption(state.live_note(zoo, full="Exact result scored on the full test split of every task." if full else None))
+full_note = "Exact result scored on the full test split of every task."
+note.caption(state.live_note(zoo) if not full else full_note + state.accuracy_note(zoo))
 limit = None if full else state.live_test(source)
 
 # Replaced in place by every status (a caption, not an empty slot: the browser keeps the last run's meanwhile).

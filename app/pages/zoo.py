@@ -35,7 +35,7 @@ with left:
         key="zoo_full_eval",
         help="Off: the first test examples of each task (the live subset).",
     )
-right.caption(state.live_note(zoo, full="Full test split of every task." if full else None))
+right.caption(state.live_note(zoo) if not full else "Full test split of every task." + state.accuracy_note(zoo))
 
 limit = None if full else state.live_test(source)
 with right, ui.status(f"Scoring base, experts and {merger.label}…") as status:

@@ -214,12 +214,9 @@ def test_the_live_note_of_a_language_model_zoo_says_its_accuracy_is_the_replys_f
     note = state.live_note(object.__new__(Seq2SeqZoo))  # (live_note reads only the zoo's kind and test size)
     assert "first 4 test examples per task" in note
     assert "the reply's first token is the reference's" in note and "Compare page" in note
-    full = state.live_note(object.__new__(Seq2SeqZoo), full="Full test split of every task.")
-    assert full.startswith("Full test split") and "the reply's first token is the reference's" in full
+    assert "the reply's first token is the reference's" in state.accuracy_note(object.__new__(Seq2SeqZoo))
     assert "whole generated reply" in state.compare_score_note(object.__new__(Seq2SeqZoo))
-    assert state.live_note(object(), full="Full.") == "Full." and state.compare_score_note(object()).endswith(
-        "accuracy"
-    )
+    assert state.accuracy_note(object()) == "" and state.compare_score_note(object()).endswith("accuracy")
 
 
 def test_a_long_exact_run_shows_its_blocks_and_the_time_left():

@@ -103,6 +103,8 @@ def test_the_zoo_page_names_each_tasks_scorer_not_its_classes(flan_t5):
     assert "classes" not in tasks.columns
     assert dict(zip(tasks.task, tasks.scorer)) == {t: e["scorer"] for t, e in doc["tasks"].items()}
     assert (tasks["reply tokens"] > 0).all()
+    at = _ok(at.toggle(key="zoo_full_eval").set_value(True).run())  # the full split's caption says it too
+    assert any(c.value.startswith("Full test split") and "reply's first token" in c.value for c in at.caption)
 
 
 def test_the_drift_page_shows_the_encoder_blocks_then_the_decoder_blocks(flan_t5):
