@@ -6,7 +6,7 @@ charts first). A server of its own, with the look-ahead on and the preview at ev
 from __future__ import annotations
 
 import pytest
-from test_browser import RUN_MS, _idle, _open, launch_browser, start_server
+from browser_kit import RUN_MS, _idle, _open, launch_browser, start_server
 from test_browser_steady import SAMPLER, _press
 
 pytestmark = [pytest.mark.browser, pytest.mark.demo_zoo, pytest.mark.slow]

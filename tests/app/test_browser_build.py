@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_browser import (
+from browser_kit import (
     ARGS,
     CHROMIUM,
     EXCEPTION,

@@ -5,7 +5,8 @@ artifacts/screenshots/compare.png (docs/img/compare.png is a copy)."""
 from __future__ import annotations
 
 import pytest
-from test_browser import LOAD_MS, SHOTS, _idle, _no_exception, browser, server  # noqa: F401 (fixtures)
+from browser_kit import LOAD_MS, SHOTS, _idle, _no_exception
+from test_browser import browser, server  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.browser, pytest.mark.demo_zoo, pytest.mark.slow]
 

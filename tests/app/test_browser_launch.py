@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from test_browser import VIEW, _free_port, _goto, _no_exception, browser, server, wait_healthy  # noqa: F401 (fixtures)
+from browser_kit import VIEW, _free_port, _goto, _no_exception, wait_healthy
+from test_browser import browser, server  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.browser, pytest.mark.demo_zoo, pytest.mark.slow]
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import urllib.parse
 
 import pytest
-from test_browser import LOAD_MS, METRIC, RUN_MS, SHOTS, _idle, _open, browser, server  # noqa: F401 (fixtures)
+from browser_kit import LOAD_MS, RUN_MS, _idle, _open
+from test_browser import browser, server  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.browser, pytest.mark.demo_zoo, pytest.mark.slow]
 

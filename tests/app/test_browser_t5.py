@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_browser import LOAD_MS, REPO, SHOTS, VIEW, _idle, _no_exception, launch_browser, start_server
+from browser_kit import LOAD_MS, REPO, SHOTS, VIEW, _idle, _no_exception, launch_browser, start_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "zoo"))
 import generative_hub as gh  # noqa: E402

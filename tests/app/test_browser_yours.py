@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_browser import EXCEPTION, SHOTS, _idle, _open, browser, explain_wait, server  # noqa: F401 (fixtures)
+from browser_kit import EXCEPTION, SHOTS, _idle, _open, explain_wait
+from test_browser import browser, server  # noqa: F401 (fixtures)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "zoo"))  # the zoo tests' tiny models
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -39,6 +40,11 @@ def _fill(page, values: dict) -> None:
         page.get_by_label(FIELDS[key], exact=True).fill(value)
 
 
+def _on_zoo_page(zoo: str) -> str:
+    """A page condition: the Zoo page of the zoo named ``zoo`` is drawn (its heading)."""
+    return f"[...document.querySelectorAll('h1')].some(e => e.innerText.startsWith('Zoo · {zoo}'))"
+
+
 def _submit(page, server, zoo: str | None = None) -> None:  # noqa: F811
     """Press the form's button and wait for what it leads to: the Zoo page of the zoo named
     ``zoo``, or (no ``zoo``) a new refusal. Either way an exception on the page, or a refusal
@@ -48,8 +54,9 @@ def _submit(page, server, zoo: str | None = None) -> None:  # noqa: F811
     page.get_by_role("button", name="Write the zoo YAML and open it").click()
     refused = f"[...document.querySelectorAll('{ERROR}')].some(e => !e.dataset.before)"
     crashed = f"document.querySelector('{EXCEPTION}') !== null"
-    opened = f"[...document.querySelectorAll('h1')].some(e => e.innerText.startsWith('Zoo · {zoo}'))"
-    explain_wait(page, server[1], " || ".join([opened, refused, crashed] if zoo else [refused, crashed]), TINY_MS)
+    explain_wait(
+        page, server[1], " || ".join([_on_zoo_page(zoo), refused, crashed] if zoo else [refused, crashed]), TINY_MS
+    )
     _idle(page, TINY_MS, server[1])
     assert page.locator(EXCEPTION).count() == 0, page.locator(EXCEPTION).first.inner_text()
     if zoo is not None:
@@ -99,8 +106,7 @@ def test_a_clip_model_base_ends_on_its_zoo_page(server, browser, tmp_path):  # n
     _shot(page, tmp_path, "yours-clip-model")
     assert "zoo_path=" in page.url  # the URL holds the new zoo: a reload (or the link) opens it again
     page.reload()
-    opened = "[...document.querySelectorAll('h1')].some(e => e.innerText.startsWith('Zoo · tiny-mine'))"
-    explain_wait(page, server[1], f"{opened} || document.querySelector('{ERROR}') !== null", TINY_MS)
+    explain_wait(page, server[1], f"{_on_zoo_page('tiny-mine')} || document.querySelector('{ERROR}') !== null", TINY_MS)
     assert page.locator(ERROR).count() == 0, page.locator(ERROR).first.inner_text()
     context.close()
 
