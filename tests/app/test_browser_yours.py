@@ -49,7 +49,7 @@ def _submit(page, server, zoo: str | None = None) -> None:  # noqa: F811
     """Press the form's button and wait for what it leads to: the Zoo page of the zoo named
     ``zoo``, or (no ``zoo``) a new refusal. Either way an exception on the page, or a refusal
     where a zoo page was due, fails at once with its text; a wait in vain fails with the page's
-    text and the server's threads (:func:`test_browser.explain_wait`)."""
+    text and the server's threads (:func:`browser_kit.explain_wait`)."""
     page.evaluate(f"document.querySelectorAll('{ERROR}').forEach(e => e.dataset.before = '1')")
     page.get_by_role("button", name="Write the zoo YAML and open it").click()
     refused = f"[...document.querySelectorAll('{ERROR}')].some(e => !e.dataset.before)"
