@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from featcal.cli.app import command
+
 REPO = Path(__file__).resolve().parents[2]
 SHOTS = REPO / "artifacts" / "screenshots"
 CHROMIUM = shutil.which("chromium")
@@ -90,21 +92,8 @@ def start_server(tmp_path_factory, env: dict):
     load_demo(progress=False)  # build (or check) the cache here, not inside the first request
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "streamlit.log"
-    cmd = [
-        sys.executable,
-        "-c",
-        SERVE,
-        "run",
-        str(REPO / "app" / "streamlit_app.py"),
-        "--server.address",
-        "127.0.0.1",
-        "--server.port",
-        str(port),
-        "--server.headless",
-        "true",
-        "--browser.gatherUsageStats",
-        "false",
-    ]
+    # featcal app's own command line (featcal.cli.app.command), run through SERVE instead of ``-m streamlit``
+    cmd = [sys.executable, "-c", SERVE, *command("127.0.0.1", port)[3:]]
     with open(log, "w") as out:
         proc = subprocess.Popen(
             cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **env}

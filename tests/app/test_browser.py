@@ -11,8 +11,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -31,6 +29,7 @@ from browser_kit import (
     _rss_kib,
     launch_browser,
     start_server,
+    wait_healthy,
 )
 
 pytestmark = [pytest.mark.browser, pytest.mark.demo_zoo, pytest.mark.slow]
@@ -290,14 +289,7 @@ def test_first_page_on_an_empty_cache_comes_from_the_shipped_zoo(browser, tmp_pa
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
-        while True:
-            try:
-                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
-                    break
-            except OSError:
-                pass
-            assert proc.poll() is None and time.time() - t0 < budget, f"no server:\n{log.read_text()[-2000:]}"
-            time.sleep(0.1)
+        wait_healthy(url, proc, log, timeout=budget)
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         page.goto(url)
         page.wait_for_selector(METRIC, timeout=max(1, budget - (time.time() - t0)) * 1000)
